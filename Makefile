@@ -1,0 +1,77 @@
+# netpager: `make demo` and `make test` are the two commands a newcomer needs.
+# Every entry point installs what is missing first (make deps).
+
+SHELL := /bin/bash
+CARGO ?= cargo
+PYTEST := /usr/bin/python3 -m pytest -ra
+# Seconds per fuzz target: short inside `make test`, long in `make fuzz`.
+FUZZ_SHORT_SECONDS ?= 15
+FUZZ_SECONDS ?= 300
+# Debian's python3 binds python3-libnbd; a newer python3 may come first on PATH.
+export PATH := /usr/sbin:/usr/bin:/sbin:/bin:$(PATH)
+export NETPAGER_ROOT := $(CURDIR)
+
+.PHONY: all deps build demo test test-unit test-server test-client test-prefetch \
+        test-ansible test-security bench bench-server bench-client bench-prefetch \
+        fuzz soak clean
+
+all: build
+
+deps:
+	@bash scripts/deps.sh
+
+build: deps
+	$(CARGO) build --release --workspace --all-targets
+	$(MAKE) -C tests/jobs
+
+demo: build
+	bash scripts/demo.sh
+
+test: build
+	$(CARGO) test --release --workspace
+	bash scripts/fuzz.sh $(FUZZ_SHORT_SECONDS)
+	$(PYTEST) tests
+
+test-unit: build
+	$(CARGO) test --release --workspace
+
+test-server: build
+	$(CARGO) test --release -p netpager-proto -p pager-server
+	$(PYTEST) tests/server
+
+test-client: build
+	$(CARGO) test --release -p pager-client
+	$(PYTEST) tests/client
+
+test-prefetch: build
+	$(CARGO) test --release -p hints -p prefetchd
+	$(PYTEST) tests/prefetch
+
+test-ansible: build
+	$(PYTEST) tests/ansible
+
+test-security: build
+	bash scripts/fuzz.sh $(FUZZ_SHORT_SECONDS)
+	$(PYTEST) tests/security
+
+fuzz: deps
+	bash scripts/fuzz.sh $(FUZZ_SECONDS)
+
+soak: build
+	bash scripts/soak.sh
+
+bench: bench-server bench-client bench-prefetch
+	$(CARGO) bench --workspace
+
+bench-server: build
+	bash scripts/bench-server.sh
+
+bench-client: build
+	bash scripts/bench-client.sh
+
+bench-prefetch: build
+	bash scripts/bench-prefetch.sh
+
+clean:
+	$(CARGO) clean
+	$(MAKE) -C tests/jobs clean

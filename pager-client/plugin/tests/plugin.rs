@@ -1,0 +1,200 @@
+//! The plugin under a real nbdkit: three `nbdkit memory` donors, the
+//! client plugin on a Unix socket, data copied in and out with nbdcopy,
+//! holes seen by nbdinfo --map, status.json written, errors mapped to
+//! errno. Processes are killed by pid when the guards drop.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use pager_client::config::{DeviceConfig, DonorConfig, Mode};
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn nbdkit(args: &[String], pidfile: &Path) -> Proc {
+    let mut child = Command::new("nbdkit")
+        .arg("-f")
+        .arg("--pidfile")
+        .arg(pidfile)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start nbdkit");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !pidfile.exists() {
+        if let Ok(Some(st)) = child.try_wait() {
+            panic!("nbdkit {args:?} exited at start: {st}");
+        }
+        assert!(Instant::now() < deadline, "nbdkit {args:?} did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Proc(child)
+}
+
+/// The plugin built alongside this test (target/<profile>/deps/, where
+/// `cargo test` leaves it, or target/<profile>/).
+fn plugin_so() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable");
+    let deps = exe.parent().expect("deps directory");
+    let candidates = [
+        deps.join("libpager_client_plugin.so"),
+        deps.join("../libpager_client_plugin.so"),
+    ];
+    candidates
+        .iter()
+        .find(|p| p.exists())
+        .cloned()
+        .unwrap_or_else(|| panic!("{} not built", candidates[0].display()))
+}
+
+fn run(cmd: &str, args: &[&str]) -> String {
+    let out = Command::new(cmd)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{cmd}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+struct Setup {
+    _donors: Vec<Proc>,
+    _client: Proc,
+    uri: String,
+    dir: tempfile::TempDir,
+}
+
+fn setup(mode: Mode) -> Setup {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = DeviceConfig::new("plugtest", 32 << 20, mode);
+    cfg.mlock = false;
+    cfg.extent_size = pager_client::config::ByteSize(256 << 10);
+    let mut donors = Vec::new();
+    for i in 0..3 {
+        let ip = format!("127.0.0.{}", 200 + (std::process::id() + i) % 50);
+        let port = TcpListener::bind((ip.as_str(), 0))
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let pid = dir.path().join(format!("d{i}.pid"));
+        donors.push(nbdkit(
+            &[
+                "-i".into(),
+                ip.clone(),
+                "--port".into(),
+                port.to_string(),
+                "memory".into(),
+                "64M".into(),
+            ],
+            &pid,
+        ));
+        cfg.donors
+            .push(DonorConfig::new(format!("d{i}"), format!("{ip}:{port}")));
+    }
+    let state = dir.path().join("state");
+    std::fs::create_dir(&state).unwrap();
+    cfg.save(&state.join("device.toml")).unwrap();
+    let sock = dir.path().join("sock");
+    let client = nbdkit(
+        &[
+            "-U".into(),
+            sock.display().to_string(),
+            plugin_so().display().to_string(),
+            format!("state={}", state.display()),
+        ],
+        &dir.path().join("client.pid"),
+    );
+    Setup {
+        _donors: donors,
+        _client: client,
+        uri: format!("nbd+unix:///?socket={}", sock.display()),
+        dir,
+    }
+}
+
+/// `units`: placement units the 80 written extents make in this mode.
+fn copy_in_and_out(mode: Mode, units: u64) {
+    let s = setup(mode);
+    let input = s.dir.path().join("in.bin");
+    let output = s.dir.path().join("out.bin");
+    // 20 MiB of data, then 12 MiB never written.
+    let mut data = vec![0u8; 32 << 20];
+    let mut x = 0x1234_5678_9abc_def0u64;
+    for b in data[..20 << 20].iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+    std::fs::write(&input, &data).unwrap();
+    run("nbdcopy", &[input.to_str().unwrap(), &s.uri]);
+    run("nbdcopy", &[&s.uri, output.to_str().unwrap()]);
+    assert!(
+        std::fs::read(&output).unwrap() == data,
+        "data read back differs"
+    );
+    let map = run("nbdinfo", &["--map", &s.uri]);
+    assert!(
+        map.contains("hole,zero"),
+        "never-written extents are holes:\n{map}"
+    );
+    let info = run("nbdinfo", &[&s.uri]);
+    assert!(
+        info.contains("can_multi_conn: true") && info.contains("can_trim: true"),
+        "{info}"
+    );
+    // status.json is rewritten about once a second.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let status: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(s.dir.path().join("state/status.json")).unwrap(),
+        )
+        .unwrap();
+        if status["totals"]["units_placed"].as_u64() == Some(units) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "status.json never showed the {units} units written: {status}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn parity_device_through_nbdkit() {
+    copy_in_and_out(Mode::Parity { width: 3 }, 40);
+}
+
+#[test]
+fn mirror_device_through_nbdkit() {
+    copy_in_and_out(Mode::Mirror, 80);
+}
+
+#[test]
+fn bad_state_dir_is_refused_before_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new("nbdkit")
+        .args(["-f", "-U", dir.path().join("sock").to_str().unwrap()])
+        .arg(plugin_so())
+        .arg(format!("state={}", dir.path().display()))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("device.toml"), "{err}");
+}

@@ -1,0 +1,398 @@
+//! Command lines of every attach and detach step, as pure functions.
+//!
+//! The kernel nbd path cannot run on machines without the nbd module, so its
+//! command lines are checked here, in unit tests, against nbd-client 3.24's
+//! documented options.
+
+use std::path::Path;
+
+use super::AttachError;
+
+/// How the local kernel reaches the client's nbdkit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Via {
+    /// Kernel nbd where `/dev/nbd0` exists and nbd-client is installed,
+    /// nbdfuse otherwise.
+    Auto,
+    /// `nbd-client` and a `/dev/nbdN` device.
+    NbdClient,
+    /// `nbdfuse` file plus a loop device.
+    Nbdfuse,
+}
+
+impl std::str::FromStr for Via {
+    type Err = AttachError;
+    fn from_str(s: &str) -> Result<Self, AttachError> {
+        match s {
+            "auto" => Ok(Via::Auto),
+            "nbd-client" => Ok(Via::NbdClient),
+            "nbdfuse" => Ok(Via::Nbdfuse),
+            _ => Err(AttachError::BadVia(s.to_string())),
+        }
+    }
+}
+
+impl Via {
+    /// Resolves `Auto` from what the machine has.
+    pub fn resolve(self, nbd_module_loaded: bool, nbd_client_installed: bool) -> Via {
+        match self {
+            Via::Auto if nbd_module_loaded && nbd_client_installed => Via::NbdClient,
+            Via::Auto => Via::Nbdfuse,
+            v => v,
+        }
+    }
+}
+
+fn s(p: &Path) -> String {
+    p.display().to_string()
+}
+
+/// nbdkit serving the client plugin on a unix socket.
+///
+/// In the foreground, so that its log goes to the state directory (a
+/// daemonised nbdkit sends stderr to /dev/null). Debian's nbdkit exits with
+/// its parent in the foreground, and pagerctl exits right after the attach:
+/// so its parent is `setsid --fork --wait`, which outlives pagerctl in a
+/// session of its own and lives exactly as long as nbdkit.
+pub fn nbdkit_command(
+    nbdkit: &Path,
+    plugin: &Path,
+    socket: &Path,
+    pidfile: &Path,
+    state_dir: &Path,
+) -> Vec<String> {
+    vec![
+        "setsid".into(),
+        "--fork".into(),
+        "--wait".into(),
+        s(nbdkit),
+        "--foreground".into(),
+        "--log=stderr".into(),
+        "--unix".into(),
+        s(socket),
+        "--pidfile".into(),
+        s(pidfile),
+        s(plugin),
+        format!("state={}", state_dir.display()),
+    ]
+}
+
+/// Connects a kernel nbd device to the client's unix socket
+/// (`nbd-client -unix PATH DEVICE ...`, nbd-client(8) 3.24).
+pub fn nbd_client_command(
+    socket: &Path,
+    device: &Path,
+    export: &str,
+    block_size: u32,
+    swap: bool,
+) -> Vec<String> {
+    let mut c = vec![
+        "nbd-client".into(),
+        "-unix".into(),
+        s(socket),
+        s(device),
+        "-name".into(),
+        export.to_string(),
+        "-block-size".into(),
+        block_size.to_string(),
+    ];
+    if swap {
+        // mlockall and oom-killer adjustment in nbd-client itself.
+        c.push("-swap".into());
+    }
+    c
+}
+
+/// Disconnects a kernel nbd device.
+pub fn nbd_client_disconnect(device: &Path) -> Vec<String> {
+    vec!["nbd-client".into(), "-d".into(), s(device)]
+}
+
+/// Picks the first kernel nbd device not in use: `devices` are the names
+/// under /sys/block (`nbd0`, `nbd1`, ...) with whether each has a `pid` file
+/// (connected).
+pub fn first_free_nbd(devices: &[(String, bool)]) -> Option<String> {
+    let mut free: Vec<(u32, &str)> = devices
+        .iter()
+        .filter(|(_, connected)| !connected)
+        .filter_map(|(name, _)| Some((name.strip_prefix("nbd")?.parse().ok()?, name.as_str())))
+        .collect();
+    free.sort();
+    free.first().map(|(_, n)| format!("/dev/{n}"))
+}
+
+/// Percent-encodes everything outside RFC 3986's unreserved set and `/`.
+fn uri_escape(text: &str) -> String {
+    let mut out = String::new();
+    for b in text.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~/".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// The NBD URI of an export on a unix socket (nbd_connect_uri(3)).
+pub fn unix_uri(socket: &Path, export: &str) -> String {
+    format!(
+        "nbd+unix:///{}?socket={}",
+        uri_escape(export),
+        uri_escape(&s(socket))
+    )
+}
+
+/// nbdfuse presenting the export as the regular file `file` (a FUSE mount
+/// over its parent directory); nbdfuse writes `pidfile` once it serves.
+pub fn nbdfuse_command(file: &Path, socket: &Path, export: &str, pidfile: &Path) -> Vec<String> {
+    vec![
+        "nbdfuse".into(),
+        "--pidfile".into(),
+        s(pidfile),
+        s(file),
+        unix_uri(socket, export),
+    ]
+}
+
+/// Unmounts nbdfuse's mount point; nbdfuse then exits by itself.
+pub fn fuse_unmount(mountpoint: &Path) -> Vec<String> {
+    vec!["fusermount3".into(), "-u".into(), s(mountpoint)]
+}
+
+/// Sets up a loop device over `file` and prints its name. Direct I/O keeps
+/// swapped pages out of the page cache of the FUSE file, where they would
+/// take memory exactly when memory is short.
+pub fn losetup_attach(file: &Path, direct_io: bool) -> Vec<String> {
+    let mut c = vec!["losetup".into(), "--find".into(), "--show".into()];
+    if direct_io {
+        c.push("--direct-io=on".into());
+    }
+    c.push(s(file));
+    c
+}
+
+/// Detaches a loop device.
+pub fn losetup_detach(device: &Path) -> Vec<String> {
+    vec!["losetup".into(), "--detach".into(), s(device)]
+}
+
+/// Writes a swap signature.
+pub fn mkswap(device: &Path, label: &str) -> Vec<String> {
+    vec![
+        "mkswap".into(),
+        "--label".into(),
+        label.to_string(),
+        s(device),
+    ]
+}
+
+/// Enables swap on the device with the given priority (higher is used first).
+pub fn swapon(device: &Path, priority: i32) -> Vec<String> {
+    vec![
+        "swapon".into(),
+        "--priority".into(),
+        priority.to_string(),
+        s(device),
+    ]
+}
+
+/// Disables swap on the device (reads every swapped page back in).
+pub fn swapoff(device: &Path) -> Vec<String> {
+    vec!["swapoff".into(), s(device)]
+}
+
+/// The sysfs file holding how many requests a block device keeps in flight.
+pub fn nr_requests_path(device: &Path) -> std::path::PathBuf {
+    let name = device
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    Path::new("/sys/block").join(name).join("queue/nr_requests")
+}
+
+/// Flushes a block device's buffers to its backend.
+pub fn blockdev_flush(device: &Path) -> Vec<String> {
+    vec!["blockdev".into(), "--flushbufs".into(), s(device)]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::PathBuf;
+
+    fn p(x: &str) -> PathBuf {
+        PathBuf::from(x)
+    }
+
+    #[test]
+    fn nbd_client_line_follows_nbd_client_3_24() {
+        assert_eq!(
+            nbd_client_command(&p("/var/lib/np/sock"), &p("/dev/nbd3"), "pager", 4096, true),
+            [
+                "nbd-client",
+                "-unix",
+                "/var/lib/np/sock",
+                "/dev/nbd3",
+                "-name",
+                "pager",
+                "-block-size",
+                "4096",
+                "-swap"
+            ]
+        );
+        assert_eq!(
+            nbd_client_command(&p("/s"), &p("/dev/nbd0"), "", 512, false),
+            [
+                "nbd-client",
+                "-unix",
+                "/s",
+                "/dev/nbd0",
+                "-name",
+                "",
+                "-block-size",
+                "512"
+            ]
+        );
+        assert_eq!(
+            nbd_client_disconnect(&p("/dev/nbd3")),
+            ["nbd-client", "-d", "/dev/nbd3"]
+        );
+    }
+
+    #[test]
+    fn free_nbd_device_is_the_lowest_unconnected() {
+        let devs = |v: &[(&str, bool)]| {
+            v.iter()
+                .map(|(n, c)| (n.to_string(), *c))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            first_free_nbd(&devs(&[
+                ("nbd10", false),
+                ("nbd0", true),
+                ("nbd2", false),
+                ("loop0", false)
+            ])),
+            Some("/dev/nbd2".into())
+        );
+        assert_eq!(first_free_nbd(&devs(&[("nbd0", true)])), None);
+        assert_eq!(first_free_nbd(&[]), None);
+    }
+
+    #[test]
+    fn via_auto_prefers_the_kernel_module() {
+        assert_eq!(Via::Auto.resolve(true, true), Via::NbdClient);
+        assert_eq!(Via::Auto.resolve(false, true), Via::Nbdfuse);
+        assert_eq!(Via::Auto.resolve(true, false), Via::Nbdfuse);
+        assert_eq!(Via::NbdClient.resolve(false, false), Via::NbdClient);
+        assert_eq!("nbdfuse".parse::<Via>().unwrap(), Via::Nbdfuse);
+        assert!("fuse".parse::<Via>().is_err());
+    }
+
+    #[test]
+    fn nbdfuse_and_loop_lines() {
+        assert_eq!(
+            nbdfuse_command(
+                &p("/st/fuse/device"),
+                &p("/st/nbd.sock"),
+                "pager",
+                &p("/st/nbdfuse.pid")
+            ),
+            [
+                "nbdfuse",
+                "--pidfile",
+                "/st/nbdfuse.pid",
+                "/st/fuse/device",
+                "nbd+unix:///pager?socket=/st/nbd.sock"
+            ]
+        );
+        assert_eq!(
+            fuse_unmount(&p("/st/fuse")),
+            ["fusermount3", "-u", "/st/fuse"]
+        );
+        assert_eq!(
+            losetup_attach(&p("/st/fuse/device"), true),
+            [
+                "losetup",
+                "--find",
+                "--show",
+                "--direct-io=on",
+                "/st/fuse/device"
+            ]
+        );
+        assert_eq!(
+            losetup_attach(&p("/f"), false),
+            ["losetup", "--find", "--show", "/f"]
+        );
+        assert_eq!(
+            losetup_detach(&p("/dev/loop4")),
+            ["losetup", "--detach", "/dev/loop4"]
+        );
+    }
+
+    #[test]
+    fn uri_escapes_odd_paths() {
+        assert_eq!(
+            unix_uri(&p("/tmp/a b?c.sock"), "x/y"),
+            "nbd+unix:///x/y?socket=/tmp/a%20b%3Fc.sock"
+        );
+    }
+
+    #[test]
+    fn swap_lines() {
+        assert_eq!(
+            mkswap(&p("/dev/loop4"), "netpager"),
+            ["mkswap", "--label", "netpager", "/dev/loop4"]
+        );
+        assert_eq!(
+            swapon(&p("/dev/loop4"), 100),
+            ["swapon", "--priority", "100", "/dev/loop4"]
+        );
+        assert_eq!(swapoff(&p("/dev/loop4")), ["swapoff", "/dev/loop4"]);
+        assert_eq!(
+            blockdev_flush(&p("/dev/loop4")),
+            ["blockdev", "--flushbufs", "/dev/loop4"]
+        );
+    }
+
+    #[test]
+    fn queue_depth_lives_in_sysfs() {
+        assert_eq!(
+            nr_requests_path(&p("/dev/loop4")),
+            p("/sys/block/loop4/queue/nr_requests")
+        );
+        assert_eq!(
+            nr_requests_path(&p("/dev/nbd0")),
+            p("/sys/block/nbd0/queue/nr_requests")
+        );
+    }
+
+    #[test]
+    fn nbdkit_line() {
+        assert_eq!(
+            nbdkit_command(
+                &p("nbdkit"),
+                &p("/t/libpager_client_plugin.so"),
+                &p("/st/nbd.sock"),
+                &p("/st/nbdkit.pid"),
+                &p("/st")
+            ),
+            [
+                "setsid",
+                "--fork",
+                "--wait",
+                "nbdkit",
+                "--foreground",
+                "--log=stderr",
+                "--unix",
+                "/st/nbd.sock",
+                "--pidfile",
+                "/st/nbdkit.pid",
+                "/t/libpager_client_plugin.so",
+                "state=/st"
+            ]
+        );
+    }
+}

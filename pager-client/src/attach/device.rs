@@ -1,0 +1,279 @@
+//! The device configuration `pagerctl attach` writes, built from its
+//! options, and the check that a re-attach asks for the same device.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use super::{AttachError, DonorSpec};
+use crate::config::{ByteSize, DeviceConfig, DonorConfig, FallbackConfig, Mode};
+
+/// `--mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModeChoice {
+    None,
+    Mirror,
+    Parity,
+    Disk,
+}
+
+impl std::str::FromStr for ModeChoice {
+    type Err = AttachError;
+    fn from_str(s: &str) -> Result<Self, AttachError> {
+        match s {
+            "none" => Ok(ModeChoice::None),
+            "mirror" => Ok(ModeChoice::Mirror),
+            "parity" => Ok(ModeChoice::Parity),
+            "disk" => Ok(ModeChoice::Disk),
+            _ => Err(AttachError::BadOption {
+                option: "--mode",
+                reason: format!("{s:?}: expected none, mirror, parity or disk"),
+            }),
+        }
+    }
+}
+
+/// Parity width when `--parity-width` is not given: the narrowest group,
+/// which leaves the most donors free to rebuild onto after a failure.
+pub const DEFAULT_PARITY_WIDTH: u32 = 3;
+
+/// The options of `pagerctl attach` that shape the device.
+#[derive(Debug, Clone)]
+pub struct DeviceOptions {
+    pub client_id: String,
+    pub size: u64,
+    pub mode: ModeChoice,
+    pub parity_width: Option<u32>,
+    /// Write-through file of mode disk (default `STATE_DIR/writethrough.img`).
+    pub disk_file: Option<PathBuf>,
+    pub donors: Vec<DonorSpec>,
+    pub extent_size: Option<u64>,
+    pub b: Option<f64>,
+    pub epoch: Option<Duration>,
+    pub fallback: Option<(PathBuf, u64)>,
+    pub psk: Option<PathBuf>,
+    pub connect_timeout: Option<Duration>,
+    pub request_timeout: Option<Duration>,
+}
+
+impl DonorSpec {
+    /// The donor's entry in `device.toml`.
+    pub fn to_config(&self, psk: Option<&Path>) -> DonorConfig {
+        let mut d = DonorConfig::new(self.name.clone(), self.addr.clone());
+        d.export = self.export.clone();
+        d.status = self.status.clone();
+        if let Some(p) = psk {
+            d = d.with_tls(p, None);
+        }
+        d
+    }
+}
+
+/// Builds and validates the device configuration.
+pub fn build_config(o: &DeviceOptions, state_dir: &Path) -> Result<DeviceConfig, AttachError> {
+    let bad = |option: &'static str, reason: String| AttachError::BadOption { option, reason };
+    if o.parity_width.is_some() && o.mode != ModeChoice::Parity {
+        return Err(bad(
+            "--parity-width",
+            "only applies to --mode parity".into(),
+        ));
+    }
+    if o.disk_file.is_some() && o.mode != ModeChoice::Disk {
+        return Err(bad("--disk-file", "only applies to --mode disk".into()));
+    }
+    let mode = match o.mode {
+        ModeChoice::None => Mode::None,
+        ModeChoice::Mirror => Mode::Mirror,
+        ModeChoice::Parity => Mode::Parity {
+            width: o.parity_width.unwrap_or(DEFAULT_PARITY_WIDTH),
+        },
+        ModeChoice::Disk => Mode::Disk {
+            path: o
+                .disk_file
+                .clone()
+                .unwrap_or_else(|| state_dir.join("writethrough.img")),
+            queue: ByteSize(16 << 20),
+        },
+    };
+    let mut c = DeviceConfig::new(o.client_id.clone(), o.size, mode);
+    if let Some(e) = o.extent_size {
+        c.extent_size = ByteSize(e);
+    }
+    if let Some(b) = o.b {
+        c.policy.b = b;
+    }
+    if let Some(e) = o.epoch {
+        c.policy.epoch_ms = e.as_millis() as u64;
+    }
+    if let Some(t) = o.connect_timeout {
+        c.timeouts.connect_ms = t.as_millis() as u64;
+    }
+    if let Some(t) = o.request_timeout {
+        c.timeouts.request_ms = t.as_millis() as u64;
+    }
+    if let Some((path, size)) = &o.fallback {
+        c.fallback = Some(FallbackConfig {
+            path: path.clone(),
+            size: ByteSize(*size),
+        });
+    }
+    c.donors = o
+        .donors
+        .iter()
+        .map(|d| d.to_config(o.psk.as_deref()))
+        .collect();
+    c.validate().map_err(AttachError::Config)?;
+    Ok(c)
+}
+
+/// The top-level fields (`policy.b` style for nested ones) in which two
+/// configurations differ, so a re-attach that asks for another device than
+/// the state directory holds is refused by name.
+pub fn differences(old: &DeviceConfig, new: &DeviceConfig) -> Vec<String> {
+    let a = serde_json::to_value(old).expect("config serialises");
+    let b = serde_json::to_value(new).expect("config serialises");
+    let mut out = Vec::new();
+    diff("", &a, &b, &mut out);
+    out
+}
+
+fn diff(prefix: &str, a: &serde_json::Value, b: &serde_json::Value, out: &mut Vec<String>) {
+    use serde_json::Value::Object;
+    match (a, b) {
+        (Object(x), Object(y))
+            if prefix.is_empty() || prefix == "policy" || prefix == "timeouts" =>
+        {
+            let mut keys: Vec<&String> = x.keys().chain(y.keys()).collect();
+            keys.sort();
+            keys.dedup();
+            for k in keys {
+                let null = serde_json::Value::Null;
+                let name = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}.{k}")
+                };
+                diff(
+                    &name,
+                    x.get(k).unwrap_or(&null),
+                    y.get(k).unwrap_or(&null),
+                    out,
+                );
+            }
+        }
+        _ if a != b => out.push(prefix.to_string()),
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(mode: ModeChoice) -> DeviceOptions {
+        DeviceOptions {
+            client_id: "busy1".into(),
+            size: 64 << 20,
+            mode,
+            parity_width: None,
+            disk_file: None,
+            donors: [
+                "127.0.0.2:10809,status=127.0.0.2:7000",
+                "127.0.0.3:10809",
+                "127.0.0.4:10809/x@80M",
+            ]
+            .iter()
+            .map(|s| s.parse().unwrap())
+            .collect(),
+            extent_size: None,
+            b: None,
+            epoch: None,
+            fallback: None,
+            psk: None,
+            connect_timeout: None,
+            request_timeout: None,
+        }
+    }
+
+    #[test]
+    fn modes_map_to_the_device_config() {
+        let st = Path::new("/st");
+        assert_eq!(
+            build_config(&opts(ModeChoice::None), st).unwrap().mode,
+            Mode::None
+        );
+        assert_eq!(
+            build_config(&opts(ModeChoice::Mirror), st).unwrap().mode,
+            Mode::Mirror
+        );
+        assert_eq!(
+            build_config(&opts(ModeChoice::Parity), st).unwrap().mode,
+            Mode::Parity {
+                width: DEFAULT_PARITY_WIDTH
+            }
+        );
+        assert_eq!(
+            build_config(&opts(ModeChoice::Disk), st).unwrap().mode,
+            Mode::Disk {
+                path: "/st/writethrough.img".into(),
+                queue: ByteSize(16 << 20)
+            }
+        );
+    }
+
+    #[test]
+    fn options_land_in_their_fields() {
+        let mut o = opts(ModeChoice::Parity);
+        o.parity_width = Some(3);
+        o.extent_size = Some(4 << 20);
+        o.b = Some(0.25);
+        o.epoch = Some(Duration::from_secs(2));
+        o.request_timeout = Some(Duration::from_millis(1500));
+        o.fallback = Some(("/var/tmp/fb".into(), 16 << 20));
+        o.psk = Some("/etc/np.psk".into());
+        let c = build_config(&o, Path::new("/st")).unwrap();
+        assert_eq!(c.extent_size.0, 4 << 20);
+        assert_eq!(c.policy.b, 0.25);
+        assert_eq!(c.policy.epoch_ms, 2000);
+        assert_eq!(c.timeouts.request_ms, 1500);
+        assert_eq!(c.fallback.as_ref().unwrap().size.0, 16 << 20);
+        assert_eq!(c.donors[0].status.as_deref(), Some("127.0.0.2:7000"));
+        assert_eq!(c.donors[2].export.as_deref(), Some("x@80M"));
+        assert_eq!(c.donors[2].name, "127.0.0.4:10809/x@80M");
+        assert!(c
+            .donors
+            .iter()
+            .all(|d| d.tls_psk_file.as_deref() == Some(Path::new("/etc/np.psk"))));
+    }
+
+    #[test]
+    fn invalid_combinations_are_refused_by_option() {
+        let mut o = opts(ModeChoice::Mirror);
+        o.parity_width = Some(3);
+        assert!(build_config(&o, Path::new("/st"))
+            .unwrap_err()
+            .to_string()
+            .contains("--parity-width"));
+        let mut o = opts(ModeChoice::Parity);
+        o.parity_width = Some(4);
+        let e = build_config(&o, Path::new("/st")).unwrap_err().to_string();
+        assert!(e.contains("width 4 needs at least 4"), "{e}");
+        let mut o = opts(ModeChoice::None);
+        o.b = Some(1.5);
+        assert!(build_config(&o, Path::new("/st"))
+            .unwrap_err()
+            .to_string()
+            .contains("policy.b"));
+    }
+
+    #[test]
+    fn differences_name_the_fields() {
+        let st = Path::new("/st");
+        let a = build_config(&opts(ModeChoice::Mirror), st).unwrap();
+        assert!(differences(&a, &a.clone()).is_empty());
+        let mut o = opts(ModeChoice::Parity);
+        o.size = 128 << 20;
+        o.b = Some(0.3);
+        let b = build_config(&o, st).unwrap();
+        assert_eq!(differences(&a, &b), ["mode", "policy.b", "size"]);
+    }
+}

@@ -1,0 +1,53 @@
+//! The attach machinery behind `pagerctl attach` / `detach`.
+//!
+//! Attaching a device is a short chain of steps (start the client's nbdkit,
+//! connect a kernel nbd device or an nbdfuse file plus a loop device, make it
+//! swap). This module holds everything about those steps that is pure and
+//! testable: parsing donor specs ([`spec`]), building each command line
+//! ([`commands`]) and the record of steps done that `detach` undoes in
+//! reverse ([`record`]), and the device configuration built from attach's
+//! options ([`device`]). Running the commands is `pagerctl`'s thin layer.
+
+pub mod commands;
+pub mod device;
+pub mod record;
+pub mod spec;
+
+pub use commands::Via;
+pub use device::{build_config, differences, DeviceOptions, ModeChoice};
+pub use record::{AttachRecord, Step};
+pub use spec::DonorSpec;
+
+/// Errors of parsing attach arguments and reading attach records.
+#[derive(Debug, thiserror::Error)]
+pub enum AttachError {
+    #[error("donor spec {spec:?}: {reason}")]
+    BadDonorSpec { spec: String, reason: String },
+    #[error("--via {0:?}: expected auto, nbd-client or nbdfuse")]
+    BadVia(String),
+    #[error("{option}: {reason}")]
+    BadOption {
+        option: &'static str,
+        reason: String,
+    },
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    #[error("reading attach record {path}: {source}")]
+    ReadRecord {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("attach record {path} is malformed: {source}")]
+    ParseRecord {
+        path: std::path::PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("writing attach record {path}: {source}")]
+    WriteRecord {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}

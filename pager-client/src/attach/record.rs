@@ -1,0 +1,349 @@
+//! `attach.json`: the steps an attach did, so that `detach` undoes exactly
+//! those, in reverse, and a failed attach rolls back what it had done.
+//!
+//! The record is rewritten after every step (and after every undo), so a
+//! crash in the middle of either leaves a record that is still true.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use super::{commands, AttachError, Via};
+
+/// Where things live in a client's state directory.
+#[derive(Debug, Clone)]
+pub struct StateLayout {
+    pub dir: PathBuf,
+}
+
+/// Longest unix socket path Linux accepts (sun_path minus the final NUL).
+pub const MAX_SOCKET_PATH: usize = 107;
+
+impl StateLayout {
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        StateLayout { dir: dir.into() }
+    }
+    /// The device's configuration (pager_client::config).
+    pub fn device_toml(&self) -> PathBuf {
+        self.dir.join("device.toml")
+    }
+    /// The steps done by the last attach.
+    pub fn attach_json(&self) -> PathBuf {
+        self.dir.join("attach.json")
+    }
+    /// Status the device writes while it runs (pager_client::status).
+    pub fn status_json(&self) -> PathBuf {
+        self.dir.join("status.json")
+    }
+    /// The client's nbdkit listens here.
+    pub fn socket(&self) -> PathBuf {
+        self.dir.join("nbd.sock")
+    }
+    pub fn nbdkit_pidfile(&self) -> PathBuf {
+        self.dir.join("nbdkit.pid")
+    }
+    pub fn nbdkit_log(&self) -> PathBuf {
+        self.dir.join("nbdkit.log")
+    }
+    /// nbdfuse mounts over this directory...
+    pub fn fuse_dir(&self) -> PathBuf {
+        self.dir.join("fuse")
+    }
+    /// ...and presents the device as this file in it.
+    pub fn fuse_file(&self) -> PathBuf {
+        self.fuse_dir().join("device")
+    }
+    pub fn nbdfuse_pidfile(&self) -> PathBuf {
+        self.dir.join("nbdfuse.pid")
+    }
+    pub fn nbdfuse_log(&self) -> PathBuf {
+        self.dir.join("nbdfuse.log")
+    }
+    /// The socket path, refused when the kernel could not bind it.
+    pub fn checked_socket(&self) -> Result<PathBuf, String> {
+        let sock = self.socket();
+        let len = sock.as_os_str().len();
+        if len > MAX_SOCKET_PATH {
+            return Err(format!(
+                "unix socket path {} is {len} bytes, more than the {MAX_SOCKET_PATH} Linux allows: use a shorter --state-dir",
+                sock.display()
+            ));
+        }
+        Ok(sock)
+    }
+}
+
+/// One step of an attach, with what is needed to undo it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "step", rename_all = "kebab-case")]
+pub enum Step {
+    /// nbdkit serving the client plugin; `started` is its start time in
+    /// clock ticks since boot, so a reused pid is never signalled. The
+    /// keeper is its parent `setsid --fork --wait`, gone once nbdkit is.
+    Nbdkit {
+        pid: u32,
+        started: u64,
+        keeper_pid: u32,
+        keeper_started: u64,
+        socket: PathBuf,
+        pidfile: PathBuf,
+    },
+    /// A kernel nbd device connected by nbd-client.
+    NbdClient { device: PathBuf },
+    /// nbdfuse presenting the export as `file` under `mountpoint`.
+    Nbdfuse {
+        pid: u32,
+        started: u64,
+        mountpoint: PathBuf,
+        file: PathBuf,
+        pidfile: PathBuf,
+    },
+    /// A loop device over the nbdfuse file.
+    LoopDevice { device: PathBuf, file: PathBuf },
+    /// The device's request queue shortened from `old` to `new` requests.
+    QueueDepth { device: PathBuf, old: u32, new: u32 },
+    /// Swap enabled on the device.
+    Swap { device: PathBuf, priority: i32 },
+}
+
+impl Step {
+    /// The command that undoes this step, if a command does; nbdkit is
+    /// stopped by signalling its pid (after a flush) and the queue depth is
+    /// written back to sysfs instead.
+    pub fn undo_command(&self) -> Option<Vec<String>> {
+        match self {
+            Step::Nbdkit { .. } | Step::QueueDepth { .. } => None,
+            Step::NbdClient { device } => Some(commands::nbd_client_disconnect(device)),
+            Step::Nbdfuse { mountpoint, .. } => Some(commands::fuse_unmount(mountpoint)),
+            Step::LoopDevice { device, .. } => Some(commands::losetup_detach(device)),
+            Step::Swap { device, .. } => Some(commands::swapoff(device)),
+        }
+    }
+
+    /// The process this step started (pid, start time) that must be gone
+    /// once the step is undone.
+    pub fn process(&self) -> Option<(u32, u64)> {
+        match self {
+            Step::Nbdkit { pid, started, .. } | Step::Nbdfuse { pid, started, .. } => {
+                Some((*pid, *started))
+            }
+            _ => None,
+        }
+    }
+
+    /// One line for humans.
+    pub fn describe(&self) -> String {
+        match self {
+            Step::Nbdkit { pid, socket, .. } => format!("nbdkit pid {pid} on {}", socket.display()),
+            Step::NbdClient { device } => format!("kernel nbd {}", device.display()),
+            Step::Nbdfuse { pid, file, .. } => {
+                format!("nbdfuse pid {pid} serving {}", file.display())
+            }
+            Step::LoopDevice { device, file } => {
+                format!("loop {} over {}", device.display(), file.display())
+            }
+            Step::QueueDepth { device, old, new } => {
+                format!(
+                    "queue of {} at {new} requests (was {old})",
+                    device.display()
+                )
+            }
+            Step::Swap { device, priority } => {
+                format!("swap on {} priority {priority}", device.display())
+            }
+        }
+    }
+}
+
+/// The content of `attach.json`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct AttachRecord {
+    /// How the kernel reaches nbdkit (never `auto` once resolved).
+    pub via: Via,
+    /// NBD export name the kernel side asked for.
+    pub export: String,
+    /// Steps done, in order.
+    pub steps: Vec<Step>,
+}
+
+impl AttachRecord {
+    pub fn new(via: Via, export: &str) -> Self {
+        AttachRecord {
+            via,
+            export: export.to_string(),
+            steps: Vec::new(),
+        }
+    }
+
+    /// The block device the attach produced (kernel nbd or loop), if any.
+    pub fn device(&self) -> Option<&Path> {
+        self.steps.iter().rev().find_map(|s| match s {
+            Step::NbdClient { device } | Step::LoopDevice { device, .. } => Some(device.as_path()),
+            _ => None,
+        })
+    }
+
+    /// Whether swap was enabled on the device.
+    pub fn swapping(&self) -> bool {
+        self.steps.iter().any(|s| matches!(s, Step::Swap { .. }))
+    }
+
+    /// The client's nbdkit (pid, start time), if started.
+    pub fn nbdkit_process(&self) -> Option<(u32, u64)> {
+        self.steps
+            .iter()
+            .find(|s| matches!(s, Step::Nbdkit { .. }))
+            .and_then(Step::process)
+    }
+
+    /// Reads a record; `Ok(None)` when there is none.
+    pub fn load(path: &Path) -> Result<Option<Self>, AttachError> {
+        match std::fs::read(path) {
+            Ok(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(|source| {
+                AttachError::ParseRecord {
+                    path: path.to_path_buf(),
+                    source,
+                }
+            }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(source) => Err(AttachError::ReadRecord {
+                path: path.to_path_buf(),
+                source,
+            }),
+        }
+    }
+
+    /// Writes the record atomically (temporary file, fsync, rename).
+    pub fn save(&self, path: &Path) -> Result<(), AttachError> {
+        let err = |source| AttachError::WriteRecord {
+            path: path.to_path_buf(),
+            source,
+        };
+        let tmp = path.with_extension("json.tmp");
+        let mut f = std::fs::File::create(&tmp).map_err(err)?;
+        let text = serde_json::to_vec_pretty(self).expect("attach record serialises");
+        f.write_all(&text)
+            .and_then(|_| f.write_all(b"\n"))
+            .and_then(|_| f.sync_all())
+            .map_err(err)?;
+        std::fs::rename(&tmp, path).map_err(err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> AttachRecord {
+        let l = StateLayout::new("/st");
+        let mut r = AttachRecord::new(Via::Nbdfuse, "pager");
+        r.steps.push(Step::Nbdkit {
+            pid: 10,
+            started: 100,
+            keeper_pid: 9,
+            keeper_started: 99,
+            socket: l.socket(),
+            pidfile: l.nbdkit_pidfile(),
+        });
+        r.steps.push(Step::Nbdfuse {
+            pid: 11,
+            started: 101,
+            mountpoint: l.fuse_dir(),
+            file: l.fuse_file(),
+            pidfile: l.nbdfuse_pidfile(),
+        });
+        r.steps.push(Step::LoopDevice {
+            device: "/dev/loop7".into(),
+            file: l.fuse_file(),
+        });
+        r.steps.push(Step::QueueDepth {
+            device: "/dev/loop7".into(),
+            old: 128,
+            new: 16,
+        });
+        r.steps.push(Step::Swap {
+            device: "/dev/loop7".into(),
+            priority: 100,
+        });
+        r
+    }
+
+    #[test]
+    fn undo_plan_reverses_the_steps() {
+        let r = sample();
+        let undo: Vec<_> = r
+            .steps
+            .iter()
+            .rev()
+            .map(|s| (s.undo_command(), s.process()))
+            .collect();
+        assert_eq!(
+            undo,
+            vec![
+                (Some(vec!["swapoff".to_string(), "/dev/loop7".into()]), None),
+                (None, None),
+                (
+                    Some(vec![
+                        "losetup".to_string(),
+                        "--detach".into(),
+                        "/dev/loop7".into()
+                    ]),
+                    None
+                ),
+                (
+                    Some(vec![
+                        "fusermount3".to_string(),
+                        "-u".into(),
+                        "/st/fuse".into()
+                    ]),
+                    Some((11, 101))
+                ),
+                (None, Some((10, 100))),
+            ]
+        );
+        assert_eq!(
+            Step::NbdClient {
+                device: "/dev/nbd1".into()
+            }
+            .undo_command()
+            .unwrap(),
+            ["nbd-client", "-d", "/dev/nbd1"]
+        );
+    }
+
+    #[test]
+    fn record_answers_what_is_attached() {
+        let r = sample();
+        assert_eq!(r.device(), Some(Path::new("/dev/loop7")));
+        assert!(r.swapping());
+        assert_eq!(r.nbdkit_process(), Some((10, 100)));
+        let empty = AttachRecord::new(Via::NbdClient, "x");
+        assert_eq!(empty.device(), None);
+        assert!(!empty.swapping());
+    }
+
+    #[test]
+    fn record_round_trips_through_its_file() {
+        let dir = std::env::temp_dir().join(format!("pager-attach-record-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("attach.json");
+        assert_eq!(AttachRecord::load(&path).unwrap(), None);
+        sample().save(&path).unwrap();
+        assert_eq!(AttachRecord::load(&path).unwrap(), Some(sample()));
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.contains("\"step\": \"loop-device\""), "{text}");
+        std::fs::write(&path, "{").unwrap();
+        let e = AttachRecord::load(&path).unwrap_err().to_string();
+        assert!(e.contains("attach.json"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn overlong_socket_paths_are_refused() {
+        assert!(StateLayout::new("/var/lib/netpager")
+            .checked_socket()
+            .is_ok());
+        let long = format!("/tmp/{}", "x".repeat(120));
+        let e = StateLayout::new(long).checked_socket().unwrap_err();
+        assert!(e.contains("shorter --state-dir"), "{e}");
+    }
+}

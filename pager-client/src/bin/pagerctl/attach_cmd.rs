@@ -1,0 +1,571 @@
+//! `pagerctl attach` and `pagerctl detach`: run the steps of
+//! `pager_client::attach`, record each in `attach.json` as it is done, and
+//! undo them in reverse (on detach, or when an attach fails half-way).
+
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use pager_client::attach::commands;
+use pager_client::attach::record::StateLayout;
+use pager_client::attach::{AttachRecord, Step, Via};
+
+use crate::{nbd_wire, procs};
+
+/// What the attach needs beyond the device configuration.
+pub struct Plan {
+    pub layout: StateLayout,
+    pub plugin: PathBuf,
+    pub export: String,
+    pub via: Via,
+    pub swap: Option<i32>,
+    pub start_timeout: Duration,
+    pub queue_depth: Option<u32>,
+}
+
+/// Runs an attach; on failure undoes whatever it had done and returns the
+/// first error. Returns the block device.
+pub fn attach(plan: &Plan) -> Result<PathBuf> {
+    let path = plan.layout.attach_json();
+    let mut record = AttachRecord::new(plan.via, &plan.export);
+    record.save(&path)?;
+    match run_steps(plan, &mut record) {
+        Ok(device) => Ok(device),
+        Err(e) => {
+            tracing::error!("attach failed: {e:#}; undoing what was done");
+            if let Err(undo) = undo_all(&plan.layout, &mut record, Duration::from_secs(30)) {
+                return Err(e.context(format!(
+                    "and undoing the attach failed too ({undo:#}); what is left is in {}",
+                    path.display()
+                )));
+            }
+            Err(e)
+        }
+    }
+}
+
+fn push(layout: &StateLayout, record: &mut AttachRecord, step: Step) -> Result<()> {
+    tracing::info!("done: {}", step.describe());
+    record.steps.push(step);
+    record.save(&layout.attach_json())?;
+    Ok(())
+}
+
+fn run_steps(plan: &Plan, record: &mut AttachRecord) -> Result<PathBuf> {
+    let layout = &plan.layout;
+    start_nbdkit(plan, record)?;
+    let device = match plan.via {
+        Via::NbdClient => {
+            let device = free_nbd_device()?;
+            let cmd = commands::nbd_client_command(
+                &layout.socket(),
+                &device,
+                &plan.export,
+                4096,
+                plan.swap.is_some(),
+            );
+            procs::run(&cmd)?;
+            push(
+                layout,
+                record,
+                Step::NbdClient {
+                    device: device.clone(),
+                },
+            )?;
+            device
+        }
+        Via::Nbdfuse | Via::Auto => {
+            start_nbdfuse(plan, record)?;
+            let file = layout.fuse_file();
+            // Direct I/O keeps swapped pages out of the FUSE file's page
+            // cache; fall back to buffered I/O where the kernel refuses it.
+            let out = procs::run(&commands::losetup_attach(&file, true)).or_else(|e| {
+                tracing::warn!("loop device with direct I/O refused ({e:#}); using buffered I/O");
+                procs::run(&commands::losetup_attach(&file, false))
+            })?;
+            let device = PathBuf::from(out.trim());
+            if !device.starts_with("/dev/") {
+                bail!("losetup printed {:?} instead of a device name", out.trim());
+            }
+            push(
+                layout,
+                record,
+                Step::LoopDevice {
+                    device: device.clone(),
+                    file,
+                },
+            )?;
+            device
+        }
+    };
+    if let Some(depth) = plan.queue_depth {
+        set_queue_depth(layout, record, &device, depth)?;
+    }
+    if let Some(priority) = plan.swap {
+        procs::run(&commands::mkswap(&device, "netpager"))?;
+        procs::run(&commands::swapon(&device, priority))?;
+        push(
+            layout,
+            record,
+            Step::Swap {
+                device: device.clone(),
+                priority,
+            },
+        )?;
+    }
+    Ok(device)
+}
+
+/// Shortens the device's request queue. Reclaim in a memory cgroup v1 does
+/// not wait for swap writeback: when a deep queue lets most of a cgroup's
+/// pages be under writeback at once (the swap device being slower than the
+/// job), reclaim finds nothing to free and the job is OOM-killed. With few
+/// requests in flight, the job waits in submission instead. The old depth
+/// is recorded: the kernel keeps the setting for the device's next user.
+fn set_queue_depth(
+    layout: &StateLayout,
+    record: &mut AttachRecord,
+    device: &Path,
+    depth: u32,
+) -> Result<()> {
+    let path = commands::nr_requests_path(device);
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    let old: u32 = text
+        .trim()
+        .parse()
+        .with_context(|| format!("{}: {:?} is not a number", path.display(), text.trim()))?;
+    if old == depth {
+        return Ok(());
+    }
+    std::fs::write(&path, depth.to_string())
+        .with_context(|| format!("cannot write {depth} to {}", path.display()))?;
+    push(
+        layout,
+        record,
+        Step::QueueDepth {
+            device: device.to_path_buf(),
+            old,
+            new: depth,
+        },
+    )
+}
+
+/// Starts nbdkit with the client plugin under its `setsid` keeper (see
+/// `commands::nbdkit_command`), log in the state directory, and waits until
+/// it answers.
+fn start_nbdkit(plan: &Plan, record: &mut AttachRecord) -> Result<()> {
+    let layout = &plan.layout;
+    let socket = layout.socket();
+    let pidfile = layout.nbdkit_pidfile();
+    // Left over from a crash (the record was empty, so nothing of ours runs).
+    for stale in [&socket, &pidfile] {
+        match std::fs::remove_file(stale) {
+            Ok(()) => tracing::info!("removed stale {}", stale.display()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                return Err(e).with_context(|| format!("cannot remove stale {}", stale.display()))
+            }
+        }
+    }
+    let cmd = commands::nbdkit_command(
+        Path::new("nbdkit"),
+        &plan.plugin,
+        &socket,
+        &pidfile,
+        &layout.dir,
+    );
+    let log = layout.nbdkit_log();
+    let mut keeper = spawn_detached(&cmd, &log)?;
+    let keeper_pid = keeper.id();
+    procs::protect_from_oom(keeper_pid, "nbdkit's keeper");
+    let pid = keeper_child(&mut keeper, &log)?;
+    procs::protect_from_oom(pid, "nbdkit");
+    let gone = || {
+        anyhow!(
+            "nbdkit (pid {pid}) exited at once; log {}:\n{}",
+            log.display(),
+            procs::log_tail(&log, 20)
+        )
+    };
+    let started = procs::start_ticks(pid).ok_or_else(gone)?;
+    let keeper_started = procs::start_ticks(keeper_pid).ok_or_else(gone)?;
+    push(
+        layout,
+        record,
+        Step::Nbdkit {
+            pid,
+            started,
+            keeper_pid,
+            keeper_started,
+            socket: socket.clone(),
+            pidfile: pidfile.clone(),
+        },
+    )?;
+    wait_ready(keeper, "nbdkit", &log, plan.start_timeout, || {
+        procs::read_pidfile(&pidfile) == Some(pid) && nbd_wire::answers(&socket)
+    })
+}
+
+/// The process `setsid --fork --wait` forked (nbdkit, once it has exec'd).
+fn keeper_child(keeper: &mut std::process::Child, log: &Path) -> Result<u32> {
+    let k = keeper.id();
+    let start = Instant::now();
+    loop {
+        let children =
+            std::fs::read_to_string(format!("/proc/{k}/task/{k}/children")).unwrap_or_default();
+        if let Some(pid) = children
+            .split_whitespace()
+            .next()
+            .and_then(|p| p.parse().ok())
+        {
+            return Ok(pid);
+        }
+        if let Some(status) = keeper.try_wait()? {
+            bail!(
+                "nbdkit exited while starting ({status}); log {}:\n{}",
+                log.display(),
+                procs::log_tail(log, 20)
+            );
+        }
+        if start.elapsed() > Duration::from_secs(10) {
+            bail!("setsid (pid {k}) did not start nbdkit within 10 s");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Starts nbdfuse presenting the export as the state directory's
+/// `fuse/device`, and waits until the file is there.
+fn start_nbdfuse(plan: &Plan, record: &mut AttachRecord) -> Result<()> {
+    let layout = &plan.layout;
+    let mountpoint = layout.fuse_dir();
+    let file = layout.fuse_file();
+    let pidfile = layout.nbdfuse_pidfile();
+    std::fs::create_dir_all(&mountpoint)
+        .with_context(|| format!("cannot create {}", mountpoint.display()))?;
+    if is_mounted(&mountpoint) {
+        bail!(
+            "{} is still mounted (an earlier nbdfuse?): run pagerctl detach, or fusermount3 -u it",
+            mountpoint.display()
+        );
+    }
+    let _ = std::fs::remove_file(&pidfile);
+    let cmd = commands::nbdfuse_command(&file, &layout.socket(), &plan.export, &pidfile);
+    let log = layout.nbdfuse_log();
+    let child = spawn_detached(&cmd, &log)?;
+    let pid = child.id();
+    procs::protect_from_oom(pid, "nbdfuse");
+    let started = procs::start_ticks(pid).ok_or_else(|| {
+        anyhow!(
+            "nbdfuse (pid {pid}) exited at once; log {}:\n{}",
+            log.display(),
+            procs::log_tail(&log, 20)
+        )
+    })?;
+    push(
+        layout,
+        record,
+        Step::Nbdfuse {
+            pid,
+            started,
+            mountpoint: mountpoint.clone(),
+            file: file.clone(),
+            pidfile: pidfile.clone(),
+        },
+    )?;
+    wait_ready(child, "nbdfuse", &log, plan.start_timeout, || {
+        pidfile.exists() && is_mounted(&mountpoint) && file.metadata().is_ok_and(|m| m.len() > 0)
+    })
+}
+
+/// Spawns a long-lived helper: stdin from /dev/null, stdout and stderr
+/// appended to `log`, in its own process group so a terminal's Ctrl-C aimed
+/// at pagerctl does not reach it.
+fn spawn_detached(cmd: &[String], log: &Path) -> Result<std::process::Child> {
+    let open = || {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .with_context(|| format!("cannot open log {}", log.display()))
+    };
+    let out = open()?;
+    let err = open()?;
+    tracing::info!("starting {} (log {})", cmd.join(" "), log.display());
+    Command::new(&cmd[0])
+        .args(&cmd[1..])
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .process_group(0)
+        .spawn()
+        .with_context(|| format!("cannot start {}", cmd[0]))
+}
+
+/// Polls `ready` until it holds; fails early, with the log, if the child exits.
+fn wait_ready(
+    mut child: std::process::Child,
+    what: &str,
+    log: &Path,
+    limit: Duration,
+    mut ready: impl FnMut() -> bool,
+) -> Result<()> {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child
+            .try_wait()
+            .with_context(|| format!("cannot watch {what}"))?
+        {
+            bail!(
+                "{what} exited while starting ({status}); log {}:\n{}",
+                log.display(),
+                procs::log_tail(log, 20)
+            );
+        }
+        if ready() {
+            return Ok(());
+        }
+        if start.elapsed() > limit {
+            bail!(
+                "{what} did not become ready within {limit:?}; log {}:\n{}",
+                log.display(),
+                procs::log_tail(log, 20)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn free_nbd_device() -> Result<PathBuf> {
+    let mut devs = Vec::new();
+    for entry in std::fs::read_dir("/sys/block").context("cannot list /sys/block")? {
+        let entry = entry.context("cannot list /sys/block")?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with("nbd") {
+            let connected = entry.path().join("pid").exists();
+            devs.push((name, connected));
+        }
+    }
+    if devs.is_empty() {
+        bail!("no kernel nbd devices (/sys/block/nbdN): load the nbd module (modprobe nbd) or use --via nbdfuse");
+    }
+    commands::first_free_nbd(&devs)
+        .map(PathBuf::from)
+        .ok_or_else(|| {
+            anyhow!(
+                "no free /dev/nbdN: all {} kernel nbd devices are connected",
+                devs.len()
+            )
+        })
+}
+
+/// Whether `path` is a mount point (from /proc/self/mountinfo).
+pub fn is_mounted(path: &Path) -> bool {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
+    let target = path.to_string_lossy();
+    // Field 5 is the mount point, with spaces etc. octal-escaped.
+    info.lines().any(|l| {
+        l.split(' ')
+            .nth(4)
+            .is_some_and(|m| unescape_mountinfo(m) == target)
+    })
+}
+
+fn unescape_mountinfo(field: &str) -> String {
+    let mut out = Vec::new();
+    let b = field.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
+            out.push(u8::from_str_radix(&field[i + 1..i + 4], 8).unwrap_or(b'?'));
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Whether swap is on for `device` (from /proc/swaps).
+pub fn swap_active(device: &Path) -> bool {
+    std::fs::read_to_string("/proc/swaps")
+        .map(|t| {
+            t.lines()
+                .skip(1)
+                .any(|l| l.split_whitespace().next() == Some(&*device.to_string_lossy()))
+        })
+        .unwrap_or(false)
+}
+
+/// The file a loop device is backed by, if it is set up.
+fn loop_backing(device: &Path) -> Option<PathBuf> {
+    let name = device.file_name()?.to_string_lossy().into_owned();
+    let text = std::fs::read_to_string(format!("/sys/block/{name}/loop/backing_file")).ok()?;
+    Some(PathBuf::from(text.trim_end()))
+}
+
+/// Flushes the device's write cache down to nbdkit: fsync on a block device
+/// sends a flush request, which the client plugin passes to its donors.
+fn flush_device(device: &Path) -> Result<()> {
+    let f = std::fs::File::open(device)
+        .with_context(|| format!("cannot open {} to flush it", device.display()))?;
+    f.sync_all()
+        .with_context(|| format!("flushing {}", device.display()))
+}
+
+/// Undoes every recorded step, newest first, saving the record after each
+/// so that a failed detach can be resumed. Stops at the first failure: going
+/// on (say, stopping nbdkit after swapoff failed) would lose data.
+pub fn undo_all(layout: &StateLayout, record: &mut AttachRecord, grace: Duration) -> Result<()> {
+    while let Some(step) = record.steps.last().cloned() {
+        undo(&step, &record.export, grace)
+            .with_context(|| format!("undoing {}", step.describe()))?;
+        tracing::info!("undone: {}", step.describe());
+        record.steps.pop();
+        record.save(&layout.attach_json())?;
+    }
+    std::fs::remove_file(layout.attach_json())
+        .with_context(|| format!("cannot remove {}", layout.attach_json().display()))?;
+    let fuse = layout.fuse_dir();
+    if fuse.is_dir() && !is_mounted(&fuse) {
+        let _ = std::fs::remove_dir(&fuse);
+    }
+    Ok(())
+}
+
+fn undo(step: &Step, export: &str, grace: Duration) -> Result<()> {
+    match step {
+        Step::Swap { device, .. } => {
+            if swap_active(device) {
+                procs::run(&commands::swapoff(device))?;
+            }
+        }
+        Step::LoopDevice { device, file } => {
+            if loop_backing(device).as_deref() == Some(file.as_path()) {
+                if let Err(e) = flush_device(device) {
+                    tracing::warn!("{e:#} (the device's server may be gone)");
+                }
+                procs::run(&commands::losetup_detach(device))?;
+                // The kernel lets go of the backing file asynchronously;
+                // unmounting FUSE before that fails with EBUSY.
+                let start = Instant::now();
+                while loop_backing(device).as_deref() == Some(file.as_path()) {
+                    if start.elapsed() > grace {
+                        bail!(
+                            "{} still holds {} {grace:?} after losetup --detach",
+                            device.display(),
+                            file.display()
+                        );
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        }
+        Step::QueueDepth { device, old, .. } => {
+            let path = commands::nr_requests_path(device);
+            // Gone with its device: nothing to give back.
+            if path.exists() {
+                std::fs::write(&path, old.to_string())
+                    .with_context(|| format!("cannot write {old} to {}", path.display()))?;
+            }
+        }
+        Step::NbdClient { device } => {
+            let name = device
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            if Path::new(&format!("/sys/block/{name}/pid")).exists() {
+                if let Err(e) = flush_device(device) {
+                    tracing::warn!("{e:#} (the device's server may be gone)");
+                }
+                procs::run(&commands::nbd_client_disconnect(device))?;
+            }
+        }
+        Step::Nbdfuse {
+            pid,
+            started,
+            mountpoint,
+            pidfile,
+            ..
+        } => {
+            let start = Instant::now();
+            while is_mounted(mountpoint) {
+                match procs::run(&commands::fuse_unmount(mountpoint)) {
+                    Ok(_) => break,
+                    Err(e) if start.elapsed() > grace => return Err(e),
+                    // Busy for a moment after the loop device let go.
+                    Err(_) => std::thread::sleep(Duration::from_millis(100)),
+                }
+            }
+            // nbdfuse exits by itself once unmounted.
+            if !procs::wait_gone(*pid, *started, grace) {
+                procs::stop(*pid, *started, "nbdfuse", Duration::from_secs(5))?;
+            }
+            let _ = std::fs::remove_file(pidfile);
+        }
+        Step::Nbdkit {
+            pid,
+            started,
+            keeper_pid,
+            keeper_started,
+            socket,
+            pidfile,
+        } => {
+            // Whatever any NBD client wrote (the kernel side flushed its own
+            // writes already) reaches the donors and the map before nbdkit
+            // goes. A failed flush is no reason to keep a dead attach.
+            if procs::owned(*pid, *started) {
+                if let Err(e) = nbd_wire::flush(socket, export, grace) {
+                    tracing::warn!(
+                        "flushing {} before stopping nbdkit: {e:#}",
+                        socket.display()
+                    );
+                }
+            }
+            procs::stop(*pid, *started, "nbdkit", grace)?;
+            // The keeper exits as soon as it has reaped nbdkit.
+            if !procs::wait_gone(*keeper_pid, *keeper_started, Duration::from_secs(5)) {
+                procs::stop(
+                    *keeper_pid,
+                    *keeper_started,
+                    "nbdkit's keeper (setsid)",
+                    Duration::from_secs(5),
+                )?;
+            }
+            for f in [socket, pidfile] {
+                let _ = std::fs::remove_file(f);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Creates the state directory (private: it holds keys' paths and the map).
+pub fn make_state_dir(dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("cannot create state directory {}", dir.display()))?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+        .with_context(|| format!("cannot make {} private", dir.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mountinfo_escapes() {
+        assert_eq!(unescape_mountinfo("/tmp/a\\040b"), "/tmp/a b");
+        assert_eq!(unescape_mountinfo("/plain"), "/plain");
+        assert_eq!(unescape_mountinfo("/end\\04"), "/end\\04");
+    }
+}

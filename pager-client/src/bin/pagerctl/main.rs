@@ -1,0 +1,428 @@
+//! pagerctl: attach remote memory as a swap or block device, watch it, and
+//! talk to donors. See pagerctl(1) (`pager-client/pagerctl.1.md`).
+
+mod attach_cmd;
+mod donor;
+mod nbd_wire;
+mod procs;
+mod simulate;
+mod status_cmd;
+mod sys;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use pager_client::attach::record::StateLayout;
+use pager_client::attach::{self, AttachRecord, DeviceOptions, DonorSpec, ModeChoice, Via};
+use pager_client::config::{self, DeviceConfig};
+
+/// Remote memory as swap or a block device (netpager client).
+#[derive(Parser)]
+#[command(name = "pagerctl", version, about, max_term_width = 100)]
+struct Cli {
+    /// Log more (-v: debug, -vv: trace); RUST_LOG overrides.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Start the client device and attach it as a block device (or swap).
+    Attach(Box<AttachArgs>),
+    /// Undo an attach: swapoff, detach the device, stop the client's nbdkit.
+    Detach(DetachArgs),
+    /// Show the device's status (donors, placement, rebuild, drain).
+    Status(StatusArgs),
+    /// Show donors' status endpoints.
+    DonorStatus(DonorStatusArgs),
+    /// Ask a donor to drain (clients move their extents away), or stop.
+    DonorDrain(DonorDrainArgs),
+    /// Compare donor-selection policies on a simulated cluster.
+    Simulate(simulate::Args),
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    config::parse_size(s)
+}
+
+fn parse_secs(s: &str) -> Result<Duration, String> {
+    let v: f64 = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of seconds"))?;
+    if !(v > 0.0 && v.is_finite()) {
+        return Err(format!("{s:?} must be a positive number of seconds"));
+    }
+    Ok(Duration::from_secs_f64(v))
+}
+
+#[derive(clap::Args)]
+struct AttachArgs {
+    /// The client's state directory: device.toml, extent map, status, socket.
+    #[arg(long, value_name = "DIR")]
+    state_dir: PathBuf,
+    /// Device size (e.g. 256M, 4G). Required unless DIR already holds a device.
+    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
+    size: Option<u64>,
+    /// How remote pages are kept safe: none, mirror, parity or disk.
+    #[arg(long, value_parser = |s: &str| s.parse::<ModeChoice>().map_err(|e| e.to_string()))]
+    mode: Option<ModeChoice>,
+    /// Donors per parity group (N-1 data + 1 parity), default 3.
+    #[arg(long, value_name = "N")]
+    parity_width: Option<u32>,
+    /// Write-through file of mode disk (default DIR/writethrough.img).
+    #[arg(long, value_name = "PATH")]
+    disk_file: Option<PathBuf>,
+    /// A donor: HOST:PORT[/EXPORT][,status=HOST:PORT][,name=NAME]. Repeat.
+    #[arg(long = "donor", value_name = "SPEC", value_parser = |s: &str| s.parse::<DonorSpec>().map_err(|e| e.to_string()))]
+    donors: Vec<DonorSpec>,
+    /// Unit of placement (power of two, 4K..64M; default 1M).
+    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
+    extent_size: Option<u64>,
+    /// Load-balancing rate b in [0, 1]: f = b*w + (1-b)*a.
+    #[arg(long = "b", value_name = "F")]
+    b: Option<f64>,
+    /// Epoch: how often donors are polled and frequencies recomputed.
+    #[arg(long, value_parser = parse_secs, value_name = "SECS")]
+    epoch: Option<Duration>,
+    /// Local file taking extents no donor can take.
+    #[arg(long, value_name = "PATH", requires = "fallback_size")]
+    fallback: Option<PathBuf>,
+    /// How much of the fallback file to use (a multiple of the extent size).
+    #[arg(long, value_parser = parse_size, value_name = "SIZE", requires = "fallback")]
+    fallback_size: Option<u64>,
+    /// TLS pre-shared key file for every donor (TLS becomes required).
+    #[arg(long, value_name = "FILE")]
+    psk: Option<PathBuf>,
+    /// This client's name on donors (default: the host name).
+    #[arg(long, value_name = "ID")]
+    client_id: Option<String>,
+    /// Donor connect + negotiation timeout.
+    #[arg(long, value_parser = parse_secs, value_name = "SECS")]
+    connect_timeout: Option<Duration>,
+    /// Donor request timeout: a donor that takes longer is marked failed.
+    #[arg(long, value_parser = parse_secs, value_name = "SECS")]
+    request_timeout: Option<Duration>,
+    /// mkswap and swapon the device.
+    #[arg(long)]
+    swap: bool,
+    /// Swap priority (higher is used first).
+    #[arg(
+        long,
+        default_value_t = 100,
+        value_name = "N",
+        requires = "swap",
+        allow_negative_numbers = true
+    )]
+    priority: i32,
+    /// How the kernel reaches the device: auto, nbd-client or nbdfuse.
+    #[arg(long, default_value = "auto", value_parser = |s: &str| s.parse::<Via>().map_err(|e| e.to_string()))]
+    via: Via,
+    /// The client plugin (default: next to pagerctl, or in $NETPAGER_PLUGIN_DIR).
+    #[arg(long, value_name = "PATH")]
+    plugin: Option<PathBuf>,
+    /// Requests the kernel keeps in flight to the device (0: leave the
+    /// kernel's default). A short queue makes a swapping job wait for its
+    /// writeback instead of being OOM-killed in a memory cgroup v1.
+    #[arg(long, default_value_t = 16, value_name = "N")]
+    queue_depth: u32,
+    /// How long nbdkit and nbdfuse may take to start.
+    #[arg(long, default_value = "30", value_parser = parse_secs, value_name = "SECS")]
+    start_timeout: Duration,
+}
+
+impl AttachArgs {
+    fn shapes_device(&self) -> bool {
+        self.size.is_some()
+            || self.mode.is_some()
+            || !self.donors.is_empty()
+            || self.parity_width.is_some()
+            || self.disk_file.is_some()
+            || self.extent_size.is_some()
+            || self.b.is_some()
+            || self.epoch.is_some()
+            || self.fallback.is_some()
+            || self.psk.is_some()
+            || self.client_id.is_some()
+            || self.connect_timeout.is_some()
+            || self.request_timeout.is_some()
+    }
+
+    fn device_options(&self, client_id: String) -> Result<DeviceOptions> {
+        let (Some(size), Some(mode)) = (self.size, self.mode) else {
+            bail!("a new device needs --size, --mode and at least one --donor");
+        };
+        if self.donors.is_empty() {
+            bail!("a new device needs at least one --donor");
+        }
+        Ok(DeviceOptions {
+            client_id,
+            size,
+            mode,
+            parity_width: self.parity_width,
+            disk_file: self.disk_file.clone(),
+            donors: self.donors.clone(),
+            extent_size: self.extent_size,
+            b: self.b,
+            epoch: self.epoch,
+            fallback: self.fallback.clone().zip(self.fallback_size),
+            psk: self.psk.clone(),
+            connect_timeout: self.connect_timeout,
+            request_timeout: self.request_timeout,
+        })
+    }
+}
+
+#[derive(clap::Args)]
+struct DetachArgs {
+    #[arg(long, value_name = "DIR")]
+    state_dir: PathBuf,
+    /// How long each process may take to stop before it is killed.
+    #[arg(long, default_value = "60", value_parser = parse_secs, value_name = "SECS")]
+    timeout: Duration,
+}
+
+#[derive(clap::Args)]
+struct StatusArgs {
+    #[arg(long, value_name = "DIR")]
+    state_dir: PathBuf,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args)]
+struct DonorStatusArgs {
+    /// Donors' status endpoints, HOST:PORT (one or more).
+    #[arg(required = true, value_name = "ADDR")]
+    addrs: Vec<String>,
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    endpoint: EndpointArgs,
+}
+
+/// How to reach donors' status endpoints.
+#[derive(clap::Args)]
+struct EndpointArgs {
+    #[arg(long, default_value = "5", value_parser = parse_secs, value_name = "SECS")]
+    timeout: Duration,
+    /// The lab's key file (`username:hexkey`, as given to the donors' psk=):
+    /// requests are signed and replies checked. Needed for donors started
+    /// with psk=.
+    #[arg(long, value_name = "FILE")]
+    psk: Option<PathBuf>,
+}
+
+impl EndpointArgs {
+    fn client(&self) -> Result<netpager_proto::StatusClient> {
+        let key = self
+            .psk
+            .as_deref()
+            .map(|f| netpager_proto::LabKey::from_psk_file(f, None))
+            .transpose()?;
+        Ok(netpager_proto::StatusClient {
+            timeout: self.timeout,
+            key,
+        })
+    }
+}
+
+#[derive(clap::Args)]
+struct DonorDrainArgs {
+    /// The donor's status endpoint, HOST:PORT.
+    addr: String,
+    /// Stop draining: the donor accepts pages again.
+    #[arg(long)]
+    undo: bool,
+    /// Wait until the donor holds nothing, printing progress.
+    #[arg(long)]
+    wait: bool,
+    /// Give up waiting after this long.
+    #[arg(long, default_value = "600", value_parser = parse_secs, value_name = "SECS")]
+    wait_timeout: Duration,
+    #[command(flatten)]
+    endpoint: EndpointArgs,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let level = match cli.verbose {
+        0 => "info",
+        1 => "debug",
+        _ => "trace",
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level)),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_target(false)
+        .init();
+    let result = match cli.command {
+        Cmd::Attach(a) => attach(*a),
+        Cmd::Detach(a) => detach(a),
+        Cmd::Status(a) => status_cmd::run(&StateLayout::new(a.state_dir), a.json),
+        Cmd::DonorStatus(a) => a
+            .endpoint
+            .client()
+            .and_then(|c| donor::status(&a.addrs, a.json, &c)),
+        Cmd::DonorDrain(a) => a
+            .endpoint
+            .client()
+            .and_then(|c| donor::drain(&a.addr, a.undo, a.wait, &c, a.wait_timeout)),
+        Cmd::Simulate(a) => simulate::run(a),
+    };
+    if let Err(e) = result {
+        eprintln!("pagerctl: {}", error_chain(&e));
+        std::process::exit(1);
+    }
+}
+
+/// The error and its causes on one line, skipping a cause whose text its
+/// parent already carries (library errors often embed their source).
+fn error_chain(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if !out.contains(&text) {
+            if !out.is_empty() {
+                out.push_str(": ");
+            }
+            out.push_str(&text);
+        }
+    }
+    out
+}
+
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "client".to_string())
+}
+
+/// The client plugin: --plugin, else $NETPAGER_PLUGIN_DIR, else next to
+/// pagerctl (cargo puts both in target/release).
+fn find_plugin(given: Option<&Path>) -> Result<PathBuf> {
+    const NAME: &str = "libpager_client_plugin.so";
+    let path = match (given, std::env::var_os("NETPAGER_PLUGIN_DIR")) {
+        (Some(p), _) => p.to_path_buf(),
+        (None, Some(dir)) => PathBuf::from(dir).join(NAME),
+        (None, None) => std::env::current_exe()
+            .context("cannot find pagerctl's own path")?
+            .with_file_name(NAME),
+    };
+    if !path.is_file() {
+        bail!(
+            "client plugin {} not found (build it with make build, or pass --plugin)",
+            path.display()
+        );
+    }
+    // nbdkit resolves a relative plugin path from its own working directory.
+    path.canonicalize()
+        .with_context(|| format!("cannot resolve {}", path.display()))
+}
+
+/// Writes device.toml for a new device, or checks that a re-attach asks for
+/// the device the state directory already holds.
+fn prepare_config(a: &AttachArgs, layout: &StateLayout) -> Result<DeviceConfig> {
+    let path = layout.device_toml();
+    if path.exists() {
+        let old = DeviceConfig::load(&path)?;
+        if a.shapes_device() {
+            if a.size.is_none() || a.mode.is_none() || a.donors.is_empty() {
+                bail!(
+                    "{} already holds a device: attach it without device options, or give all of them \
+                     (--size, --mode, --donor ...) to check that they match it",
+                    path.display()
+                );
+            }
+            let client_id = a.client_id.clone().unwrap_or_else(|| old.client_id.clone());
+            let new = attach::build_config(&a.device_options(client_id)?, &layout.dir)?;
+            let diff = attach::differences(&old, &new);
+            if !diff.is_empty() {
+                bail!(
+                    "{} holds a device that differs in {}: attach without device options to reuse it, or use another --state-dir",
+                    path.display(),
+                    diff.join(", ")
+                );
+            }
+        }
+        tracing::info!("reusing {}", path.display());
+        return Ok(old);
+    }
+    let cfg = attach::build_config(
+        &a.device_options(a.client_id.clone().unwrap_or_else(host_name))?,
+        &layout.dir,
+    )?;
+    cfg.save(&path)?;
+    tracing::info!("wrote {}", path.display());
+    Ok(cfg)
+}
+
+fn attach(a: AttachArgs) -> Result<()> {
+    let layout = StateLayout::new(&a.state_dir);
+    attach_cmd::make_state_dir(&layout.dir)?;
+    let state_dir = layout
+        .dir
+        .canonicalize()
+        .with_context(|| format!("cannot resolve {}", layout.dir.display()))?;
+    let layout = StateLayout::new(state_dir);
+    if let Some(rec) = AttachRecord::load(&layout.attach_json())? {
+        let done: Vec<String> = rec.steps.iter().map(|s| s.describe()).collect();
+        bail!(
+            "{} is attached already ({}): run pagerctl detach --state-dir {} first",
+            layout.dir.display(),
+            if done.is_empty() {
+                "attach in progress or interrupted".to_string()
+            } else {
+                done.join(", ")
+            },
+            layout.dir.display()
+        );
+    }
+    layout.checked_socket().map_err(anyhow::Error::msg)?;
+    let plugin = find_plugin(a.plugin.as_deref())?;
+    let cfg = prepare_config(&a, &layout)?;
+    let via = a.via.resolve(
+        Path::new("/dev/nbd0").exists(),
+        procs::on_path("nbd-client"),
+    );
+    let plan = attach_cmd::Plan {
+        layout,
+        plugin,
+        export: cfg.client_id.clone(),
+        via,
+        swap: a.swap.then_some(a.priority),
+        start_timeout: a.start_timeout,
+        queue_depth: (a.queue_depth > 0).then_some(a.queue_depth),
+    };
+    let device = attach_cmd::attach(&plan)?;
+    println!("{}", device.display());
+    Ok(())
+}
+
+fn detach(a: DetachArgs) -> Result<()> {
+    let layout = StateLayout::new(&a.state_dir);
+    let Some(mut record) = AttachRecord::load(&layout.attach_json())? else {
+        bail!(
+            "{} is not attached (no {})",
+            layout.dir.display(),
+            layout.attach_json().display()
+        );
+    };
+    let device = record.device().map(Path::to_path_buf);
+    attach_cmd::undo_all(&layout, &mut record, a.timeout)?;
+    match device {
+        Some(d) => println!("detached {}", d.display()),
+        None => println!("detached"),
+    }
+    Ok(())
+}

@@ -1,0 +1,117 @@
+//! Running commands and watching processes: the thin layer under attach and
+//! detach.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+use crate::sys;
+
+/// Runs a command to completion and returns its stdout; a failure names the
+/// command line and carries its stderr.
+pub fn run(cmd: &[String]) -> Result<String> {
+    let line = cmd.join(" ");
+    tracing::info!("running {line}");
+    let out = Command::new(&cmd[0])
+        .args(&cmd[1..])
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("cannot run {line}"))?;
+    if !out.status.success() {
+        bail!(
+            "{line} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Whether an executable of this name is on PATH.
+pub fn on_path(name: &str) -> bool {
+    std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join(name).is_file()))
+        .unwrap_or(false)
+}
+
+/// Whether `pid` is a live process (zombies count as gone).
+pub fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the parenthesised command name, which may itself
+        // contain parentheses.
+        Ok(stat) => {
+            stat.rfind(')')
+                .and_then(|i| stat[i + 1..].split_whitespace().next())
+                != Some("Z")
+        }
+        Err(_) => false,
+    }
+}
+
+/// Start time of `pid` in clock ticks since boot (field 22 of
+/// /proc/PID/stat), `None` when there is no such process.
+pub fn start_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Whether `pid` is still the live process that started at `started`; a pid
+/// reused after a crash or a reboot is never ours.
+pub fn owned(pid: u32, started: u64) -> bool {
+    alive(pid) && start_ticks(pid) == Some(started)
+}
+
+/// Waits until our process `pid` is gone, for at most `limit`.
+pub fn wait_gone(pid: u32, started: u64, limit: Duration) -> bool {
+    let start = Instant::now();
+    while owned(pid, started) {
+        if start.elapsed() >= limit {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    true
+}
+
+/// Stops our process `pid` (started at `started`): SIGTERM, then SIGKILL if
+/// it is still there after `grace`. Gone or not ours: nothing to do.
+pub fn stop(pid: u32, started: u64, what: &str, grace: Duration) -> Result<()> {
+    if !owned(pid, started) {
+        return Ok(());
+    }
+    tracing::info!("stopping {what} (pid {pid})");
+    sys::signal(pid, libc::SIGTERM).with_context(|| format!("cannot signal {what} (pid {pid})"))?;
+    if wait_gone(pid, started, grace) {
+        return Ok(());
+    }
+    tracing::warn!("{what} (pid {pid}) ignored SIGTERM for {grace:?}; killing it");
+    sys::signal(pid, libc::SIGKILL).with_context(|| format!("cannot kill {what} (pid {pid})"))?;
+    if !wait_gone(pid, started, Duration::from_secs(5)) {
+        bail!("{what} (pid {pid}) survives SIGKILL");
+    }
+    Ok(())
+}
+
+/// Exempts `pid` from the OOM killer: a process on the swap path that the
+/// kernel kills to free memory takes every swapped page with it (nbd-client
+/// -swap does the same for itself). Best effort: a warning when refused.
+pub fn protect_from_oom(pid: u32, what: &str) {
+    if let Err(e) = std::fs::write(format!("/proc/{pid}/oom_score_adj"), "-1000") {
+        tracing::warn!("cannot exempt {what} (pid {pid}) from the OOM killer: {e}");
+    }
+}
+
+/// The last lines of a log file, to explain a process that died.
+pub fn log_tail(path: &Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// Reads a pid file.
+pub fn read_pidfile(path: &Path) -> Option<u32> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}

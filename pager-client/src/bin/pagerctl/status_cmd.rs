@@ -1,0 +1,88 @@
+//! `pagerctl status`: the device's own status (status.json, written by the
+//! client plugin about once a second) plus what pagerctl attached and
+//! whether the client's nbdkit still runs.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Result};
+use pager_client::attach::record::StateLayout;
+use pager_client::attach::AttachRecord;
+use pager_client::status::{render_table, ClientStatus};
+
+use crate::procs;
+
+/// How old status.json may be while nbdkit runs before it is called stale
+/// (the device rewrites it about once a second).
+const STALE_MS: u64 = 10_000;
+
+pub fn run(layout: &StateLayout, json: bool) -> Result<()> {
+    if !layout.dir.is_dir() {
+        bail!("state directory {} does not exist", layout.dir.display());
+    }
+    let record = AttachRecord::load(&layout.attach_json())?;
+    let nbdkit = record.as_ref().and_then(|r| r.nbdkit_process());
+    let nbdkit_alive = nbdkit.is_some_and(|(pid, started)| procs::owned(pid, started));
+    let status = match ClientStatus::read(&layout.dir) {
+        Ok(s) => Some(s),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => bail!("cannot read the device status: {e}"),
+    };
+    let now_ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0);
+    let age_ms = status
+        .as_ref()
+        .map(|s| now_ms.saturating_sub(s.updated_unix_ms));
+    let stale = !nbdkit_alive || age_ms.is_some_and(|a| a > STALE_MS);
+    if json {
+        let v = serde_json::json!({
+            "state_dir": layout.dir,
+            "attached": record.as_ref().is_some_and(|r| !r.steps.is_empty()),
+            "device": record.as_ref().and_then(|r| r.device()),
+            "via": record.as_ref().map(|r| r.via),
+            "swap": record.as_ref().is_some_and(|r| r.swapping()),
+            "steps": record.as_ref().map(|r| r.steps.clone()).unwrap_or_default(),
+            "nbdkit": nbdkit.map(|(pid, _)| serde_json::json!({ "pid": pid, "alive": nbdkit_alive })),
+            "status": status,
+            "status_age_ms": age_ms,
+            "stale": stale,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    match &record {
+        Some(r) if !r.steps.is_empty() => {
+            let steps: Vec<String> = r.steps.iter().map(|s| s.describe()).collect();
+            println!("attached: {}", steps.join("; "));
+        }
+        _ => println!("not attached ({})", layout.dir.display()),
+    }
+    match nbdkit {
+        Some((pid, _)) if nbdkit_alive => println!("client nbdkit: running, pid {pid}"),
+        Some((pid, _)) => {
+            println!(
+                "client nbdkit: NOT RUNNING (pid {pid} is gone; see {})",
+                layout.nbdkit_log().display()
+            )
+        }
+        None => {}
+    }
+    match (&status, age_ms) {
+        (Some(s), Some(age)) => {
+            if stale {
+                println!(
+                    "status below is {:.1} s old and may be out of date",
+                    age as f64 / 1000.0
+                );
+            }
+            println!();
+            print!("{}", render_table(s));
+        }
+        _ => println!(
+            "no device status yet ({} missing)",
+            layout.status_json().display()
+        ),
+    }
+    Ok(())
+}

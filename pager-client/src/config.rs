@@ -1,0 +1,730 @@
+//! The device's configuration: `device.toml` in the client's state
+//! directory. `pagerctl attach` builds a [`DeviceConfig`] in code and saves
+//! it; the client plugin loads it (`state=DIR`).
+//!
+//! Sizes are written as integers (bytes) or strings with a binary suffix
+//! (`"64M"`, `"1GiB"`); they are saved as integers.
+
+use std::fmt;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::nbd::{Endpoint, Timeouts};
+use crate::policy;
+
+/// File name of the configuration inside a state directory.
+pub const FILE_NAME: &str = "device.toml";
+
+/// A byte count; see the module documentation for its TOML forms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct ByteSize(pub u64);
+
+impl fmt::Display for ByteSize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Parses `4096`, `64K`, `64KiB`, `1M`, `2G`, `1T` (binary multiples).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(digits);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (expected e.g. 4096, 64M, 1GiB)"))?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kib" | "kb" => 10,
+        "m" | "mib" | "mb" => 20,
+        "g" | "gib" | "gb" => 30,
+        "t" | "tib" | "tb" => 40,
+        _ => {
+            return Err(format!(
+                "{s:?} has an unknown size suffix {unit:?} (use K, M, G or T)"
+            ))
+        }
+    };
+    n.checked_mul(1u64 << shift)
+        .ok_or_else(|| format!("{s:?} is too large"))
+}
+
+impl Serialize for ByteSize {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Int(u64),
+            Text(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Int(n) => Ok(ByteSize(n)),
+            Raw::Text(s) => parse_size(&s)
+                .map(ByteSize)
+                .map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+/// How the device keeps remote pages safe (DESIGN.md §2.2).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+pub enum Mode {
+    /// One copy per extent; a dead donor loses its extents (reported).
+    None,
+    /// Two copies per extent on distinct donors.
+    Mirror,
+    /// RAID-5: groups of `width - 1` data extents plus one parity extent on
+    /// `width` distinct donors, parity position rotating per group.
+    Parity { width: u32 },
+    /// One remote copy plus an asynchronous write-through copy in the local
+    /// file `path` (sparse, the device's size); `queue` bounds the bytes
+    /// waiting to be written there.
+    Disk {
+        path: PathBuf,
+        #[serde(default = "default_queue")]
+        queue: ByteSize,
+    },
+}
+
+impl Mode {
+    /// The word used in status and logs.
+    pub fn word(&self) -> &'static str {
+        match self {
+            Mode::None => "none",
+            Mode::Mirror => "mirror",
+            Mode::Parity { .. } => "parity",
+            Mode::Disk { .. } => "disk",
+        }
+    }
+
+    /// Distinct donors an extent (or a parity group) needs.
+    pub fn donors_needed(&self) -> usize {
+        match self {
+            Mode::None | Mode::Disk { .. } => 1,
+            Mode::Mirror => 2,
+            Mode::Parity { width } => *width as usize,
+        }
+    }
+}
+
+/// One donor: an nbdkit running the pager-server plugin (or any NBD server
+/// with multi-conn).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DonorConfig {
+    /// Unique name; the extent map records placements by this name.
+    pub name: String,
+    /// NBD address `host:port`.
+    pub address: String,
+    /// Export to ask for; default `<client_id>@<export_size>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub export: Option<String>,
+    /// Size of our export on this donor; default the device size plus one
+    /// extent (slot 0 holds the donor label).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub export_size: Option<ByteSize>,
+    /// Status endpoint `host:port` (pager-server `status=`). Without one
+    /// the donor counts as idle with unknown capacity (equal weights).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<String>,
+    /// TLS pre-shared key file; TLS is required when set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_psk_file: Option<PathBuf>,
+    /// TLS user name for the PSK (default: `client_id`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_username: Option<String>,
+}
+
+impl DonorConfig {
+    pub fn new(name: impl Into<String>, address: impl Into<String>) -> Self {
+        DonorConfig {
+            name: name.into(),
+            address: address.into(),
+            export: None,
+            export_size: None,
+            status: None,
+            tls_psk_file: None,
+            tls_username: None,
+        }
+    }
+
+    pub fn with_status(mut self, status: impl Into<String>) -> Self {
+        self.status = Some(status.into());
+        self
+    }
+
+    pub fn with_export(mut self, export: impl Into<String>) -> Self {
+        self.export = Some(export.into());
+        self
+    }
+
+    pub fn with_tls(mut self, psk_file: impl Into<PathBuf>, username: Option<String>) -> Self {
+        self.tls_psk_file = Some(psk_file.into());
+        self.tls_username = username;
+        self
+    }
+}
+
+/// Donor selection (DESIGN.md §2.1).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyConfig {
+    /// Load-balancing rate b in [0, 1]: f_i = b·w_i + (1-b)·a_i.
+    #[serde(default = "default_b")]
+    pub b: f64,
+    /// The x of "age of the x-th oldest page" the donors are expected to
+    /// use (their `age-x=`); a donor reporting another x is logged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub age_x: Option<u64>,
+    /// Epoch: how often donors' status is polled and frequencies recomputed.
+    #[serde(default = "default_epoch_ms")]
+    pub epoch_ms: u64,
+    /// S, mean service time of one request in microseconds; default the
+    /// donors' reported `mean_service_us`, or 100 us.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service_time_us: Option<f64>,
+    /// N_g, number of clients sharing the donors.
+    #[serde(default = "default_n_clients")]
+    pub n_clients: u32,
+    /// Borrow donors' unused capacity U_e (§3.6.2).
+    #[serde(default)]
+    pub borrowing: bool,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig {
+            b: default_b(),
+            age_x: None,
+            epoch_ms: default_epoch_ms(),
+            service_time_us: None,
+            n_clients: default_n_clients(),
+            borrowing: false,
+        }
+    }
+}
+
+/// Timeouts towards donors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TimeoutConfig {
+    /// Connect plus NBD negotiation, milliseconds.
+    #[serde(default = "default_connect_ms")]
+    pub connect_ms: u64,
+    /// One request; a donor not answering in time is marked failed.
+    #[serde(default = "default_request_ms")]
+    pub request_ms: u64,
+}
+
+impl Default for TimeoutConfig {
+    fn default() -> Self {
+        TimeoutConfig {
+            connect_ms: default_connect_ms(),
+            request_ms: default_request_ms(),
+        }
+    }
+}
+
+/// Local file or block device used when no donor can take an extent.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FallbackConfig {
+    pub path: PathBuf,
+    /// Bytes of it to use (a multiple of the extent size).
+    pub size: ByteSize,
+}
+
+/// Everything the device needs; see `device.toml` in the state directory.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceConfig {
+    /// This client's name; names its exports on donors and its TLS user.
+    pub client_id: String,
+    /// Device size in bytes (a multiple of 4 KiB).
+    pub size: ByteSize,
+    /// Unit of placement: a power of two, a multiple of 4 KiB (default 1 MiB).
+    #[serde(default = "default_extent")]
+    pub extent_size: ByteSize,
+    /// Connections kept to each donor (requests in flight per donor).
+    #[serde(default = "default_connections")]
+    pub connections_per_donor: u32,
+    /// Extent-sized I/O buffers preallocated for parity, rebuild and drain.
+    #[serde(default = "default_io_buffers")]
+    pub io_buffers: u32,
+    /// Lock the serving process in RAM (mlockall) so swap-out never waits
+    /// on swap-in of the pager itself.
+    #[serde(default = "default_true")]
+    pub mlock: bool,
+    pub mode: Mode,
+    #[serde(default)]
+    pub policy: PolicyConfig,
+    #[serde(default)]
+    pub timeouts: TimeoutConfig,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fallback: Option<FallbackConfig>,
+    pub donors: Vec<DonorConfig>,
+}
+
+fn default_extent() -> ByteSize {
+    ByteSize(1 << 20)
+}
+fn default_queue() -> ByteSize {
+    ByteSize(16 << 20)
+}
+fn default_connections() -> u32 {
+    4
+}
+fn default_io_buffers() -> u32 {
+    8
+}
+fn default_true() -> bool {
+    true
+}
+fn default_b() -> f64 {
+    policy::DEFAULT_B
+}
+fn default_epoch_ms() -> u64 {
+    5000
+}
+fn default_n_clients() -> u32 {
+    1
+}
+fn default_connect_ms() -> u64 {
+    3000
+}
+fn default_request_ms() -> u64 {
+    5000
+}
+
+/// Configuration errors, naming the file and the field.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot write {path}: {source}")]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("{where_}field `{field}`: {reason}")]
+    Invalid {
+        where_: String,
+        field: String,
+        reason: String,
+    },
+    #[error("cannot encode the configuration: {0}")]
+    Encode(String),
+}
+
+/// Splits `host:port` (`[v6]:port` too).
+pub fn split_host_port(addr: &str) -> Option<(String, u16)> {
+    let (host, port) = addr.rsplit_once(':')?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.is_empty() {
+        return None;
+    }
+    Some((host.to_string(), port.parse().ok()?))
+}
+
+impl DeviceConfig {
+    /// A configuration with defaults for everything but these and no donors.
+    pub fn new(client_id: impl Into<String>, size: u64, mode: Mode) -> Self {
+        DeviceConfig {
+            client_id: client_id.into(),
+            size: ByteSize(size),
+            extent_size: default_extent(),
+            connections_per_donor: default_connections(),
+            io_buffers: default_io_buffers(),
+            mlock: true,
+            mode,
+            policy: PolicyConfig::default(),
+            timeouts: TimeoutConfig::default(),
+            fallback: None,
+            donors: Vec::new(),
+        }
+    }
+
+    pub fn with_donor(mut self, d: DonorConfig) -> Self {
+        self.donors.push(d);
+        self
+    }
+
+    /// Reads and validates a configuration file.
+    pub fn load(path: &Path) -> Result<DeviceConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let cfg: DeviceConfig = toml::from_str(&text).map_err(|e| ConfigError::Parse {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        cfg.check(&format!("{}: ", path.display()))?;
+        Ok(cfg)
+    }
+
+    /// Reads `DIR/device.toml`.
+    pub fn load_from_state_dir(dir: &Path) -> Result<DeviceConfig, ConfigError> {
+        Self::load(&dir.join(FILE_NAME))
+    }
+
+    /// Validates and writes atomically (temporary file, fsync, rename).
+    pub fn save(&self, path: &Path) -> Result<(), ConfigError> {
+        self.check(&format!("{}: ", path.display()))?;
+        let text = toml::to_string_pretty(self).map_err(|e| ConfigError::Encode(e.to_string()))?;
+        let werr = |source| ConfigError::Write {
+            path: path.to_path_buf(),
+            source,
+        };
+        let tmp = path.with_extension("toml.tmp");
+        let mut f = std::fs::File::create(&tmp).map_err(werr)?;
+        f.write_all(text.as_bytes())
+            .and_then(|_| f.sync_all())
+            .map_err(werr)?;
+        std::fs::rename(&tmp, path).map_err(werr)
+    }
+
+    /// Checks every field; errors name the field.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.check("")
+    }
+
+    fn check(&self, where_: &str) -> Result<(), ConfigError> {
+        let bad = |field: &str, reason: String| {
+            Err(ConfigError::Invalid {
+                where_: where_.to_string(),
+                field: field.to_string(),
+                reason,
+            })
+        };
+        if self.client_id.is_empty() || self.client_id.contains(['@', '/', ' ']) {
+            return bad(
+                "client_id",
+                format!(
+                    "{:?} must be non-empty without '@', '/' or spaces",
+                    self.client_id
+                ),
+            );
+        }
+        let e = self.extent_size.0;
+        if e < 4096 || !e.is_power_of_two() || e > (64 << 20) {
+            return bad(
+                "extent_size",
+                format!("{e} must be a power of two between 4096 and 64 MiB"),
+            );
+        }
+        if self.size.0 == 0 || !self.size.0.is_multiple_of(4096) {
+            return bad(
+                "size",
+                format!("{} must be a positive multiple of 4096", self.size.0),
+            );
+        }
+        if self.size.0 / e > u32::MAX as u64 {
+            return bad(
+                "size",
+                format!("{} needs more than 2^32 extents of {e} bytes", self.size.0),
+            );
+        }
+        if self.connections_per_donor == 0 || self.connections_per_donor > 64 {
+            return bad(
+                "connections_per_donor",
+                format!("{} must be 1..=64", self.connections_per_donor),
+            );
+        }
+        if self.io_buffers < 2 {
+            return bad(
+                "io_buffers",
+                format!("{} must be at least 2", self.io_buffers),
+            );
+        }
+        let p = &self.policy;
+        if !(0.0..=1.0).contains(&p.b) {
+            return bad("policy.b", format!("{} must be within [0, 1]", p.b));
+        }
+        if p.epoch_ms == 0 {
+            return bad("policy.epoch_ms", "must be positive".into());
+        }
+        if p.n_clients == 0 {
+            return bad("policy.n_clients", "must be at least 1".into());
+        }
+        if let Some(s) = p.service_time_us {
+            if !(s > 0.0 && s.is_finite()) {
+                return bad("policy.service_time_us", format!("{s} must be positive"));
+            }
+        }
+        if self.timeouts.connect_ms == 0 {
+            return bad("timeouts.connect_ms", "must be positive".into());
+        }
+        if self.timeouts.request_ms == 0 {
+            return bad("timeouts.request_ms", "must be positive".into());
+        }
+        // nbdkit changes directory to / when it daemonises: paths must be
+        // absolute.
+        let relative = |p: &Path| !p.is_absolute();
+        if let Some(fb) = &self.fallback {
+            if relative(&fb.path) {
+                return bad(
+                    "fallback.path",
+                    format!("{:?} must be an absolute path", fb.path),
+                );
+            }
+            if fb.size.0 == 0 || !fb.size.0.is_multiple_of(e) {
+                return bad(
+                    "fallback.size",
+                    format!(
+                        "{} must be a positive multiple of extent_size {e}",
+                        fb.size.0
+                    ),
+                );
+            }
+        }
+        match &self.mode {
+            Mode::Parity { width } if *width < 3 || *width > 32 => {
+                return bad(
+                    "mode.width",
+                    format!("{width} must be 3..=32 (N-1 data + 1 parity)"),
+                );
+            }
+            Mode::Disk { path, .. } if relative(path) => {
+                return bad(
+                    "mode.path",
+                    format!("write-through file {path:?} must be an absolute path"),
+                );
+            }
+            Mode::Disk { queue, .. } if queue.0 < 4096 => {
+                return bad("mode.queue", format!("{} must be at least 4096", queue.0));
+            }
+            _ => {}
+        }
+        for (i, d) in self.donors.iter().enumerate() {
+            let f = |name: &str| format!("donors[{i}].{name}");
+            if d.name.is_empty() || d.name.len() > 200 {
+                return bad(&f("name"), "must be 1..=200 bytes".into());
+            }
+            if self.donors[..i].iter().any(|o| o.name == d.name) {
+                return bad(&f("name"), format!("{:?} is used by two donors", d.name));
+            }
+            if split_host_port(&d.address).is_none() {
+                return bad(&f("address"), format!("{:?} is not host:port", d.address));
+            }
+            if self.donors[..i]
+                .iter()
+                .any(|o| o.address == d.address && o.export == d.export)
+            {
+                return bad(
+                    &f("address"),
+                    format!("{} is used by two donors", d.address),
+                );
+            }
+            if let Some(s) = &d.status {
+                if split_host_port(s).is_none() {
+                    return bad(&f("status"), format!("{s:?} is not host:port"));
+                }
+            }
+            if let Some(p) = d.tls_psk_file.as_deref().filter(|p| relative(p)) {
+                return bad(
+                    &f("tls_psk_file"),
+                    format!("{p:?} must be an absolute path"),
+                );
+            }
+            if let Some(sz) = d.export_size {
+                if sz.0 < 2 * e {
+                    return bad(
+                        &f("export_size"),
+                        format!("{} is smaller than two extents", sz.0),
+                    );
+                }
+            }
+        }
+        let need = self.mode.donors_needed();
+        if self.donors.len() < need {
+            let what = match self.mode {
+                Mode::Mirror => "mirror needs at least 2 distinct donors".to_string(),
+                Mode::Parity { width } => {
+                    format!("parity of width {width} needs at least {width} distinct donors")
+                }
+                _ => "at least one donor is needed".to_string(),
+            };
+            return bad("donors", format!("{what}, {} given", self.donors.len()));
+        }
+        Ok(())
+    }
+
+    /// Extents in the device.
+    pub fn extents(&self) -> u64 {
+        self.size.0.div_ceil(self.extent_size.0)
+    }
+
+    /// Our export size on donor `d`.
+    pub fn export_size(&self, d: &DonorConfig) -> u64 {
+        d.export_size
+            .map(|s| s.0)
+            .unwrap_or((self.extents() + 1) * self.extent_size.0)
+    }
+
+    /// Our export name on donor `d`.
+    pub fn export_name(&self, d: &DonorConfig) -> String {
+        d.export
+            .clone()
+            .unwrap_or_else(|| format!("{}@{}", self.client_id, self.export_size(d)))
+    }
+
+    /// Where and how to connect to donor `d`.
+    pub fn endpoint(&self, d: &DonorConfig) -> Endpoint {
+        let (host, port) = split_host_port(&d.address).unwrap_or_else(|| (d.address.clone(), 0));
+        Endpoint {
+            host,
+            port,
+            export: self.export_name(d),
+            tls_psk_file: d.tls_psk_file.clone(),
+            tls_username: d.tls_psk_file.as_ref().map(|_| {
+                d.tls_username
+                    .clone()
+                    .unwrap_or_else(|| self.client_id.clone())
+            }),
+        }
+    }
+
+    pub fn nbd_timeouts(&self) -> Timeouts {
+        Timeouts {
+            connect: Duration::from_millis(self.timeouts.connect_ms),
+            request: Duration::from_millis(self.timeouts.request_ms),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> DeviceConfig {
+        let mut c = DeviceConfig::new("busy1", 64 << 20, Mode::Parity { width: 3 })
+            .with_donor(DonorConfig::new("d1", "127.0.0.2:10809").with_status("127.0.0.2:7000"))
+            .with_donor(DonorConfig::new("d2", "127.0.0.3:10809"))
+            .with_donor(DonorConfig::new("d3", "127.0.0.4:10809").with_tls("/etc/psk", None));
+        c.fallback = Some(FallbackConfig {
+            path: "/var/tmp/fb".into(),
+            size: ByteSize(16 << 20),
+        });
+        c
+    }
+
+    #[test]
+    fn save_and_load_round_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join(FILE_NAME);
+        let c = sample();
+        c.save(&p).unwrap();
+        assert_eq!(DeviceConfig::load(&p).unwrap(), c);
+    }
+
+    #[test]
+    fn hand_written_file_with_suffixes_and_defaults() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join(FILE_NAME);
+        std::fs::write(
+            &p,
+            r#"
+client_id = "busy1"
+size = "256M"
+mode = { kind = "disk", path = "/var/tmp/wt.img" }
+[[donors]]
+name = "a"
+address = "127.0.0.2:10809"
+"#,
+        )
+        .unwrap();
+        let c = DeviceConfig::load(&p).unwrap();
+        assert_eq!(c.size.0, 256 << 20);
+        assert_eq!(c.extent_size.0, 1 << 20);
+        assert_eq!(
+            c.mode,
+            Mode::Disk {
+                path: "/var/tmp/wt.img".into(),
+                queue: ByteSize(16 << 20)
+            }
+        );
+        assert_eq!(c.policy.b, policy::DEFAULT_B);
+        assert_eq!(
+            c.export_name(&c.donors[0]),
+            format!("busy1@{}", 257u64 << 20)
+        );
+    }
+
+    #[test]
+    fn errors_name_the_file_and_field() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join(FILE_NAME);
+        let mut c = sample();
+        c.donors.truncate(2);
+        let e = c.save(&p).unwrap_err().to_string();
+        assert!(
+            e.contains("device.toml") && e.contains("`donors`") && e.contains("width 3"),
+            "{e}"
+        );
+
+        let mut c = sample();
+        c.extent_size = ByteSize(3 << 12);
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("`extent_size`"));
+
+        let mut c = sample();
+        c.donors[1].name = "d1".into();
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("`donors[1].name`"));
+
+        let mut c = sample();
+        c.fallback.as_mut().unwrap().path = "fb.img".into();
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("`fallback.path`"));
+
+        std::fs::write(&p, "client_id = \"x\"\nsize = \"12Q\"\n").unwrap();
+        let e = DeviceConfig::load(&p).unwrap_err().to_string();
+        assert!(e.contains("device.toml") && e.contains("suffix"), "{e}");
+    }
+
+    #[test]
+    fn mirror_needs_two_donors() {
+        let c =
+            DeviceConfig::new("c", 1 << 20, Mode::Mirror).with_donor(DonorConfig::new("a", "h:1"));
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("mirror needs at least 2"));
+    }
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size("64K").unwrap(), 64 << 10);
+        assert_eq!(parse_size("1GiB").unwrap(), 1 << 30);
+        assert!(parse_size("x").is_err());
+    }
+}

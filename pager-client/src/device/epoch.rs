@@ -1,0 +1,210 @@
+//! Once per epoch: read every donor's status endpoint, send a heartbeat
+//! request to every donor that is up (a hung donor is detected even when
+//! idle), reconnect failed donors as new ones, and recompute the selection
+//! frequencies (DESIGN.md §2.1).
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use netpager_proto::DonorState;
+
+use super::Inner;
+use crate::nbd::{self, Op};
+use crate::policy::{self, DonorView, PolicyParams};
+
+/// `give_pages` of a donor without a status endpoint: all such donors weigh
+/// the same (capacity unknown).
+const UNKNOWN_GIVE_PAGES: u64 = 1 << 20;
+const DEFAULT_SERVICE_US: f64 = 100.0;
+
+impl Inner {
+    pub(crate) fn epoch_loop(&self) {
+        let period = Duration::from_millis(self.cfg.policy.epoch_ms);
+        let mut last = Instant::now();
+        while self.epoch_wake.wait(period, &self.stop) {
+            let window = last.elapsed().max(Duration::from_millis(1));
+            last = Instant::now();
+            self.run_epoch(window);
+        }
+    }
+
+    /// One epoch; `window` is the time since the previous one (for T_j).
+    pub(crate) fn run_epoch(&self, window: Duration) {
+        self.poll_status();
+        self.heartbeat();
+        for d in &self.donors {
+            self.revive(d);
+        }
+        self.update_frequencies(window);
+    }
+
+    fn poll_status(&self) {
+        for d in &self.donors {
+            let Some(addr) = &d.cfg.status else {
+                // Only our own ENOSPC marks such a donor full: retry it.
+                d.full.store(false, Ordering::Release);
+                continue;
+            };
+            match d.status_client.query(addr) {
+                Ok(s) => {
+                    let draining = s.state() == DonorState::Draining;
+                    let was = d.draining.swap(draining, Ordering::AcqRel);
+                    if draining != was {
+                        if draining {
+                            tracing::warn!(
+                                "donor {} is draining ({}); moving our extents away",
+                                d.cfg.name,
+                                if s.state_reason.is_empty() {
+                                    "no reason given"
+                                } else {
+                                    &s.state_reason
+                                }
+                            );
+                            self.maint_wake.notify();
+                        } else {
+                            tracing::info!("donor {} stopped draining", d.cfg.name);
+                        }
+                    }
+                    d.full
+                        .store(s.free_bytes < self.layout.extent, Ordering::Release);
+                    if let Some(x) = self.cfg.policy.age_x {
+                        let mut r = d.remote();
+                        if s.age_x != x && !r.age_x_warned {
+                            tracing::warn!("donor {} reports the age of its {}-th oldest page, not the {x}-th configured", d.cfg.name, s.age_x);
+                            r.age_x_warned = true;
+                        }
+                    }
+                    let mut r = d.remote();
+                    r.status = Some(s);
+                    r.error = None;
+                }
+                Err(e) => {
+                    let mut r = d.remote();
+                    if r.error.is_none() {
+                        tracing::warn!("donor {}: status endpoint {addr}: {e}", d.cfg.name);
+                    }
+                    r.error = Some(e.to_string());
+                }
+            }
+        }
+    }
+
+    /// A small read (inside the label block) from every donor that is up; one that does not answer
+    /// in time is marked failed.
+    fn heartbeat(&self) {
+        let up: Vec<&super::donor::Donor> = self
+            .donors
+            .iter()
+            .filter(|d| !d.is_failed() && d.attached.load(Ordering::Acquire))
+            .collect();
+        let mut bufs = vec![[0u8; 512]; up.len()];
+        let mut batch: Vec<nbd::Request<'_, '_>> = up
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(d, b)| nbd::Request {
+                pool: &d.pool,
+                offset: 0,
+                op: Op::Read(&mut b[..]),
+            })
+            .collect();
+        for (d, r) in up.iter().zip(nbd::run(&mut batch)) {
+            if let Err(e) = r {
+                self.fail_donor(d, &format!("heartbeat: {e}"));
+            }
+        }
+    }
+
+    fn update_frequencies(&self, window: Duration) {
+        let mut service = Vec::new();
+        let views: Vec<DonorView> = self
+            .donors
+            .iter()
+            .map(|d| {
+                let eligible = self.ineligible_reason(d.idx).is_none();
+                let r = d.remote();
+                match (&d.cfg.status, &r.status, &r.error) {
+                    (None, _, _) => DonorView {
+                        give_pages: UNKNOWN_GIVE_PAGES,
+                        age_x_ms: policy::FREE_PAGE_AGE_MS,
+                        busy: false,
+                        u_star: 1.0,
+                        u_unused: 0.0,
+                        eligible,
+                    },
+                    (Some(_), Some(s), None) => {
+                        if s.mean_service_us > 0.0 {
+                            service.push(s.mean_service_us);
+                        }
+                        let page = if s.page_size > 0 { s.page_size } else { 4096 };
+                        let give = s.free_bytes / page;
+                        let x = self.cfg.policy.age_x.unwrap_or(s.age_x).max(1);
+                        DonorView {
+                            give_pages: give,
+                            age_x_ms: if give >= x {
+                                policy::FREE_PAGE_AGE_MS
+                            } else {
+                                s.age_x_ms
+                            },
+                            busy: s.state() == DonorState::Busy,
+                            u_star: s.u_star.clamp(0.0, 1.0),
+                            u_unused: s.u_unused.clamp(0.0, 1.0),
+                            eligible,
+                        }
+                    }
+                    // Its status is unknown or stale: place nothing new there.
+                    _ => DonorView {
+                        give_pages: 0,
+                        age_x_ms: 0,
+                        busy: true,
+                        u_star: 0.0,
+                        u_unused: 0.0,
+                        eligible: false,
+                    },
+                }
+            })
+            .collect();
+        let s_us = self.cfg.policy.service_time_us.unwrap_or_else(|| {
+            if service.is_empty() {
+                DEFAULT_SERVICE_US
+            } else {
+                service.iter().sum::<f64>() / service.len() as f64
+            }
+        });
+        let requests = self.requests.swap(0, Ordering::Relaxed);
+        self.requests_total.fetch_add(requests, Ordering::Relaxed);
+        let params = PolicyParams {
+            b: self.cfg.policy.b,
+            service_time_s: s_us / 1e6,
+            interarrival_s: window.as_secs_f64() / requests.max(1) as f64,
+            n_clients: self.cfg.policy.n_clients,
+            borrowing: self.cfg.policy.borrowing,
+        };
+        let freqs = match policy::frequencies(&views, &params) {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::warn!("selection frequencies: {e}; using equal weights");
+                let n = views.iter().filter(|v| v.eligible).count().max(1) as f64;
+                policy::Frequencies {
+                    f: views
+                        .iter()
+                        .map(|v| if v.eligible { 1.0 / n } else { 0.0 })
+                        .collect(),
+                    ..Default::default()
+                }
+            }
+        };
+        let throttle = (freqs.all_capped && views.iter().any(|v| v.eligible)).then(|| {
+            format!(
+                "every donor is capped by its load bound (T_j = {:.1} us between requests, S = {s_us:.1} us, N_g = {})",
+                params.interarrival_s * 1e6,
+                params.n_clients
+            )
+        });
+        let mut pl = self.placement.lock().unwrap_or_else(|p| p.into_inner());
+        if throttle.is_some() && pl.throttle.is_none() {
+            tracing::warn!("{}", throttle.as_deref().unwrap_or_default());
+        }
+        pl.throttle = throttle;
+        pl.freqs = freqs;
+    }
+}

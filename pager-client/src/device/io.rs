@@ -1,0 +1,341 @@
+//! Moving bytes: requests to members' locations (donor slots through the
+//! NBD pools, in parallel; fallback slots through the local file), the
+//! preallocated extent buffers, and XOR.
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileExt, FileTypeExt};
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::{Condvar, Mutex};
+
+use super::{DeviceError, Inner, Result};
+use crate::config::FallbackConfig;
+use crate::extent_map::{ExtentMap, Loc, SlotOwner};
+use crate::nbd::{self, Op};
+
+/// Zeros for zero-writes to local files and parity zeroing.
+pub(crate) static ZEROS: [u8; 64 << 10] = [0; 64 << 10];
+
+/// Extent-sized buffers allocated once, so parity updates, rebuild and
+/// drain never allocate large memory on the swap path.
+pub(crate) struct BufPool {
+    free: Mutex<Vec<Box<[u8]>>>,
+    cv: Condvar,
+}
+
+impl BufPool {
+    pub fn new(n: usize, size: usize) -> BufPool {
+        // Filled with a non-zero byte so the pages are really allocated now.
+        let free = (0..n)
+            .map(|_| vec![0xa5u8; size].into_boxed_slice())
+            .collect();
+        BufPool {
+            free: Mutex::new(free),
+            cv: Condvar::new(),
+        }
+    }
+
+    /// Takes `n` buffers at once (waiting for them), so two takers can never
+    /// each hold part of what the other needs.
+    pub fn take(&self, n: usize) -> Bufs<'_> {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        while free.len() < n {
+            free = self.cv.wait(free).unwrap_or_else(|p| p.into_inner());
+        }
+        let at = free.len() - n;
+        let bufs = free.split_off(at);
+        Bufs { pool: self, bufs }
+    }
+}
+
+pub(crate) struct Bufs<'a> {
+    pool: &'a BufPool,
+    bufs: Vec<Box<[u8]>>,
+}
+
+impl Bufs<'_> {
+    pub fn one(&mut self, len: usize) -> &mut [u8] {
+        &mut self.bufs[0][..len]
+    }
+
+    pub fn two(&mut self, len: usize) -> (&mut [u8], &mut [u8]) {
+        let (a, b) = self.bufs.split_at_mut(1);
+        (&mut a[0][..len], &mut b[0][..len])
+    }
+}
+
+impl Drop for Bufs<'_> {
+    fn drop(&mut self) {
+        let mut free = self.pool.free.lock().unwrap_or_else(|p| p.into_inner());
+        free.append(&mut self.bufs);
+        self.pool.cv.notify_all();
+    }
+}
+
+/// `dst ^= src`.
+pub(crate) fn xor_into(dst: &mut [u8], src: &[u8]) {
+    let mut d = dst.chunks_exact_mut(8);
+    let mut s = src.chunks_exact(8);
+    for (a, b) in (&mut d).zip(&mut s) {
+        let x = u64::from_ne_bytes(a[..].try_into().expect("8 bytes"))
+            ^ u64::from_ne_bytes(b.try_into().expect("8 bytes"));
+        a.copy_from_slice(&x.to_ne_bytes());
+    }
+    for (a, b) in d.into_remainder().iter_mut().zip(s.remainder()) {
+        *a ^= b;
+    }
+}
+
+/// The local fallback file (or block device), in extent-sized slots.
+pub(crate) struct Fallback {
+    file: File,
+    pub path: PathBuf,
+    extent: u64,
+    pub size: u64,
+}
+
+fn write_zeros(file: &File, mut off: u64, mut len: u64) -> std::io::Result<()> {
+    while len > 0 {
+        let n = len.min(ZEROS.len() as u64);
+        file.write_all_at(&ZEROS[..n as usize], off)?;
+        off += n;
+        len -= n;
+    }
+    Ok(())
+}
+
+impl Fallback {
+    pub fn open(cfg: &FallbackConfig, extent: u64, map: &ExtentMap) -> Result<Fallback> {
+        let ferr = |source| DeviceError::File {
+            path: cfg.path.clone(),
+            source,
+        };
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&cfg.path)
+            .map_err(ferr)?;
+        let meta = file.metadata().map_err(ferr)?;
+        let size = cfg.size.0;
+        let in_use = map.slot_usage(SlotOwner::Fallback).0 > 0;
+        map.set_capacity(SlotOwner::Fallback, (size / extent) as u32);
+        if meta.file_type().is_block_device() {
+            let dev_size = std::fs::read_to_string(format!(
+                "/sys/dev/block/{}:{}/size",
+                libc::major(std::os::unix::fs::MetadataExt::rdev(&meta)),
+                libc::minor(std::os::unix::fs::MetadataExt::rdev(&meta))
+            ))
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .map(|sectors| sectors * 512);
+            if let Some(d) = dev_size {
+                if d < size {
+                    return Err(ferr(std::io::Error::other(format!(
+                        "block device has {d} bytes, fallback.size is {size}"
+                    ))));
+                }
+            }
+        } else if !in_use {
+            // Nothing of ours is in it: start from a sparse, all-zero file.
+            file.set_len(0)
+                .and_then(|_| file.set_len(size))
+                .map_err(ferr)?;
+            map.mark_free_slots_clean(SlotOwner::Fallback);
+        } else if meta.len() < size {
+            file.set_len(size).map_err(ferr)?;
+        }
+        Ok(Fallback {
+            file,
+            path: cfg.path.clone(),
+            extent,
+            size,
+        })
+    }
+
+    fn at(&self, slot: u32, off: u64) -> u64 {
+        slot as u64 * self.extent + off
+    }
+
+    pub fn sync(&self) -> Result<()> {
+        self.file.sync_data().map_err(|source| DeviceError::File {
+            path: self.path.clone(),
+            source,
+        })
+    }
+
+    fn run(&self, slot: u32, off: u64, op: Op<'_>) -> std::io::Result<()> {
+        let at = self.at(slot, off);
+        match op {
+            Op::Read(b) => self.file.read_exact_at(b, at),
+            Op::Write(b) => self.file.write_all_at(b, at),
+            Op::Zero(n) => write_zeros(&self.file, at, n),
+            // Trim is advisory; freed slots are zeroed before partial reuse.
+            Op::Trim(_) | Op::Flush => Ok(()),
+        }
+    }
+}
+
+/// One request to a member's location: `op` at `off` within its slot.
+pub(crate) struct IoReq<'b> {
+    pub loc: Loc,
+    pub off: u64,
+    pub op: Op<'b>,
+}
+
+/// Why a request to a location failed.
+#[derive(Debug, Clone)]
+pub(crate) enum IoFail {
+    /// The donor has no room (its budget is used up, or it is draining).
+    NoSpace(String),
+    /// The donor is failed (now marked so), or the local file failed.
+    Failed(String),
+}
+
+impl IoFail {
+    pub fn reason(&self) -> &str {
+        match self {
+            IoFail::NoSpace(s) | IoFail::Failed(s) => s,
+        }
+    }
+}
+
+impl Inner {
+    /// The configured donor holding `loc`, if it is on a donor we know.
+    pub(crate) fn loc_donor(&self, loc: Loc) -> Option<usize> {
+        match loc {
+            Loc::Donor { donor, .. } => self.donors.iter().position(|d| d.id == donor),
+            Loc::Fallback { .. } => None,
+        }
+    }
+
+    /// Whether requests to `loc` can be tried now.
+    pub(crate) fn loc_available(&self, loc: Loc) -> bool {
+        match loc {
+            Loc::Fallback { .. } => self.fallback.is_some(),
+            Loc::Donor { .. } => self
+                .loc_donor(loc)
+                .is_some_and(|i| !self.donors[i].is_failed()),
+        }
+    }
+
+    /// Runs requests in parallel across donors; a donor that errors or
+    /// times out is marked failed here.
+    pub(crate) fn exec(&self, reqs: Vec<IoReq<'_>>) -> Vec<std::result::Result<(), IoFail>> {
+        let n = reqs.len();
+        let mut results: Vec<Option<std::result::Result<(), IoFail>>> = vec![None; n];
+        let mut batch = Vec::new();
+        let mut who = Vec::new();
+        for (i, r) in reqs.into_iter().enumerate() {
+            match r.loc {
+                Loc::Fallback { slot } => {
+                    results[i] = Some(match &self.fallback {
+                        Some(fb) => fb.run(slot, r.off, r.op).map_err(|e| {
+                            IoFail::Failed(format!("fallback {}: {e}", fb.path.display()))
+                        }),
+                        None => Err(IoFail::Failed(
+                            "a fallback slot but no fallback configured".into(),
+                        )),
+                    });
+                }
+                Loc::Donor { slot, .. } => {
+                    let Some(d) = self.loc_donor(r.loc).map(|i| &self.donors[i]) else {
+                        results[i] = Some(Err(IoFail::Failed("donor no longer configured".into())));
+                        continue;
+                    };
+                    if d.is_failed() {
+                        results[i] = Some(Err(IoFail::Failed(format!(
+                            "donor {} is failed",
+                            d.cfg.name
+                        ))));
+                        continue;
+                    }
+                    match r.op {
+                        Op::Read(_) => d.reads.fetch_add(1, Ordering::Relaxed),
+                        _ => d.writes.fetch_add(1, Ordering::Relaxed),
+                    };
+                    batch.push(nbd::Request {
+                        pool: &d.pool,
+                        offset: slot as u64 * self.layout.extent + r.off,
+                        op: r.op,
+                    });
+                    who.push((i, d));
+                }
+            }
+        }
+        if !batch.is_empty() {
+            for ((i, d), res) in who.into_iter().zip(nbd::run(&mut batch)) {
+                results[i] = Some(res.map_err(|e| {
+                    if e.is_no_space() {
+                        d.full.store(true, Ordering::Release);
+                        IoFail::NoSpace(e.to_string())
+                    } else {
+                        self.fail_donor(d, &e.to_string());
+                        IoFail::Failed(e.to_string())
+                    }
+                }));
+            }
+        }
+        results
+            .into_iter()
+            .map(|r| r.expect("every request has a result"))
+            .collect()
+    }
+
+    pub(crate) fn exec1(&self, loc: Loc, off: u64, op: Op<'_>) -> std::result::Result<(), IoFail> {
+        self.exec(vec![IoReq { loc, off, op }])
+            .pop()
+            .expect("one result")
+    }
+
+    /// Flushes every donor that is up, in parallel. A failing donor is
+    /// marked failed; the caller's data is safe elsewhere or reported lost.
+    pub(crate) fn flush_donors(&self) {
+        let up: Vec<&super::donor::Donor> = self
+            .donors
+            .iter()
+            .filter(|d| !d.is_failed() && d.attached.load(Ordering::Acquire))
+            .collect();
+        let mut batch: Vec<nbd::Request<'_, '_>> = up
+            .iter()
+            .map(|d| nbd::Request {
+                pool: &d.pool,
+                offset: 0,
+                op: Op::Flush,
+            })
+            .collect();
+        for (d, res) in up.into_iter().zip(nbd::run(&mut batch)) {
+            if let Err(e) = res {
+                self.fail_donor(d, &e.to_string());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn xor_handles_unaligned_tails() {
+        let mut a: Vec<u8> = (0..21).collect();
+        let b: Vec<u8> = (100..121).collect();
+        let want: Vec<u8> = a.iter().zip(&b).map(|(x, y)| x ^ y).collect();
+        xor_into(&mut a, &b);
+        assert_eq!(a, want);
+    }
+
+    #[test]
+    fn buffers_come_back_to_the_pool() {
+        let p = BufPool::new(2, 4096);
+        {
+            let mut b = p.take(2);
+            let (x, y) = b.two(10);
+            x[0] = 1;
+            y[0] = 2;
+        }
+        let mut b = p.take(2);
+        assert_eq!(b.one(4096).len(), 4096);
+    }
+}

@@ -1,0 +1,333 @@
+//! Background repair: copies of failed donors are re-created elsewhere
+//! (rebuild), extents leave draining donors (drain), and a copy whose donor
+//! ran out of room moves (relocation). All three move one member of one
+//! unit at a time under that unit's write lock.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::{DeviceError, Inner, Result};
+use crate::extent_map::{CopyState, Loc, Member, Redundancy, Unit};
+use crate::nbd::Op;
+use crate::status::Progress;
+
+/// Why a member moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum MoveWhy {
+    /// It is lost: re-create it from the others (or the write-through file).
+    Rebuild,
+    /// Its donor is draining: copy it away, then trim the old slot.
+    Drain,
+    /// Its donor refused a write for lack of room: the other members (or,
+    /// failing that, the member itself) have the data that belongs there.
+    Full,
+}
+
+impl Inner {
+    /// What member `j` of unit `u` should hold, into `out` (one extent).
+    fn member_content(
+        &self,
+        u: u64,
+        unit: &Unit,
+        j: usize,
+        why: MoveWhy,
+        out: &mut [u8],
+        scratch: &mut [u8],
+    ) -> Result<()> {
+        let usable = |m: &Member| m.state == CopyState::Ok && self.loc_available(m.loc);
+        let me = unit.members[j];
+        if let Redundancy::Parity { .. } = self.layout.mode {
+            let others_ok = unit
+                .members
+                .iter()
+                .enumerate()
+                .all(|(k, m)| k == j || usable(m));
+            let from_self = usable(&me) && (why == MoveWhy::Drain || !others_ok);
+            if from_self && self.exec1(me.loc, 0, Op::Read(out)).is_ok() {
+                return Ok(());
+            }
+            let e = self
+                .layout
+                .extent_of(u, j)
+                .unwrap_or(u * self.layout.data_per_unit());
+            return self.reconstruct(e, unit, j, 0, out, scratch);
+        }
+        let mut order: Vec<usize> = (0..unit.members.len()).filter(|&k| k != j).collect();
+        match why {
+            MoveWhy::Drain => order.insert(0, j),
+            MoveWhy::Full => order.push(j),
+            MoveWhy::Rebuild => {}
+        }
+        for k in order {
+            let m = unit.members[k];
+            if usable(&m) && self.exec1(m.loc, 0, Op::Read(&mut *out)).is_ok() {
+                return Ok(());
+            }
+        }
+        if let Some(wt) = &self.wt {
+            let n = self.extent_len(u) as usize;
+            out[n..].fill(0);
+            return wt
+                .read(u * self.layout.extent, &mut out[..n])
+                .map_err(|reason| DeviceError::Io { extent: u, reason });
+        }
+        Err(DeviceError::Lost {
+            extent: u,
+            reason: self.lost_reason(unit),
+        })
+    }
+
+    /// Moves member `j` of unit `u` (write lock held, `g` is the locked
+    /// placement) to a new slot on a donor that holds no other member.
+    pub(crate) fn move_member(
+        &self,
+        u: u64,
+        g: &mut Option<Unit>,
+        j: usize,
+        why: MoveWhy,
+    ) -> Result<()> {
+        let ext = self.layout.extent as usize;
+        let unit = g.as_ref().expect("a placed unit").clone();
+        let old = unit.members[j];
+        let mut bufs = self.bufs.take(2);
+        let (content, scratch) = bufs.two(ext);
+        self.member_content(u, &unit, j, why, content, scratch)?;
+        // Distinct donors: not where another live member is, and not back
+        // where this one is leaving from (a lost member's donor may have
+        // come back as a new donor: that one is fine).
+        let mut exclude: Vec<u16> = unit
+            .members
+            .iter()
+            .enumerate()
+            .filter(|&(k, m)| {
+                (k != j && m.state != CopyState::Lost) || (k == j && why != MoveWhy::Rebuild)
+            })
+            .filter_map(|(_, m)| match m.loc {
+                Loc::Donor { donor, .. } => Some(donor),
+                Loc::Fallback { .. } => None,
+            })
+            .collect();
+        exclude.sort_unstable();
+        exclude.dedup();
+        let first_extent = u * self.layout.data_per_unit();
+        let (dest, _) = self.allocate(1, &exclude, first_extent)?.remove(0);
+        let mut next = unit.clone();
+        next.members[j] = Member {
+            loc: dest,
+            state: CopyState::Rebuilding,
+        };
+        *g = Some(next.clone());
+        self.map.commit(u, g)?;
+        if let Err(f) = self.exec1(dest, 0, Op::Write(content)) {
+            self.map.free(dest);
+            next.members[j] = old;
+            *g = Some(next);
+            self.map.commit(u, g)?;
+            let reason = format!("copying to its new place: {}", f.reason());
+            return Err(match f {
+                super::io::IoFail::NoSpace(_) => DeviceError::NoSpace {
+                    extent: first_extent,
+                    reason,
+                },
+                super::io::IoFail::Failed(_) => DeviceError::Io {
+                    extent: first_extent,
+                    reason,
+                },
+            });
+        }
+        next.members[j] = Member {
+            loc: dest,
+            state: CopyState::Ok,
+        };
+        *g = Some(next);
+        self.map.commit(u, g)?;
+        if old.state == CopyState::Ok {
+            if self.loc_available(old.loc) {
+                let _ = self.exec1(old.loc, 0, Op::Trim(self.layout.extent));
+            }
+            self.map.free(old.loc);
+        }
+        Ok(())
+    }
+
+    /// At open: copies on donors no longer in the configuration are lost.
+    pub(crate) fn forget_unconfigured_donors(&self) -> Result<()> {
+        for u in 0..self.layout.units() {
+            let mut g = self.map.unit(u).write().unwrap_or_else(|p| p.into_inner());
+            let Some(unit) = g.as_mut() else { continue };
+            let mut changed = false;
+            for m in unit.members.iter_mut() {
+                if matches!(m.loc, Loc::Donor { .. })
+                    && self.loc_donor(m.loc).is_none()
+                    && m.state != CopyState::Lost
+                {
+                    m.state = CopyState::Lost;
+                    changed = true;
+                }
+            }
+            if changed {
+                self.map.commit(u, &g)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn set_job(&self, drain: bool, f: impl FnOnce(&mut Progress)) {
+        let mut j = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
+        f(if drain { &mut j.drain } else { &mut j.rebuild });
+    }
+
+    /// Members to move: (unit, member) pairs matching `want`.
+    fn scan(&self, want: impl Fn(&Member) -> bool) -> Vec<(u64, usize)> {
+        let mut out = Vec::new();
+        for u in 0..self.layout.units() {
+            let g = self.map.unit(u).read().unwrap_or_else(|p| p.into_inner());
+            if let Some(unit) = g.as_ref() {
+                out.extend(
+                    unit.members
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, m)| want(m))
+                        .map(|(j, _)| (u, j)),
+                );
+            }
+        }
+        out
+    }
+
+    /// Moves the listed members; returns why it stopped early, if it did.
+    fn move_all(
+        &self,
+        work: Vec<(u64, usize)>,
+        why: MoveWhy,
+        still: impl Fn(&Member) -> bool,
+    ) -> Option<String> {
+        let drain = why == MoveWhy::Drain;
+        for (u, j) in work {
+            if self.stop.load(Ordering::Relaxed) {
+                return Some("device stopping".into());
+            }
+            let mut g = self.map.unit(u).write().unwrap_or_else(|p| p.into_inner());
+            if !g
+                .as_ref()
+                .and_then(|unit| unit.members.get(j))
+                .is_some_and(&still)
+            {
+                continue;
+            }
+            match self.move_member(u, &mut g, j, why) {
+                Ok(()) => self.set_job(drain, |p| p.done += 1),
+                Err(DeviceError::Lost { extent, reason }) => {
+                    // Nothing to copy from: counted as lost in the status.
+                    tracing::debug!("cannot re-create a copy of extent {extent}: {reason}");
+                    self.set_job(drain, |p| p.total = p.total.saturating_sub(1));
+                }
+                Err(e) => return Some(e.to_string()),
+            }
+            drop(g);
+            self.maybe_write_status();
+        }
+        None
+    }
+
+    fn run_job(&self, why: MoveWhy, want: impl Fn(&Member) -> bool + Copy) {
+        let drain = why == MoveWhy::Drain;
+        let work = self.scan(want);
+        if work.is_empty() {
+            // Keep the last pass's numbers on show.
+            self.set_job(drain, |p| {
+                p.active = false;
+                p.stalled = None;
+            });
+            return;
+        }
+        self.set_job(drain, |p| {
+            if !p.active {
+                p.done = 0;
+            }
+            p.total = p.done + work.len() as u64;
+            p.active = true;
+            p.stalled = None;
+        });
+        let stalled = self.move_all(work, why, want);
+        self.set_job(drain, |p| {
+            p.active = stalled.is_some();
+            if let Some(s) = &stalled {
+                tracing::warn!("{} stalled: {s}", if drain { "drain" } else { "rebuild" });
+            }
+            p.stalled = stalled;
+        });
+    }
+
+    fn rebuild_pass(&self) {
+        if self.layout.mode == Redundancy::None {
+            return;
+        }
+        self.run_job(MoveWhy::Rebuild, |m| m.state == CopyState::Lost);
+    }
+
+    fn drain_pass(&self) {
+        let draining: Vec<u16> = self
+            .donors
+            .iter()
+            .filter(|d| d.draining.load(Ordering::Acquire) && !d.is_failed())
+            .map(|d| d.id)
+            .collect();
+        let on_draining = |m: &Member| {
+            m.state == CopyState::Ok
+                && matches!(m.loc, Loc::Donor { donor, .. } if draining.contains(&donor))
+        };
+        self.run_job(MoveWhy::Drain, on_draining);
+        for d in self.donors.iter().filter(|d| draining.contains(&d.id)) {
+            let (held, _) = self
+                .map
+                .slot_usage(crate::extent_map::SlotOwner::Donor(d.id));
+            if held == 0 && self.map.donor_label(d.id) != 0 {
+                tracing::info!(
+                    "donor {} drained: nothing of ours is left on it",
+                    d.cfg.name
+                );
+                if let Err(e) = self.drop_label(d) {
+                    tracing::error!("donor {}: {e}", d.cfg.name);
+                }
+            }
+        }
+    }
+
+    pub(crate) fn maintenance_loop(&self) {
+        while self.maint_wake.wait(Duration::from_secs(1), &self.stop) {
+            self.mark_failed_donors();
+            self.rebuild_pass();
+            self.drain_pass();
+            self.write_status();
+            if self.map.needs_compaction() {
+                if let Err(e) = self.map.compact() {
+                    tracing::error!("compacting the extent map: {e}");
+                }
+            }
+        }
+    }
+
+    /// Writes `status.json` if the last write is more than a second old.
+    pub(crate) fn maybe_write_status(&self) {
+        let due = {
+            let j = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
+            j.last_status
+                .is_none_or(|t| t.elapsed() >= Duration::from_secs(1))
+        };
+        if due {
+            self.write_status();
+        }
+    }
+
+    pub(crate) fn write_status(&self) {
+        let s = self.build_status();
+        self.jobs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .last_status = Some(Instant::now());
+        if let Err(e) = s.write_atomic(&self.state_dir) {
+            tracing::warn!("writing {}/status.json: {e}", self.state_dir.display());
+        }
+    }
+}

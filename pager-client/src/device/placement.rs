@@ -1,0 +1,196 @@
+//! Choosing where a new unit (or a moved copy) goes: the epoch's selection
+//! frequencies through the policy's [`Selector`], then slots on those
+//! donors; the local fallback when no donor can take it.
+
+use std::sync::atomic::Ordering;
+
+use super::{DeviceError, Inner, Result};
+use crate::extent_map::{Loc, Redundancy, SlotOwner};
+use crate::policy::{Frequencies, Selector};
+
+pub(crate) struct Placement {
+    selector: Selector,
+    /// This epoch's frequencies, indexed like the configured donors.
+    pub freqs: Frequencies,
+    /// Why the last placement could not use donors only, if it could not.
+    pub note: Option<String>,
+    note_kind: &'static str,
+    /// Set while every donor is capped by its load bound.
+    pub throttle: Option<String>,
+}
+
+impl Placement {
+    pub fn new(n: usize) -> Placement {
+        Placement {
+            selector: Selector::new(n),
+            freqs: Frequencies::default(),
+            note: None,
+            note_kind: "",
+            throttle: None,
+        }
+    }
+}
+
+impl Inner {
+    /// Why donor `i` cannot take a new extent now, or `None` if it can.
+    pub(crate) fn ineligible_reason(&self, i: usize) -> Option<&'static str> {
+        let d = &self.donors[i];
+        if d.is_failed() {
+            Some("failed")
+        } else if !d.attached.load(Ordering::Acquire) {
+            Some("not connected")
+        } else if d.draining.load(Ordering::Acquire) {
+            Some("draining")
+        } else if d.full.load(Ordering::Acquire) {
+            Some("full")
+        } else if self.map.slot_usage(SlotOwner::Donor(d.id)).1 == 0 {
+            Some("export full")
+        } else {
+            None
+        }
+    }
+
+    fn why_no_donor(&self, exclude: &[u16], f: &[f64]) -> String {
+        let parts: Vec<String> = self
+            .donors
+            .iter()
+            .map(|d| {
+                let why = if exclude.contains(&d.id) {
+                    "holds another copy"
+                } else if let Some(r) = self.ineligible_reason(d.idx) {
+                    r
+                } else if f.get(d.idx).copied().unwrap_or(0.0) <= 0.0 {
+                    "selection frequency 0"
+                } else {
+                    "available"
+                };
+                format!("{}: {why}", d.cfg.name)
+            })
+            .collect();
+        parts.join(", ")
+    }
+
+    /// `k` locations on distinct donors (none of them in `exclude`) for
+    /// something in `extent`, with whether each is known to read as zeros.
+    /// The fallback fills in for missing donors when configured (replica
+    /// modes keep at most one copy there); otherwise
+    /// [`DeviceError::NoSpace`].
+    pub(crate) fn allocate(
+        &self,
+        k: usize,
+        exclude: &[u16],
+        extent: u64,
+    ) -> Result<Vec<(Loc, bool)>> {
+        // Each failed try rules out a donor (now full or failed).
+        for _ in 0..self.donors.len() + 2 {
+            let (picked, why) = self.pick_donors(k, exclude);
+            let replica = !matches!(self.layout.mode, Redundancy::Parity { .. });
+            let missing = k - picked.len();
+            let n_fallback = if replica && picked.is_empty() {
+                1
+            } else {
+                missing
+            };
+            if missing > 0 && self.fallback.is_none() {
+                let reason = format!(
+                    "no {k} distinct donors can take it ({why}) and no fallback is configured"
+                );
+                self.note_placement("enospc", format!("extent {extent}: ENOSPC: {reason}"));
+                return Err(DeviceError::NoSpace { extent, reason });
+            }
+            let mut out = Vec::with_capacity(k);
+            let mut retry = false;
+            for &i in &picked {
+                let d = &self.donors[i];
+                if self.ensure_label(d).is_err() {
+                    retry = true;
+                    break;
+                }
+                match self.map.alloc(SlotOwner::Donor(d.id)) {
+                    Some(x) => out.push(x),
+                    None => {
+                        d.full.store(true, Ordering::Release);
+                        retry = true;
+                        break;
+                    }
+                }
+            }
+            if !retry && missing > 0 {
+                for _ in 0..n_fallback {
+                    match self.map.alloc(SlotOwner::Fallback) {
+                        Some(x) => out.push(x),
+                        None => {
+                            for (l, _) in out {
+                                self.map.free(l);
+                            }
+                            let reason =
+                                format!("no donor can take it ({why}) and the fallback is full");
+                            self.note_placement(
+                                "enospc",
+                                format!("extent {extent}: ENOSPC: {reason}"),
+                            );
+                            return Err(DeviceError::NoSpace { extent, reason });
+                        }
+                    }
+                }
+                self.note_placement(
+                    "fallback",
+                    format!("extent {extent} placed on the local fallback: {why}"),
+                );
+            }
+            if retry {
+                for (l, _) in out {
+                    self.map.free(l);
+                }
+                continue;
+            }
+            return Ok(out);
+        }
+        Err(DeviceError::NoSpace {
+            extent,
+            reason: "donors kept running out of room while placing it".into(),
+        })
+    }
+
+    /// Up to `k` distinct eligible donors by the selector; fewer only when
+    /// fewer qualify (all of them then, or none if everything is capped and
+    /// a fallback exists). Also says why donors were left out.
+    fn pick_donors(&self, k: usize, exclude: &[u16]) -> (Vec<usize>, String) {
+        let mut pl = self.placement.lock().unwrap_or_else(|p| p.into_inner());
+        let n = self.donors.len();
+        let f: Vec<f64> = if pl.freqs.f.len() == n && pl.freqs.f.iter().any(|&x| x > 0.0) {
+            pl.freqs.f.clone()
+        } else {
+            vec![1.0; n]
+        };
+        let eligible =
+            |i: usize| !exclude.contains(&self.donors[i].id) && self.ineligible_reason(i).is_none();
+        if pl.freqs.all_capped && self.fallback.is_some() && pl.freqs.f.len() == n {
+            return (Vec::new(), "every donor is capped by its load bound".into());
+        }
+        if let Some(v) = pl.selector.pick_distinct(&f, k, eligible) {
+            return (v, String::new());
+        }
+        let qualifying = (0..n).filter(|&i| f[i] > 0.0 && eligible(i)).count();
+        let why = self.why_no_donor(exclude, &f);
+        let picked = if qualifying > 0 && self.fallback.is_some() {
+            pl.selector
+                .pick_distinct(&f, qualifying.min(k), eligible)
+                .unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        (picked, why)
+    }
+
+    /// Records (and logs, once per change of kind) why a placement left
+    /// the donors.
+    fn note_placement(&self, kind: &'static str, note: String) {
+        let mut pl = self.placement.lock().unwrap_or_else(|p| p.into_inner());
+        if pl.note_kind != kind {
+            tracing::warn!("{note}");
+            pl.note_kind = kind;
+        }
+        pl.note = Some(note);
+    }
+}

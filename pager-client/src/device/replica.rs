@@ -1,0 +1,294 @@
+//! Modes none, mirror and disk: every member of an extent is a full copy.
+
+use std::sync::atomic::Ordering;
+
+use super::io::IoReq;
+use super::maintenance::MoveWhy;
+use super::{DeviceError, Inner, Payload, Result};
+use crate::extent_map::{CopyState, Member, Unit};
+use crate::nbd::Op;
+
+fn op_of<'a>(p: &Payload<'a>) -> Op<'a> {
+    match *p {
+        Payload::Data(d) => Op::Write(d),
+        Payload::Zero(n) => Op::Zero(n),
+        Payload::Trim(n) => Op::Trim(n),
+    }
+}
+
+impl Inner {
+    fn readable(&self, m: &Member) -> bool {
+        m.state == CopyState::Ok && self.loc_available(m.loc)
+    }
+
+    /// Why extent `e`'s data is gone, in words.
+    pub(crate) fn lost_reason(&self, unit: &Unit) -> String {
+        let names: Vec<String> = unit
+            .members
+            .iter()
+            .map(|m| match self.loc_donor(m.loc) {
+                Some(i) => {
+                    let d = &self.donors[i];
+                    let why = d
+                        .health()
+                        .failure
+                        .clone()
+                        .unwrap_or_else(|| "copy lost".into());
+                    format!("donor {} ({why})", d.cfg.name)
+                }
+                None => format!("{:?}", m.loc),
+            })
+            .collect();
+        format!("no copy left: {}", names.join("; "))
+    }
+
+    pub(crate) fn read_replica(&self, e: u64, in_off: u64, buf: &mut [u8]) -> Result<()> {
+        let g = self.map.unit(e).read().unwrap_or_else(|p| p.into_inner());
+        let Some(unit) = g.as_ref() else {
+            buf.fill(0);
+            return Ok(());
+        };
+        let n = unit.members.len();
+        let start = self.read_turn.fetch_add(1, Ordering::Relaxed);
+        for k in 0..n {
+            let m = unit.members[(start + k) % n];
+            if self.readable(&m) && self.exec1(m.loc, in_off, Op::Read(buf)).is_ok() {
+                return Ok(());
+            }
+        }
+        if let Some(wt) = &self.wt {
+            return wt
+                .read(e * self.layout.extent + in_off, buf)
+                .map_err(|reason| DeviceError::Io { extent: e, reason });
+        }
+        Err(DeviceError::Lost {
+            extent: e,
+            reason: self.lost_reason(unit),
+        })
+    }
+
+    fn wt_apply(&self, e: u64, in_off: u64, p: &Payload<'_>) {
+        if let Some(wt) = &self.wt {
+            let off = e * self.layout.extent + in_off;
+            match *p {
+                Payload::Data(d) => wt.enqueue_write(off, d),
+                Payload::Zero(n) | Payload::Trim(n) => wt.enqueue_zero(off, n),
+            }
+        }
+    }
+
+    pub(crate) fn modify_replica(&self, e: u64, in_off: u64, p: Payload<'_>) -> Result<()> {
+        let full = in_off == 0 && p.len() == self.extent_len(e);
+        if full && !matches!(p, Payload::Data(_)) {
+            return self.free_unit(e);
+        }
+        for _ in 0..8 {
+            let mut relocate = Vec::new();
+            {
+                let g = self.map.unit(e).read().unwrap_or_else(|p| p.into_inner());
+                match g.as_ref() {
+                    None if !matches!(p, Payload::Data(_)) => return Ok(()),
+                    None => {}
+                    Some(unit) => {
+                        let targets: Vec<usize> = (0..unit.members.len())
+                            .filter(|&j| self.readable(&unit.members[j]))
+                            .collect();
+                        if targets.is_empty() {
+                            if matches!(p, Payload::Trim(_)) {
+                                // Advisory, and there is nothing left to discard.
+                                return Ok(());
+                            }
+                            if self.wt.is_some() {
+                                // The file holds the data; rebuild re-creates the copy.
+                                self.wt_apply(e, in_off, &p);
+                                return Ok(());
+                            }
+                            if !(full && matches!(p, Payload::Data(_))) {
+                                return Err(DeviceError::Lost {
+                                    extent: e,
+                                    reason: self.lost_reason(unit),
+                                });
+                            }
+                        } else {
+                            let reqs = targets
+                                .iter()
+                                .map(|&j| IoReq {
+                                    loc: unit.members[j].loc,
+                                    off: in_off,
+                                    op: op_of(&p),
+                                })
+                                .collect();
+                            let res = self.exec(reqs);
+                            let ok = res.iter().filter(|r| r.is_ok()).count();
+                            relocate = targets
+                                .iter()
+                                .zip(&res)
+                                .filter(|(_, r)| matches!(r, Err(super::io::IoFail::NoSpace(_))))
+                                .map(|(&j, _)| (j, unit.members[j].loc))
+                                .collect();
+                            if relocate.is_empty() {
+                                if ok > 0 || self.wt.is_some() {
+                                    self.wt_apply(e, in_off, &p);
+                                    return Ok(());
+                                }
+                                // Every copy failed; their donors are marked
+                                // failed now, so look again.
+                                continue;
+                            }
+                        }
+                    }
+                }
+            }
+            let mut g = self.map.unit(e).write().unwrap_or_else(|p| p.into_inner());
+            let none_left = g
+                .as_ref()
+                .is_some_and(|u| !u.members.iter().any(|m| self.readable(m)));
+            if g.is_none() || (none_left && self.wt.is_none()) {
+                let Payload::Data(d) = p else { return Ok(()) };
+                if g.is_none() || full {
+                    self.place_replica(e, &mut g, in_off, d)?;
+                    self.wt_apply(e, in_off, &p);
+                    return Ok(());
+                }
+                continue;
+            }
+            for (j, loc) in relocate {
+                let Some(unit) = g.as_ref() else { break };
+                if unit.members.get(j).map(|m| m.loc) != Some(loc) {
+                    continue;
+                }
+                match self.move_member(e, &mut g, j, MoveWhy::Full) {
+                    Ok(()) => {}
+                    Err(DeviceError::NoSpace { .. })
+                        if g.as_ref().is_some_and(|u| {
+                            u.members
+                                .iter()
+                                .enumerate()
+                                .any(|(k, m)| k != j && self.readable(m))
+                        }) =>
+                    {
+                        // Another copy took the write: keep that one, rebuild
+                        // this one when room appears.
+                        self.drop_member(e, &mut g, j)?;
+                    }
+                    Err(err) => return Err(err),
+                }
+            }
+        }
+        Err(DeviceError::Io {
+            extent: e,
+            reason: "the write kept failing on every copy".into(),
+        })
+    }
+
+    /// Marks member `j` lost and gives back its slot.
+    fn drop_member(&self, u: u64, g: &mut Option<Unit>, j: usize) -> Result<()> {
+        let Some(unit) = g.as_mut() else {
+            return Ok(());
+        };
+        let old = unit.members[j];
+        unit.members[j].state = CopyState::Lost;
+        self.map.commit(u, g)?;
+        if old.state == CopyState::Ok {
+            if self.loc_available(old.loc) {
+                let _ = self.exec1(old.loc, 0, Op::Trim(self.layout.extent));
+            }
+            self.map.free(old.loc);
+        }
+        Ok(())
+    }
+
+    /// First write to extent `e`: choose its copies, write them, journal.
+    fn place_replica(&self, e: u64, g: &mut Option<Unit>, in_off: u64, data: &[u8]) -> Result<()> {
+        let full = in_off == 0 && data.len() as u64 == self.extent_len(e);
+        let ext = self.layout.extent;
+        // Each failed try rules out a donor (now full or failed).
+        for _ in 0..self.donors.len() + 2 {
+            let locs = self.allocate(self.layout.members(), &[], e)?;
+            let mut good = vec![true; locs.len()];
+            if !full {
+                let dirty: Vec<usize> = (0..locs.len()).filter(|&i| !locs[i].1).collect();
+                let reqs = dirty
+                    .iter()
+                    .map(|&i| IoReq {
+                        loc: locs[i].0,
+                        off: 0,
+                        op: Op::Zero(ext),
+                    })
+                    .collect();
+                for (&i, r) in dirty.iter().zip(self.exec(reqs)) {
+                    good[i] = r.is_ok();
+                }
+            }
+            let writes: Vec<usize> = (0..locs.len()).filter(|&i| good[i]).collect();
+            let reqs = writes
+                .iter()
+                .map(|&i| IoReq {
+                    loc: locs[i].0,
+                    off: in_off,
+                    op: Op::Write(data),
+                })
+                .collect();
+            for (&i, r) in writes.iter().zip(self.exec(reqs)) {
+                good[i] = r.is_ok();
+            }
+            for (i, (loc, _)) in locs.iter().enumerate() {
+                if !good[i] {
+                    self.map.free(*loc);
+                }
+            }
+            if !good.iter().any(|&x| x) {
+                continue;
+            }
+            let members = locs
+                .iter()
+                .zip(&good)
+                .map(|(&(loc, _), &ok)| Member {
+                    loc,
+                    state: if ok { CopyState::Ok } else { CopyState::Lost },
+                })
+                .collect();
+            // Slots of a lost unit being overwritten were already given back.
+            *g = Some(Unit { members });
+            self.map.commit(e, g)?;
+            if !good.iter().all(|&x| x) {
+                self.maint_wake.notify();
+            }
+            return Ok(());
+        }
+        Err(DeviceError::Io {
+            extent: e,
+            reason: "every donor chosen for it failed".into(),
+        })
+    }
+
+    /// Whole-extent zero or trim: the extent becomes unwritten again.
+    pub(crate) fn free_unit(&self, u: u64) -> Result<()> {
+        let mut g = self.map.unit(u).write().unwrap_or_else(|p| p.into_inner());
+        if let Some(wt) = &self.wt {
+            // Parity never gets here; in disk mode a unit is one extent.
+            wt.enqueue_zero(u * self.layout.extent, self.extent_len(u));
+        }
+        let Some(unit) = g.take() else { return Ok(()) };
+        self.map.commit(u, &None)?;
+        let owned: Vec<Member> = unit
+            .members
+            .into_iter()
+            .filter(|m| m.state == CopyState::Ok)
+            .collect();
+        let reqs = owned
+            .iter()
+            .filter(|m| self.loc_available(m.loc))
+            .map(|m| IoReq {
+                loc: m.loc,
+                off: 0,
+                op: Op::Trim(self.layout.extent),
+            })
+            .collect();
+        self.exec(reqs);
+        for m in owned {
+            self.map.free(m.loc);
+        }
+        Ok(())
+    }
+}

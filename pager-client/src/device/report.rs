@@ -1,0 +1,158 @@
+//! Building [`ClientStatus`] from the device's state.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use super::Inner;
+use crate::extent_map::{CopyState, Loc, Redundancy, SlotOwner};
+use crate::status::{ClientStatus, DonorReport, Progress, Totals};
+
+/// At most this many lost extents are listed by number.
+const LOST_LISTED: usize = 1000;
+
+/// Progress of the background jobs.
+#[derive(Debug, Default)]
+pub(crate) struct Jobs {
+    pub rebuild: Progress,
+    pub drain: Progress,
+    pub last_status: Option<Instant>,
+}
+
+impl Inner {
+    pub(crate) fn build_status(&self) -> ClientStatus {
+        let layout = &self.layout;
+        let mut t = Totals {
+            units: layout.units(),
+            ..Default::default()
+        };
+        for u in 0..layout.units() {
+            let g = self.map.unit(u).read().unwrap_or_else(|p| p.into_inner());
+            let Some(unit) = g.as_ref() else { continue };
+            t.units_placed += 1;
+            t.on_fallback += unit
+                .members
+                .iter()
+                .filter(|m| m.state == CopyState::Ok && matches!(m.loc, Loc::Fallback { .. }))
+                .count() as u64;
+            let bad: Vec<usize> = (0..unit.members.len())
+                .filter(|&k| {
+                    let m = &unit.members[k];
+                    m.state != CopyState::Ok || !self.loc_available(m.loc)
+                })
+                .collect();
+            if bad.is_empty() {
+                continue;
+            }
+            let lost = |e: u64, t: &mut Totals| {
+                t.lost += 1;
+                if t.lost_extents.len() < LOST_LISTED {
+                    t.lost_extents.push(e);
+                }
+            };
+            match layout.mode {
+                Redundancy::Parity { .. } if bad.len() >= 2 => {
+                    for &k in &bad {
+                        if let Some(e) = layout.extent_of(u, k) {
+                            lost(e, &mut t);
+                        }
+                    }
+                }
+                Redundancy::Parity { .. } => t.degraded += 1,
+                Redundancy::Disk => t.degraded += 1,
+                _ if bad.len() == unit.members.len() => lost(u, &mut t),
+                _ => t.degraded += 1,
+            }
+        }
+        {
+            let j = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
+            t.rebuild = j.rebuild.clone();
+            t.drain = j.drain.clone();
+        }
+        let pl = self.placement.lock().unwrap_or_else(|p| p.into_inner());
+        t.all_capped = pl.freqs.all_capped;
+        t.throttled = pl.throttle.is_some();
+        t.throttle_reason = pl.throttle.clone();
+        t.placement_note = pl.note.clone();
+        if let Some(fb) = &self.fallback {
+            t.fallback_path = Some(fb.path.display().to_string());
+            t.fallback_size_bytes = fb.size;
+            t.fallback_used_bytes =
+                self.map.slot_usage(SlotOwner::Fallback).0 as u64 * layout.extent;
+        }
+        if let Some(wt) = &self.wt {
+            let (queued, err) = wt.state();
+            t.writethrough_queued_bytes = queued;
+            t.writethrough_error = err;
+        }
+        t.requests =
+            self.requests_total.load(Ordering::Relaxed) + self.requests.load(Ordering::Relaxed);
+        let at = |v: &Vec<f64>, i: usize| v.get(i).copied().unwrap_or(0.0);
+        let donors = self
+            .donors
+            .iter()
+            .map(|d| {
+                let r = d.remote();
+                let (held, free) = self.map.slot_usage(SlotOwner::Donor(d.id));
+                let export = d.pool.endpoint().export.clone();
+                // Donors list exports by name, without the `@SIZE` suffix.
+                let base = export.split('@').next().unwrap_or_default();
+                let reported_use = r.status.as_ref().and_then(|s| {
+                    s.exports
+                        .iter()
+                        .find(|x| x.name == base)
+                        .map(|x| x.used_bytes)
+                });
+                let state = match (&d.cfg.status, &r.status, &r.error) {
+                    (None, _, _) => "unknown".to_string(),
+                    (Some(_), _, Some(_)) | (Some(_), None, None) => "unreachable".to_string(),
+                    (Some(_), Some(s), None) => s.state().word().to_string(),
+                };
+                DonorReport {
+                    name: d.cfg.name.clone(),
+                    address: d.cfg.address.clone(),
+                    export,
+                    status_address: d.cfg.status.clone(),
+                    state,
+                    failed: d.is_failed(),
+                    failure: d.health().failure.clone(),
+                    used_bytes: reported_use.unwrap_or(held as u64 * layout.extent),
+                    extents_held: held as u64,
+                    slots_free: free as u64,
+                    free_bytes: r.status.as_ref().map(|s| s.free_bytes),
+                    age_weight: at(&pl.freqs.age_weight, d.idx),
+                    target_weight: at(&pl.freqs.target_weight, d.idx),
+                    f: at(&pl.freqs.f, d.idx),
+                    bound: at(&pl.freqs.bound, d.idx),
+                    capped: pl.freqs.capped.get(d.idx).copied().unwrap_or(false),
+                    utilisation: r.status.as_ref().map_or(0.0, |s| s.utilisation),
+                    errors: d.errors.load(Ordering::Relaxed),
+                    reads: d.reads.load(Ordering::Relaxed),
+                    writes: d.writes.load(Ordering::Relaxed),
+                }
+            })
+            .collect();
+        let (width, b, epoch_ms) = (
+            match layout.mode {
+                Redundancy::Parity { width } => width,
+                _ => 0,
+            },
+            self.cfg.policy.b,
+            self.cfg.policy.epoch_ms,
+        );
+        ClientStatus {
+            client_id: self.cfg.client_id.clone(),
+            mode: layout.mode.word().to_string(),
+            width,
+            size_bytes: layout.size,
+            extent_bytes: layout.extent,
+            updated_unix_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_millis() as u64)
+                .unwrap_or(0),
+            epoch_ms,
+            b,
+            donors,
+            totals: t,
+        }
+    }
+}

@@ -1,0 +1,1293 @@
+//! The device's address space cut into extents, and where each one lives.
+//!
+//! A *unit* is what gets placed at its first write: one extent in modes
+//! none, mirror and disk, a parity group of `width - 1` data extents in
+//! mode parity. A unit has *members* (copies, or the group's data and parity
+//! extents), each at a [`Loc`] (a slot of our export on a donor, or a slot
+//! of the local fallback file) with a [`CopyState`].
+//!
+//! Crash safety: every placement change is appended to `map.journal` as a
+//! CRC-checked record; [`ExtentMap::compact`] writes the whole map to
+//! `map.snap.tmp`, fsyncs, renames it to `map.snap`, fsyncs the directory,
+//! then starts a new journal the same way. Both files carry a generation:
+//! a journal older than the snapshot was already folded into it. Recovery
+//! replays the snapshot and the journal's valid prefix; a torn tail is
+//! logged and cut off.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard, RwLock};
+
+use crate::config::{DeviceConfig, Mode};
+
+pub const SNAPSHOT_FILE: &str = "map.snap";
+pub const JOURNAL_FILE: &str = "map.journal";
+const MAGIC: &[u8; 8] = b"NPMAP001";
+/// The journal is compacted into a snapshot once it grows past this.
+pub const COMPACT_AFTER_BYTES: u64 = 4 << 20;
+
+/// Redundancy of the map's units (the config's mode without its paths).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Redundancy {
+    None,
+    Mirror,
+    Parity { width: u32 },
+    Disk,
+}
+
+impl Redundancy {
+    fn code(self) -> (u8, u32) {
+        match self {
+            Redundancy::None => (0, 1),
+            Redundancy::Mirror => (1, 2),
+            Redundancy::Parity { width } => (2, width),
+            Redundancy::Disk => (3, 1),
+        }
+    }
+
+    pub fn word(self) -> &'static str {
+        match self {
+            Redundancy::None => "none",
+            Redundancy::Mirror => "mirror",
+            Redundancy::Parity { .. } => "parity",
+            Redundancy::Disk => "disk",
+        }
+    }
+}
+
+/// Geometry of the map.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    pub size: u64,
+    pub extent: u64,
+    pub mode: Redundancy,
+}
+
+impl Layout {
+    pub fn from_config(cfg: &DeviceConfig) -> Layout {
+        let mode = match cfg.mode {
+            Mode::None => Redundancy::None,
+            Mode::Mirror => Redundancy::Mirror,
+            Mode::Parity { width } => Redundancy::Parity { width },
+            Mode::Disk { .. } => Redundancy::Disk,
+        };
+        Layout {
+            size: cfg.size.0,
+            extent: cfg.extent_size.0,
+            mode,
+        }
+    }
+
+    pub fn extents(&self) -> u64 {
+        self.size.div_ceil(self.extent)
+    }
+
+    /// Data extents per unit.
+    pub fn data_per_unit(&self) -> u64 {
+        match self.mode {
+            Redundancy::Parity { width } => width as u64 - 1,
+            _ => 1,
+        }
+    }
+
+    pub fn units(&self) -> u64 {
+        self.extents().div_ceil(self.data_per_unit())
+    }
+
+    /// Members a fully placed unit has.
+    pub fn members(&self) -> usize {
+        match self.mode {
+            Redundancy::None | Redundancy::Disk => 1,
+            Redundancy::Mirror => 2,
+            Redundancy::Parity { width } => width as usize,
+        }
+    }
+
+    /// Position of the parity extent in parity group `unit` (RAID-5
+    /// rotation).
+    pub fn parity_member(&self, unit: u64) -> usize {
+        match self.mode {
+            Redundancy::Parity { width } => (unit % width as u64) as usize,
+            _ => usize::MAX,
+        }
+    }
+
+    /// The unit holding `extent` and, in parity mode, the member position of
+    /// that extent in its group (0 otherwise).
+    pub fn locate(&self, extent: u64) -> (u64, usize) {
+        let d = self.data_per_unit();
+        let unit = extent / d;
+        if let Redundancy::Parity { .. } = self.mode {
+            let k = (extent % d) as usize;
+            let p = self.parity_member(unit);
+            (unit, if k < p { k } else { k + 1 })
+        } else {
+            (unit, 0)
+        }
+    }
+
+    /// The extent at member position `member` of parity group `unit`, or
+    /// `None` for the parity member or past the device's end.
+    pub fn extent_of(&self, unit: u64, member: usize) -> Option<u64> {
+        let p = self.parity_member(unit);
+        if member == p {
+            return None;
+        }
+        let k = if member < p { member } else { member - 1 } as u64;
+        let e = unit * self.data_per_unit() + k;
+        (e < self.extents()).then_some(e)
+    }
+}
+
+/// Where one member lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Loc {
+    /// Slot `slot` (byte offset `slot * extent`) of our export on map donor
+    /// `donor`.
+    Donor { donor: u16, slot: u32 },
+    /// Slot `slot` of the local fallback file.
+    Fallback { slot: u32 },
+}
+
+/// State of one member.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CopyState {
+    Ok,
+    /// Its donor died or its data could not be kept; must be re-created.
+    Lost,
+    /// Being re-created at `loc`; not yet readable.
+    Rebuilding,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Member {
+    pub loc: Loc,
+    pub state: CopyState,
+}
+
+/// Placement of one unit.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Unit {
+    pub members: Vec<Member>,
+}
+
+/// A donor as the map knows it: ids are stable across restarts and config
+/// changes, the label says which incarnation of our export holds our data
+/// (0: none).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DonorEntry {
+    pub name: String,
+    pub label: u128,
+}
+
+/// Errors of the extent map, naming the file and offset.
+#[derive(Debug, thiserror::Error)]
+pub enum MapError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{path}: corrupt record at byte {offset}: {reason}")]
+    Corrupt {
+        path: PathBuf,
+        offset: u64,
+        reason: String,
+    },
+    #[error("{path}: the map was made for {field} {stored}, the configuration says {configured}")]
+    Mismatch {
+        path: PathBuf,
+        field: &'static str,
+        stored: String,
+        configured: String,
+    },
+    #[error("too many donors in the map (at most 65535)")]
+    TooManyDonors,
+}
+
+// ---- record encoding -------------------------------------------------------
+
+const CRC_TABLE: [u32; 256] = {
+    let mut t = [0u32; 256];
+    let mut i = 0;
+    while i < 256 {
+        let mut c = i as u32;
+        let mut k = 0;
+        while k < 8 {
+            c = if c & 1 != 0 {
+                0xEDB8_8320 ^ (c >> 1)
+            } else {
+                c >> 1
+            };
+            k += 1;
+        }
+        t[i] = c;
+        i += 1;
+    }
+    t
+};
+
+/// CRC-32 (IEEE 802.3).
+pub fn crc32(data: &[u8]) -> u32 {
+    let mut c = !0u32;
+    for &b in data {
+        c = CRC_TABLE[((c ^ b as u32) & 0xff) as usize] ^ (c >> 8);
+    }
+    !c
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Record {
+    Header { generation: u64, layout: Layout },
+    Donor { id: u16, entry: DonorEntry },
+    Unit { index: u32, unit: Option<Unit> },
+    End { units: u64 },
+}
+
+fn frame(payload: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(payload.len() + 8);
+    v.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    v.extend_from_slice(&crc32(payload).to_le_bytes());
+    v.extend_from_slice(payload);
+    v
+}
+
+fn encode(r: &Record) -> Vec<u8> {
+    let mut p = Vec::new();
+    match r {
+        Record::Header { generation, layout } => {
+            let (m, w) = layout.mode.code();
+            p.push(1);
+            p.extend_from_slice(MAGIC);
+            p.extend_from_slice(&generation.to_le_bytes());
+            p.extend_from_slice(&layout.size.to_le_bytes());
+            p.extend_from_slice(&layout.extent.to_le_bytes());
+            p.push(m);
+            p.extend_from_slice(&w.to_le_bytes());
+        }
+        Record::Donor { id, entry } => {
+            p.push(2);
+            p.extend_from_slice(&id.to_le_bytes());
+            p.extend_from_slice(&entry.label.to_le_bytes());
+            p.extend_from_slice(&(entry.name.len() as u16).to_le_bytes());
+            p.extend_from_slice(entry.name.as_bytes());
+        }
+        Record::Unit { index, unit } => {
+            p.push(3);
+            p.extend_from_slice(&index.to_le_bytes());
+            let members = unit.as_ref().map(|u| u.members.as_slice()).unwrap_or(&[]);
+            p.push(members.len() as u8);
+            for m in members {
+                let (kind, donor, slot) = match m.loc {
+                    Loc::Donor { donor, slot } => (0u8, donor, slot),
+                    Loc::Fallback { slot } => (1u8, 0, slot),
+                };
+                p.push(kind);
+                p.extend_from_slice(&donor.to_le_bytes());
+                p.extend_from_slice(&slot.to_le_bytes());
+                p.push(match m.state {
+                    CopyState::Ok => 0,
+                    CopyState::Lost => 1,
+                    CopyState::Rebuilding => 2,
+                });
+            }
+        }
+        Record::End { units } => {
+            p.push(4);
+            p.extend_from_slice(&units.to_le_bytes());
+        }
+    }
+    frame(&p)
+}
+
+struct Cursor<'a>(&'a [u8]);
+
+impl Cursor<'_> {
+    fn take(&mut self, n: usize) -> Result<&[u8], String> {
+        if self.0.len() < n {
+            return Err("record too short".into());
+        }
+        let (a, b) = self.0.split_at(n);
+        self.0 = b;
+        Ok(a)
+    }
+    fn u8(&mut self) -> Result<u8, String> {
+        Ok(self.take(1)?[0])
+    }
+    fn u16(&mut self) -> Result<u16, String> {
+        Ok(u16::from_le_bytes(
+            self.take(2)?.try_into().expect("2 bytes"),
+        ))
+    }
+    fn u32(&mut self) -> Result<u32, String> {
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
+    }
+    fn u64(&mut self) -> Result<u64, String> {
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
+    }
+    fn u128(&mut self) -> Result<u128, String> {
+        Ok(u128::from_le_bytes(
+            self.take(16)?.try_into().expect("16 bytes"),
+        ))
+    }
+}
+
+fn decode(payload: &[u8]) -> Result<Record, String> {
+    let mut c = Cursor(payload);
+    let r = match c.u8()? {
+        1 => {
+            if c.take(8)? != MAGIC {
+                return Err("bad magic".into());
+            }
+            let generation = c.u64()?;
+            let size = c.u64()?;
+            let extent = c.u64()?;
+            let mode = match (c.u8()?, c.u32()?) {
+                (0, _) => Redundancy::None,
+                (1, _) => Redundancy::Mirror,
+                (2, width) => Redundancy::Parity { width },
+                (3, _) => Redundancy::Disk,
+                (m, _) => return Err(format!("unknown mode {m}")),
+            };
+            Record::Header {
+                generation,
+                layout: Layout { size, extent, mode },
+            }
+        }
+        2 => {
+            let id = c.u16()?;
+            let label = c.u128()?;
+            let n = c.u16()? as usize;
+            let name = String::from_utf8(c.take(n)?.to_vec())
+                .map_err(|_| "donor name is not UTF-8".to_string())?;
+            Record::Donor {
+                id,
+                entry: DonorEntry { name, label },
+            }
+        }
+        3 => {
+            let index = c.u32()?;
+            let n = c.u8()? as usize;
+            let mut members = Vec::with_capacity(n);
+            for _ in 0..n {
+                let kind = c.u8()?;
+                let donor = c.u16()?;
+                let slot = c.u32()?;
+                let loc = match kind {
+                    0 => Loc::Donor { donor, slot },
+                    1 => Loc::Fallback { slot },
+                    k => return Err(format!("unknown location kind {k}")),
+                };
+                let state = match c.u8()? {
+                    0 => CopyState::Ok,
+                    1 => CopyState::Lost,
+                    2 => CopyState::Rebuilding,
+                    s => return Err(format!("unknown copy state {s}")),
+                };
+                members.push(Member { loc, state });
+            }
+            Record::Unit {
+                index,
+                unit: (n > 0).then_some(Unit { members }),
+            }
+        }
+        4 => Record::End { units: c.u64()? },
+        t => return Err(format!("unknown record type {t}")),
+    };
+    if !c.0.is_empty() {
+        return Err("trailing bytes in record".into());
+    }
+    Ok(r)
+}
+
+/// Splits a file into records; stops at the first torn or corrupt one and
+/// returns the byte offset where the valid prefix ends with the reason.
+fn parse_records(data: &[u8]) -> (Vec<Record>, usize, Option<String>) {
+    let mut out = Vec::new();
+    let mut off = 0usize;
+    while off < data.len() {
+        if data.len() - off < 8 {
+            return (out, off, Some("truncated record header".into()));
+        }
+        let len = u32::from_le_bytes(data[off..off + 4].try_into().expect("4 bytes")) as usize;
+        let crc = u32::from_le_bytes(data[off + 4..off + 8].try_into().expect("4 bytes"));
+        let Some(payload) = data.get(off + 8..off + 8 + len) else {
+            return (
+                out,
+                off,
+                Some(format!(
+                    "record of {len} bytes runs past the end of the file"
+                )),
+            );
+        };
+        if crc32(payload) != crc {
+            return (out, off, Some("checksum mismatch".into()));
+        }
+        match decode(payload) {
+            Ok(r) => out.push(r),
+            Err(e) => return (out, off, Some(e)),
+        }
+        off += 8 + len;
+    }
+    (out, off, None)
+}
+
+// ---- slots -----------------------------------------------------------------
+
+/// Used slots of one export (or of the fallback file).
+#[derive(Debug, Clone, Default)]
+struct SlotSet {
+    bits: Vec<u64>,
+    capacity: u32,
+    used: u32,
+    /// Slots below this are reserved (slot 0 of a donor export holds the
+    /// donor label).
+    reserved: u32,
+    /// Every slot below `hint` is used.
+    hint: u32,
+    /// Slots from here up have not been written since the export (or file)
+    /// was last cleared, so they read as zeros.
+    clean_from: u32,
+}
+
+impl SlotSet {
+    fn new(reserved: u32) -> SlotSet {
+        SlotSet {
+            reserved,
+            clean_from: u32::MAX,
+            ..Default::default()
+        }
+    }
+
+    fn is_used(&self, s: u32) -> bool {
+        self.bits
+            .get((s / 64) as usize)
+            .is_some_and(|w| w & (1 << (s % 64)) != 0)
+    }
+
+    fn mark(&mut self, s: u32) -> bool {
+        let w = (s / 64) as usize;
+        if self.bits.len() <= w {
+            self.bits.resize(w + 1, 0);
+        }
+        if self.is_used(s) {
+            return false;
+        }
+        self.bits[w] |= 1 << (s % 64);
+        self.used += 1;
+        true
+    }
+
+    fn free(&mut self, s: u32) {
+        if self.is_used(s) {
+            self.bits[(s / 64) as usize] &= !(1 << (s % 64));
+            self.used -= 1;
+            self.hint = self.hint.min(s);
+        }
+    }
+
+    /// The lowest free slot, and whether it is known to read as zeros.
+    fn alloc(&mut self) -> Option<(u32, bool)> {
+        let start = self.hint.max(self.reserved);
+        let s = (start..self.capacity).find(|&s| !self.is_used(s))?;
+        self.mark(s);
+        self.hint = s + 1;
+        let clean = s >= self.clean_from;
+        if clean {
+            self.clean_from = s + 1;
+        }
+        Some((s, clean))
+    }
+
+    fn mark_free_clean(&mut self) {
+        let top = (0..self.bits.len() as u32 * 64)
+            .rev()
+            .find(|&s| self.is_used(s))
+            .map_or(0, |s| s + 1);
+        self.clean_from = top.max(self.reserved);
+    }
+
+    fn available(&self) -> u32 {
+        let in_range = (self.reserved..self.capacity)
+            .filter(|&s| self.is_used(s))
+            .count() as u32;
+        self.capacity
+            .saturating_sub(self.reserved)
+            .saturating_sub(in_range)
+    }
+
+    fn clear(&mut self) {
+        self.bits.clear();
+        self.used = 0;
+        self.hint = 0;
+        self.clean_from = u32::MAX;
+    }
+}
+
+struct Slots {
+    donors: Vec<SlotSet>,
+    fallback: SlotSet,
+}
+
+/// Where to allocate a slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotOwner {
+    Donor(u16),
+    Fallback,
+}
+
+// ---- the map ---------------------------------------------------------------
+
+struct Persist {
+    journal: File,
+    journal_bytes: u64,
+    generation: u64,
+    mirror: Vec<Option<Unit>>,
+    donors: Vec<DonorEntry>,
+}
+
+/// The extent map: in-memory placements behind per-unit locks, plus the
+/// journal and snapshot that keep them across restarts.
+pub struct ExtentMap {
+    layout: Layout,
+    dir: PathBuf,
+    units: Vec<RwLock<Option<Unit>>>,
+    persist: Mutex<Persist>,
+    slots: Mutex<Slots>,
+}
+
+fn io_err(path: &Path) -> impl Fn(io::Error) -> MapError + '_ {
+    move |source| MapError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn fsync_dir(dir: &Path) -> Result<(), MapError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io_err(dir))
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+struct Replay {
+    units: Vec<Option<Unit>>,
+    donors: Vec<DonorEntry>,
+}
+
+impl Replay {
+    fn apply(&mut self, r: Record, layout: &Layout) -> Result<(), String> {
+        match r {
+            Record::Header { .. } | Record::End { .. } => {
+                Err("unexpected header or end record".into())
+            }
+            Record::Donor { id, entry } => {
+                let id = id as usize;
+                if id > self.donors.len() {
+                    return Err(format!("donor id {id} skips ids"));
+                }
+                if id == self.donors.len() {
+                    self.donors.push(entry);
+                } else {
+                    self.donors[id] = entry;
+                }
+                Ok(())
+            }
+            Record::Unit { index, unit } => {
+                let slot = self.units.get_mut(index as usize).ok_or_else(|| {
+                    format!("unit {index} is beyond the map's {} units", layout.units())
+                })?;
+                if let Some(u) = &unit {
+                    if u.members.len() > layout.members() {
+                        return Err(format!("unit {index} has {} members", u.members.len()));
+                    }
+                    for m in &u.members {
+                        if let Loc::Donor { donor, .. } = m.loc {
+                            if donor as usize >= self.donors.len() {
+                                return Err(format!("unit {index} names unknown donor id {donor}"));
+                            }
+                        }
+                    }
+                }
+                *slot = unit;
+                Ok(())
+            }
+        }
+    }
+}
+
+fn check_layout(path: &Path, stored: &Layout, want: &Layout) -> Result<(), MapError> {
+    let mm = |field, s: String, c: String| {
+        Err(MapError::Mismatch {
+            path: path.to_path_buf(),
+            field,
+            stored: s,
+            configured: c,
+        })
+    };
+    if stored.size != want.size {
+        return mm("size", stored.size.to_string(), want.size.to_string());
+    }
+    if stored.extent != want.extent {
+        return mm(
+            "extent_size",
+            stored.extent.to_string(),
+            want.extent.to_string(),
+        );
+    }
+    if stored.mode != want.mode {
+        return mm(
+            "mode",
+            format!("{:?}", stored.mode),
+            format!("{:?}", want.mode),
+        );
+    }
+    Ok(())
+}
+
+impl ExtentMap {
+    /// Opens (or creates) the map in `dir` for `layout`, recovering from
+    /// the snapshot and the journal's valid prefix.
+    pub fn open(dir: &Path, layout: Layout) -> Result<ExtentMap, MapError> {
+        fs::create_dir_all(dir).map_err(io_err(dir))?;
+        let snap_path = dir.join(SNAPSHOT_FILE);
+        let jpath = dir.join(JOURNAL_FILE);
+        let mut st = Replay {
+            units: vec![None; layout.units() as usize],
+            donors: Vec::new(),
+        };
+
+        let mut generation = 0u64;
+        match fs::read(&snap_path) {
+            Ok(data) => {
+                let (recs, end, err) = parse_records(&data);
+                let corrupt = |offset: usize, reason: String| MapError::Corrupt {
+                    path: snap_path.clone(),
+                    offset: offset as u64,
+                    reason,
+                };
+                if let Some(reason) = err {
+                    return Err(corrupt(end, reason));
+                }
+                let mut it = recs.into_iter();
+                match it.next() {
+                    Some(Record::Header {
+                        generation: g,
+                        layout: l,
+                    }) => {
+                        check_layout(&snap_path, &l, &layout)?;
+                        generation = g;
+                    }
+                    _ => return Err(corrupt(0, "snapshot does not start with a header".into())),
+                }
+                let mut ended = false;
+                let mut seen = 0u64;
+                for r in it {
+                    if ended {
+                        return Err(corrupt(end, "records after the end record".into()));
+                    }
+                    match r {
+                        Record::End { units } => {
+                            if units != seen {
+                                return Err(corrupt(
+                                    end,
+                                    format!("end record counts {units} units, found {seen}"),
+                                ));
+                            }
+                            ended = true;
+                        }
+                        r => {
+                            if matches!(r, Record::Unit { .. }) {
+                                seen += 1;
+                            }
+                            st.apply(r, &layout).map_err(|e| corrupt(end, e))?;
+                        }
+                    }
+                }
+                if !ended {
+                    return Err(corrupt(end, "snapshot has no end record".into()));
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io_err(&snap_path)(e)),
+        }
+
+        let mut fresh_journal = true;
+        match fs::read(&jpath) {
+            Ok(data) => {
+                let (recs, end, err) = parse_records(&data);
+                let mut it = recs.into_iter();
+                match it.next() {
+                    Some(Record::Header {
+                        generation: g,
+                        layout: l,
+                    }) if g == generation => {
+                        check_layout(&jpath, &l, &layout)?;
+                        let mut offset = encode(&Record::Header {
+                            generation: g,
+                            layout: l,
+                        })
+                        .len();
+                        let mut kept = 0usize;
+                        for r in it {
+                            let len = encode(&r).len();
+                            if let Err(reason) = st.apply(r, &layout) {
+                                return Err(MapError::Corrupt {
+                                    path: jpath.clone(),
+                                    offset: offset as u64,
+                                    reason,
+                                });
+                            }
+                            offset += len;
+                            kept += 1;
+                        }
+                        if let Some(reason) = err {
+                            tracing::warn!(
+                                "{}: discarding torn tail at byte {end} of {} ({reason}); the map keeps the {kept} records before it",
+                                jpath.display(),
+                                data.len(),
+                            );
+                        }
+                        let f = OpenOptions::new()
+                            .write(true)
+                            .open(&jpath)
+                            .map_err(io_err(&jpath))?;
+                        f.set_len(end as u64)
+                            .and_then(|_| f.sync_all())
+                            .map_err(io_err(&jpath))?;
+                        fresh_journal = false;
+                    }
+                    Some(Record::Header { generation: g, .. }) if g < generation => {
+                        tracing::info!(
+                            "{}: generation {g} is already folded into snapshot generation {generation}; starting a new journal",
+                            jpath.display()
+                        );
+                    }
+                    Some(Record::Header { generation: g, .. }) => {
+                        return Err(MapError::Corrupt {
+                            path: jpath.clone(),
+                            offset: 0,
+                            reason: format!(
+                                "journal generation {g} is newer than the snapshot's {generation}"
+                            ),
+                        });
+                    }
+                    _ => {
+                        tracing::warn!(
+                            "{}: no valid header; starting a new journal",
+                            jpath.display()
+                        );
+                    }
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io_err(&jpath)(e)),
+        }
+        if fresh_journal {
+            write_journal_header(dir, generation, &layout)?;
+        }
+        let journal = OpenOptions::new()
+            .append(true)
+            .open(&jpath)
+            .map_err(io_err(&jpath))?;
+        let journal_bytes = journal.metadata().map_err(io_err(&jpath))?.len();
+
+        // A copy that was being rebuilt when we stopped is incomplete.
+        for u in st.units.iter_mut().flatten() {
+            for m in &mut u.members {
+                if m.state == CopyState::Rebuilding {
+                    m.state = CopyState::Lost;
+                }
+            }
+        }
+        let mut slots = Slots {
+            donors: vec![SlotSet::new(1); st.donors.len()],
+            fallback: SlotSet::new(0),
+        };
+        for (i, u) in st.units.iter().enumerate() {
+            for m in u
+                .iter()
+                .flat_map(|u| &u.members)
+                .filter(|m| m.state == CopyState::Ok)
+            {
+                let fresh = match m.loc {
+                    Loc::Donor { donor, slot } => slots.donors[donor as usize].mark(slot),
+                    Loc::Fallback { slot } => slots.fallback.mark(slot),
+                };
+                if !fresh {
+                    tracing::warn!("extent map: unit {i} shares {:?} with another unit", m.loc);
+                }
+            }
+        }
+        Ok(ExtentMap {
+            layout,
+            dir: dir.to_path_buf(),
+            units: st.units.iter().cloned().map(RwLock::new).collect(),
+            persist: Mutex::new(Persist {
+                journal,
+                journal_bytes,
+                generation,
+                mirror: st.units,
+                donors: st.donors,
+            }),
+            slots: Mutex::new(slots),
+        })
+    }
+
+    /// The lock guarding unit `u`'s placement. Hold it (read) during I/O on
+    /// the unit and (write) while changing its placement.
+    pub fn unit(&self, u: u64) -> &RwLock<Option<Unit>> {
+        &self.units[u as usize]
+    }
+
+    /// Journals unit `u`'s new placement. Call with `u`'s write lock held,
+    /// after the data is where the placement says.
+    pub fn commit(&self, u: u64, unit: &Option<Unit>) -> Result<(), MapError> {
+        let rec = encode(&Record::Unit {
+            index: u as u32,
+            unit: unit.clone(),
+        });
+        let mut p = lock(&self.persist);
+        let path = self.dir.join(JOURNAL_FILE);
+        p.journal.write_all(&rec).map_err(io_err(&path))?;
+        p.journal_bytes += rec.len() as u64;
+        p.mirror[u as usize] = unit.clone();
+        Ok(())
+    }
+
+    /// Makes every committed change durable.
+    pub fn sync(&self) -> Result<(), MapError> {
+        let p = lock(&self.persist);
+        p.journal
+            .sync_data()
+            .map_err(io_err(&self.dir.join(JOURNAL_FILE)))
+    }
+
+    pub fn needs_compaction(&self) -> bool {
+        lock(&self.persist).journal_bytes > COMPACT_AFTER_BYTES
+    }
+
+    /// Folds the journal into a new snapshot and starts a new journal.
+    pub fn compact(&self) -> Result<(), MapError> {
+        let mut p = lock(&self.persist);
+        let g = p.generation + 1;
+        self.write_snapshot(&p, g)?;
+        write_journal_header(&self.dir, g, &self.layout)?;
+        let jpath = self.dir.join(JOURNAL_FILE);
+        p.journal = OpenOptions::new()
+            .append(true)
+            .open(&jpath)
+            .map_err(io_err(&jpath))?;
+        p.journal_bytes = p.journal.metadata().map_err(io_err(&jpath))?.len();
+        p.generation = g;
+        Ok(())
+    }
+
+    fn write_snapshot(&self, p: &Persist, generation: u64) -> Result<(), MapError> {
+        let tmp = self.dir.join(format!("{SNAPSHOT_FILE}.tmp"));
+        let mut data = encode(&Record::Header {
+            generation,
+            layout: self.layout,
+        });
+        for (id, entry) in p.donors.iter().enumerate() {
+            data.extend(encode(&Record::Donor {
+                id: id as u16,
+                entry: entry.clone(),
+            }));
+        }
+        let mut n = 0u64;
+        for (i, u) in p.mirror.iter().enumerate().filter(|(_, u)| u.is_some()) {
+            data.extend(encode(&Record::Unit {
+                index: i as u32,
+                unit: u.clone(),
+            }));
+            n += 1;
+        }
+        data.extend(encode(&Record::End { units: n }));
+        let mut f = File::create(&tmp).map_err(io_err(&tmp))?;
+        f.write_all(&data)
+            .and_then(|_| f.sync_all())
+            .map_err(io_err(&tmp))?;
+        fs::rename(&tmp, self.dir.join(SNAPSHOT_FILE)).map_err(io_err(&tmp))?;
+        fsync_dir(&self.dir)
+    }
+
+    // ---- donors ----
+
+    /// The map id of donor `name`, registering (and journaling) it if new.
+    pub fn donor_id(&self, name: &str) -> Result<u16, MapError> {
+        let mut p = lock(&self.persist);
+        if let Some(i) = p.donors.iter().position(|d| d.name == name) {
+            return Ok(i as u16);
+        }
+        let id = u16::try_from(p.donors.len()).map_err(|_| MapError::TooManyDonors)?;
+        let entry = DonorEntry {
+            name: name.to_string(),
+            label: 0,
+        };
+        self.append(
+            &mut p,
+            &Record::Donor {
+                id,
+                entry: entry.clone(),
+            },
+        )?;
+        p.donors.push(entry);
+        lock(&self.slots).donors.push(SlotSet::new(1));
+        Ok(id)
+    }
+
+    pub fn donor_label(&self, id: u16) -> u128 {
+        lock(&self.persist).donors[id as usize].label
+    }
+
+    /// Records which incarnation of donor `id`'s export holds our data.
+    pub fn set_donor_label(&self, id: u16, label: u128) -> Result<(), MapError> {
+        let mut p = lock(&self.persist);
+        let mut entry = p.donors[id as usize].clone();
+        entry.label = label;
+        self.append(
+            &mut p,
+            &Record::Donor {
+                id,
+                entry: entry.clone(),
+            },
+        )?;
+        p.donors[id as usize] = entry;
+        Ok(())
+    }
+
+    fn append(&self, p: &mut Persist, r: &Record) -> Result<(), MapError> {
+        let rec = encode(r);
+        p.journal
+            .write_all(&rec)
+            .map_err(io_err(&self.dir.join(JOURNAL_FILE)))?;
+        p.journal_bytes += rec.len() as u64;
+        Ok(())
+    }
+
+    // ---- slots ----
+
+    /// Sets how many extent slots donor `id`'s export (or, with `None`, the
+    /// fallback file) has.
+    pub fn set_capacity(&self, owner: SlotOwner, slots: u32) {
+        let mut s = lock(&self.slots);
+        match owner {
+            SlotOwner::Donor(id) => s.donors[id as usize].capacity = slots,
+            SlotOwner::Fallback => s.fallback.capacity = slots,
+        }
+    }
+
+    /// Takes a free slot, or `None` when the export or file is full; the
+    /// flag says whether the slot is known to read as zeros.
+    pub fn alloc(&self, owner: SlotOwner) -> Option<(Loc, bool)> {
+        let mut s = lock(&self.slots);
+        match owner {
+            SlotOwner::Donor(donor) => s.donors[donor as usize]
+                .alloc()
+                .map(|(slot, clean)| (Loc::Donor { donor, slot }, clean)),
+            SlotOwner::Fallback => s
+                .fallback
+                .alloc()
+                .map(|(slot, clean)| (Loc::Fallback { slot }, clean)),
+        }
+    }
+
+    /// Declares every free slot of `owner` clean: its export (or file) was
+    /// just cleared.
+    pub fn mark_free_slots_clean(&self, owner: SlotOwner) {
+        let mut s = lock(&self.slots);
+        match owner {
+            SlotOwner::Donor(id) => s.donors[id as usize].mark_free_clean(),
+            SlotOwner::Fallback => s.fallback.mark_free_clean(),
+        }
+    }
+
+    /// Returns a slot (its old contents must be zeroed or trimmed before
+    /// partial reuse; the device zeroes at allocation).
+    pub fn free(&self, loc: Loc) {
+        let mut s = lock(&self.slots);
+        match loc {
+            Loc::Donor { donor, slot } => s.donors[donor as usize].free(slot),
+            Loc::Fallback { slot } => s.fallback.free(slot),
+        }
+    }
+
+    /// Forgets every slot of donor `id` (it died: all its members are Lost,
+    /// and if it comes back it is a new donor).
+    pub fn forget_donor_slots(&self, id: u16) {
+        lock(&self.slots).donors[id as usize].clear();
+    }
+
+    /// Slots in use and slots still free.
+    pub fn slot_usage(&self, owner: SlotOwner) -> (u32, u32) {
+        let s = lock(&self.slots);
+        let set = match owner {
+            SlotOwner::Donor(id) => &s.donors[id as usize],
+            SlotOwner::Fallback => &s.fallback,
+        };
+        (set.used, set.available())
+    }
+}
+
+fn write_journal_header(dir: &Path, generation: u64, layout: &Layout) -> Result<(), MapError> {
+    let jpath = dir.join(JOURNAL_FILE);
+    let tmp = dir.join(format!("{JOURNAL_FILE}.tmp"));
+    let mut f = File::create(&tmp).map_err(io_err(&tmp))?;
+    f.write_all(&encode(&Record::Header {
+        generation,
+        layout: *layout,
+    }))
+    .and_then(|_| f.sync_all())
+    .map_err(io_err(&tmp))?;
+    fs::rename(&tmp, &jpath).map_err(io_err(&tmp))?;
+    fsync_dir(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout() -> Layout {
+        Layout {
+            size: 16 << 20,
+            extent: 1 << 20,
+            mode: Redundancy::Mirror,
+        }
+    }
+
+    fn unit(d0: u16, s0: u32, d1: u16, s1: u32) -> Option<Unit> {
+        Some(Unit {
+            members: vec![
+                Member {
+                    loc: Loc::Donor {
+                        donor: d0,
+                        slot: s0,
+                    },
+                    state: CopyState::Ok,
+                },
+                Member {
+                    loc: Loc::Donor {
+                        donor: d1,
+                        slot: s1,
+                    },
+                    state: CopyState::Ok,
+                },
+            ],
+        })
+    }
+
+    fn get(m: &ExtentMap, u: u64) -> Option<Unit> {
+        m.unit(u).read().unwrap().clone()
+    }
+
+    #[test]
+    fn crc_matches_the_standard_check_value() {
+        assert_eq!(crc32(b"123456789"), 0xCBF4_3926);
+    }
+
+    #[test]
+    fn parity_layout_rotates_parity_and_maps_every_extent_once() {
+        let l = Layout {
+            size: 10 << 20,
+            extent: 1 << 20,
+            mode: Redundancy::Parity { width: 3 },
+        };
+        assert_eq!(l.units(), 5);
+        let mut seen = [false; 10];
+        for u in 0..l.units() {
+            let p = l.parity_member(u);
+            assert_eq!(p, (u % 3) as usize);
+            assert_eq!(l.extent_of(u, p), None);
+            for m in (0..3).filter(|&m| m != p) {
+                let e = l.extent_of(u, m).unwrap();
+                assert_eq!(l.locate(e), (u, m));
+                assert!(!seen[e as usize]);
+                seen[e as usize] = true;
+            }
+        }
+        assert!(seen.iter().all(|&s| s));
+    }
+
+    #[test]
+    fn journal_survives_reopen_and_rebuilds_slots() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let m = ExtentMap::open(dir.path(), layout()).unwrap();
+            let a = m.donor_id("a").unwrap();
+            let b = m.donor_id("b").unwrap();
+            m.set_capacity(SlotOwner::Donor(a), 8);
+            m.set_capacity(SlotOwner::Donor(b), 8);
+            assert_eq!(
+                m.alloc(SlotOwner::Donor(a)),
+                Some((Loc::Donor { donor: a, slot: 1 }, false))
+            );
+            m.commit(3, &unit(a, 1, b, 5)).unwrap();
+            m.set_donor_label(a, 77).unwrap();
+        }
+        let m = ExtentMap::open(dir.path(), layout()).unwrap();
+        assert_eq!(get(&m, 3), unit(0, 1, 1, 5));
+        assert_eq!(m.donor_label(0), 77);
+        assert_eq!(m.donor_id("b").unwrap(), 1);
+        m.set_capacity(SlotOwner::Donor(0), 8);
+        // slot 0 is the label, slot 1 is taken by unit 3.
+        assert_eq!(
+            m.alloc(SlotOwner::Donor(0)).unwrap().0,
+            Loc::Donor { donor: 0, slot: 2 }
+        );
+        assert_eq!(m.slot_usage(SlotOwner::Donor(1)).0, 1);
+    }
+
+    #[test]
+    fn torn_journal_tail_is_discarded() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let m = ExtentMap::open(dir.path(), layout()).unwrap();
+            m.donor_id("a").unwrap();
+            m.donor_id("b").unwrap();
+            m.commit(1, &unit(0, 1, 1, 1)).unwrap();
+            m.commit(2, &unit(0, 2, 1, 2)).unwrap();
+        }
+        let jpath = dir.path().join(JOURNAL_FILE);
+        let len = fs::metadata(&jpath).unwrap().len();
+        // Tear the last record in half.
+        OpenOptions::new()
+            .write(true)
+            .open(&jpath)
+            .unwrap()
+            .set_len(len - 7)
+            .unwrap();
+        let m = ExtentMap::open(dir.path(), layout()).unwrap();
+        assert_eq!(get(&m, 1), unit(0, 1, 1, 1));
+        assert_eq!(get(&m, 2), None);
+        // The tail was cut, so new records follow the valid prefix.
+        m.commit(4, &unit(1, 3, 0, 3)).unwrap();
+        drop(m);
+        let m = ExtentMap::open(dir.path(), layout()).unwrap();
+        assert_eq!(get(&m, 4), unit(1, 3, 0, 3));
+        assert_eq!(get(&m, 1), unit(0, 1, 1, 1));
+    }
+
+    #[test]
+    fn corrupt_record_in_the_middle_keeps_the_prefix() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let m = ExtentMap::open(dir.path(), layout()).unwrap();
+            m.donor_id("a").unwrap();
+            m.donor_id("b").unwrap();
+            m.commit(1, &unit(0, 1, 1, 1)).unwrap();
+            m.commit(2, &unit(0, 2, 1, 2)).unwrap();
+        }
+        let jpath = dir.path().join(JOURNAL_FILE);
+        let mut data = fs::read(&jpath).unwrap();
+        let n = data.len();
+        data[n - 3] ^= 0xff;
+        fs::write(&jpath, &data).unwrap();
+        let m = ExtentMap::open(dir.path(), layout()).unwrap();
+        assert_eq!(get(&m, 1), unit(0, 1, 1, 1));
+        assert_eq!(get(&m, 2), None);
+    }
+
+    #[test]
+    fn compaction_and_a_crash_between_snapshot_and_journal_reset() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let m = ExtentMap::open(dir.path(), layout()).unwrap();
+            m.donor_id("a").unwrap();
+            m.donor_id("b").unwrap();
+            m.commit(1, &unit(0, 1, 1, 1)).unwrap();
+            m.compact().unwrap();
+            m.commit(2, &unit(0, 2, 1, 2)).unwrap();
+            m.commit(1, &None).unwrap();
+            // Crash in the middle of the next compaction: the new snapshot
+            // is in place, the old journal (already folded in) is not reset.
+            let p = lock(&m.persist);
+            m.write_snapshot(&p, p.generation + 1).unwrap();
+        }
+        let m = ExtentMap::open(dir.path(), layout()).unwrap();
+        assert_eq!(get(&m, 1), None);
+        assert_eq!(get(&m, 2), unit(0, 2, 1, 2));
+        // After recovery new records land in a journal of the new generation.
+        m.commit(5, &unit(1, 4, 0, 4)).unwrap();
+        drop(m);
+        let m = ExtentMap::open(dir.path(), layout()).unwrap();
+        assert_eq!(get(&m, 5), unit(1, 4, 0, 4));
+        assert_eq!(get(&m, 2), unit(0, 2, 1, 2));
+    }
+
+    #[test]
+    fn crash_after_journal_append_before_any_snapshot() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let m = ExtentMap::open(dir.path(), layout()).unwrap();
+            m.donor_id("a").unwrap();
+            m.donor_id("b").unwrap();
+            m.commit(7, &unit(1, 9, 0, 9)).unwrap();
+            // Dropped without sync or compaction: the records are in the file.
+        }
+        let m = ExtentMap::open(dir.path(), layout()).unwrap();
+        assert_eq!(get(&m, 7), unit(1, 9, 0, 9));
+        assert!(!dir.path().join(SNAPSHOT_FILE).exists());
+    }
+
+    #[test]
+    fn rebuilding_copies_come_back_lost_and_free() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let m = ExtentMap::open(dir.path(), layout()).unwrap();
+            m.donor_id("a").unwrap();
+            m.donor_id("b").unwrap();
+            let mut u = unit(0, 1, 1, 1).unwrap();
+            u.members[1].state = CopyState::Rebuilding;
+            m.commit(0, &Some(u)).unwrap();
+        }
+        let m = ExtentMap::open(dir.path(), layout()).unwrap();
+        assert_eq!(get(&m, 0).unwrap().members[1].state, CopyState::Lost);
+        assert_eq!(m.slot_usage(SlotOwner::Donor(1)).0, 0);
+    }
+
+    #[test]
+    fn layout_change_is_refused_naming_the_field() {
+        let dir = tempfile::tempdir().unwrap();
+        ExtentMap::open(dir.path(), layout()).unwrap();
+        let mut other = layout();
+        other.extent = 2 << 20;
+        let e = ExtentMap::open(dir.path(), other)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("extent_size") && e.contains("map.journal"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn slots_fill_up_and_freed_slots_are_reused() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = ExtentMap::open(dir.path(), layout()).unwrap();
+        let a = m.donor_id("a").unwrap();
+        m.set_capacity(SlotOwner::Donor(a), 3);
+        m.mark_free_slots_clean(SlotOwner::Donor(a));
+        let (s1, clean1) = m.alloc(SlotOwner::Donor(a)).unwrap();
+        let (s2, clean2) = m.alloc(SlotOwner::Donor(a)).unwrap();
+        assert!(clean1 && clean2);
+        assert_eq!(m.alloc(SlotOwner::Donor(a)), None);
+        m.free(s1);
+        // A freed slot comes back dirty: it must be zeroed before partial use.
+        assert_eq!(m.alloc(SlotOwner::Donor(a)), Some((s1, false)));
+        assert_ne!(s1, s2);
+        m.forget_donor_slots(a);
+        assert_eq!(m.slot_usage(SlotOwner::Donor(a)), (0, 2));
+        assert!(!m.alloc(SlotOwner::Donor(a)).unwrap().1);
+    }
+}

@@ -1,0 +1,11 @@
+//! netpager client library: donor selection, extent placement, reliability
+//! modes, failover and the attach machinery behind `pagerctl`.
+
+pub mod attach;
+pub mod config;
+pub mod device;
+pub mod extent_map;
+pub mod nbd;
+pub mod policy;
+pub mod sim;
+pub mod status;

@@ -1,0 +1,549 @@
+//! The crate's only `unsafe` code: raw libnbd (Debian libnbd-dev 1.14)
+//! declarations, a safe owner of one `struct nbd_handle`, commands whose
+//! buffers stay borrowed until they complete, a multi-handle poll loop with a
+//! deadline, and `mlockall`.
+//!
+//! Why the aio API: every wait goes through `poll(2)` with a deadline, so a
+//! hung donor (SIGSTOPped, black-holed) can never wedge a thread inside a
+//! blocking libnbd call.
+
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
+use std::marker::PhantomData;
+use std::ptr::NonNull;
+use std::time::Instant;
+
+#[repr(C)]
+struct NbdHandle {
+    _opaque: [u8; 0],
+}
+
+/// `nbd_completion_callback`, always passed empty (`NBD_NULL_COMPLETION`):
+/// completion is polled with `nbd_aio_command_completed`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CompletionCallback {
+    callback: Option<extern "C" fn(*mut c_void, *mut c_int) -> c_int>,
+    user_data: *mut c_void,
+    free: Option<extern "C" fn(*mut c_void)>,
+}
+
+const NULL_COMPLETION: CompletionCallback = CompletionCallback {
+    callback: None,
+    user_data: std::ptr::null_mut(),
+    free: None,
+};
+
+const LIBNBD_TLS_REQUIRE: c_int = 2;
+const LIBNBD_AIO_DIRECTION_READ: c_uint = 1;
+const LIBNBD_AIO_DIRECTION_WRITE: c_uint = 2;
+
+#[link(name = "nbd")]
+extern "C" {
+    fn nbd_create() -> *mut NbdHandle;
+    fn nbd_close(h: *mut NbdHandle);
+    fn nbd_get_error() -> *const c_char;
+    fn nbd_get_errno() -> c_int;
+    fn nbd_set_handle_name(h: *mut NbdHandle, name: *const c_char) -> c_int;
+    fn nbd_set_export_name(h: *mut NbdHandle, name: *const c_char) -> c_int;
+    fn nbd_set_tls(h: *mut NbdHandle, tls: c_int) -> c_int;
+    fn nbd_set_tls_username(h: *mut NbdHandle, username: *const c_char) -> c_int;
+    fn nbd_set_tls_psk_file(h: *mut NbdHandle, filename: *const c_char) -> c_int;
+    fn nbd_aio_connect_tcp(
+        h: *mut NbdHandle,
+        hostname: *const c_char,
+        port: *const c_char,
+    ) -> c_int;
+    fn nbd_aio_is_ready(h: *mut NbdHandle) -> c_int;
+    fn nbd_aio_is_dead(h: *mut NbdHandle) -> c_int;
+    fn nbd_aio_is_closed(h: *mut NbdHandle) -> c_int;
+    fn nbd_get_size(h: *mut NbdHandle) -> i64;
+    fn nbd_aio_pread(
+        h: *mut NbdHandle,
+        buf: *mut c_void,
+        count: usize,
+        offset: u64,
+        cb: CompletionCallback,
+        flags: u32,
+    ) -> i64;
+    fn nbd_aio_pwrite(
+        h: *mut NbdHandle,
+        buf: *const c_void,
+        count: usize,
+        offset: u64,
+        cb: CompletionCallback,
+        flags: u32,
+    ) -> i64;
+    fn nbd_aio_trim(
+        h: *mut NbdHandle,
+        count: u64,
+        offset: u64,
+        cb: CompletionCallback,
+        flags: u32,
+    ) -> i64;
+    fn nbd_aio_zero(
+        h: *mut NbdHandle,
+        count: u64,
+        offset: u64,
+        cb: CompletionCallback,
+        flags: u32,
+    ) -> i64;
+    fn nbd_aio_flush(h: *mut NbdHandle, cb: CompletionCallback, flags: u32) -> i64;
+    fn nbd_aio_get_fd(h: *mut NbdHandle) -> c_int;
+    fn nbd_aio_get_direction(h: *mut NbdHandle) -> c_uint;
+    fn nbd_aio_notify_read(h: *mut NbdHandle) -> c_int;
+    fn nbd_aio_notify_write(h: *mut NbdHandle) -> c_int;
+    fn nbd_aio_command_completed(h: *mut NbdHandle, cookie: u64) -> c_int;
+}
+
+/// A libnbd failure: its errno (0 if libnbd gave none) and message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LibError {
+    pub errno: i32,
+    pub message: String,
+}
+
+impl LibError {
+    fn new(message: impl Into<String>) -> Self {
+        LibError {
+            errno: libc::ENOTCONN,
+            message: message.into(),
+        }
+    }
+}
+
+/// Reads libnbd's thread-local error of the call that just failed.
+fn last_error() -> LibError {
+    // SAFETY: both calls only read libnbd's thread-local error state; the
+    // returned string stays valid until the next libnbd call on this thread
+    // and is copied out before that.
+    let (errno, msg) = unsafe { (nbd_get_errno(), nbd_get_error()) };
+    let message = if msg.is_null() {
+        "unknown libnbd error".to_string()
+    } else {
+        // SAFETY: non-null, NUL-terminated string owned by libnbd (see above).
+        unsafe { CStr::from_ptr(msg) }
+            .to_string_lossy()
+            .into_owned()
+    };
+    LibError { errno, message }
+}
+
+fn cstring(what: &str, s: &str) -> Result<CString, LibError> {
+    CString::new(s).map_err(|_| LibError {
+        errno: libc::EINVAL,
+        message: format!("{what} {s:?} contains a NUL byte"),
+    })
+}
+
+/// One libnbd handle (one connection). Dropping it closes the connection.
+pub struct Handle {
+    h: NonNull<NbdHandle>,
+    /// Set when a command was abandoned before completing (timeout): its
+    /// buffer is gone, so the state machine must never run again.
+    poisoned: bool,
+}
+
+// SAFETY: libnbd handles may be used from any thread (libnbd(3) "MULTITHREADING":
+// all calls on a handle are serialised by the handle's own lock); `&mut self`
+// on every method keeps one thread at a time here anyway.
+unsafe impl Send for Handle {}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        // SAFETY: `h` came from nbd_create and is closed exactly once, here.
+        // nbd_close never touches buffers of commands still in flight.
+        unsafe { nbd_close(self.h.as_ptr()) }
+    }
+}
+
+fn check(r: c_int) -> Result<(), LibError> {
+    if r == -1 {
+        Err(last_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// How a command or a connect attempt ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Done,
+    Failed(LibError),
+    TimedOut,
+}
+
+impl Handle {
+    pub fn new(name: &str) -> Result<Handle, LibError> {
+        // SAFETY: nbd_create has no preconditions; NULL means failure.
+        let h = NonNull::new(unsafe { nbd_create() }).ok_or_else(last_error)?;
+        let handle = Handle { h, poisoned: false };
+        let name = cstring("handle name", name)?;
+        // SAFETY: valid handle, NUL-terminated string copied by libnbd.
+        check(unsafe { nbd_set_handle_name(handle.ptr(), name.as_ptr()) })?;
+        Ok(handle)
+    }
+
+    fn ptr(&self) -> *mut NbdHandle {
+        self.h.as_ptr()
+    }
+
+    fn usable(&self) -> Result<(), LibError> {
+        if self.poisoned {
+            Err(LibError::new(
+                "connection abandoned after a request timed out",
+            ))
+        } else {
+            Ok(())
+        }
+    }
+
+    /// False once poisoned or once libnbd saw the connection die.
+    pub fn usable_and_alive(&self) -> bool {
+        // SAFETY: valid handle; state queries have no preconditions.
+        !self.poisoned
+            && unsafe { nbd_aio_is_dead(self.ptr()) == 0 && nbd_aio_is_closed(self.ptr()) == 0 }
+    }
+
+    pub fn set_export_name(&mut self, export: &str) -> Result<(), LibError> {
+        let e = cstring("export name", export)?;
+        // SAFETY: valid handle; libnbd copies the string.
+        check(unsafe { nbd_set_export_name(self.ptr(), e.as_ptr()) })
+    }
+
+    /// Requires TLS with a pre-shared key file (and optional user name).
+    pub fn set_tls_psk(&mut self, psk_file: &str, username: Option<&str>) -> Result<(), LibError> {
+        let f = cstring("TLS PSK file", psk_file)?;
+        // SAFETY: valid handle; libnbd copies the strings.
+        unsafe {
+            check(nbd_set_tls(self.ptr(), LIBNBD_TLS_REQUIRE))?;
+            check(nbd_set_tls_psk_file(self.ptr(), f.as_ptr()))?;
+        }
+        if let Some(u) = username {
+            let u = cstring("TLS user name", u)?;
+            // SAFETY: valid handle; libnbd copies the string.
+            check(unsafe { nbd_set_tls_username(self.ptr(), u.as_ptr()) })?;
+        }
+        Ok(())
+    }
+
+    /// Connects over TCP and negotiates, giving up at `deadline`.
+    pub fn connect_tcp(&mut self, host: &str, port: &str, deadline: Instant) -> Outcome {
+        let (host, port) = match (cstring("host", host), cstring("port", port)) {
+            (Ok(h), Ok(p)) => (h, p),
+            (Err(e), _) | (_, Err(e)) => return Outcome::Failed(e),
+        };
+        // SAFETY: valid handle; libnbd copies both strings.
+        if let Err(e) =
+            check(unsafe { nbd_aio_connect_tcp(self.ptr(), host.as_ptr(), port.as_ptr()) })
+        {
+            return Outcome::Failed(e);
+        }
+        loop {
+            // SAFETY: valid handle; state queries have no preconditions.
+            let (ready, dead) = unsafe {
+                (
+                    nbd_aio_is_ready(self.ptr()),
+                    nbd_aio_is_dead(self.ptr()) == 1 || nbd_aio_is_closed(self.ptr()) == 1,
+                )
+            };
+            if ready == 1 {
+                return Outcome::Done;
+            }
+            if dead {
+                return Outcome::Failed(LibError::new("connection closed during negotiation"));
+            }
+            let mut errs = [None];
+            match poll_handles(&mut [&mut *self], &mut errs, deadline) {
+                Ok(true) => {}
+                Ok(false) => return Outcome::TimedOut,
+                Err(e) => return Outcome::Failed(e),
+            }
+            if let [Some(e)] = errs {
+                return Outcome::Failed(e);
+            }
+        }
+    }
+
+    pub fn size(&self) -> Result<u64, LibError> {
+        // SAFETY: valid handle; -1 on error.
+        let s = unsafe { nbd_get_size(self.ptr()) };
+        if s < 0 {
+            Err(last_error())
+        } else {
+            Ok(s as u64)
+        }
+    }
+
+    fn started(&mut self, cookie: i64) -> Result<u64, LibError> {
+        if cookie < 0 {
+            Err(last_error())
+        } else {
+            Ok(cookie as u64)
+        }
+    }
+
+    /// Starts a read into `buf`; `buf` stays borrowed until the command ends.
+    pub fn start_pread<'a>(
+        &'a mut self,
+        buf: &'a mut [u8],
+        offset: u64,
+    ) -> Result<InFlight<'a>, LibError> {
+        self.usable()?;
+        // SAFETY: valid handle; `buf` is valid for `buf.len()` bytes and is
+        // borrowed by the returned InFlight until the command completed, or
+        // else the handle is poisoned so libnbd never writes to it later.
+        let c = unsafe {
+            nbd_aio_pread(
+                self.ptr(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+                offset,
+                NULL_COMPLETION,
+                0,
+            )
+        };
+        let cookie = self.started(c)?;
+        Ok(InFlight::new(self, cookie))
+    }
+
+    /// Starts a write of `buf` (`fua`: durable before the reply).
+    pub fn start_pwrite<'a>(
+        &'a mut self,
+        buf: &'a [u8],
+        offset: u64,
+        fua: bool,
+    ) -> Result<InFlight<'a>, LibError> {
+        self.usable()?;
+        let flags = if fua { 1 } else { 0 };
+        // SAFETY: as in start_pread; libnbd only reads from `buf`.
+        let c = unsafe {
+            nbd_aio_pwrite(
+                self.ptr(),
+                buf.as_ptr().cast(),
+                buf.len(),
+                offset,
+                NULL_COMPLETION,
+                flags,
+            )
+        };
+        let cookie = self.started(c)?;
+        Ok(InFlight::new(self, cookie))
+    }
+
+    pub fn start_trim(&mut self, count: u64, offset: u64) -> Result<InFlight<'_>, LibError> {
+        self.usable()?;
+        // SAFETY: valid handle; no buffer involved.
+        let c = unsafe { nbd_aio_trim(self.ptr(), count, offset, NULL_COMPLETION, 0) };
+        let cookie = self.started(c)?;
+        Ok(InFlight::new(self, cookie))
+    }
+
+    /// Starts a write of zeroes; the donor may punch holes (no NO_HOLE flag).
+    pub fn start_zero(&mut self, count: u64, offset: u64) -> Result<InFlight<'_>, LibError> {
+        self.usable()?;
+        // SAFETY: valid handle; no buffer involved.
+        let c = unsafe { nbd_aio_zero(self.ptr(), count, offset, NULL_COMPLETION, 0) };
+        let cookie = self.started(c)?;
+        Ok(InFlight::new(self, cookie))
+    }
+
+    pub fn start_flush(&mut self) -> Result<InFlight<'_>, LibError> {
+        self.usable()?;
+        // SAFETY: valid handle; no buffer involved.
+        let c = unsafe { nbd_aio_flush(self.ptr(), NULL_COMPLETION, 0) };
+        let cookie = self.started(c)?;
+        Ok(InFlight::new(self, cookie))
+    }
+}
+
+/// A started command. Its buffer (if any) stays borrowed for `'a`; dropping
+/// it before completion poisons the handle (see [`Handle`]).
+pub struct InFlight<'a> {
+    h: &'a mut Handle,
+    cookie: u64,
+    outcome: Option<Outcome>,
+    _buf: PhantomData<&'a mut [u8]>,
+}
+
+impl<'a> InFlight<'a> {
+    fn new(h: &'a mut Handle, cookie: u64) -> Self {
+        InFlight {
+            h,
+            cookie,
+            outcome: None,
+            _buf: PhantomData,
+        }
+    }
+
+    /// `None` while the command is still running.
+    pub fn outcome(&self) -> Option<&Outcome> {
+        self.outcome.as_ref()
+    }
+
+    fn poll_completion(&mut self) {
+        if self.outcome.is_some() {
+            return;
+        }
+        // SAFETY: valid handle and a cookie it issued; retires the command
+        // when it returns 1 or -1.
+        match unsafe { nbd_aio_command_completed(self.h.ptr(), self.cookie) } {
+            1 => self.outcome = Some(Outcome::Done),
+            0 => {
+                // SAFETY: valid handle; state queries have no preconditions.
+                let dead = unsafe {
+                    nbd_aio_is_dead(self.h.ptr()) == 1 || nbd_aio_is_closed(self.h.ptr()) == 1
+                };
+                if dead {
+                    self.outcome = Some(Outcome::Failed(LibError::new("connection to donor lost")));
+                }
+            }
+            _ => self.outcome = Some(Outcome::Failed(last_error())),
+        }
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        let finished = matches!(self.outcome, Some(Outcome::Done) | Some(Outcome::Failed(_)));
+        if !finished {
+            self.h.poisoned = true;
+        }
+    }
+}
+
+/// Drives every command until each has an outcome or `deadline` passes;
+/// commands still running then get `Outcome::TimedOut` (and their handles
+/// are poisoned when they are dropped). A broken socket fails only the
+/// command on that handle.
+pub fn wait_all(cmds: &mut [InFlight<'_>], deadline: Instant) {
+    loop {
+        for c in cmds.iter_mut() {
+            c.poll_completion();
+        }
+        let mut errs: Vec<Option<LibError>> = Vec::new();
+        let polled = {
+            let mut pending: Vec<&mut Handle> = cmds
+                .iter_mut()
+                .filter(|c| c.outcome.is_none())
+                .map(|c| &mut *c.h)
+                .collect();
+            if pending.is_empty() {
+                return;
+            }
+            errs.resize(pending.len(), None);
+            poll_handles(&mut pending, &mut errs, deadline)
+        };
+        let fail_all = |cmds: &mut [InFlight<'_>], o: Outcome| {
+            for c in cmds.iter_mut().filter(|c| c.outcome.is_none()) {
+                c.outcome = Some(o.clone());
+            }
+        };
+        match polled {
+            Ok(true) => {}
+            Ok(false) => return fail_all(cmds, Outcome::TimedOut),
+            Err(e) => return fail_all(cmds, Outcome::Failed(e)),
+        }
+        let mut errs = errs.into_iter();
+        for c in cmds.iter_mut().filter(|c| c.outcome.is_none()) {
+            if let Some(Some(e)) = errs.next() {
+                c.poll_completion();
+                if c.outcome.is_none() {
+                    c.outcome = Some(Outcome::Failed(e));
+                }
+            }
+        }
+    }
+}
+
+/// One round of poll(2) over the handles' sockets, then lets libnbd react
+/// (the same logic as libnbd's own `nbd_poll`, lib/poll.c, for several
+/// handles). `Ok(false)` when the deadline passed with nothing to do; a
+/// handle whose socket or state machine failed gets its error in `errs`.
+fn poll_handles(
+    hs: &mut [&mut Handle],
+    errs: &mut [Option<LibError>],
+    deadline: Instant,
+) -> Result<bool, LibError> {
+    let mut fds = Vec::with_capacity(hs.len());
+    for (h, err) in hs.iter().zip(errs.iter_mut()) {
+        // SAFETY: valid handle; queries only.
+        let (fd, dir) = unsafe { (nbd_aio_get_fd(h.ptr()), nbd_aio_get_direction(h.ptr())) };
+        let mut events = 0;
+        if dir & LIBNBD_AIO_DIRECTION_READ != 0 {
+            events |= libc::POLLIN;
+        }
+        if dir & LIBNBD_AIO_DIRECTION_WRITE != 0 {
+            events |= libc::POLLOUT;
+        }
+        if fd < 0 {
+            *err = Some(last_error());
+        }
+        // A negative fd is ignored by poll(2).
+        fds.push(libc::pollfd {
+            fd,
+            events,
+            revents: 0,
+        });
+    }
+    if errs.iter().any(Option::is_some) {
+        return Ok(true);
+    }
+    let now = Instant::now();
+    if now >= deadline {
+        return Ok(false);
+    }
+    let ms = deadline
+        .duration_since(now)
+        .as_millis()
+        .clamp(1, i32::MAX as u128) as c_int;
+    // SAFETY: `fds` is a valid array of `fds.len()` pollfd structures.
+    let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+    if r < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.kind() == std::io::ErrorKind::Interrupted {
+            return Ok(true);
+        }
+        return Err(LibError {
+            errno: e.raw_os_error().unwrap_or(libc::EIO),
+            message: format!("poll: {e}"),
+        });
+    }
+    if r == 0 {
+        return Ok(Instant::now() < deadline);
+    }
+    for ((h, p), err) in hs.iter_mut().zip(&fds).zip(errs.iter_mut()) {
+        // SAFETY: valid handle; notify calls run the state machine, whose
+        // buffers are borrowed by live InFlight values (or by nothing).
+        let res = unsafe {
+            if p.revents & (libc::POLLIN | libc::POLLHUP) != 0 {
+                nbd_aio_notify_read(h.ptr())
+            } else if p.revents & libc::POLLOUT != 0 {
+                nbd_aio_notify_write(h.ptr())
+            } else if p.revents & (libc::POLLERR | libc::POLLNVAL) != 0 {
+                -2
+            } else {
+                0
+            }
+        };
+        match res {
+            -1 => *err = Some(last_error()),
+            -2 => *err = Some(LibError::new("poll: socket error")),
+            _ => {}
+        }
+    }
+    Ok(true)
+}
+
+/// Locks the process's pages in RAM, so the swap path never waits for its
+/// own pages to be swapped in. MCL_ONFAULT: pages are locked once touched
+/// rather than populated up front, so nbdkit's many thread stacks do not
+/// each pin their full size (the device's buffers are touched when
+/// allocated, so they are resident and locked).
+pub fn lock_all_memory() -> std::io::Result<()> {
+    // SAFETY: mlockall has no memory-safety preconditions.
+    if unsafe { libc::mlockall(libc::MCL_CURRENT | libc::MCL_FUTURE | libc::MCL_ONFAULT) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}

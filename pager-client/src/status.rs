@@ -1,0 +1,363 @@
+//! The client device's status: `status.json` in the state directory,
+//! rewritten atomically about once a second by the device, read by
+//! `pagerctl status [--json]` and rendered with [`render_table`].
+
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+/// File name inside the state directory.
+pub const FILE_NAME: &str = "status.json";
+
+/// Progress of a background job (rebuild or drain).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Progress {
+    /// Extent copies (members) moved or re-created so far in this pass.
+    pub done: u64,
+    /// Copies that needed it when the pass started.
+    pub total: u64,
+    /// The job has work left.
+    pub active: bool,
+    /// Why it is waiting, if it is (e.g. no donor has room).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stalled: Option<String>,
+}
+
+/// One donor as this client sees it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct DonorReport {
+    pub name: String,
+    /// NBD address `host:port`.
+    pub address: String,
+    pub export: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status_address: Option<String>,
+    /// From its status endpoint: idle, busy or draining; "unknown" without
+    /// an endpoint, "unreachable" when the last query failed.
+    pub state: String,
+    /// Marked failed by this client (errors or timeouts); its copies are
+    /// being re-created elsewhere.
+    pub failed: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<String>,
+    /// Bytes of our export the donor holds (its report, else extents held
+    /// times the extent size).
+    pub used_bytes: u64,
+    /// Extent copies (slots) we keep there.
+    pub extents_held: u64,
+    /// Slots our export still has free.
+    pub slots_free: u64,
+    /// Donor-wide free bytes it reported (its budget left).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub free_bytes: Option<u64>,
+    pub age_weight: f64,
+    pub target_weight: f64,
+    /// Selection frequency f_i this epoch.
+    pub f: f64,
+    pub bound: f64,
+    pub capped: bool,
+    /// The donor's reported utilisation by remote requests (0..1).
+    pub utilisation: f64,
+    /// Request errors and timeouts seen since the device started.
+    pub errors: u64,
+    pub reads: u64,
+    pub writes: u64,
+}
+
+/// Totals over the device.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Totals {
+    /// Units of placement: extents (parity: groups).
+    pub units: u64,
+    pub units_placed: u64,
+    /// Members (copies) on the local fallback file.
+    pub on_fallback: u64,
+    /// Extents whose data is gone (every copy lost).
+    pub lost: u64,
+    /// The first lost extents (up to 1000), by extent number.
+    pub lost_extents: Vec<u64>,
+    /// Units missing a copy that can still be re-created.
+    pub degraded: u64,
+    pub rebuild: Progress,
+    pub drain: Progress,
+    /// Every donor is capped by its load bound: the client is throttled.
+    pub all_capped: bool,
+    pub throttled: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub throttle_reason: Option<String>,
+    /// Why the last placement went to the fallback or failed with ENOSPC.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placement_note: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fallback_path: Option<String>,
+    pub fallback_used_bytes: u64,
+    pub fallback_size_bytes: u64,
+    /// Bytes queued for the write-through file (mode disk).
+    pub writethrough_queued_bytes: u64,
+    /// Why the write-through copy stopped being kept, if it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub writethrough_error: Option<String>,
+    pub requests: u64,
+}
+
+/// Everything `status.json` holds.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ClientStatus {
+    pub client_id: String,
+    pub mode: String,
+    /// Parity group width (mode parity), else 0.
+    pub width: u32,
+    pub size_bytes: u64,
+    pub extent_bytes: u64,
+    /// Milliseconds since the Unix epoch when this was written.
+    pub updated_unix_ms: u64,
+    pub epoch_ms: u64,
+    pub b: f64,
+    pub donors: Vec<DonorReport>,
+    pub totals: Totals,
+}
+
+impl ClientStatus {
+    /// Writes `DIR/status.json` atomically (temporary file, rename).
+    pub fn write_atomic(&self, dir: &Path) -> std::io::Result<()> {
+        let tmp = dir.join(format!("{FILE_NAME}.tmp"));
+        let mut f = std::fs::File::create(&tmp)?;
+        serde_json::to_writer_pretty(&mut f, self)?;
+        f.write_all(b"\n")?;
+        std::fs::rename(&tmp, dir.join(FILE_NAME))
+    }
+
+    /// Reads `DIR/status.json`.
+    pub fn read(dir: &Path) -> std::io::Result<ClientStatus> {
+        let path = dir.join(FILE_NAME);
+        let text = std::fs::read_to_string(&path)?;
+        serde_json::from_str(&text).map_err(|e| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("{}: {e}", path.display()),
+            )
+        })
+    }
+}
+
+/// Bytes in binary units, one decimal (tables of pagerctl and the device).
+pub fn human(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+fn progress(p: &Progress) -> String {
+    let mut s = if p.total == 0 && !p.active {
+        "idle".to_string()
+    } else {
+        format!("{}/{}", p.done, p.total)
+    };
+    if let Some(why) = &p.stalled {
+        write!(s, " (stalled: {why})").expect("writing to a String");
+    }
+    s
+}
+
+/// A readable table of the status.
+pub fn render_table(s: &ClientStatus) -> String {
+    let mut out = String::new();
+    let mode = if s.mode == "parity" {
+        format!("parity (width {})", s.width)
+    } else {
+        s.mode.clone()
+    };
+    let t = &s.totals;
+    let w = |out: &mut String, line: String| out.push_str(&(line + "\n"));
+    w(
+        &mut out,
+        format!(
+            "device {}: {} in {} extents of {}, mode {mode}, b = {}",
+            s.client_id,
+            human(s.size_bytes),
+            s.size_bytes.div_ceil(s.extent_bytes.max(1)),
+            human(s.extent_bytes),
+            s.b
+        ),
+    );
+    w(
+        &mut out,
+        format!(
+            "placed {}/{} units, degraded {}, lost {}, on fallback {}, requests {}",
+            t.units_placed, t.units, t.degraded, t.lost, t.on_fallback, t.requests
+        ),
+    );
+    w(
+        &mut out,
+        format!(
+            "rebuild {}, drain {}",
+            progress(&t.rebuild),
+            progress(&t.drain)
+        ),
+    );
+    if t.throttled || t.all_capped {
+        w(
+            &mut out,
+            format!(
+                "THROTTLED: {}",
+                t.throttle_reason
+                    .clone()
+                    .unwrap_or_else(|| "all donors capped".into())
+            ),
+        );
+    }
+    if let Some(p) = &t.fallback_path {
+        w(
+            &mut out,
+            format!(
+                "fallback {p}: {} of {} used",
+                human(t.fallback_used_bytes),
+                human(t.fallback_size_bytes)
+            ),
+        );
+    }
+    if let Some(n) = &t.placement_note {
+        w(&mut out, format!("placement: {n}"));
+    }
+    if let Some(e) = &t.writethrough_error {
+        w(&mut out, format!("WRITE-THROUGH STOPPED: {e}"));
+    }
+    if t.writethrough_queued_bytes > 0 {
+        w(
+            &mut out,
+            format!(
+                "write-through queue: {}",
+                human(t.writethrough_queued_bytes)
+            ),
+        );
+    }
+    if t.lost > 0 {
+        let list: Vec<String> = t.lost_extents.iter().map(u64::to_string).collect();
+        let more = if (t.lost as usize) > t.lost_extents.len() {
+            ", ..."
+        } else {
+            ""
+        };
+        w(&mut out, format!("LOST extents: {}{more}", list.join(", ")));
+    }
+    w(&mut out, String::new());
+    let header = [
+        "donor",
+        "address",
+        "state",
+        "used",
+        "extents",
+        "free slots",
+        "w",
+        "a",
+        "f",
+        "capped",
+        "util",
+        "errors",
+    ];
+    let mut rows: Vec<Vec<String>> = vec![header.iter().map(|h| h.to_string()).collect()];
+    for d in &s.donors {
+        let state = if d.failed {
+            format!("FAILED ({})", d.state)
+        } else {
+            d.state.clone()
+        };
+        rows.push(vec![
+            d.name.clone(),
+            d.address.clone(),
+            state,
+            human(d.used_bytes),
+            d.extents_held.to_string(),
+            d.slots_free.to_string(),
+            format!("{:.3}", d.target_weight),
+            format!("{:.3}", d.age_weight),
+            format!("{:.3}", d.f),
+            if d.capped { "yes".into() } else { "no".into() },
+            format!("{:.2}", d.utilisation),
+            d.errors.to_string(),
+        ]);
+    }
+    let widths: Vec<usize> = (0..header.len())
+        .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
+        .collect();
+    for r in &rows {
+        let line: Vec<String> = r
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect();
+        w(&mut out, line.join("  ").trim_end().to_string());
+    }
+    for d in s.donors.iter().filter(|d| d.failure.is_some()) {
+        w(
+            &mut out,
+            format!("{}: {}", d.name, d.failure.as_deref().unwrap_or_default()),
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> ClientStatus {
+        ClientStatus {
+            client_id: "busy1".into(),
+            mode: "mirror".into(),
+            size_bytes: 64 << 20,
+            extent_bytes: 1 << 20,
+            donors: vec![
+                DonorReport {
+                    name: "d1".into(),
+                    address: "127.0.0.2:10809".into(),
+                    state: "idle".into(),
+                    ..Default::default()
+                },
+                DonorReport {
+                    name: "d2".into(),
+                    address: "127.0.0.3:10809".into(),
+                    state: "unreachable".into(),
+                    failed: true,
+                    failure: Some("read timed out".into()),
+                    ..Default::default()
+                },
+            ],
+            totals: Totals {
+                units: 64,
+                lost: 2,
+                lost_extents: vec![3, 9],
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn json_round_trip_through_the_state_dir() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = sample();
+        s.write_atomic(dir.path()).unwrap();
+        assert_eq!(ClientStatus::read(dir.path()).unwrap(), s);
+    }
+
+    #[test]
+    fn table_names_failures_and_lost_extents() {
+        let t = render_table(&sample());
+        assert!(t.contains("FAILED (unreachable)"), "{t}");
+        assert!(t.contains("LOST extents: 3, 9"), "{t}");
+        assert!(t.contains("d2: read timed out"), "{t}");
+        assert!(t.contains("64.0 MiB in 64 extents"), "{t}");
+    }
+}

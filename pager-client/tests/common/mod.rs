@@ -1,0 +1,378 @@
+//! Shared harness of the pager-client integration tests: real nbdkit donors
+//! on 127.0.0.x loopback addresses with free ports, stopped by pid when the
+//! guard drops; device configurations; a deterministic random source; and
+//! an in-memory model of the device's contents.
+#![allow(dead_code)] // each test binary uses its own part of the harness
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use pager_client::config::{ByteSize, DeviceConfig, DonorConfig, Mode};
+use pager_client::device::Device;
+use pager_client::status::ClientStatus;
+
+static NEXT_IP: AtomicU32 = AtomicU32::new(0);
+
+/// A loopback address for the next donor (spread over 127.0.0.10-249).
+fn next_ip() -> String {
+    let n = NEXT_IP.fetch_add(1, Ordering::Relaxed) + std::process::id();
+    format!("127.0.0.{}", 10 + n % 240)
+}
+
+fn free_port(ip: &str) -> u16 {
+    TcpListener::bind((ip, 0))
+        .and_then(|l| l.local_addr())
+        .expect("bind a free port")
+        .port()
+}
+
+/// An nbdkit process started by a test; killed (by pid) when dropped.
+pub struct Nbdkit {
+    child: Child,
+    pub addr: String,
+    /// Status endpoint (pager-server donors).
+    pub status: Option<String>,
+    stopped: bool,
+    _dir: tempfile::TempDir,
+}
+
+impl Nbdkit {
+    fn start(plugin_args: &[String], status_port: bool) -> Nbdkit {
+        let ip = next_ip();
+        let port = free_port(&ip);
+        Nbdkit::start_at(&ip, port, plugin_args, status_port)
+    }
+
+    fn start_at(ip: &str, port: u16, plugin_args: &[String], status_port: bool) -> Nbdkit {
+        let ip = ip.to_string();
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let pidfile = dir.path().join("nbdkit.pid");
+        let mut args: Vec<String> = vec![
+            "-f".into(),
+            "-i".into(),
+            ip.clone(),
+            "--port".into(),
+            port.to_string(),
+            "--pidfile".into(),
+        ];
+        args.push(pidfile.display().to_string());
+        let status = status_port.then(|| format!("{ip}:{}", free_port(&ip)));
+        args.extend(plugin_args.iter().cloned());
+        if let Some(s) = &status {
+            args.push(format!("status={s}"));
+        }
+        let child = Command::new("nbdkit")
+            .args(&args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start nbdkit");
+        let mut n = Nbdkit {
+            child,
+            addr: format!("{ip}:{port}"),
+            status,
+            stopped: false,
+            _dir: dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !pidfile.exists() {
+            if let Ok(Some(st)) = n.child.try_wait() {
+                panic!("nbdkit {args:?} exited at start: {st}");
+            }
+            assert!(Instant::now() < deadline, "nbdkit {args:?} did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        n
+    }
+
+    /// `nbdkit memory SIZE`: a donor without a status endpoint.
+    pub fn memory(size: &str) -> Nbdkit {
+        Nbdkit::start(&["memory".into(), size.into()], false)
+    }
+
+    /// `nbdkit` with extra server options before the plugin (e.g. TLS).
+    pub fn with_args(args: &[&str]) -> Nbdkit {
+        Nbdkit::start(
+            &args.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+            false,
+        )
+    }
+
+    /// A fresh, empty `nbdkit memory SIZE` at `addr` (a donor coming back).
+    pub fn memory_at(addr: &str, size: &str) -> Nbdkit {
+        let (ip, port) = addr.rsplit_once(':').expect("host:port");
+        Nbdkit::start_at(
+            ip,
+            port.parse().expect("port"),
+            &["memory".into(), size.into()],
+            false,
+        )
+    }
+
+    /// A pager-server donor with a status endpoint, or `None` (with a note
+    /// on stderr) when its plugin has not been built.
+    pub fn pager_server(params: &[&str]) -> Option<Nbdkit> {
+        let so = pager_server_so()?;
+        let mut args = vec![so.display().to_string(), "mlock=false".into()];
+        args.extend(params.iter().map(|s| s.to_string()));
+        Some(Nbdkit::start(&args, true))
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn signal(&self, sig: &str) {
+        let st = Command::new("kill")
+            .args([sig, &self.pid().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(st.success(), "kill {sig} {}", self.pid());
+    }
+
+    /// kill -9, as a crash.
+    pub fn kill9(&mut self) {
+        self.signal("-KILL");
+        let _ = self.child.wait();
+    }
+
+    /// SIGSTOP: the donor hangs without closing its connections. Returns
+    /// once the kernel shows the process stopped.
+    pub fn stop(&mut self) {
+        self.signal("-STOP");
+        self.stopped = true;
+        let tasks = format!("/proc/{}/task", self.pid());
+        let stopped = |stat: PathBuf| {
+            // The state follows the parenthesised command name.
+            std::fs::read_to_string(stat)
+                .unwrap_or_default()
+                .rsplit_once(") ")
+                .is_some_and(|(_, rest)| rest.starts_with('T'))
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let all = std::fs::read_dir(&tasks)
+                .map(|d| d.flatten().all(|t| stopped(t.path().join("stat"))))
+                .unwrap_or(false);
+            if all {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "nbdkit {} did not stop",
+                self.pid()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+impl Drop for Nbdkit {
+    fn drop(&mut self) {
+        if self.stopped {
+            let _ = Command::new("kill")
+                .args(["-CONT", &self.pid().to_string()])
+                .status();
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The pager-server plugin: `$NETPAGER_TARGET_DIR`, then the usual target
+/// directories. Tests that need it say so on stderr and return when it is
+/// missing, unless `NETPAGER_REQUIRE_SERVER=1`.
+pub fn pager_server_so() -> Option<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("workspace root")
+        .to_path_buf();
+    let mut dirs: Vec<PathBuf> = std::env::var_os("NETPAGER_TARGET_DIR")
+        .map(PathBuf::from)
+        .into_iter()
+        .collect();
+    dirs.push(root.join("target/release"));
+    dirs.push(root.join("target-server/release"));
+    let found = dirs
+        .into_iter()
+        .map(|d| d.join("libpager_server.so"))
+        .find(|p| p.exists());
+    if found.is_none() {
+        assert!(
+            std::env::var("NETPAGER_REQUIRE_SERVER").as_deref() != Ok("1"),
+            "libpager_server.so not found (build pager-server or set NETPAGER_TARGET_DIR)"
+        );
+        eprintln!("NOTE: libpager_server.so not built; skipping this pager-server test");
+    }
+    found
+}
+
+/// A device configuration for tests: short timeouts and epochs, no mlock.
+pub fn config(mode: Mode, size: u64, extent: u64, donors: &[&Nbdkit]) -> DeviceConfig {
+    let mut c = DeviceConfig::new("t1", size, mode);
+    c.extent_size = ByteSize(extent);
+    c.mlock = false;
+    c.io_buffers = 4;
+    c.connections_per_donor = 2;
+    c.timeouts.connect_ms = 1000;
+    c.timeouts.request_ms = 1000;
+    c.policy.epoch_ms = 200;
+    for (i, d) in donors.iter().enumerate() {
+        let mut dc = DonorConfig::new(format!("d{i}"), d.addr.clone());
+        dc.status = d.status.clone();
+        c.donors.push(dc);
+    }
+    c
+}
+
+/// Waits (up to a minute) for the device's status to satisfy `pred`.
+pub fn wait_status(dev: &Device, what: &str, pred: impl Fn(&ClientStatus) -> bool) -> ClientStatus {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let s = dev.status();
+        if pred(&s) {
+            return s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}; status:\n{}",
+            pager_client::status::render_table(&s)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// xorshift64*: reproducible test data without extra crates.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+
+    pub fn fill(&mut self, b: &mut [u8]) {
+        for c in b.chunks_mut(8) {
+            let x = self.next().to_le_bytes();
+            c.copy_from_slice(&x[..c.len()]);
+        }
+    }
+}
+
+/// What the device should contain; random operations stay within
+/// `[lo, hi)` so that several threads can each own a region.
+#[derive(Clone)]
+pub struct Model {
+    pub data: Vec<u8>,
+    pub lo: u64,
+    pub hi: u64,
+}
+
+impl Model {
+    pub fn new(size: u64) -> Model {
+        Model {
+            data: vec![0; size as usize],
+            lo: 0,
+            hi: size,
+        }
+    }
+
+    /// A copy whose random operations stay within `[lo, hi)`.
+    pub fn region(&self, lo: u64, hi: u64) -> Model {
+        Model {
+            data: self.data.clone(),
+            lo,
+            hi,
+        }
+    }
+
+    /// Takes over this model's region from `other`.
+    pub fn merge(&mut self, other: &Model) {
+        let r = other.lo as usize..other.hi as usize;
+        self.data[r.clone()].copy_from_slice(&other.data[r]);
+    }
+
+    fn pick(&self, rng: &mut Rng, max_len: u64) -> (u64, u64) {
+        let span = self.hi - self.lo;
+        let len = 1 + rng.below(max_len.min(span));
+        (self.lo + rng.below(span - len + 1), len)
+    }
+
+    /// A random write (any alignment, often across extent boundaries) to
+    /// both the device and the model.
+    pub fn random_write(&mut self, dev: &Device, rng: &mut Rng, max_len: u64) {
+        let (off, len) = self.pick(rng, max_len);
+        let mut b = vec![0u8; len as usize];
+        rng.fill(&mut b);
+        dev.write(&b, off)
+            .unwrap_or_else(|e| panic!("write of {len} at {off}: {e}"));
+        self.data[off as usize..(off + len) as usize].copy_from_slice(&b);
+    }
+
+    /// A write of `len` bytes at a random multiple of `align` (parity
+    /// full-stripe writes when `align` is the group's data size).
+    pub fn aligned_write(&mut self, dev: &Device, rng: &mut Rng, align: u64, len: u64) {
+        let slots = (self.hi - self.lo - len) / align + 1;
+        let off = self.lo.next_multiple_of(align) + rng.below(slots.max(1)) * align;
+        if off + len > self.hi {
+            return self.random_write(dev, rng, len);
+        }
+        let mut b = vec![0u8; len as usize];
+        rng.fill(&mut b);
+        dev.write(&b, off)
+            .unwrap_or_else(|e| panic!("write of {len} at {off}: {e}"));
+        self.data[off as usize..(off + len) as usize].copy_from_slice(&b);
+    }
+
+    pub fn random_zero(&mut self, dev: &Device, rng: &mut Rng, max_len: u64) {
+        let (off, len) = self.pick(rng, max_len);
+        dev.zero(len, off)
+            .unwrap_or_else(|e| panic!("zero of {len} at {off}: {e}"));
+        self.data[off as usize..(off + len) as usize].fill(0);
+    }
+
+    /// A random read checked against the model.
+    pub fn random_check(&self, dev: &Device, rng: &mut Rng, max_len: u64) {
+        let (off, len) = self.pick(rng, max_len);
+        self.check(dev, off, len);
+    }
+
+    pub fn check(&self, dev: &Device, off: u64, len: u64) {
+        let mut b = vec![0u8; len as usize];
+        dev.read(&mut b, off)
+            .unwrap_or_else(|e| panic!("read of {len} at {off}: {e}"));
+        let want = &self.data[off as usize..(off + len) as usize];
+        if b != want {
+            let first = b.iter().zip(want).position(|(a, w)| a != w).unwrap_or(0) as u64;
+            panic!(
+                "device differs from the model at byte {} (read of {len} at {off})",
+                off + first
+            );
+        }
+    }
+
+    /// Reads the whole device in `chunk`-sized pieces and compares.
+    pub fn check_all(&self, dev: &Device, chunk: u64) {
+        let size = self.data.len() as u64;
+        let mut off = 0;
+        while off < size {
+            let n = chunk.min(size - off);
+            self.check(dev, off, n);
+            off += n;
+        }
+    }
+}

@@ -1,0 +1,506 @@
+//! Plugin parameters (`key=value` on the nbdkit command line) and export
+//! names, parsed without nbdkit so that every rule is unit-tested.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::store::PAGE_SIZE;
+
+/// Largest export size accepted: nbdkit reports sizes as `i64`.
+pub const MAX_EXPORT_SIZE: u64 = i64::MAX as u64;
+/// Longest export name (without the `@SIZE` suffix).
+pub const MAX_EXPORT_NAME: usize = 64;
+/// Export name used when the client asks for the empty name.
+pub const DEFAULT_EXPORT: &str = "default";
+
+/// A parameter or export name that could not be accepted.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ConfigError {
+    #[error("unknown parameter {key:?} (see pager-server(1) for the list)")]
+    UnknownKey { key: String },
+    #[error("parameter {key}={value:?}: {why}")]
+    BadValue {
+        key: String,
+        value: String,
+        why: String,
+    },
+    #[error("export name {name:?}: {why}")]
+    BadExportName { name: String, why: String },
+}
+
+fn bad(key: &str, value: &str, why: impl Into<String>) -> ConfigError {
+    ConfigError::BadValue {
+        key: key.to_string(),
+        value: value.to_string(),
+        why: why.into(),
+    }
+}
+
+/// A byte count given either absolutely or as a share of MemTotal.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Amount {
+    Bytes(u64),
+    PercentOfMemTotal(f64),
+}
+
+impl Amount {
+    /// Bytes this amount stands for on a node with `mem_total` bytes.
+    pub fn resolve(self, mem_total: u64) -> u64 {
+        match self {
+            Amount::Bytes(b) => b,
+            Amount::PercentOfMemTotal(p) => (mem_total as f64 * p / 100.0) as u64,
+        }
+    }
+}
+
+/// Every parameter of the plugin, with its default.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    /// Size of an export whose name carries no `@SIZE`.
+    pub size: u64,
+    pub budget: Amount,
+    pub reserve: Amount,
+    pub mlock: bool,
+    pub status: Option<String>,
+    pub node_id: Option<String>,
+    pub age_x: u64,
+    pub u_star: f64,
+    pub window: Duration,
+    pub busy_load: f64,
+    pub poll: Duration,
+    pub meminfo: PathBuf,
+    /// The lab's TLS-PSK file: the status endpoint then takes only signed requests.
+    pub psk: Option<PathBuf>,
+    /// Hex key file: export names must then carry their client's token.
+    pub export_secret: Option<PathBuf>,
+    /// Allows plain-text connections and an unauthenticated status
+    /// endpoint from beyond this machine.
+    pub insecure: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            size: 1 << 30,
+            budget: Amount::PercentOfMemTotal(50.0),
+            reserve: Amount::PercentOfMemTotal(5.0),
+            mlock: true,
+            status: None,
+            node_id: None,
+            age_x: 64,
+            u_star: 0.5,
+            window: Duration::from_secs(10),
+            busy_load: 0.5,
+            poll: Duration::from_millis(500),
+            meminfo: PathBuf::from("/proc/meminfo"),
+            psk: None,
+            export_secret: None,
+            insecure: false,
+        }
+    }
+}
+
+/// Help text shown by `nbdkit pager-server --help`.
+pub const HELP: &str = "\
+size=SIZE            Size of an export named without @SIZE (default 1G).
+budget=SIZE|N%       Cap on donated bytes over all exports (default 50%).
+reserve=SIZE|N%      Free memory kept for the node; below it: draining (default 5%).
+mlock=BOOL           Lock the plugin's memory, donated pages included (default true).
+status=ADDR:PORT     Serve the status endpoint here (default: none).
+node-id=NAME         Donor name in status replies (default: hostname).
+age-x=N              Report the age of the N-th oldest page (default 64).
+u-star=F             Allowed utilisation by remote requests, 0..1 (default 0.5).
+window=SECS          Utilisation window in seconds (default 10).
+busy-load=F          Busy when 1-min loadavg per CPU exceeds F (default 0.5).
+poll-ms=N            Memory and load watch interval (default 500).
+meminfo=PATH         Read MemTotal/MemAvailable here (default /proc/meminfo).
+psk=FILE             Lab TLS-PSK file: status requests must be signed with its key.
+export-secret=FILE   Hex key: export names must be CLIENT~TOKEN[@SIZE].
+insecure=BOOL        Allow plain text from non-loopback peers and an
+                     unauthenticated status endpoint on a network address.";
+
+impl Config {
+    /// Applies one `key=value` parameter.
+    pub fn set(&mut self, key: &str, value: &str) -> Result<(), ConfigError> {
+        match key {
+            "size" => {
+                let s = parse_size(value).map_err(|why| bad(key, value, why))?;
+                self.size = check_export_size(s).map_err(|why| bad(key, value, why))?;
+            }
+            "budget" => self.budget = parse_amount(key, value)?,
+            "reserve" => self.reserve = parse_amount(key, value)?,
+            "mlock" => self.mlock = parse_bool(value).map_err(|why| bad(key, value, why))?,
+            "status" => {
+                check_host_port(value).map_err(|why| bad(key, value, why))?;
+                self.status = Some(value.to_string());
+            }
+            "node-id" => {
+                check_node_id(value).map_err(|why| bad(key, value, why))?;
+                self.node_id = Some(value.to_string());
+            }
+            "age-x" => {
+                let x: u64 = value
+                    .parse()
+                    .map_err(|_| bad(key, value, "expected a whole number"))?;
+                if !(1..=1 << 24).contains(&x) {
+                    return Err(bad(key, value, "must be between 1 and 16777216"));
+                }
+                self.age_x = x;
+            }
+            "u-star" => self.u_star = parse_fraction(key, value, 0.0, 1.0)?,
+            "busy-load" => self.busy_load = parse_fraction(key, value, 0.0, 1e6)?,
+            "window" => {
+                let secs = parse_fraction(key, value, 0.1, 86400.0)?;
+                self.window = Duration::from_secs_f64(secs);
+            }
+            "poll-ms" => {
+                let ms: u64 = value
+                    .parse()
+                    .map_err(|_| bad(key, value, "expected a whole number of milliseconds"))?;
+                if !(10..=60_000).contains(&ms) {
+                    return Err(bad(key, value, "must be between 10 and 60000"));
+                }
+                self.poll = Duration::from_millis(ms);
+            }
+            "meminfo" => {
+                if value.is_empty() {
+                    return Err(bad(key, value, "expected a file path"));
+                }
+                self.meminfo = PathBuf::from(value);
+            }
+            "psk" => self.psk = Some(file_path(key, value)?),
+            "export-secret" => self.export_secret = Some(file_path(key, value)?),
+            "insecure" => self.insecure = parse_bool(value).map_err(|why| bad(key, value, why))?,
+            _ => {
+                return Err(ConfigError::UnknownKey {
+                    key: key.to_string(),
+                })
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A key file, read (and checked) once at config_complete, before nbdkit
+/// changes directory to `/`.
+fn file_path(key: &str, value: &str) -> Result<PathBuf, ConfigError> {
+    if value.is_empty() {
+        return Err(bad(key, value, "expected a file path"));
+    }
+    Ok(PathBuf::from(value))
+}
+
+/// Parses a size the way nbdkit does (`nbdkit_parse_size`): a decimal
+/// number optionally followed by one suffix letter, `b` (bytes), `s`
+/// (512-byte sectors) or `K M G T P E` (powers of 1024), in either case.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim_start();
+    let digits_end = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    if t.starts_with('-') {
+        return Err("size cannot be negative".into());
+    }
+    if digits_end == 0 {
+        return Err("expected a number, optionally followed by b, s, K, M, G, T, P or E".into());
+    }
+    let n: u64 = t[..digits_end]
+        .parse()
+        .map_err(|_| "number too large".to_string())?;
+    let scale: u64 = match &t[digits_end..] {
+        "" | "b" | "B" => 1,
+        "s" | "S" => 512,
+        "k" | "K" => 1 << 10,
+        "m" | "M" => 1 << 20,
+        "g" | "G" => 1 << 30,
+        "t" | "T" => 1 << 40,
+        "p" | "P" => 1 << 50,
+        "e" | "E" => 1 << 60,
+        other => {
+            return Err(format!(
+                "unknown size suffix {other:?} (use b, s, K, M, G, T, P or E)"
+            ))
+        }
+    };
+    n.checked_mul(scale)
+        .filter(|v| *v <= i64::MAX as u64)
+        .ok_or_else(|| "size overflows 2^63-1 bytes".to_string())
+}
+
+fn check_export_size(size: u64) -> Result<u64, String> {
+    if size == 0 {
+        return Err("export size must be at least 1 byte".into());
+    }
+    if size > MAX_EXPORT_SIZE {
+        return Err(format!(
+            "export size must be at most {MAX_EXPORT_SIZE} bytes"
+        ));
+    }
+    Ok(size)
+}
+
+/// `SIZE` or `N%` (of MemTotal, 0 < N <= 100).
+fn parse_amount(key: &str, value: &str) -> Result<Amount, ConfigError> {
+    if let Some(p) = value.strip_suffix('%') {
+        let pct: f64 = p
+            .trim()
+            .parse()
+            .map_err(|_| bad(key, value, "expected N% with N a number"))?;
+        if !(pct.is_finite() && pct > 0.0 && pct <= 100.0) {
+            return Err(bad(
+                key,
+                value,
+                "percentage must be above 0 and at most 100",
+            ));
+        }
+        return Ok(Amount::PercentOfMemTotal(pct));
+    }
+    parse_size(value)
+        .map(Amount::Bytes)
+        .map_err(|why| bad(key, value, why))
+}
+
+fn parse_fraction(key: &str, value: &str, min: f64, max: f64) -> Result<f64, ConfigError> {
+    let f: f64 = value
+        .trim()
+        .parse()
+        .map_err(|_| bad(key, value, "expected a number"))?;
+    if !(f.is_finite() && f >= min && f <= max) {
+        return Err(bad(key, value, format!("must be between {min} and {max}")));
+    }
+    Ok(f)
+}
+
+/// Booleans as nbdkit spells them (`nbdkit_parse_bool`).
+pub fn parse_bool(s: &str) -> Result<bool, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "1" | "true" | "t" | "yes" | "y" | "on" => Ok(true),
+        "0" | "false" | "f" | "no" | "n" | "off" => Ok(false),
+        _ => Err("expected true/false, yes/no, on/off or 1/0".into()),
+    }
+}
+
+/// `ADDR:PORT` with a numeric port; `ADDR` may be `[v6]`, v4 or a host name.
+fn check_host_port(s: &str) -> Result<(), String> {
+    let (host, port) = s.rsplit_once(':').ok_or("expected ADDR:PORT")?;
+    if host.is_empty() || host == "[]" {
+        return Err("missing address before ':'".into());
+    }
+    port.parse::<u16>()
+        .map_err(|_| format!("port {port:?} is not a number from 0 to 65535"))?;
+    Ok(())
+}
+
+fn check_node_id(s: &str) -> Result<(), String> {
+    if s.is_empty() || s.len() > 255 {
+        return Err("must be 1 to 255 characters".into());
+    }
+    if s.chars().any(|c| c.is_control() || c.is_whitespace()) {
+        return Err("must not contain spaces or control characters".into());
+    }
+    Ok(())
+}
+
+/// An export as the client named it: store name and optional size.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExportSpec {
+    pub name: String,
+    pub size: Option<u64>,
+}
+
+/// Parses an NBD export name `NAME` or `NAME@SIZE`. The empty name is
+/// [`DEFAULT_EXPORT`]. NAME is 1-64 characters from `A-Z a-z 0-9 . _ -`,
+/// starting with a letter or digit.
+pub fn parse_export_name(raw: &str) -> Result<ExportSpec, ConfigError> {
+    let err = |why: String| ConfigError::BadExportName {
+        name: raw.to_string(),
+        why,
+    };
+    let (name, size) = match raw.split_once('@') {
+        Some((n, s)) => {
+            let size = parse_size(s).map_err(|why| err(format!("size after '@': {why}")))?;
+            (n, Some(check_export_size(size).map_err(&err)?))
+        }
+        None => (raw, None),
+    };
+    if name.is_empty() {
+        return Ok(ExportSpec {
+            name: DEFAULT_EXPORT.to_string(),
+            size,
+        });
+    }
+    if name.len() > MAX_EXPORT_NAME {
+        return Err(err(format!(
+            "name is {} bytes, at most {MAX_EXPORT_NAME} allowed",
+            name.len()
+        )));
+    }
+    if let Some(c) = name
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+    {
+        return Err(err(format!(
+            "character {c:?} not allowed (use A-Z a-z 0-9 . _ -)"
+        )));
+    }
+    if !name.starts_with(|c: char| c.is_ascii_alphanumeric()) {
+        return Err(err("must start with a letter or digit".into()));
+    }
+    Ok(ExportSpec {
+        name: name.to_string(),
+        size,
+    })
+}
+
+/// Rounds a byte budget down to whole pages.
+pub fn whole_pages(bytes: u64) -> u64 {
+    bytes / PAGE_SIZE as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_follow_nbdkit_syntax() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("1K"), Ok(1024));
+        assert_eq!(parse_size("64m"), Ok(64 << 20));
+        assert_eq!(parse_size("1G"), Ok(1 << 30));
+        assert_eq!(parse_size("2s"), Ok(1024));
+        assert_eq!(parse_size("7b"), Ok(7));
+        assert_eq!(parse_size("8E"), Err("size overflows 2^63-1 bytes".into()));
+        assert!(parse_size("").is_err());
+        assert!(parse_size("-1").unwrap_err().contains("negative"));
+        assert!(parse_size("1MiB").unwrap_err().contains("\"MiB\""));
+        assert!(parse_size("G").is_err());
+    }
+
+    #[test]
+    fn every_parameter_is_parsed() {
+        let mut c = Config::default();
+        for (k, v) in [
+            ("size", "64M"),
+            ("budget", "512M"),
+            ("reserve", "10%"),
+            ("mlock", "off"),
+            ("status", "127.0.0.2:10900"),
+            ("node-id", "d1"),
+            ("age-x", "8"),
+            ("u-star", "0.25"),
+            ("window", "2.5"),
+            ("busy-load", "0.8"),
+            ("poll-ms", "50"),
+            ("meminfo", "/tmp/fake"),
+            ("psk", "/etc/netpager/lab.psk"),
+            ("export-secret", "/etc/netpager/export.secret"),
+            ("insecure", "yes"),
+        ] {
+            c.set(k, v).unwrap();
+        }
+        assert_eq!(c.size, 64 << 20);
+        assert_eq!(c.budget, Amount::Bytes(512 << 20));
+        assert_eq!(c.reserve, Amount::PercentOfMemTotal(10.0));
+        assert!(!c.mlock);
+        assert_eq!(c.status.as_deref(), Some("127.0.0.2:10900"));
+        assert_eq!(c.node_id.as_deref(), Some("d1"));
+        assert_eq!(c.age_x, 8);
+        assert_eq!(c.u_star, 0.25);
+        assert_eq!(c.window, Duration::from_millis(2500));
+        assert_eq!(c.busy_load, 0.8);
+        assert_eq!(c.poll, Duration::from_millis(50));
+        assert_eq!(c.meminfo, PathBuf::from("/tmp/fake"));
+        assert_eq!(c.psk, Some(PathBuf::from("/etc/netpager/lab.psk")));
+        assert_eq!(
+            c.export_secret,
+            Some(PathBuf::from("/etc/netpager/export.secret"))
+        );
+        assert!(c.insecure);
+    }
+
+    #[test]
+    fn bad_parameters_name_key_and_reason() {
+        let mut c = Config::default();
+        let cases = [
+            ("size", "0", "at least 1 byte"),
+            ("size", "12X", "unknown size suffix"),
+            ("budget", "150%", "at most 100"),
+            ("budget", "x%", "N% with N a number"),
+            ("reserve", "-5M", "negative"),
+            ("mlock", "maybe", "true/false"),
+            ("status", "10900", "ADDR:PORT"),
+            ("status", "127.0.0.1:http", "not a number"),
+            ("status", ":80", "missing address"),
+            ("node-id", "a b", "spaces"),
+            ("age-x", "0", "between 1"),
+            ("u-star", "1.5", "between 0 and 1"),
+            ("u-star", "NaN", "between"),
+            ("window", "0", "between"),
+            ("poll-ms", "5", "between 10"),
+            ("meminfo", "", "file path"),
+            ("psk", "", "file path"),
+            ("export-secret", "", "file path"),
+            ("insecure", "sometimes", "true/false"),
+        ];
+        for (k, v, why) in cases {
+            let e = c.set(k, v).unwrap_err();
+            let msg = e.to_string();
+            assert!(msg.contains(k) && msg.contains(why), "{k}={v}: {msg}");
+        }
+        assert_eq!(
+            c,
+            Config::default(),
+            "a refused value must not change the config"
+        );
+        assert_eq!(
+            c.set("sise", "1G"),
+            Err(ConfigError::UnknownKey { key: "sise".into() })
+        );
+    }
+
+    #[test]
+    fn amounts_resolve_against_mem_total() {
+        assert_eq!(Amount::PercentOfMemTotal(50.0).resolve(1 << 30), 1 << 29);
+        assert_eq!(Amount::Bytes(4096).resolve(1 << 30), 4096);
+        assert_eq!(whole_pages(4096 * 3 + 100), 3);
+    }
+
+    #[test]
+    fn export_names_and_sizes() {
+        let spec = |n: &str| parse_export_name(n).unwrap();
+        assert_eq!(
+            spec(""),
+            ExportSpec {
+                name: "default".into(),
+                size: None
+            }
+        );
+        assert_eq!(
+            spec("client-a@4G"),
+            ExportSpec {
+                name: "client-a".into(),
+                size: Some(4 << 30)
+            }
+        );
+        assert_eq!(
+            spec("@1M"),
+            ExportSpec {
+                name: "default".into(),
+                size: Some(1 << 20)
+            }
+        );
+        assert_eq!(
+            spec("node_7.swap"),
+            ExportSpec {
+                name: "node_7.swap".into(),
+                size: None
+            }
+        );
+        let why = |n: &str| parse_export_name(n).unwrap_err().to_string();
+        assert!(why("a/b").contains("'/' not allowed"));
+        assert!(why("-a").contains("start with a letter"));
+        assert!(why(&"a".repeat(65)).contains("at most 64"));
+        assert!(why("a@").contains("size after '@'"));
+        assert!(why("a@0").contains("at least 1 byte"));
+        assert!(why("a@1G@2G").contains("size after '@'"));
+        assert!(why("é").contains("not allowed"));
+    }
+}

@@ -1,0 +1,561 @@
+//! The donor as a whole: resolved settings, the page pool, request
+//! counters, state and utilisation, and the status it publishes. Free of
+//! nbdkit so that tests drive it directly; logging goes through the
+//! [`Logger`] it is given.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use netpager_proto::v1::{reply, request, Reply, Request};
+use netpager_proto::{DonorState, DonorStatus, ExportUsage};
+
+use crate::config::{whole_pages, Config};
+use crate::memwatch::MemInfo;
+use crate::state::{human, Assessment, Observation, Policy, StateMachine, UtilWindow};
+use crate::store::{Pool, StoreError, PAGE_SIZE, TICK_MS};
+
+/// Exports one donor serves at most (each costs its shard table).
+pub const MAX_EXPORTS: usize = 1024;
+
+/// Where the donor's messages go (nbdkit's log in the plugin).
+#[derive(Clone, Copy)]
+pub struct Logger {
+    pub debug: fn(&str),
+    pub error: fn(&str),
+}
+
+/// Parameters with percentages and defaults resolved.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Settings {
+    pub node_id: String,
+    pub default_size: u64,
+    /// Whole pages' worth of the budget= parameter.
+    pub budget_bytes: u64,
+    pub reserve_bytes: u64,
+    pub mlock: bool,
+    pub status: Option<String>,
+    pub age_x: u64,
+    pub u_star: f64,
+    pub window: Duration,
+    pub busy_load: f64,
+    pub poll: Duration,
+    pub meminfo: PathBuf,
+    pub ncpu: usize,
+}
+
+impl Settings {
+    pub fn resolve(cfg: &Config, mem: MemInfo, hostname: &str, ncpu: usize) -> Self {
+        Settings {
+            node_id: cfg.node_id.clone().unwrap_or_else(|| hostname.to_string()),
+            default_size: cfg.size,
+            budget_bytes: whole_pages(cfg.budget.resolve(mem.total)) * PAGE_SIZE as u64,
+            reserve_bytes: cfg.reserve.resolve(mem.total),
+            mlock: cfg.mlock,
+            status: cfg.status.clone(),
+            age_x: cfg.age_x,
+            u_star: cfg.u_star,
+            window: cfg.window,
+            busy_load: cfg.busy_load,
+            poll: cfg.poll,
+            meminfo: cfg.meminfo.clone(),
+            ncpu: ncpu.max(1),
+        }
+    }
+
+    fn policy(&self) -> Policy {
+        Policy {
+            reserve: self.reserve_bytes,
+            busy_load: self.busy_load,
+            ncpu: self.ncpu,
+        }
+    }
+}
+
+/// Kinds of request, for the counters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    Read,
+    Write,
+    Trim,
+    Zero,
+}
+
+/// Running totals since the donor started.
+#[derive(Default)]
+pub struct Counters {
+    reads: AtomicU64,
+    writes: AtomicU64,
+    bytes_read: AtomicU64,
+    bytes_written: AtomicU64,
+    trims: AtomicU64,
+    zeroes: AtomicU64,
+    enospc: AtomicU64,
+    busy_ns: AtomicU64,
+    requests: AtomicU64,
+}
+
+struct Watch {
+    machine: StateMachine,
+    last: Observation,
+    assessment: Assessment,
+    util: UtilWindow,
+}
+
+pub struct Donor {
+    settings: Settings,
+    pool: Pool,
+    counters: Counters,
+    start: Instant,
+    log: Logger,
+    watch: Mutex<Watch>,
+}
+
+impl Donor {
+    /// A donor with no pages, judged on `first` (the look taken at start).
+    pub fn new(settings: Settings, first: Observation, at: Instant, log: Logger) -> Self {
+        let mut machine = StateMachine::default();
+        let assessment = machine.assess(&settings.policy(), &first);
+        let pool = Pool::new(settings.budget_bytes / PAGE_SIZE as u64, MAX_EXPORTS);
+        pool.budget()
+            .set_refusing(assessment.state == DonorState::Draining);
+        let util = UtilWindow::new(settings.window, settings.ncpu, at, 0, 0);
+        log_state(log, None, &assessment);
+        Donor {
+            settings,
+            pool,
+            counters: Counters::default(),
+            start: at,
+            log,
+            watch: Mutex::new(Watch {
+                machine,
+                last: first,
+                assessment,
+                util,
+            }),
+        }
+    }
+
+    pub fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    pub fn log(&self) -> Logger {
+        self.log
+    }
+
+    /// Age tick of an instant: page stamps are in these units.
+    pub fn tick(&self, at: Instant) -> u32 {
+        let ms = at.saturating_duration_since(self.start).as_millis() as u64;
+        u32::try_from(ms / TICK_MS).unwrap_or(u32::MAX - 1)
+    }
+
+    /// Counts one finished request that took `took` to serve.
+    pub fn record(&self, op: Op, bytes: u64, took: Duration, result: Result<(), &StoreError>) {
+        let c = &self.counters;
+        let ns = took.as_nanos() as u64;
+        c.busy_ns.fetch_add(ns, Relaxed);
+        c.requests.fetch_add(1, Relaxed);
+        match op {
+            Op::Read => {
+                c.reads.fetch_add(1, Relaxed);
+                if result.is_ok() {
+                    c.bytes_read.fetch_add(bytes, Relaxed);
+                }
+            }
+            Op::Write => {
+                c.writes.fetch_add(1, Relaxed);
+                if result.is_ok() {
+                    c.bytes_written.fetch_add(bytes, Relaxed);
+                }
+            }
+            Op::Trim => {
+                c.trims.fetch_add(1, Relaxed);
+            }
+            Op::Zero => {
+                c.zeroes.fetch_add(1, Relaxed);
+            }
+        }
+        if let Err(e) = result {
+            if e.errno() == libc::ENOSPC {
+                c.enospc.fetch_add(1, Relaxed);
+            }
+        }
+    }
+
+    fn lock_watch(&self) -> std::sync::MutexGuard<'_, Watch> {
+        self.watch.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn reassess(&self, w: &mut Watch) {
+        let next = w.machine.assess(&self.settings.policy(), &w.last);
+        self.pool
+            .budget()
+            .set_refusing(next.state == DonorState::Draining);
+        if next.state != w.assessment.state {
+            log_state(self.log, Some(w.assessment.state), &next);
+        }
+        w.assessment = next;
+    }
+
+    /// A new look at the node (the watch thread, every poll).
+    pub fn observe(&self, mem: MemInfo, load1: f64, at: Instant) {
+        let mut w = self.lock_watch();
+        w.last = Observation { mem, load1 };
+        self.reassess(&mut w);
+        let (busy, reqs) = self.totals();
+        w.util.push(at, busy, reqs);
+    }
+
+    /// Advances the utilisation window without a new look at the node.
+    pub fn sample_utilisation(&self, at: Instant) {
+        let (busy, reqs) = self.totals();
+        self.lock_watch().util.push(at, busy, reqs);
+    }
+
+    /// Starts or lifts an admin drain (DrainCommand).
+    pub fn set_admin_drain(&self, drain: bool) {
+        let mut w = self.lock_watch();
+        w.machine.set_admin_drain(drain);
+        self.reassess(&mut w);
+    }
+
+    fn totals(&self) -> (u64, u64) {
+        (
+            self.counters.busy_ns.load(Relaxed),
+            self.counters.requests.load(Relaxed),
+        )
+    }
+
+    /// The status published on the endpoint.
+    pub fn status(&self, at: Instant) -> DonorStatus {
+        let (state, reason, mem_available, util) = {
+            let w = self.lock_watch();
+            let (busy, reqs) = self.totals();
+            (
+                w.assessment.state,
+                w.assessment.reason.clone(),
+                w.last.mem.available,
+                w.util.measure(at, busy, reqs),
+            )
+        };
+        let page = PAGE_SIZE as u64;
+        let budget = self.pool.budget();
+        let used_bytes = budget.used_pages() * page;
+        let free_bytes = if state == DonorState::Draining {
+            0
+        } else {
+            self.settings.budget_bytes.saturating_sub(used_bytes)
+        };
+        let now = self.tick(at);
+        let age_x_ms = self
+            .pool
+            .xth_oldest_stamp(self.settings.age_x)
+            .map_or(0, |s| u64::from(now.saturating_sub(s)) * TICK_MS);
+        let c = &self.counters;
+        DonorStatus {
+            node_id: self.settings.node_id.clone(),
+            state: state as i32,
+            budget_bytes: self.settings.budget_bytes,
+            used_bytes,
+            free_bytes,
+            exports: self
+                .pool
+                .usage()
+                .into_iter()
+                .map(|u| ExportUsage {
+                    name: u.name,
+                    size_bytes: u.size,
+                    used_bytes: u.used_pages * page,
+                })
+                .collect(),
+            age_x: self.settings.age_x,
+            age_x_ms,
+            utilisation: util.fraction,
+            u_star: self.settings.u_star,
+            u_unused: (self.settings.u_star - util.fraction).max(0.0),
+            reads: c.reads.load(Relaxed),
+            writes: c.writes.load(Relaxed),
+            bytes_read: c.bytes_read.load(Relaxed),
+            bytes_written: c.bytes_written.load(Relaxed),
+            trims: c.trims.load(Relaxed),
+            zeroes: c.zeroes.load(Relaxed),
+            enospc: c.enospc.load(Relaxed),
+            reserve_bytes: self.settings.reserve_bytes,
+            mem_available_bytes: mem_available,
+            page_size: page,
+            uptime_ms: at.saturating_duration_since(self.start).as_millis() as u64,
+            mean_service_us: util.mean_service_us,
+            state_reason: reason,
+        }
+    }
+
+    /// Answers one status-endpoint request.
+    pub fn handle(&self, req: Request, at: Instant) -> Reply {
+        let body = match req.body {
+            Some(request::Body::Status(_)) => reply::Body::Status(self.status(at)),
+            Some(request::Body::Drain(d)) => {
+                self.set_admin_drain(d.drain);
+                reply::Body::Status(self.status(at))
+            }
+            None => reply::Body::Error(
+                "request has no body: expected a status query or a drain command".into(),
+            ),
+        };
+        Reply {
+            body: Some(body),
+            ..Default::default()
+        }
+    }
+}
+
+fn log_state(log: Logger, from: Option<DonorState>, to: &Assessment) {
+    let budget_note = match to.state {
+        DonorState::Draining => " (no new pages accepted; stored pages kept)",
+        _ => "",
+    };
+    let msg = match from {
+        Some(f) => format!(
+            "state {} -> {}{budget_note}: {}",
+            f.word(),
+            to.state.word(),
+            to.reason
+        ),
+        None => format!("state {}{budget_note}: {}", to.state.word(), to.reason),
+    };
+    (log.debug)(&msg);
+}
+
+/// Budget figures in words, for the start-up log line.
+pub fn describe(s: &Settings) -> String {
+    format!(
+        "node {}: budget {}, reserve {}, default export size {}, mlock {}, status {}",
+        s.node_id,
+        human(s.budget_bytes),
+        human(s.reserve_bytes),
+        human(s.default_size),
+        s.mlock,
+        s.status.as_deref().unwrap_or("off")
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Amount, ExportSpec};
+    use netpager_proto::v1::{DrainCommand, StatusQuery};
+
+    const MIB: u64 = 1 << 20;
+
+    fn quiet(_: &str) {}
+    const LOG: Logger = Logger {
+        debug: quiet,
+        error: quiet,
+    };
+
+    fn donor(avail_mib: u64) -> (Donor, Instant) {
+        let cfg = Config {
+            budget: Amount::Bytes(64 * 4096 + 100),
+            reserve: Amount::PercentOfMemTotal(10.0),
+            age_x: 2,
+            u_star: 0.4,
+            ..Config::default()
+        };
+        let mem = MemInfo {
+            total: 1000 * MIB,
+            available: avail_mib * MIB,
+        };
+        let s = Settings::resolve(&cfg, mem, "host1", 2);
+        let t0 = Instant::now();
+        (Donor::new(s, Observation { mem, load1: 0.0 }, t0, LOG), t0)
+    }
+
+    #[test]
+    fn settings_resolve_percentages_and_hostname() {
+        let (d, _) = donor(500);
+        let s = d.settings();
+        assert_eq!(s.node_id, "host1");
+        assert_eq!(
+            s.budget_bytes,
+            64 * 4096,
+            "budget rounds down to whole pages"
+        );
+        assert_eq!(s.reserve_bytes, 100 * MIB);
+        assert!(
+            describe(s).contains("budget 256 KiB, reserve 100 MiB"),
+            "{}",
+            describe(s)
+        );
+    }
+
+    #[test]
+    fn status_fills_every_field() {
+        let (d, t0) = donor(500);
+        let e = d
+            .pool()
+            .open(
+                &ExportSpec {
+                    name: "a".into(),
+                    size: Some(MIB),
+                },
+                MIB,
+            )
+            .unwrap();
+        let w = t0 + Duration::from_millis(250);
+        e.write(&[1; 3 * 4096], 0, d.tick(w)).unwrap();
+        let took = Duration::from_millis(100);
+        d.record(Op::Write, 3 * 4096, took, Ok(()));
+        let err = e.write(&[1; 4096 * 62], 3 * 4096, d.tick(w)).unwrap_err();
+        d.record(Op::Write, 4096 * 62, took, Err(&err));
+        d.record(Op::Read, 4096, took, Ok(()));
+        d.record(Op::Trim, 0, took, Ok(()));
+        d.record(Op::Zero, 0, took, Ok(()));
+        let s = d.status(t0 + Duration::from_millis(1250));
+        assert_eq!(s.node_id, "host1");
+        assert_eq!(s.state(), DonorState::Idle);
+        assert_eq!(
+            (s.budget_bytes, s.used_bytes, s.free_bytes),
+            (64 * 4096, 3 * 4096, 61 * 4096)
+        );
+        assert_eq!(
+            s.exports,
+            vec![ExportUsage {
+                name: "a".into(),
+                size_bytes: MIB,
+                used_bytes: 3 * 4096
+            }]
+        );
+        assert_eq!(
+            (s.age_x, s.age_x_ms),
+            (2, 1000),
+            "pages written at tick 2 are 10 ticks old at 1.25 s"
+        );
+        assert_eq!(
+            (s.reads, s.writes, s.bytes_read, s.bytes_written),
+            (1, 2, 4096, 3 * 4096)
+        );
+        assert_eq!((s.trims, s.zeroes, s.enospc), (1, 1, 1));
+        assert_eq!(
+            (s.reserve_bytes, s.mem_available_bytes, s.page_size),
+            (100 * MIB, 500 * MIB, 4096)
+        );
+        assert_eq!(s.uptime_ms, 1250);
+        // 5 requests of 100 ms in 1.25 s on 2 CPUs.
+        assert!((s.utilisation - 0.2).abs() < 1e-9, "{}", s.utilisation);
+        assert_eq!(s.u_star, 0.4);
+        assert!((s.u_unused - 0.2).abs() < 1e-9, "{}", s.u_unused);
+        assert!(
+            (s.mean_service_us - 100_000.0).abs() < 1e-6,
+            "{}",
+            s.mean_service_us
+        );
+        assert!(
+            s.state_reason.contains("within busy-load"),
+            "{}",
+            s.state_reason
+        );
+    }
+
+    #[test]
+    fn draining_by_memory_and_by_command() {
+        let (d, t0) = donor(500);
+        let e = d
+            .pool()
+            .open(
+                &ExportSpec {
+                    name: "a".into(),
+                    size: None,
+                },
+                MIB,
+            )
+            .unwrap();
+        e.write(&[5; 4096], 0, 0).unwrap();
+        d.observe(
+            MemInfo {
+                total: 1000 * MIB,
+                available: 50 * MIB,
+            },
+            0.0,
+            t0,
+        );
+        let s = d.status(t0);
+        assert_eq!((s.state(), s.free_bytes), (DonorState::Draining, 0));
+        assert_eq!(s.state_reason, "MemAvailable 50 MiB below reserve 100 MiB");
+        assert!(matches!(
+            e.write(&[1; 1], 4096, 0),
+            Err(StoreError::Draining { .. })
+        ));
+        let mut b = [0u8; 4096];
+        e.read(&mut b, 0, 0).unwrap();
+        assert_eq!(b, [5; 4096], "draining never drops a stored page");
+        d.observe(
+            MemInfo {
+                total: 1000 * MIB,
+                available: 900 * MIB,
+            },
+            0.0,
+            t0,
+        );
+        assert_eq!(d.status(t0).state(), DonorState::Idle);
+        e.write(&[1; 1], 4096, 0).unwrap();
+
+        let req = |body| Request {
+            body: Some(body),
+            ..Default::default()
+        };
+        let st = |r: Reply| match r.body {
+            Some(reply::Body::Status(s)) => s,
+            other => panic!("expected a status, got {other:?}"),
+        };
+        let s = st(d.handle(req(request::Body::Drain(DrainCommand { drain: true })), t0));
+        assert_eq!(
+            (s.state(), s.state_reason.as_str()),
+            (
+                DonorState::Draining,
+                "drain requested on the status endpoint"
+            )
+        );
+        d.observe(
+            MemInfo {
+                total: 1000 * MIB,
+                available: 900 * MIB,
+            },
+            0.0,
+            t0,
+        );
+        assert_eq!(
+            st(d.handle(req(request::Body::Status(StatusQuery {})), t0)).state(),
+            DonorState::Draining
+        );
+        let s = st(d.handle(req(request::Body::Drain(DrainCommand { drain: false })), t0));
+        assert_eq!(s.state(), DonorState::Idle);
+        assert!(matches!(
+            d.handle(Request::default(), t0).body,
+            Some(reply::Body::Error(_))
+        ));
+    }
+
+    #[test]
+    fn busy_when_loaded() {
+        let (d, t0) = donor(500);
+        d.observe(
+            MemInfo {
+                total: 1000 * MIB,
+                available: 500 * MIB,
+            },
+            1.5,
+            t0,
+        );
+        let s = d.status(t0);
+        assert_eq!(s.state(), DonorState::Busy);
+        assert!(
+            s.free_bytes > 0,
+            "a busy donor still accepts pages within its budget"
+        );
+    }
+}

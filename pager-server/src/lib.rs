@@ -1,0 +1,419 @@
+//! pager-server: an nbdkit plugin that donates a node's spare RAM to
+//! netpager clients (see `pager-server.1.md`).
+//!
+//! The library does the work: [`store`] (pages, budget, ages), [`config`]
+//! (parameters, export names), [`memwatch`] (meminfo, load), [`state`]
+//! (idle/busy/draining, utilisation), [`donor`] (the whole donor and its
+//! status), [`status`] (the TCP endpoint), [`access`] (who may reach
+//! pages and status). This file is the thin nbdkit shell around them;
+//! [`sys`] holds every `unsafe`.
+
+pub mod access;
+pub mod config;
+pub mod donor;
+pub mod memwatch;
+pub mod state;
+pub mod status;
+pub mod store;
+pub mod sys;
+
+use std::net::TcpListener;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
+
+use nbdkit::{
+    CacheFlags, Error, ExtentHandle, ExtentType, Flags, FuaFlags, Result, Server, ThreadModel,
+};
+
+use access::{admit_export, check_status_address, requires_tls, AccessError};
+use config::Config;
+use donor::{describe, Donor, Logger, Op, Settings};
+use memwatch::{has_cap_ipc_lock, read_loadavg, read_meminfo};
+use netpager_proto::auth::load_export_secret;
+use state::{human, Observation};
+use store::{Export, StoreError};
+
+static CONFIG: Mutex<Option<Config>> = Mutex::new(None);
+static DONOR: OnceLock<Arc<Donor>> = OnceLock::new();
+static LISTENER: Mutex<Option<TcpListener>> = Mutex::new(None);
+static GUARD: OnceLock<Guard> = OnceLock::new();
+
+/// The access rules' inputs, loaded at config_complete.
+struct Guard {
+    /// The lab key of `psk=`, for the status endpoint.
+    status_auth: Option<Arc<status::Auth>>,
+    /// The key of `export-secret=`.
+    export_secret: Option<Vec<u8>>,
+    insecure: bool,
+}
+
+const NBDKIT_LOG: Logger = Logger {
+    debug: sys::log_debug,
+    error: sys::log_error,
+};
+/// Pages one extents request looks at, at most (512 MiB of export).
+const EXTENTS_MAX_PAGES: u64 = 1 << 17;
+
+fn einval(msg: impl Into<String>) -> Error {
+    Error::new(libc::EINVAL, msg.into())
+}
+
+fn donor() -> Result<&'static Arc<Donor>> {
+    DONOR
+        .get()
+        .ok_or_else(|| einval("pager-server: used before config_complete"))
+}
+
+fn guard() -> Result<&'static Guard> {
+    GUARD
+        .get()
+        .ok_or_else(|| einval("pager-server: used before config_complete"))
+}
+
+fn refused(e: AccessError) -> Error {
+    Error::new(e.errno(), e.to_string())
+}
+
+/// Loads the key files and checks that a status endpoint on the network
+/// authenticates its requests.
+fn load_guard(cfg: &Config) -> Result<Guard> {
+    let status_auth = cfg
+        .psk
+        .as_deref()
+        .map(status::Auth::load)
+        .transpose()
+        .map_err(|e| einval(format!("psk=: {e}")))?
+        .map(Arc::new);
+    let export_secret = cfg
+        .export_secret
+        .as_deref()
+        .map(load_export_secret)
+        .transpose()
+        .map_err(|e| einval(format!("export-secret=: {e}")))?;
+    if let Some(addr) = &cfg.status {
+        let sa = status::resolve(addr).map_err(|e| einval(e.to_string()))?;
+        check_status_address(sa, status_auth.is_some(), cfg.insecure).map_err(refused)?;
+    }
+    Ok(Guard {
+        status_auth,
+        export_secret,
+        insecure: cfg.insecure,
+    })
+}
+
+/// One client connection: a handle on the export it named.
+pub struct PagerServer {
+    export: Arc<Export>,
+    donor: Arc<Donor>,
+}
+
+impl PagerServer {
+    fn io(
+        &self,
+        op: Op,
+        bytes: u64,
+        f: impl FnOnce(u32) -> std::result::Result<(), StoreError>,
+    ) -> Result<()> {
+        let t0 = Instant::now();
+        let r = f(self.donor.tick(t0));
+        self.donor
+            .record(op, bytes, t0.elapsed(), r.as_ref().map(|_| ()));
+        r.map_err(|e| Error::new(e.errno(), e.to_string()))
+    }
+}
+
+/// Checks before the start that `mlockall` will not run into
+/// RLIMIT_MEMLOCK later. The kernel charges the whole size of every locked
+/// mapping against that limit, touched or not, and nbdkit reserves address
+/// space per thread (an 8 MiB stack, a malloc arena of up to 64 MiB), so
+/// no finite limit sized from the budget is safe: once reached, nbdkit's
+/// own allocations would fail. Hence CAP_IPC_LOCK or an unlimited limit.
+fn check_mlock(s: &Settings) -> Result<()> {
+    if !s.mlock || has_cap_ipc_lock() {
+        return Ok(());
+    }
+    let limit = sys::memlock_limit()
+        .map_err(|e| einval(format!("mlock=true: getrlimit(RLIMIT_MEMLOCK): {e}")))?;
+    match limit {
+        Some(l) => Err(einval(format!(
+            "mlock=true: RLIMIT_MEMLOCK is {} and the process lacks CAP_IPC_LOCK; locking a budget of {} \
+             needs CAP_IPC_LOCK or an unlimited RLIMIT_MEMLOCK (ulimit -l unlimited), or set mlock=false",
+            human(l),
+            human(s.budget_bytes),
+        ))),
+        None => Ok(()),
+    }
+}
+
+fn hostname() -> Result<String> {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .map_err(|e| einval(format!("cannot read the hostname for node-id (/proc/sys/kernel/hostname: {e}); set node-id=")))
+}
+
+impl Server for PagerServer {
+    fn name() -> &'static str {
+        "pager-server"
+    }
+
+    fn longname() -> Option<&'static str> {
+        Some("netpager donor: spare RAM served as NBD exports")
+    }
+
+    fn version() -> Option<&'static str> {
+        Some(env!("CARGO_PKG_VERSION"))
+    }
+
+    fn description() -> Option<&'static str> {
+        Some("Stores clients' pages in this node's spare memory under a budget, one sparse export per name.")
+    }
+
+    fn config_help() -> Option<&'static str> {
+        Some(config::HELP)
+    }
+
+    fn config(key: &str, value: &str) -> Result<()> {
+        let mut c = CONFIG.lock().unwrap_or_else(|e| e.into_inner());
+        c.get_or_insert_with(Config::default)
+            .set(key, value)
+            .map_err(|e| einval(e.to_string()))
+    }
+
+    fn config_complete() -> Result<()> {
+        let cfg = CONFIG
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .unwrap_or_default();
+        let mem = read_meminfo(&cfg.meminfo).map_err(|e| einval(e.to_string()))?;
+        let load1 = read_loadavg().map_err(|e| einval(e.to_string()))?;
+        let host = match &cfg.node_id {
+            Some(n) => n.clone(),
+            None => hostname()?,
+        };
+        let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let settings = Settings::resolve(&cfg, mem, &host, ncpu);
+        if settings.budget_bytes == 0 {
+            return Err(einval(
+                "budget: less than one 4 KiB page; nothing to donate",
+            ));
+        }
+        check_mlock(&settings)?;
+        let guard = load_guard(&cfg)?;
+        sys::log_debug(&describe(&settings));
+        sys::log_debug(&format!(
+            "status requests {}, export tokens {}, plain text from other machines {}",
+            if guard.status_auth.is_some() {
+                "signed with the lab key"
+            } else {
+                "unauthenticated"
+            },
+            if guard.export_secret.is_some() {
+                "required"
+            } else {
+                "off"
+            },
+            if guard.insecure {
+                "allowed (insecure=true)"
+            } else {
+                "refused"
+            },
+        ));
+        if GUARD.set(guard).is_err() {
+            return Err(einval("pager-server: configured twice"));
+        }
+        let donor = Donor::new(
+            settings,
+            Observation { mem, load1 },
+            Instant::now(),
+            NBDKIT_LOG,
+        );
+        DONOR
+            .set(Arc::new(donor))
+            .map_err(|_| einval("pager-server: configured twice"))
+    }
+
+    fn thread_model() -> Result<ThreadModel> {
+        // Every shared structure is locked or atomic; requests run in parallel.
+        Ok(ThreadModel::Parallel)
+    }
+
+    fn get_ready() -> Result<()> {
+        // Bound before nbdkit forks so that a taken port fails the start.
+        if let Some(addr) = &donor()?.settings().status {
+            let l = status::bind(addr).map_err(|e| einval(e.to_string()))?;
+            *LISTENER.lock().unwrap_or_else(|e| e.into_inner()) = Some(l);
+        }
+        Ok(())
+    }
+
+    fn after_fork() -> Result<()> {
+        // Threads and memory locks do not survive fork: start them here,
+        // in the process that serves. nbdkit -u/-g has dropped privileges
+        // by now, so the mlock check made at config_complete is repeated.
+        let d = donor()?;
+        if d.settings().mlock {
+            check_mlock(d.settings())?;
+            sys::lock_all_memory().map_err(|e| {
+                Error::new(
+                    e.raw_os_error().unwrap_or(libc::ENOMEM),
+                    format!("mlock=true: mlockall(MCL_CURRENT|MCL_FUTURE|MCL_ONFAULT) failed: {e}; set mlock=false to donate unlocked pages"),
+                )
+            })?;
+        }
+        memwatch::spawn(Arc::clone(d))
+            .map_err(|e| einval(format!("cannot start the memory watch thread: {e}")))?;
+        if let Some(l) = LISTENER.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            status::spawn(l, Arc::clone(d), guard()?.status_auth.clone())
+                .map_err(|e| einval(format!("cannot start the status thread: {e}")))?;
+        }
+        Ok(())
+    }
+
+    fn open(_readonly: bool) -> Result<Box<dyn Server>> {
+        let d = donor()?;
+        let g = guard()?;
+        requires_tls(sys::peer_name(), nbdkit::is_tls()?, g.insecure).map_err(refused)?;
+        let raw = nbdkit::export_name()
+            .map_err(|e| einval(format!("cannot read the export name: {e}")))?;
+        let spec = admit_export(&raw, g.export_secret.as_deref()).map_err(refused)?;
+        let export = d
+            .pool()
+            .open(&spec, d.settings().default_size)
+            .map_err(|e| einval(e.to_string()))?;
+        Ok(Box::new(PagerServer {
+            export,
+            donor: Arc::clone(d),
+        }))
+    }
+
+    fn get_size(&self) -> Result<i64> {
+        Ok(self.export.size() as i64)
+    }
+
+    // Every write is in the store when the callback returns.
+    fn can_write(&self) -> Result<bool> {
+        Ok(true)
+    }
+
+    // Memory has nothing to flush; advertised so clients may send flushes.
+    fn can_flush(&self) -> Result<bool> {
+        Ok(true)
+    }
+
+    // Native: a write is as durable as it will ever be on return, so FUA is free.
+    fn can_fua(&self) -> Result<FuaFlags> {
+        Ok(FuaFlags::Native)
+    }
+
+    // All connections to a name share one store and see every completed write.
+    fn can_multi_conn(&self) -> Result<bool> {
+        Ok(true)
+    }
+
+    // Trim frees pages: the point of a donor.
+    fn can_trim(&self) -> Result<bool> {
+        Ok(true)
+    }
+
+    // Zero frees or zeroes pages without client data on the wire.
+    fn can_zero(&self) -> Result<bool> {
+        Ok(true)
+    }
+
+    // Zeroing never allocates, so it is always faster than writing zeros.
+    fn can_fast_zero(&self) -> Result<bool> {
+        Ok(true)
+    }
+
+    // Allocated pages versus holes is exactly what the page table knows.
+    fn can_extents(&self) -> Result<bool> {
+        Ok(true)
+    }
+
+    // Native without a .cache callback: nbdkit answers cache requests as a
+    // no-op, right for data that is already in RAM.
+    fn can_cache(&self) -> Result<CacheFlags> {
+        Ok(CacheFlags::Native)
+    }
+
+    fn is_rotational(&self) -> Result<bool> {
+        Ok(false)
+    }
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        let len = buf.len() as u64;
+        self.io(Op::Read, len, |now| self.export.read(buf, offset, now))
+    }
+
+    fn write_at(&self, buf: &[u8], offset: u64, _flags: Flags) -> Result<()> {
+        self.io(Op::Write, buf.len() as u64, |now| {
+            self.export.write(buf, offset, now)
+        })
+    }
+
+    fn flush(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn trim(&self, count: u32, offset: u64, _flags: Flags) -> Result<()> {
+        self.io(Op::Trim, u64::from(count), |_| {
+            self.export.discard(offset, u64::from(count)).map(|_| ())
+        })
+    }
+
+    fn zero(&self, count: u32, offset: u64, _flags: Flags) -> Result<()> {
+        self.io(Op::Zero, u64::from(count), |_| {
+            self.export.discard(offset, u64::from(count)).map(|_| ())
+        })
+    }
+
+    fn extents(&self, count: u32, offset: u64, flags: Flags, h: &mut ExtentHandle) -> Result<()> {
+        let one = flags.contains(Flags::REQ_ONE);
+        let mut failed = None;
+        self.export.extents(
+            offset,
+            u64::from(count),
+            EXTENTS_MAX_PAGES,
+            |o, l, allocated| {
+                let kind = if allocated {
+                    ExtentType::Allocated
+                } else {
+                    ExtentType::HoleZero
+                };
+                match h.add(o, l, kind) {
+                    Ok(()) => !one,
+                    Err(e) => {
+                        failed = Some(e);
+                        false
+                    }
+                }
+            },
+        );
+        failed.map_or(Ok(()), Err)
+    }
+}
+
+/// The callbacks [`sys::plugin_init`] registers.
+fn register(b: &mut nbdkit::Builder) {
+    b.config = true;
+    b.config_complete = true;
+    b.thread_model = true;
+    b.get_ready = true;
+    b.after_fork = true;
+    b.write_at = true;
+    b.flush = true;
+    b.trim = true;
+    b.zero = true;
+    b.extents = true;
+    b.can_write = true;
+    b.can_flush = true;
+    b.can_fua = true;
+    b.can_multi_conn = true;
+    b.can_trim = true;
+    b.can_zero = true;
+    b.can_fast_zero = true;
+    b.can_extents = true;
+    b.can_cache = true;
+    b.is_rotational = true;
+}

@@ -1,0 +1,168 @@
+//! The control socket: one JSON request per line, one JSON answer per line.
+//!
+//! ```text
+//! {"op":"status"}
+//! {"op":"job-add","hints":"/path/render.hints","name":"render"}   (name optional)
+//! {"op":"job-remove","name":"render"}
+//! {"op":"job-list"}
+//! ```
+//!
+//! Answers are `{"ok":true,...}` or `{"ok":false,"error":"..."}`.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+
+use crate::daemon::Daemon;
+
+/// The listening socket and its accept thread.
+pub struct ControlServer {
+    path: PathBuf,
+    stopping: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl ControlServer {
+    /// Listens on `path` (replacing a stale socket nobody answers on).
+    pub fn start(path: &Path, daemon: Arc<Daemon>) -> Result<ControlServer> {
+        if let Ok(meta) = std::fs::symlink_metadata(path) {
+            if !meta.file_type().is_socket() {
+                bail!(
+                    "control socket {}: exists and is not a socket",
+                    path.display()
+                );
+            }
+            if UnixStream::connect(path).is_ok() {
+                bail!(
+                    "control socket {}: another prefetchd answers on it",
+                    path.display()
+                );
+            }
+            std::fs::remove_file(path)
+                .with_context(|| format!("removing stale socket {}", path.display()))?;
+        }
+        let listener = UnixListener::bind(path)
+            .with_context(|| format!("control socket {}", path.display()))?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+            .with_context(|| format!("control socket {}", path.display()))?;
+        let stopping = Arc::new(AtomicBool::new(false));
+        let stop = stopping.clone();
+        let thread = std::thread::Builder::new()
+            .name("control".into())
+            .spawn(move || {
+                for conn in listener.incoming() {
+                    if stop.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    match conn {
+                        Ok(c) => {
+                            let d = daemon.clone();
+                            let spawned = std::thread::Builder::new()
+                                .name("control-conn".into())
+                                .spawn(move || serve_conn(c, &d));
+                            if let Err(e) = spawned {
+                                tracing::warn!("control connection: cannot start a thread: {e}");
+                            }
+                        }
+                        Err(e) => tracing::warn!("control socket accept: {e}"),
+                    }
+                }
+            })?;
+        Ok(ControlServer {
+            path: path.to_path_buf(),
+            stopping,
+            thread: Some(thread),
+        })
+    }
+
+    /// Stops accepting and removes the socket file.
+    pub fn stop(&mut self) {
+        self.stopping.store(true, Ordering::Relaxed);
+        // Wake the accept loop with a connection of our own.
+        let _ = UnixStream::connect(&self.path);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+impl Drop for ControlServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn serve_conn(conn: UnixStream, daemon: &Arc<Daemon>) {
+    let Ok(writer) = conn.try_clone() else { return };
+    let mut writer = writer;
+    for line in BufReader::new(conn).lines() {
+        let Ok(line) = line else { return };
+        if line.trim().is_empty() {
+            continue;
+        }
+        let answer = match serde_json::from_str::<Value>(&line) {
+            Ok(req) => handle(&req, daemon)
+                .unwrap_or_else(|e| json!({"ok": false, "error": format!("{e:#}")})),
+            Err(e) => json!({"ok": false, "error": format!("request is not JSON: {e}")}),
+        };
+        if writeln!(writer, "{answer}").is_err() {
+            return;
+        }
+    }
+}
+
+fn handle(req: &Value, daemon: &Arc<Daemon>) -> Result<Value> {
+    let op = req["op"].as_str().context("request without \"op\"")?;
+    let name = req["name"].as_str();
+    Ok(match op {
+        "status" => json!({"ok": true, "status": daemon.status()}),
+        "job-add" => {
+            let hints = req["hints"].as_str().context("job-add without \"hints\"")?;
+            let added = daemon.add_job(name, Path::new(hints))?;
+            json!({"ok": true, "added": added})
+        }
+        "job-remove" => {
+            daemon.remove_job(name.context("job-remove without \"name\"")?)?;
+            json!({"ok": true})
+        }
+        "job-list" => json!({"ok": true, "jobs": daemon.job_names()}),
+        other => bail!("unknown op {other:?} (status, job-add, job-remove, job-list)"),
+    })
+}
+
+/// Sends one request to the daemon at `path` and returns its answer, or
+/// the daemon's error.
+pub fn request(path: &Path, req: &Value) -> Result<Value> {
+    let mut conn = UnixStream::connect(path).with_context(|| {
+        format!(
+            "cannot reach prefetchd on {} (is it running?)",
+            path.display()
+        )
+    })?;
+    conn.set_read_timeout(Some(Duration::from_secs(60)))?;
+    writeln!(conn, "{req}")?;
+    let mut line = String::new();
+    BufReader::new(&conn)
+        .read_line(&mut line)
+        .context("reading the answer")?;
+    let answer: Value =
+        serde_json::from_str(&line).with_context(|| format!("answer is not JSON: {line:?}"))?;
+    if answer["ok"].as_bool() != Some(true) {
+        bail!(
+            "{}",
+            answer["error"]
+                .as_str()
+                .unwrap_or("prefetchd refused the request")
+        );
+    }
+    Ok(answer)
+}

@@ -1,0 +1,655 @@
+//! The daemon's core: the planner, the local cache buffers, pending reads,
+//! and the disk and donor levels it drives.
+//!
+//! One lock guards the [`Engine`] and the cache. A read copies resident
+//! blocks at once and registers as a *waiter* on the others; fills deliver
+//! their bytes to every waiting read when they complete, under the same
+//! lock, so a block can never be evicted between its arrival and its
+//! delivery. I/O is started only after the lock is released.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+
+use crate::disk::{Disk, Urgency};
+use crate::donor::{DonorArg, DonorLane, FillSource};
+use crate::files::{FileEntry, FileTable};
+use crate::plan::engine::{
+    Action, DonorSpec, Engine, EngineConfig, GlobalSource, LocalSource, Step,
+};
+use crate::plan::{BlockId, FileId, JobId, Nanos};
+use crate::source::{open_hints, SourceReport};
+
+/// Answers a read: its bytes, or an errno.
+pub type Reply = Box<dyn FnOnce(Result<Vec<u8>, i32>) + Send>;
+
+/// How the daemon is set up.
+pub struct Config {
+    pub data: PathBuf,
+    pub block_size: u32,
+    pub engine: EngineConfig,
+    pub donors: Vec<DonorArg>,
+    /// io_uring slots (reads in flight on the local disk).
+    pub disk_depth: u32,
+    pub timeouts: pager_client::nbd::Timeouts,
+}
+
+struct JobInfo {
+    id: JobId,
+    hints: PathBuf,
+    stale: Vec<String>,
+    report: Arc<SourceReport>,
+}
+
+struct PendingRead {
+    job: Option<JobId>,
+    file: FileId,
+    offset: u64,
+    data: Vec<u8>,
+    remaining: usize,
+    blocks: u64,
+    started: Instant,
+    reply: Reply,
+}
+
+struct State {
+    engine: Engine,
+    cache: Vec<u8>,
+    cache_len: Vec<u32>,
+    reads: HashMap<u64, PendingRead>,
+    next_read: u64,
+    waiters: HashMap<BlockId, Vec<u64>>,
+    jobs: BTreeMap<String, JobInfo>,
+}
+
+/// Reads finished under the lock, answered after it is released.
+type Finished = Vec<(Reply, Result<Vec<u8>, i32>)>;
+
+/// See the module documentation.
+pub struct Daemon {
+    state: Mutex<State>,
+    files: Arc<FileTable>,
+    disk: Arc<Disk>,
+    donors: Vec<Arc<DonorLane>>,
+    epoch: Instant,
+    bs: usize,
+    started: Instant,
+}
+
+impl Daemon {
+    /// Opens the data directory, starts the disk level, connects to the
+    /// donors and preallocates the local cache.
+    pub fn start(cfg: Config) -> Result<Arc<Daemon>> {
+        let bs = cfg.block_size as usize;
+        if !cfg.block_size.is_power_of_two() || cfg.block_size < 512 {
+            bail!(
+                "block size {} must be a power of two of at least 512",
+                cfg.block_size
+            );
+        }
+        let files = Arc::new(
+            FileTable::new(&cfg.data)
+                .with_context(|| format!("data directory {}", cfg.data.display()))?,
+        );
+        let disk =
+            Arc::new(Disk::start(cfg.disk_depth, bs).context("starting the io_uring disk level")?);
+        let mut donors = Vec::new();
+        for (i, d) in cfg.donors.iter().enumerate() {
+            let lane = DonorLane::start(i, d, bs, files.replica_size(), disk.clone(), cfg.timeouts);
+            match lane {
+                Ok(l) => donors.push(l),
+                Err(e) => {
+                    for l in &donors {
+                        l.stop();
+                    }
+                    disk.stop();
+                    return Err(e);
+                }
+            }
+        }
+        let specs: Vec<DonorSpec> = donors
+            .iter()
+            .map(|l| DonorSpec {
+                slots: l.slots,
+                replica: l.has_replica,
+            })
+            .collect();
+        let n = cfg.engine.local_blocks.max(1) as usize;
+        // A non-zero fill writes every page now (zeroed memory would be
+        // mapped lazily): the cache is resident before mlockall locks it.
+        // Bytes past a block's valid length are never read.
+        let cache = vec![0xa5u8; n * bs];
+        let state = State {
+            engine: Engine::new(cfg.engine, &specs),
+            cache,
+            cache_len: vec![0; n],
+            reads: HashMap::new(),
+            next_read: 1,
+            waiters: HashMap::new(),
+            jobs: BTreeMap::new(),
+        };
+        for l in &donors {
+            tracing::info!(
+                "donor {}: {} slots of {bs} bytes{}",
+                l.name,
+                l.slots,
+                if l.has_replica {
+                    ", with a replica"
+                } else {
+                    ""
+                }
+            );
+        }
+        Ok(Arc::new(Daemon {
+            state: Mutex::new(state),
+            files,
+            disk,
+            donors,
+            epoch: Instant::now(),
+            bs,
+            started: Instant::now(),
+        }))
+    }
+
+    pub fn files(&self) -> &Arc<FileTable> {
+        &self.files
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.bs
+    }
+
+    fn now(&self) -> Nanos {
+        self.epoch.elapsed().as_nanos() as Nanos
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().expect("daemon state lock")
+    }
+
+    /// Stops the disk and donor workers (pending reads get EIO).
+    pub fn stop(&self) {
+        for l in &self.donors {
+            l.stop();
+        }
+        self.disk.stop();
+        let pending: Vec<PendingRead> = {
+            let mut st = self.lock();
+            st.waiters.clear();
+            st.reads.drain().map(|(_, r)| r).collect()
+        };
+        for r in pending {
+            (r.reply)(Err(libc::EIO));
+        }
+    }
+
+    /// Sets the hint lookahead window of jobs registered from now on.
+    pub fn set_window(&self, window: usize) {
+        self.lock().engine.set_window(window);
+    }
+
+    /// Whether a job of this name is registered.
+    pub fn has_job(&self, name: &str) -> bool {
+        self.lock().jobs.contains_key(name)
+    }
+
+    pub fn job_names(&self) -> Vec<String> {
+        self.lock().jobs.keys().cloned().collect()
+    }
+
+    /// Registers job `name` following the hint file `hints` (its own job
+    /// name when `name` is None). Returns the name and the stale-hint report.
+    pub fn add_job(self: &Arc<Self>, name: Option<&str>, hints: &Path) -> Result<Value> {
+        let opened = open_hints(hints, self.files.clone(), self.bs as u32)
+            .with_context(|| format!("hint file {}", hints.display()))?;
+        let name = name.map_or(opened.job.clone(), str::to_owned);
+        if name.is_empty() || name.contains('/') || name == "." || name == ".." {
+            bail!("job name {name:?} must be a non-empty file name");
+        }
+        let stale: Vec<String> = opened.stale.iter().map(|s| s.to_string()).collect();
+        for s in &stale {
+            tracing::warn!("job {name}: stale hints ignored: {s}");
+        }
+        let mut st = self.lock();
+        if st.jobs.contains_key(&name) {
+            bail!("job {name:?} is already registered");
+        }
+        let id = st.engine.add_job(&name, Box::new(opened.blocks));
+        st.jobs.insert(
+            name.clone(),
+            JobInfo {
+                id,
+                hints: hints.to_path_buf(),
+                stale: stale.clone(),
+                report: opened.report,
+            },
+        );
+        tracing::info!("job {name} added with hints {}", hints.display());
+        // Disk-to-global prefetching starts now, before the job's first read.
+        let actions = st.engine.plan(self.now());
+        drop(st);
+        self.execute(actions);
+        Ok(json!({ "job": name, "id": id, "stale": stale }))
+    }
+
+    pub fn remove_job(&self, name: &str) -> Result<()> {
+        let mut st = self.lock();
+        let Some(info) = st.jobs.remove(name) else {
+            bail!("no job {name:?}")
+        };
+        st.engine.remove_job(info.id);
+        tracing::info!("job {name} removed");
+        Ok(())
+    }
+
+    /// Serves a read of `size` bytes at `offset` of `file`, attributed to
+    /// job `job` (None: an unhinted reader).
+    pub fn read(
+        self: &Arc<Self>,
+        job: Option<&str>,
+        file: &FileEntry,
+        offset: u64,
+        size: u32,
+        reply: Reply,
+    ) {
+        let end = (offset.saturating_add(u64::from(size))).min(file.size());
+        if offset >= end {
+            reply(Ok(Vec::new()));
+            return;
+        }
+        let bs = self.bs as u64;
+        let (first, last) = (offset / bs, (end - 1) / bs);
+        let nblocks = last - first + 1;
+        let began = Instant::now();
+        let now = self.now();
+        let mut done: Finished = Vec::new();
+        let actions = {
+            let mut guard = self.lock();
+            let st = &mut *guard;
+            let job = job.and_then(|n| st.jobs.get(n)).map(|j| j.id);
+            st.engine.read_started(job, nblocks, now);
+            let mut data = vec![0u8; (end - offset) as usize];
+            let id = st.next_read;
+            st.next_read += 1;
+            let mut remaining = 0;
+            let mut actions = Vec::new();
+            for index in first..=last {
+                let block = BlockId::new(file.id, index);
+                match st.engine.access(job, block, now) {
+                    Step::Hit { buf } => {
+                        let b = buf as usize;
+                        let bytes = &st.cache[b * self.bs..b * self.bs + st.cache_len[b] as usize];
+                        copy_block(bytes, index * bs, offset, &mut data);
+                    }
+                    step => {
+                        if let Step::Fetch(a) = step {
+                            actions.push(a);
+                        }
+                        st.waiters.entry(block).or_default().push(id);
+                        remaining += 1;
+                    }
+                }
+            }
+            if remaining == 0 {
+                st.engine.read_done(
+                    job,
+                    self.now(),
+                    began.elapsed().as_nanos() as Nanos,
+                    0,
+                    nblocks,
+                );
+                done.push((reply, Ok(data)));
+            } else {
+                st.reads.insert(
+                    id,
+                    PendingRead {
+                        job,
+                        file: file.id,
+                        offset,
+                        data,
+                        remaining,
+                        blocks: nblocks,
+                        started: began,
+                        reply,
+                    },
+                );
+            }
+            actions.extend(st.engine.plan(now));
+            actions
+        };
+        answer(done);
+        self.execute(actions);
+    }
+
+    /// Gives `bytes` of `block` to every read waiting for it.
+    fn deliver(&self, st: &mut State, block: BlockId, bytes: &[u8], done: &mut Finished) {
+        let Some(ids) = st.waiters.remove(&block) else {
+            return;
+        };
+        let at = block.index * self.bs as u64;
+        for id in ids {
+            let Some(r) = st.reads.get_mut(&id) else {
+                continue;
+            };
+            debug_assert_eq!(r.file, block.file);
+            copy_block(bytes, at, r.offset, &mut r.data);
+            r.remaining -= 1;
+            if r.remaining == 0 {
+                let r = st.reads.remove(&id).expect("present");
+                let took = r.started.elapsed().as_nanos() as Nanos;
+                st.engine.read_done(r.job, self.now(), took, took, r.blocks);
+                done.push((r.reply, Ok(r.data)));
+            }
+        }
+    }
+
+    /// Fails every read waiting for `block` with `errno`.
+    fn fail_waiters(&self, st: &mut State, block: BlockId, errno: i32, done: &mut Finished) {
+        let Some(ids) = st.waiters.remove(&block) else {
+            return;
+        };
+        for id in ids {
+            if let Some(r) = st.reads.remove(&id) {
+                done.push((r.reply, Err(errno)));
+            }
+        }
+    }
+
+    /// A fill into local memory finished.
+    fn local_fill_done(
+        self: &Arc<Self>,
+        block: BlockId,
+        from: LocalSource,
+        result: Result<&[u8], String>,
+    ) {
+        let mut done: Finished = Vec::new();
+        let actions = {
+            let mut guard = self.lock();
+            let st = &mut *guard;
+            let mut actions = Vec::new();
+            match result {
+                Ok(bytes) => {
+                    if let Some(buf) = st.engine.local_filled(block) {
+                        let b = buf as usize;
+                        let n = bytes.len().min(self.bs);
+                        st.cache[b * self.bs..b * self.bs + n].copy_from_slice(&bytes[..n]);
+                        st.cache_len[b] = n as u32;
+                    }
+                    self.deliver(st, block, bytes, &mut done);
+                }
+                Err(e) => {
+                    st.engine.local_failed(block);
+                    if let LocalSource::Global { donor, .. } = from {
+                        tracing::debug!(
+                            "block {block:?} from donor {donor}: {e}; reading it from disk"
+                        );
+                        if self.donors[donor].failed() {
+                            st.engine.donor_failed(donor);
+                        }
+                    } else {
+                        tracing::warn!(
+                            "disk read of block {} of file {}: {e}",
+                            block.index,
+                            block.file
+                        );
+                    }
+                    if st.waiters.contains_key(&block) {
+                        match (from, st.engine.retry(block, self.now())) {
+                            (LocalSource::Disk, _) => {
+                                self.fail_waiters(st, block, libc::EIO, &mut done)
+                            }
+                            (_, Step::Fetch(a)) => actions.push(a),
+                            (_, Step::Hit { buf }) => {
+                                let b = buf as usize;
+                                let bytes = st.cache
+                                    [b * self.bs..b * self.bs + st.cache_len[b] as usize]
+                                    .to_vec();
+                                self.deliver(st, block, &bytes, &mut done);
+                            }
+                            (_, Step::Wait) => {}
+                        }
+                    }
+                }
+            }
+            actions.extend(st.engine.plan(self.now()));
+            actions
+        };
+        answer(done);
+        self.execute(actions);
+    }
+
+    /// A disk-to-global fill finished.
+    fn global_fill_done(
+        self: &Arc<Self>,
+        block: BlockId,
+        donor: usize,
+        result: Result<(), String>,
+    ) {
+        let actions = {
+            let mut guard = self.lock();
+            let st = &mut *guard;
+            let now = self.now();
+            match result {
+                Ok(()) => st.engine.global_filled(block, now),
+                Err(e) => {
+                    tracing::debug!("disk-to-global fill of block {block:?} on donor {donor}: {e}");
+                    st.engine.global_failed(block);
+                    if self.donors[donor].failed() {
+                        st.engine.donor_failed(donor);
+                    }
+                }
+            }
+            let mut actions = Vec::new();
+            if st.waiters.contains_key(&block) {
+                if let Step::Fetch(a) = st.engine.retry(block, now) {
+                    actions.push(a);
+                }
+            }
+            actions.extend(st.engine.plan(now));
+            actions
+        };
+        self.execute(actions);
+    }
+
+    /// Starts the I/O of `actions`; the lock must not be held.
+    fn execute(self: &Arc<Self>, actions: Vec<Action>) {
+        let bs = self.bs as u64;
+        for a in actions {
+            match a {
+                Action::FillLocal {
+                    block,
+                    from,
+                    prefetch,
+                    ..
+                } => {
+                    let me = self.clone();
+                    match from {
+                        LocalSource::Disk => {
+                            let Some(file) = self.files.by_id(block.file) else {
+                                self.local_fill_done(
+                                    block,
+                                    from,
+                                    Err(format!("unknown file id {}", block.file)),
+                                );
+                                continue;
+                            };
+                            let submitted = self.now();
+                            let urgency = if prefetch {
+                                Urgency::Prefetch
+                            } else {
+                                Urgency::Demand
+                            };
+                            self.disk.read(
+                                file.file.clone(),
+                                block.index * bs,
+                                self.bs,
+                                urgency,
+                                Box::new(move |r| {
+                                    if r.is_ok() {
+                                        let now = me.now();
+                                        me.lock().engine.disk_sample(submitted, now);
+                                    }
+                                    me.local_fill_done(block, from, r.map_err(|e| e.to_string()));
+                                }),
+                            );
+                        }
+                        LocalSource::Global { donor, slot } => {
+                            let file_size = self.files.by_id(block.file).map_or(0, |f| f.size());
+                            let valid = file_size.saturating_sub(block.index * bs).min(bs) as usize;
+                            self.donors[donor].read_slot(
+                                slot,
+                                Box::new(move |r, took| {
+                                    if r.is_ok() {
+                                        me.lock().engine.global_sample(took.as_nanos() as Nanos);
+                                    }
+                                    let r = r.map_err(|e| e.to_string());
+                                    me.local_fill_done(
+                                        block,
+                                        from,
+                                        r.as_ref()
+                                            .map(|b| &b[..valid.min(b.len())])
+                                            .map_err(|e| e.clone()),
+                                    );
+                                }),
+                            );
+                        }
+                    }
+                }
+                Action::FillGlobal {
+                    block,
+                    donor,
+                    slot,
+                    from,
+                    deadline,
+                } => {
+                    let Some(file) = self.files.by_id(block.file) else {
+                        self.global_fill_done(
+                            block,
+                            donor,
+                            Err(format!("unknown file id {}", block.file)),
+                        );
+                        continue;
+                    };
+                    let at = block.index * bs;
+                    let len = file.size().saturating_sub(at).min(bs) as usize;
+                    let source = match (from, file.replica_offset) {
+                        (GlobalSource::Replica, Some(base)) => FillSource::Replica {
+                            offset: base + at,
+                            len,
+                        },
+                        _ => FillSource::LocalDisk {
+                            file: file.file.clone(),
+                            offset: at,
+                            len: self.bs,
+                        },
+                    };
+                    let (me, me2) = (self.clone(), self.clone());
+                    self.donors[donor].fill(
+                        slot,
+                        deadline,
+                        source,
+                        Box::new(move || me.lock().engine.global_started(block)),
+                        Box::new(move |r| me2.global_fill_done(block, donor, r)),
+                    );
+                }
+            }
+        }
+    }
+
+    /// Status of every job and level, as JSON.
+    pub fn status(&self) -> Value {
+        let st = self.lock();
+        let es = st.engine.status();
+        let by_id: HashMap<JobId, (&String, &JobInfo)> =
+            st.jobs.iter().map(|(n, j)| (j.id, (n, j))).collect();
+        let jobs: Vec<Value> = es
+            .jobs
+            .iter()
+            .map(|j| {
+                let mut v = serde_json::to_value(j).expect("job status serialises");
+                if let Some((_, info)) = by_id.get(&j.id) {
+                    v["hints"] = json!(info.hints);
+                    v["stale"] = json!(info.stale);
+                    v["hint_stream"] = info.report.snapshot();
+                }
+                v
+            })
+            .collect();
+        let donors: Vec<Value> = es
+            .donors
+            .iter()
+            .map(|d| {
+                let mut v = serde_json::to_value(d).expect("donor status serialises");
+                v["name"] = json!(self.donors[d.id].name);
+                v
+            })
+            .collect();
+        json!({
+            "data": self.files.root(),
+            "block_size": self.bs,
+            "uptime_s": self.started.elapsed().as_secs_f64(),
+            "prefetch": st.engine.config().prefetch,
+            "local": {
+                "blocks": es.local_blocks,
+                "resident": es.local_resident,
+                "filling": es.local_filling,
+            },
+            "costs_ns": { "local": es.f_local_ns, "global": es.f_global_ns, "disk": es.f_disk_ns },
+            "pending_reads": st.reads.len(),
+            "donors": donors,
+            "jobs": jobs,
+            "unhinted": es.unhinted,
+        })
+    }
+}
+
+/// Copies the part of a block (whose first byte is at file offset
+/// `block_at`) that falls in a read starting at `read_at`.
+fn copy_block(bytes: &[u8], block_at: u64, read_at: u64, out: &mut [u8]) {
+    let read_end = read_at + out.len() as u64;
+    let from = block_at.max(read_at);
+    let to = (block_at + bytes.len() as u64).min(read_end);
+    if from >= to {
+        return;
+    }
+    let src = &bytes[(from - block_at) as usize..(to - block_at) as usize];
+    out[(from - read_at) as usize..(to - read_at) as usize].copy_from_slice(src);
+}
+
+fn answer(done: Finished) {
+    for (reply, r) in done {
+        reply(r);
+    }
+}
+
+/// Default NBD timeouts: generous for slow replica disks, short enough
+/// that a hung donor is dropped quickly.
+pub fn default_timeouts() -> pager_client::nbd::Timeouts {
+    pager_client::nbd::Timeouts {
+        connect: Duration::from_secs(5),
+        request: Duration::from_secs(10),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::copy_block;
+
+    #[test]
+    fn copy_block_takes_only_the_overlap() {
+        let block: Vec<u8> = (0..8).collect();
+        let mut out = vec![0xffu8; 6];
+        // Block covers file bytes 8..16, the read 12..18.
+        copy_block(&block, 8, 12, &mut out);
+        assert_eq!(out, vec![4, 5, 6, 7, 0xff, 0xff]);
+        let mut out = vec![0u8; 4];
+        copy_block(&block[..3], 0, 1, &mut out);
+        assert_eq!(out, vec![1, 2, 0, 0]);
+        copy_block(&block, 100, 0, &mut out);
+        assert_eq!(out, vec![1, 2, 0, 0]);
+    }
+}

@@ -1,0 +1,20 @@
+//! prefetchd: the cooperative prefetch daemon (DESIGN.md §2.4).
+//!
+//! [`plan`] is the pure policy (hint cursors, timing, Forestall, values,
+//! replacement, disk-to-global). The rest is the daemon around it:
+//! [`files`] (the data directory), [`source`] (hint files as block
+//! streams), [`disk`] (io_uring reads), [`donor`] (global memory over NBD),
+//! [`daemon`] (the planner driving them), [`fs`] (the FUSE view),
+//! [`control`] (the control socket) and [`table`] (status output).
+//! All `unsafe` is in [`sys`].
+
+pub mod control;
+pub mod daemon;
+pub mod disk;
+pub mod donor;
+pub mod files;
+pub mod fs;
+pub mod plan;
+pub mod source;
+pub mod sys;
+pub mod table;

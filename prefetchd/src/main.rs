@@ -1,0 +1,278 @@
+//! `prefetchd`: the cooperative prefetch daemon and its control commands.
+//! See prefetchd.8.md.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use serde_json::json;
+
+use prefetchd::control::{self, ControlServer};
+use prefetchd::daemon::{self, Config, Daemon};
+use prefetchd::donor::DonorArg;
+use prefetchd::fs::{self as pfs, PrefetchFs};
+use prefetchd::plan::cursor::CursorConfig;
+use prefetchd::plan::engine::EngineConfig;
+use prefetchd::{files, sys, table};
+
+const DEFAULT_CONTROL: &str = "/run/prefetchd.sock";
+
+#[derive(Parser)]
+#[command(
+    name = "prefetchd",
+    version,
+    about = "netpager cooperative prefetch daemon (PGMS's hybrid policy)"
+)]
+struct Cli {
+    /// Control socket of the daemon.
+    #[arg(long, global = true, default_value = DEFAULT_CONTROL)]
+    control: PathBuf,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve DATA at MOUNT with prefetching, until SIGTERM/SIGINT.
+    Serve(ServeArgs),
+    /// Per-job hint position, hits per level, prefetches, stall time.
+    Status {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Register, remove or list hinted jobs.
+    Job {
+        #[command(subcommand)]
+        command: JobCommand,
+    },
+    /// Print the replica layout of a data directory: each file's offset
+    /// and size in a donor's replica export, in order.
+    Manifest { data: PathBuf },
+}
+
+#[derive(Subcommand)]
+enum JobCommand {
+    /// Job NAME reads through MOUNT/jobs/NAME/ and follows HINTFILE.
+    Add {
+        name: String,
+        hints: PathBuf,
+    },
+    Remove {
+        name: String,
+    },
+    List,
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// Data directory to serve (read-only).
+    #[arg(long)]
+    data: PathBuf,
+    /// Where to mount the view (an existing empty directory).
+    #[arg(long)]
+    mount: PathBuf,
+    /// Local cache size (K, M, G suffixes).
+    #[arg(long, default_value = "64M", value_parser = table::parse_size)]
+    local_cache: u64,
+    /// Block size in bytes (a power of two).
+    #[arg(long, default_value_t = 8192)]
+    block_size: u32,
+    /// A donor: HOST:PORT[/EXPORT][,replica=HOST:PORT[/EXPORT]][,slots=N][,psk=FILE][,user=NAME].
+    #[arg(long = "donor")]
+    donors: Vec<DonorArg>,
+    /// Register a job at start: NAME=HINTFILE.
+    #[arg(long = "job")]
+    jobs: Vec<String>,
+    /// Do not prefetch at all (a demand-only cache, for comparison).
+    #[arg(long)]
+    no_prefetch: bool,
+    /// B: disk-to-global requests outstanding per donor.
+    #[arg(long, default_value_t = 8)]
+    outstanding: u32,
+    /// Hint lookahead window, in references (default: enough to cover
+    /// local and global memory twice).
+    #[arg(long)]
+    window: Option<usize>,
+    /// Consecutive misses that demote a job to unhinted.
+    #[arg(long, default_value_t = 8)]
+    miss_limit: u32,
+    /// Prefetch reads queued on the local disk at once.
+    #[arg(long, default_value_t = 2)]
+    disk_prefetch_depth: u32,
+    /// io_uring slots.
+    #[arg(long, default_value_t = 32)]
+    disk_depth: u32,
+    /// Do not lock memory (mlockall).
+    #[arg(long)]
+    no_mlock: bool,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "prefetchd=info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("prefetchd: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Serve(args) => serve(args, &cli.control),
+        Command::Status { json } => {
+            let answer = control::request(&cli.control, &json!({"op": "status"}))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&answer["status"])?);
+            } else {
+                print!("{}", table::status_table(&answer["status"]));
+            }
+            Ok(())
+        }
+        Command::Job { command } => {
+            match command {
+                JobCommand::Add { name, hints } => {
+                    let hints = hints
+                        .canonicalize()
+                        .with_context(|| format!("hint file {}", hints.display()))?;
+                    let a = control::request(
+                        &cli.control,
+                        &json!({"op": "job-add", "name": name, "hints": hints}),
+                    )?;
+                    for s in a["added"]["stale"].as_array().into_iter().flatten() {
+                        eprintln!(
+                            "prefetchd: job {name}: stale hints ignored: {}",
+                            s.as_str().unwrap_or("?")
+                        );
+                    }
+                }
+                JobCommand::Remove { name } => {
+                    control::request(&cli.control, &json!({"op": "job-remove", "name": name}))?;
+                }
+                JobCommand::List => {
+                    let a = control::request(&cli.control, &json!({"op": "job-list"}))?;
+                    for j in a["jobs"].as_array().into_iter().flatten() {
+                        println!("{}", j.as_str().unwrap_or("?"));
+                    }
+                }
+            }
+            Ok(())
+        }
+        Command::Manifest { data } => {
+            let mut at = 0u64;
+            for (rel, size) in files::manifest(&data)? {
+                println!("{at}\t{size}\t{rel}");
+                at += size;
+            }
+            Ok(())
+        }
+    }
+}
+
+fn serve(args: ServeArgs, control_path: &Path) -> Result<()> {
+    // Before any thread exists, so that every thread inherits the mask and
+    // the stop signals reach only the sigwait below.
+    sys::block_stop_signals().context("blocking stop signals")?;
+    if pfs::is_mount_point(&args.mount) {
+        bail!(
+            "{}: something is already mounted there",
+            args.mount.display()
+        );
+    }
+    let local_blocks = (args.local_cache / u64::from(args.block_size)).max(1);
+    let local_blocks = u32::try_from(local_blocks).context("--local-cache too large")?;
+    let mut engine = EngineConfig {
+        local_blocks,
+        donor_outstanding: args.outstanding.max(1),
+        disk_prefetch_depth: args.disk_prefetch_depth.max(1),
+        prefetch: !args.no_prefetch,
+        cursor: CursorConfig {
+            miss_limit: args.miss_limit.max(1),
+            ..CursorConfig::default()
+        },
+        ..EngineConfig::default()
+    };
+    // Local prefetches never take more than half the buffers.
+    engine.local_prefetch_depth = engine.local_prefetch_depth.min((local_blocks / 2).max(1));
+    let cfg = Config {
+        data: args.data.clone(),
+        block_size: args.block_size,
+        engine,
+        donors: args.donors.clone(),
+        disk_depth: args.disk_depth,
+        timeouts: daemon::default_timeouts(),
+    };
+    let d = Daemon::start(cfg)?;
+    let window = args.window.unwrap_or_else(|| {
+        let global = d.status()["donors"].as_array().map_or(0, |ds| {
+            ds.iter()
+                .map(|x| x["slots"].as_u64().unwrap_or(0))
+                .sum::<u64>()
+        });
+        (2 * (u64::from(local_blocks) + global)).clamp(1024, 1 << 20) as usize
+    });
+    d.set_window(window);
+    let result = serve_mounted(&d, &args, control_path);
+    d.stop();
+    result
+}
+
+fn serve_mounted(d: &std::sync::Arc<Daemon>, args: &ServeArgs, control_path: &Path) -> Result<()> {
+    for j in &args.jobs {
+        let (name, hints) = j
+            .split_once('=')
+            .with_context(|| format!("--job {j:?}: expected NAME=HINTFILE"))?;
+        d.add_job(Some(name), Path::new(hints))?;
+    }
+    if !args.no_mlock {
+        if let Err(e) = sys::lock_memory() {
+            tracing::warn!("mlockall failed ({e}); the cache may be swapped out");
+        }
+    }
+    let mut session = fuser::Session::new(
+        PrefetchFs::new(d.clone()),
+        &args.mount,
+        &pfs::mount_options(),
+    )
+    .with_context(|| format!("mounting on {}", args.mount.display()))?;
+    let mut unmounter = session.unmount_callable();
+    let fuse_thread = std::thread::Builder::new()
+        .name("fuse".into())
+        .spawn(move || {
+            if let Err(e) = session.run() {
+                tracing::error!("FUSE session ended: {e}");
+            }
+            // Unmounted from outside (or failed): stop the daemon too.
+            sys::raise_stop();
+        })?;
+    let control = ControlServer::start(control_path, d.clone());
+    let outcome = match control {
+        Ok(mut server) => {
+            tracing::info!(
+                "serving {} at {} (control {})",
+                args.data.display(),
+                args.mount.display(),
+                control_path.display()
+            );
+            let sig = sys::wait_stop_signal().context("waiting for a stop signal")?;
+            tracing::info!("signal {sig}: unmounting and stopping");
+            server.stop();
+            Ok(())
+        }
+        Err(e) => Err(e),
+    };
+    if let Err(e) = unmounter.unmount() {
+        tracing::warn!("unmounting {}: {e}", args.mount.display());
+    }
+    let _ = fuse_thread.join();
+    outcome
+}

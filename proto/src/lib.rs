@@ -1,0 +1,246 @@
+//! Messages and framing of the donor status endpoint.
+//!
+//! A pager-server donor publishes its state on `status=ADDR:PORT`; clients
+//! (pager-client's epoch poller, `pagerctl donor-status`, prefetchd) read it
+//! here. Every message is a prost length-delimited protobuf message; see
+//! `proto/netpager.proto` for the fields and their meaning.
+
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::time::Duration;
+
+use prost::Message;
+
+pub mod auth;
+
+pub use auth::LabKey;
+
+/// Generated protobuf types (package `netpager.v1`).
+pub mod v1 {
+    include!(concat!(env!("OUT_DIR"), "/netpager.v1.rs"));
+}
+
+pub use v1::{DonorState, DonorStatus, ExportUsage};
+
+/// Largest message either side accepts; anything longer is garbage.
+pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
+
+/// Errors of the status protocol.
+#[derive(Debug, thiserror::Error)]
+pub enum ProtoError {
+    #[error("i/o with status endpoint {addr}: {source}")]
+    Io {
+        addr: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("status message from {addr} announces {len} bytes, more than the {max} allowed")]
+    TooLong { addr: String, len: u64, max: usize },
+    #[error("malformed length prefix from {addr}")]
+    BadLength { addr: String },
+    #[error("undecodable status message from {addr}: {source}")]
+    Decode {
+        addr: String,
+        #[source]
+        source: prost::DecodeError,
+    },
+    #[error("donor {addr} refused the request: {reason}")]
+    Refused { addr: String, reason: String },
+    #[error("donor {addr} sent a reply without a body")]
+    EmptyReply { addr: String },
+    #[error("cannot resolve status address {addr:?}")]
+    Resolve { addr: String },
+}
+
+/// Reads one length-delimited message. `Ok(None)` is a clean end of stream
+/// before the first byte of a message.
+pub fn read_message<M: Message + Default>(
+    r: &mut impl Read,
+    peer: &str,
+) -> Result<Option<M>, ProtoError> {
+    let io_err = |source| ProtoError::Io { addr: peer.to_string(), source };
+    let mut len: u64 = 0;
+    for i in 0..10 {
+        let mut b = [0u8; 1];
+        match r.read(&mut b) {
+            Ok(0) if i == 0 => return Ok(None),
+            Ok(0) => return Err(io_err(io::ErrorKind::UnexpectedEof.into())),
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(io_err(e)),
+        }
+        len |= u64::from(b[0] & 0x7f) << (7 * i);
+        if b[0] & 0x80 == 0 {
+            if len > MAX_MESSAGE_BYTES as u64 {
+                return Err(ProtoError::TooLong { addr: peer.to_string(), len, max: MAX_MESSAGE_BYTES });
+            }
+            let mut buf = vec![0u8; len as usize];
+            r.read_exact(&mut buf).map_err(io_err)?;
+            return M::decode(buf.as_slice())
+                .map(Some)
+                .map_err(|source| ProtoError::Decode { addr: peer.to_string(), source });
+        }
+    }
+    Err(ProtoError::BadLength { addr: peer.to_string() })
+}
+
+/// Writes one length-delimited message.
+pub fn write_message<M: Message>(w: &mut impl Write, msg: &M, peer: &str) -> Result<(), ProtoError> {
+    w.write_all(&msg.encode_length_delimited_to_vec())
+        .and_then(|_| w.flush())
+        .map_err(|source| ProtoError::Io { addr: peer.to_string(), source })
+}
+
+fn resolve(addr: &str) -> Result<SocketAddr, ProtoError> {
+    addr.to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+        .ok_or_else(|| ProtoError::Resolve { addr: addr.to_string() })
+}
+
+/// Talks to donors' status endpoints, signing requests when it holds the
+/// lab key (donors started with a key refuse anything else).
+#[derive(Debug, Clone)]
+pub struct StatusClient {
+    pub timeout: Duration,
+    pub key: Option<LabKey>,
+}
+
+impl StatusClient {
+    /// Sends one request and returns the donor's reply, checking the reply's
+    /// signature when a key is held.
+    pub fn call(&self, addr: &str, mut req: v1::Request) -> Result<v1::Reply, ProtoError> {
+        let io_err = |source| ProtoError::Io { addr: addr.to_string(), source };
+        let sa = resolve(addr)?;
+        let mut s = TcpStream::connect_timeout(&sa, self.timeout).map_err(io_err)?;
+        s.set_read_timeout(Some(self.timeout)).map_err(io_err)?;
+        s.set_write_timeout(Some(self.timeout)).map_err(io_err)?;
+        s.set_nodelay(true).map_err(io_err)?;
+        if let Some(key) = &self.key {
+            key.sign_request(&mut req);
+        }
+        write_message(&mut s, &req, addr)?;
+        let reply = read_message::<v1::Reply>(&mut s, addr)?
+            .ok_or_else(|| io_err(io::ErrorKind::UnexpectedEof.into()))?;
+        if let (Some(key), Some(auth)) = (&self.key, &req.auth) {
+            // A donor refusing a request it could not authenticate does not
+            // sign the refusal: report its reason rather than the signature.
+            if let (true, Some(v1::reply::Body::Error(reason))) = (reply.mac.is_empty(), &reply.body) {
+                return Err(ProtoError::Refused { addr: addr.to_string(), reason: format!("{reason} (unsigned refusal)") });
+            }
+            key.verify_reply(&auth.nonce, &reply)
+                .map_err(|e| ProtoError::Refused { addr: addr.to_string(), reason: format!("reply not signed by the lab key: {e}") })?;
+        }
+        Ok(reply)
+    }
+
+    /// Reads a donor's current status.
+    pub fn query(&self, addr: &str) -> Result<DonorStatus, ProtoError> {
+        let req = v1::Request { body: Some(v1::request::Body::Status(v1::StatusQuery {})), auth: None };
+        expect_status(addr, self.call(addr, req)?)
+    }
+
+    /// Asks a donor to start or stop draining; returns its status afterwards.
+    pub fn set_draining(&self, addr: &str, drain: bool) -> Result<DonorStatus, ProtoError> {
+        let req = v1::Request { body: Some(v1::request::Body::Drain(v1::DrainCommand { drain })), auth: None };
+        expect_status(addr, self.call(addr, req)?)
+    }
+}
+
+fn expect_status(addr: &str, reply: v1::Reply) -> Result<DonorStatus, ProtoError> {
+    match reply.body {
+        Some(v1::reply::Body::Status(s)) => Ok(s),
+        Some(v1::reply::Body::Error(reason)) => Err(ProtoError::Refused { addr: addr.to_string(), reason }),
+        None => Err(ProtoError::EmptyReply { addr: addr.to_string() }),
+    }
+}
+
+/// Reads a donor's current status without a key (donors on loopback demos).
+pub fn query_status(addr: &str, timeout: Duration) -> Result<DonorStatus, ProtoError> {
+    StatusClient { timeout, key: None }.query(addr)
+}
+
+/// Asks a keyless donor to start or stop draining.
+pub fn set_draining(addr: &str, drain: bool, timeout: Duration) -> Result<DonorStatus, ProtoError> {
+    StatusClient { timeout, key: None }.set_draining(addr, drain)
+}
+
+impl DonorState {
+    /// The lower-case word used in tables, JSON and logs.
+    pub fn word(self) -> &'static str {
+        match self {
+            DonorState::Idle => "idle",
+            DonorState::Busy => "busy",
+            DonorState::Draining => "draining",
+        }
+    }
+}
+
+/// A donor's status as JSON, with the state as a word.
+pub fn status_json(s: &DonorStatus) -> serde_json::Value {
+    serde_json::json!({
+        "node_id": s.node_id,
+        "state": s.state().word(),
+        "state_reason": s.state_reason,
+        "budget_bytes": s.budget_bytes,
+        "used_bytes": s.used_bytes,
+        "free_bytes": s.free_bytes,
+        "reserve_bytes": s.reserve_bytes,
+        "mem_available_bytes": s.mem_available_bytes,
+        "page_size": s.page_size,
+        "age_x": s.age_x,
+        "age_x_ms": s.age_x_ms,
+        "utilisation": s.utilisation,
+        "u_star": s.u_star,
+        "u_unused": s.u_unused,
+        "mean_service_us": s.mean_service_us,
+        "reads": s.reads,
+        "writes": s.writes,
+        "bytes_read": s.bytes_read,
+        "bytes_written": s.bytes_written,
+        "trims": s.trims,
+        "zeroes": s.zeroes,
+        "enospc": s.enospc,
+        "uptime_ms": s.uptime_ms,
+        "exports": s.exports.iter().map(|e| serde_json::json!({
+            "name": e.name, "size_bytes": e.size_bytes, "used_bytes": e.used_bytes,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_through_framing() {
+        let msg = DonorStatus { node_id: "d1".into(), used_bytes: 4096, ..Default::default() };
+        let mut buf = Vec::new();
+        write_message(&mut buf, &msg, "test").unwrap();
+        let got: DonorStatus = read_message(&mut buf.as_slice(), "test").unwrap().unwrap();
+        assert_eq!(got, msg);
+    }
+
+    #[test]
+    fn clean_eof_is_none_and_truncation_is_an_error() {
+        assert!(read_message::<DonorStatus>(&mut &[][..], "t").unwrap().is_none());
+        let msg = DonorStatus { node_id: "d1".into(), ..Default::default() };
+        let buf = msg.encode_length_delimited_to_vec();
+        assert!(read_message::<DonorStatus>(&mut &buf[..buf.len() - 1], "t").is_err());
+    }
+
+    #[test]
+    fn oversized_and_endless_prefixes_are_refused() {
+        let mut big = Vec::new();
+        prost::encoding::encode_varint((MAX_MESSAGE_BYTES + 1) as u64, &mut big);
+        assert!(matches!(read_message::<DonorStatus>(&mut big.as_slice(), "t"), Err(ProtoError::TooLong { .. })));
+        let endless = [0xffu8; 16];
+        assert!(matches!(read_message::<DonorStatus>(&mut &endless[..], "t"), Err(ProtoError::BadLength { .. })));
+    }
+
+    #[test]
+    fn json_names_the_state() {
+        let s = DonorStatus { state: DonorState::Draining as i32, ..Default::default() };
+        assert_eq!(status_json(&s)["state"], "draining");
+    }
+}

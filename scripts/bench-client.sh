@@ -1,0 +1,373 @@
+#!/usr/bin/env bash
+# Benchmarks of the netpager client, each printing a table and its ratios:
+#
+#   1. donors: fio 4 KiB random and 1 MiB sequential I/O through the client
+#      (fio's nbd engine on the client's unix socket) with 1, 2 and 4 donors,
+#      each behind nbdkit's rate filter emulating a 1 Gbit/s link
+#      (rate=1G: the filter counts bits per second). Target: 4 donors >= 3.5x
+#      one donor.
+#   2. modes: none / mirror / parity / disk side by side on 4 such donors,
+#      as ratios to none. Targets: parity reads >= 0.95x, writes >= 0.6x.
+#   3. swap: a job touching 3x its memory cgroup limit swapping through the
+#      client (3 donors, parity), through one `nbdkit memory` attached the
+#      same way (nbdfuse + loop device), through zram and through a swap
+#      file on local disk, alternating A B C D A B C D ... Completion times
+#      and ratios to nbdkit memory. Target: client <= 1.0x.
+#
+#   scripts/bench-client.sh                 # all three
+#   scripts/bench-client.sh donors modes    # some of them
+#   RUNTIME=10 ROUNDS=3 LIMIT=128M scripts/bench-client.sh swap
+#
+# Run as root (swapon, losetup, FUSE, cgroups). Binaries come from
+# $NETPAGER_TARGET_DIR (default target/release). Loopback only. Each
+# benchmark runs in its own subshell with its own undo stack and traps:
+# every process it started is stopped by pid, every attach detached, every
+# swap area, loop device, zram device and cgroup undone, on every exit.
+set -euo pipefail
+shopt -s inherit_errexit
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+TARGET_DIR="${NETPAGER_TARGET_DIR:-$ROOT/target/release}"
+PAGERCTL="$TARGET_DIR/pagerctl"
+SERVER_SO="$TARGET_DIR/libpager_server.so"
+CLIENT_SO="$TARGET_DIR/libpager_client_plugin.so"
+MEMHOG="$ROOT/tests/jobs/memhog"
+RUNTIME="${RUNTIME:-8}"      # seconds per fio run
+ROUNDS="${ROUNDS:-2}"        # rounds of the swap benchmark
+LIMIT="${LIMIT:-128M}"       # the swap job's memory limit (it touches 3x)
+LINK_RATE="${LINK_RATE:-1G}" # emulated link per donor, bits per second
+FIO_SIZE="${FIO_SIZE:-512M}" # region fio works on
+PY=/usr/bin/python3
+export PATH=/usr/sbin:/usr/bin:/sbin:/bin:$PATH
+
+die() { echo "bench-client: $*" >&2; exit 1; }
+[ "$(id -u)" = 0 ] || die "must run as root (swapon, losetup, FUSE, cgroups)"
+for f in "$PAGERCTL" "$SERVER_SO" "$CLIENT_SO"; do
+  [ -e "$f" ] || die "$f not found (make build, or set NETPAGER_TARGET_DIR)"
+done
+[ -x "$MEMHOG" ] || make -s -C "$ROOT/tests/jobs" memhog
+for tool in nbdkit nbdfuse fio losetup mkswap swapon zramctl; do
+  command -v "$tool" >/dev/null || die "$tool not installed (make deps)"
+done
+
+WORK="$(mktemp -d /tmp/np-bench.XXXXXX)"
+trap 'rm -rf "$WORK"' EXIT
+cd "$WORK" # fio may leave state files in its working directory
+
+# ---------------------------------------------------------------- undo stack
+# Inside a benchmark's subshell: push_undo CMD registers CMD; undo_all runs
+# them newest first, carrying on past failures (and reporting them).
+UNDO=()
+push_undo() { UNDO+=("$1"); }
+undo_all() {
+  local i
+  for ((i = ${#UNDO[@]} - 1; i >= 0; i--)); do
+    eval "${UNDO[i]}" || echo "bench-client: undo failed: ${UNDO[i]}" >&2
+  done
+  UNDO=()
+}
+# Runs one benchmark function in a subshell with its own traps.
+bench() {
+  (
+    trap undo_all EXIT
+    trap 'exit 130' INT
+    trap 'exit 143' TERM
+    "$@"
+  )
+}
+
+stop_pid() { # stop_pid PID: a background job of this shell
+  kill -TERM "$1" 2>/dev/null || true
+  wait "$1" 2>/dev/null || true
+}
+
+# fuse_stop MOUNTPOINT PID: unmounts nbdfuse (retrying while the kernel
+# still holds the file), then reaps it; SIGTERM only if it never exits.
+fuse_stop() {
+  local i
+  for i in $(seq 100); do
+    grep -q " $1 fuse" /proc/mounts || break
+    fusermount3 -u "$1" 2>/dev/null && break
+    sleep 0.1
+  done
+  for i in $(seq 100); do
+    kill -0 "$2" 2>/dev/null || break
+    sleep 0.1
+  done
+  if kill -0 "$2" 2>/dev/null; then
+    kill -TERM "$2"
+    fusermount3 -u "$1" 2>/dev/null || true
+  fi
+  wait "$2" 2>/dev/null || true
+}
+
+free_port() {
+  "$PY" -c 'import socket, sys; s = socket.socket(); s.bind((sys.argv[1], 0)); print(s.getsockname()[1])' "$1"
+}
+
+wait_file() { # wait_file PATH PID WHAT: until PATH exists, while PID lives
+  for _ in $(seq 300); do
+    [ -e "$1" ] && return 0
+    kill -0 "$2" 2>/dev/null || break
+    sleep 0.1
+  done
+  die "$3 did not start (waiting for $1)"
+}
+
+# ------------------------------------------------------------------- donors
+# start_donors N RATE: N pager-server donors on 127.0.0.2.., RATE bits/s
+# each ("" for none). Sets DONORS (pagerctl --donor arguments).
+start_donors() {
+  local n="$1" rate="$2" i addr port sport pid filter
+  DONORS=()
+  for ((i = 1; i <= n; i++)); do
+    addr="127.0.0.$((i + 1))"
+    port="$(free_port "$addr")"
+    sport="$(free_port "$addr")"
+    filter=()
+    [ -n "$rate" ] && filter=(--filter=rate)
+    nbdkit -f -p "$port" -i "$addr" --pidfile "$WORK/d$i.pid" "${filter[@]}" "$SERVER_SO" \
+      size=2G budget=2G reserve=0 busy-load=1000 node-id="d$i" status="$addr:$sport" \
+      ${rate:+rate="$rate"} >"$WORK/d$i.log" 2>&1 &
+    pid=$!
+    push_undo "stop_pid $pid; rm -f $WORK/d$i.pid"
+    wait_file "$WORK/d$i.pid" "$pid" "donor d$i (log $WORK/d$i.log)"
+    DONORS+=(--donor "$addr:$port,status=$addr:$sport,name=d$i")
+  done
+}
+
+# attach_client STATE MODE SIZE [pagerctl options...]: sets DEVICE.
+attach_client() {
+  local state="$1" mode="$2" size="$3"
+  shift 3
+  rm -rf "$state"
+  push_undo "[ ! -e $state/attach.json ] || '$PAGERCTL' detach --state-dir $state >/dev/null 2>>$WORK/pagerctl.log"
+  "$PAGERCTL" attach --state-dir "$state" --client-id bench --mode "$mode" --size "$size" \
+    "${DONORS[@]}" "$@" >"$WORK/attach.out" 2>>"$WORK/pagerctl.log" ||
+    die "pagerctl attach failed: $(tail -5 "$WORK/pagerctl.log")"
+  DEVICE="$(tail -1 "$WORK/attach.out")"
+}
+
+# ---------------------------------------------------------------------- fio
+# fio_run URI RW BS IODEPTH [extra...]: prints "IOPS MB/s".
+fio_run() {
+  local uri="$1" rw="$2" bs="$3" depth="$4"
+  shift 4
+  fio --name="$rw" --ioengine=nbd --uri="$uri" --rw="$rw" --bs="$bs" --iodepth="$depth" \
+    --numjobs=1 --size="$FIO_SIZE" --output-format=json --output="$WORK/fio.json" "$@" >/dev/null
+  "$PY" -c '
+import json, sys
+j = json.load(open(sys.argv[1]))["jobs"][0]
+iops = j["read"]["iops"] + j["write"]["iops"]
+bw = (j["read"]["bw_bytes"] + j["write"]["bw_bytes"]) / 1e6
+print(f"{iops:.0f} {bw:.1f}")' "$WORK/fio.json"
+}
+
+# fio_suite URI: fills the region, then prints
+# "rr_iops rw_iops seqr_MBps seqw_MBps". Every measured run starts with a
+# 3 s ramp that fio leaves out: the rate filter lets 2 s worth of traffic
+# through at once after idling (burstiness=2), which would inflate short
+# runs.
+fio_suite() {
+  local uri="$1" rr rw sr sw timed=(--time_based --runtime="$RUNTIME" --ramp_time=3)
+  # Fill first, unmeasured, so that reads hit placed extents.
+  fio_run "$uri" write 1M 8 >/dev/null
+  sw="$(fio_run "$uri" write 1M 8 "${timed[@]}")"
+  sr="$(fio_run "$uri" read 1M 8 "${timed[@]}")"
+  rr="$(fio_run "$uri" randread 4k 32 "${timed[@]}")"
+  rw="$(fio_run "$uri" randwrite 4k 32 "${timed[@]}")"
+  echo "${rr% *} ${rw% *} ${sr#* } ${sw#* }"
+}
+
+client_uri() { echo "nbd+unix:///bench?socket=$1/nbd.sock"; }
+
+ratio() { "$PY" -c 'import sys; a, b = float(sys.argv[1]), float(sys.argv[2]); print(f"{a / b:.2f}x" if b else "-")' "$1" "$2"; }
+
+# ------------------------------------------------------------ 1. donors
+bench_donors() {
+  echo "== 1. Scaling with donors: fio through the client, mode none, each donor at $LINK_RATE bit/s"
+  declare -A R
+  local n
+  for n in 1 2 4; do
+    start_donors "$n" "$LINK_RATE"
+    attach_client "$WORK/c-donors$n" none 1G
+    R[$n]="$(fio_suite "$(client_uri "$WORK/c-donors$n")")"
+    undo_all
+  done
+  printf '%-8s %14s %14s %14s %14s\n' donors "4K randread" "4K randwrite" "1M read" "1M write"
+  printf '%-8s %14s %14s %14s %14s\n' "" IOPS IOPS MB/s MB/s
+  for n in 1 2 4; do
+    read -r a b c d <<<"${R[$n]}"
+    printf '%-8s %14s %14s %14s %14s\n' "$n" "$a" "$b" "$c" "$d"
+  done
+  local one=(${R[1]}) two=(${R[2]}) four=(${R[4]}) k
+  printf '%-8s' "2 vs 1"; for k in 0 1 2 3; do printf ' %14s' "$(ratio "${two[k]}" "${one[k]}")"; done; echo
+  printf '%-8s' "4 vs 1"; for k in 0 1 2 3; do printf ' %14s' "$(ratio "${four[k]}" "${one[k]}")"; done; echo
+  echo "(target: 4 donors >= 3.5x one donor)"
+  echo
+}
+
+# ------------------------------------------------------------- 2. modes
+bench_modes() {
+  echo "== 2. Modes side by side: 4 donors at $LINK_RATE bit/s each, fio through the client"
+  declare -A R
+  local mode extra
+  for mode in none mirror parity disk; do
+    start_donors 4 "$LINK_RATE"
+    extra=()
+    [ "$mode" = disk ] && extra=(--disk-file "$WORK/writethrough.img")
+    attach_client "$WORK/c-$mode" "$mode" 1G "${extra[@]}"
+    R[$mode]="$(fio_suite "$(client_uri "$WORK/c-$mode")")"
+    undo_all
+    rm -f "$WORK/writethrough.img"
+  done
+  printf '%-8s %14s %14s %14s %14s\n' mode "4K randread" "4K randwrite" "1M read" "1M write"
+  printf '%-8s %14s %14s %14s %14s\n' "" IOPS IOPS MB/s MB/s
+  for mode in none mirror parity disk; do
+    read -r a b c d <<<"${R[$mode]}"
+    printf '%-8s %14s %14s %14s %14s\n' "$mode" "$a" "$b" "$c" "$d"
+  done
+  local none=(${R[none]}) m k
+  for mode in mirror parity disk; do
+    m=(${R[$mode]})
+    printf '%-8s' "$mode/none"; for k in 0 1 2 3; do printf ' %14s' "$(ratio "${m[k]}" "${none[k]}")"; done; echo
+  done
+  echo "(targets: parity reads >= 0.95x none, parity writes >= 0.6x none)"
+  echo
+}
+
+# -------------------------------------------------------------- 3. swap
+CG=""
+cgroup_make() { # cgroup_make LIMIT: sets CG to a fresh memory cgroup
+  local name="netpager-bench-$$-$RANDOM"
+  if [ -e /sys/fs/cgroup/memory/memory.limit_in_bytes ]; then
+    CG="/sys/fs/cgroup/memory/$name"
+    mkdir "$CG"
+    echo "$1" >"$CG/memory.limit_in_bytes"
+  else
+    grep -qw memory /sys/fs/cgroup/cgroup.subtree_control ||
+      echo +memory >/sys/fs/cgroup/cgroup.subtree_control
+    CG="/sys/fs/cgroup/$name"
+    mkdir "$CG"
+    echo "$1" >"$CG/memory.max"
+  fi
+  push_undo "cgroup_remove $CG"
+}
+cgroup_remove() {
+  local pid
+  [ -d "$1" ] || return 0
+  for pid in $(cat "$1/cgroup.procs"); do kill -KILL "$pid" 2>/dev/null || true; done
+  for _ in $(seq 100); do rmdir "$1" 2>/dev/null && return 0; sleep 0.1; done
+  rmdir "$1"
+}
+
+# swap_on DEVICE: mkswap + swapon at the top priority, undone by swapoff.
+swap_on() {
+  mkswap "$1" >/dev/null
+  swapon --priority 32767 "$1"
+  push_undo "swapoff $1"
+}
+
+# Targets: each sets SWAPDEV, pushing its own undo.
+target_client() {
+  start_donors 3 ""
+  attach_client "$WORK/c-swap" parity 1G --parity-width 3 --swap --priority 32767
+  SWAPDEV="$DEVICE"
+}
+target_memory() {
+  local pid lo
+  nbdkit -f --unix "$WORK/mem.sock" --pidfile "$WORK/mem.pid" memory size=1G >"$WORK/mem.log" 2>&1 &
+  pid=$!
+  push_undo "stop_pid $pid; rm -f $WORK/mem.pid $WORK/mem.sock"
+  wait_file "$WORK/mem.pid" "$pid" "nbdkit memory"
+  # The same steps pagerctl takes: nbdfuse file, loop device with direct I/O
+  # and the same queue depth.
+  mkdir -p "$WORK/memfuse"
+  rm -f "$WORK/memfuse.pid"
+  nbdfuse --pidfile "$WORK/memfuse.pid" "$WORK/memfuse/device" \
+    "nbd+unix:///?socket=$WORK/mem.sock" >"$WORK/memfuse.log" 2>&1 &
+  pid=$!
+  push_undo "fuse_stop $WORK/memfuse $pid; rm -f $WORK/memfuse.pid"
+  wait_file "$WORK/memfuse.pid" "$pid" "nbdfuse"
+  wait_file "$WORK/memfuse/device" "$pid" "nbdfuse's file"
+  lo="$(losetup --find --show --direct-io=on "$WORK/memfuse/device")"
+  push_undo "losetup --detach $lo; while [ -e /sys/block/${lo#/dev/}/loop/backing_file ]; do sleep 0.1; done"
+  local q="/sys/block/${lo#/dev/}/queue/nr_requests" depth
+  depth="$(cat "$q")"
+  echo 16 >"$q"
+  push_undo "echo $depth > $q"
+  swap_on "$lo"
+  SWAPDEV="$lo"
+}
+target_zram() {
+  local z
+  z="$(zramctl --find --size 1G)"
+  push_undo "zramctl --reset $z"
+  swap_on "$z"
+  SWAPDEV="$z"
+}
+target_file() {
+  local f="$WORK/swapfile"
+  fallocate -l 1G "$f"
+  chmod 600 "$f"
+  push_undo "rm -f $f"
+  swap_on "$f"
+  SWAPDEV="$f"
+}
+
+# swap_run TARGET: sets up TARGET, times the job, undoes TARGET; sets SECS.
+swap_run() {
+  local t0 t1 rc
+  UNDO=()
+  "target_$1"
+  cgroup_make "$LIMIT"
+  t0="$(date +%s.%N)"
+  rc=0
+  sh -c 'echo $$ > "$0" && exec "$@"' "$CG/cgroup.procs" "$MEMHOG" "$TOUCH" --passes 1 \
+    >"$WORK/memhog-$1.log" 2>&1 || rc=$?
+  t1="$(date +%s.%N)"
+  undo_all
+  [ "$rc" = 0 ] || die "memhog through $1 failed ($rc): $(tail -3 "$WORK/memhog-$1.log")"
+  SECS="$("$PY" -c 'import sys; print(f"{float(sys.argv[2]) - float(sys.argv[1]):.1f}")' "$t0" "$t1")"
+}
+
+bench_swap() {
+  local limit_bytes
+  limit_bytes="$("$PY" -c 'import sys; u = {"K": 10, "M": 20, "G": 30}; s = sys.argv[1].upper().rstrip("IB"); print(int(s[:-1]) << u[s[-1]] if s[-1] in u else int(s))' "$LIMIT")"
+  TOUCH=$((3 * limit_bytes))
+  echo "== 3. Swap: memhog touching $((TOUCH >> 20)) MiB in a $LIMIT memory cgroup (1 verify pass), $ROUNDS rounds"
+  declare -A T
+  local round t
+  local targets=(client memory zram file)
+  for round in $(seq "$ROUNDS"); do
+    for t in "${targets[@]}"; do
+      swap_run "$t"
+      T[$t]="${T[$t]:-} $SECS"
+      echo "round $round: $t ${SECS}s" >&2
+    done
+  done
+  printf '%-28s %-24s %10s %16s\n' target "seconds per round" mean "vs nbdkit memory"
+  local label mean base
+  base="$("$PY" -c 'import sys; v = [float(x) for x in sys.argv[1:]]; print(sum(v) / len(v))' ${T[memory]})"
+  for t in "${targets[@]}"; do
+    case "$t" in
+      client) label="client, parity, 3 donors" ;;
+      memory) label="one nbdkit memory" ;;
+      zram) label="zram" ;;
+      file) label="swap file on local disk" ;;
+    esac
+    mean="$("$PY" -c 'import sys; v = [float(x) for x in sys.argv[1:]]; print(f"{sum(v) / len(v):.1f}")' ${T[$t]})"
+    printf '%-28s %-24s %10s %16s\n' "$label" "${T[$t]# }" "$mean" "$(ratio "$mean" "$base")"
+  done
+  echo "(target: client <= 1.0x one nbdkit memory)"
+  echo
+}
+
+WHICH=("$@")
+[ ${#WHICH[@]} -gt 0 ] || WHICH=(donors modes swap)
+for b in "${WHICH[@]}"; do
+  case "$b" in
+    donors | modes | swap) bench "bench_$b" ;;
+    *) die "unknown benchmark $b (donors, modes, swap)" ;;
+  esac
+done

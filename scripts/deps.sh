@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Installs what netpager needs to build, test and demo, and nothing twice:
+# Debian packages, then Python packages missing from Debian. Idempotent.
+set -euo pipefail
+
+debs=(
+  build-essential pkg-config clang libclang-dev
+  nbdkit nbdkit-plugin-dev libnbd-dev libnbd-bin python3-libnbd
+  nbd-client nbd-server fio liburing-dev protobuf-compiler
+  fuse3 libfuse3-dev e2fsprogs util-linux procps kmod
+  python3 python3-pytest python3-matplotlib python3-protobuf stress-ng
+  ansible ansible-lint
+)
+
+missing=()
+for p in "${debs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "deps: installing Debian packages: ${missing[*]}"
+  if [ "$(id -u)" != 0 ]; then echo "deps: must run as root to install packages" >&2; exit 1; fi
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# Rust: rustup's toolchain when present (CI images have it), else Debian's.
+if ! command -v cargo >/dev/null 2>&1; then
+  echo "deps: no cargo on PATH; installing Debian's cargo"
+  apt-get install -y -qq cargo rustc
+fi
+# cargo fuzz (crates.io) for the short fuzz run in `make test`; it needs the
+# nightly toolchain, which rustup installs beside stable on our machines.
+if ! cargo fuzz --version >/dev/null 2>&1; then
+  echo "deps: installing cargo-fuzz"
+  cargo install --locked cargo-fuzz
+fi
+echo "deps: all present ($(cargo --version))"

@@ -1,0 +1,239 @@
+"""The netpager client as the tests drive it: `pagerctl` attach/detach/status
+around a state directory, with its detach registered in the test's Teardown
+the moment an attach starts, and a check that a detach left nothing behind."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+from netpager_testkit import MemoryCgroup, OwnedProcess, Teardown, wait_for
+from netpager_testkit.attach import mounted, swaps
+from netpager_testkit.paths import pagerctl, target_dir
+
+MIB = 1 << 20
+
+
+def client_plugin() -> Path:
+    return target_dir() / "libpager_client_plugin.so"
+
+
+def run_pagerctl(args, timeout: float = 300.0, check: bool = True) -> subprocess.CompletedProcess:
+    """Runs pagerctl; with `check`, a failure raises with its stderr."""
+    argv = [str(pagerctl())] + [str(a) for a in args]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(argv)} failed ({p.returncode}):\n{p.stderr}\n{p.stdout}")
+    return p
+
+
+def nbd_errno(e) -> str:
+    """The errno name of a libnbd error (python3-libnbd 1.14 gives the name)."""
+    return e.errno if isinstance(e.errno, str) else errno.errorcode.get(e.errno, str(e.errno))
+
+
+class Job:
+    """A job in a fresh memory cgroup, started in the background.
+
+    The cgroup and the process are undone by the test's Teardown; the job is
+    started after the attach, so it is killed before the detach (swapoff
+    could not bring a live job's pages back into its small cgroup).
+    """
+
+    def __init__(self, teardown: Teardown, cmd, limit_bytes: int, log_path, swap_device: str | None = None):
+        self.cgroup = MemoryCgroup(teardown, limit_bytes)
+        self.swap_device = swap_device
+        self.swap_peak = 0
+        argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.cgroup.procs_file)]
+        self.proc = OwnedProcess(argv + [str(c) for c in cmd], log_path, teardown, f"job {Path(str(cmd[0])).name}")
+
+    def alive(self) -> bool:
+        return self.proc.alive()
+
+    def swapped(self) -> int:
+        """Bytes on the swap device now (and the peak so far)."""
+        used = swaps().get(self.swap_device, 0) if self.swap_device else 0
+        self.swap_peak = max(self.swap_peak, used)
+        return used
+
+    def finish(self, timeout: float = 900) -> str:
+        """Waits for the job, sampling the swap device; raises with its log
+        unless it exited 0. Returns the log's last lines."""
+        deadline = time.monotonic() + timeout
+        while self.proc.wait(0.1) is None and time.monotonic() < deadline:
+            self.swapped()
+        rc = self.proc.popen.poll()
+        if rc != 0:
+            raise AssertionError(f"job {'timed out' if rc is None else f'exited {rc}'}, "
+                                 f"memory {self.cgroup.memory_bytes() >> 20} MiB, swap peak "
+                                 f"{self.swap_peak >> 20} MiB, oom kills {self.cgroup.oom_kills()}; "
+                                 f"log {self.proc.log_path}:\n{self.proc.log_tail()}")
+        return self.proc.log_tail()
+
+
+def run_memhog(teardown: Teardown, memhog, limit_bytes: int, log_path, device: str) -> Job:
+    """memhog touching 3x `limit_bytes` (one verify pass) swapping to `device`."""
+    return Job(teardown, [memhog, str(3 * limit_bytes), "--passes", "1"], limit_bytes, log_path, device)
+
+
+def donor_spec(donor) -> str:
+    """HOST:PORT,status=HOST:PORT,name=NAME for a harness donor."""
+    spec = f"{donor.addr}:{donor.port},name={donor.name}"
+    if donor.status_addr:
+        host, port = donor.status_addr
+        spec += f",status={host}:{port}"
+    return spec
+
+
+def loop_devices_on(path: Path) -> list[str]:
+    """Loop devices whose backing file is `path`."""
+    out = []
+    for d in Path("/sys/block").glob("loop*"):
+        try:
+            if (d / "loop" / "backing_file").read_text().strip() == str(path):
+                out.append(f"/dev/{d.name}")
+        except (FileNotFoundError, OSError):
+            pass
+    return out
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat[stat.rindex(")") + 2:].split()[0] != "Z"
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """Live processes whose command line mentions `text` (e.g. a state dir)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if any(text.encode() in a for a in argv) and pid_alive(int(d.name)):
+            out.append(f"pid {d.name}: {b' '.join(argv).decode(errors='replace').strip()}")
+    return out
+
+
+class PagerClient:
+    """One client state directory driven through pagerctl."""
+
+    def __init__(self, teardown: Teardown, state_dir, client_id: str | None = None):
+        self.teardown = teardown
+        self.state_dir = Path(state_dir)
+        self.client_id = client_id or f"t{uuid.uuid4().hex[:8]}"
+        self.device: str | None = None
+        self._registered = False
+        self._pids: list[int] = []
+
+    @property
+    def socket(self) -> Path:
+        return self.state_dir / "nbd.sock"
+
+    def uri(self) -> str:
+        """The client's own NBD export on its unix socket (for libnbd and fio)."""
+        return f"nbd+unix:///{self.client_id}?socket={self.socket}"
+
+    def attach(self, donors, *, mode: str | None = "none", size: str | None = "128M",
+               swap: bool = False, extra=(), new_device: bool = True) -> str:
+        """`pagerctl attach`; returns the device. `new_device=False` re-attaches
+        the device the state directory holds (no device options)."""
+        args = ["attach", "--state-dir", self.state_dir]
+        if new_device:
+            args += ["--size", size, "--mode", mode, "--client-id", self.client_id]
+            for d in donors:
+                args += ["--donor", donor_spec(d)]
+        if swap:
+            args += ["--swap", "--priority", "32767"]
+        args += list(extra)
+        if not self._registered:
+            # Registered before the attach runs: an interrupted attach leaves
+            # attach.json, which detach undoes.
+            self.teardown.add(f"pagerctl detach {self.state_dir}", self._teardown_detach)
+            self.teardown.add_log(self.state_dir / "nbdkit.log")
+            self._registered = True
+        p = run_pagerctl(args)
+        self.device = p.stdout.strip().splitlines()[-1]
+        pid = self.nbdkit_pid()
+        if pid:
+            self._pids.append(pid)
+        return self.device
+
+    def attach_json(self) -> dict | None:
+        try:
+            return json.loads((self.state_dir / "attach.json").read_text())
+        except FileNotFoundError:
+            return None
+
+    def nbdkit_pid(self) -> int | None:
+        rec = self.attach_json()
+        for step in (rec or {}).get("steps", []):
+            if step["step"] == "nbdkit":
+                return step["pid"]
+        return None
+
+    def detach(self) -> None:
+        run_pagerctl(["detach", "--state-dir", self.state_dir])
+        self.device = None
+
+    def _teardown_detach(self) -> None:
+        if self.attach_json() is not None:
+            self.detach()
+
+    def status(self) -> dict:
+        """`pagerctl status --json`."""
+        return json.loads(run_pagerctl(["status", "--state-dir", self.state_dir, "--json"]).stdout)
+
+    def device_status(self) -> dict:
+        """The device's own part of the status (status.json), once written."""
+        return wait_for(lambda: self.status()["status"], 30, f"{self.state_dir}/status.json")
+
+    def wait_status(self, predicate, timeout: float, what: str) -> dict:
+        """Polls the device status until `predicate(status)` holds; returns it."""
+        last = {}
+
+        def check():
+            nonlocal last
+            last = self.status()["status"] or {}
+            return last if last and predicate(last) else None
+
+        try:
+            return wait_for(check, timeout, what, interval=0.2)
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}; last status: {json.dumps(last, indent=1)[:4000]}") from None
+
+    def kill_nbdkit(self) -> None:
+        """Crashes the client: SIGKILL to its nbdkit (a pid this test started
+        through pagerctl, read from attach.json)."""
+        pid = self.nbdkit_pid()
+        assert pid and pid in self._pids, f"nbdkit pid {pid} is not one this test started"
+        os.kill(pid, 9)
+        wait_for(lambda: not pid_alive(pid), 10, f"client nbdkit {pid} to die")
+
+    def leftovers(self) -> list[str]:
+        """What a detach should have removed and is still there."""
+        left = []
+        if (self.state_dir / "attach.json").exists():
+            left.append("attach.json")
+        fuse_dir = self.state_dir / "fuse"
+        if mounted(fuse_dir):
+            left.append(f"FUSE mount {fuse_dir}")
+        for dev in loop_devices_on(fuse_dir / "device"):
+            left.append(f"loop device {dev}")
+            if dev in swaps():
+                left.append(f"swap on {dev}")
+        left += [f"nbdkit pid {p}" for p in self._pids if pid_alive(p)]
+        left += processes_mentioning(str(self.state_dir))
+        if self.socket.exists():
+            left.append(f"socket {self.socket}")
+        return left

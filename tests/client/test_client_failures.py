@@ -1,0 +1,126 @@
+"""Donors failing under a running client: killed (-9) or hung (SIGSTOP) in
+mirror and parity mode while a swapping job runs, killed in mode none (lost
+extents reported, the rest intact), and drained while the job runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from client_helpers import MIB, nbd_errno, run_memhog, run_pagerctl
+from netpager_testkit import wait_for
+
+LIMIT = 64 * MIB
+
+
+def start_swapping_job(teardown, memhog, tmp_path, device, at_least=32 * MIB):
+    """memhog touching 3x LIMIT in a memory cgroup, in the background, once
+    `at_least` of it is on the swap device."""
+    job = run_memhog(teardown, memhog, LIMIT, tmp_path / "memhog.log", device)
+    wait_for(lambda: job.swapped() >= at_least or not job.alive(), 300,
+             f"{at_least >> 20} MiB swapped out to {device}")
+    assert job.alive(), f"the job ended before it swapped enough: {job.proc.log_tail()}"
+    return job
+
+
+def busiest(client, donors):
+    """The harness donor holding most of our extents (once the status shows any)."""
+    st = client.wait_status(lambda s: any(d["extents_held"] > 0 for d in s["donors"]), 30,
+                            "extents placed on donors")
+    best = max(st["donors"], key=lambda d: d["extents_held"])
+    return next(d for d in donors if d.name == best["name"])
+
+
+def report(status: dict, name: str) -> dict:
+    return next(d for d in status["donors"] if d["name"] == name)
+
+
+@pytest.mark.parametrize("mode", ["mirror", "parity"])
+@pytest.mark.parametrize("failure", ["killed", "hung"])
+def test_job_survives_a_failed_donor(mode, failure, teardown, donors, client, memhog, tmp_path):
+    ds = donors(4)
+    device = client.attach(ds, mode=mode, size="256M", swap=True,
+                           extra=["--request-timeout", "2", "--connect-timeout", "2"])
+    job = start_swapping_job(teardown, memhog, tmp_path, device)
+    victim = busiest(client, ds)
+    if failure == "killed":
+        victim.kill9()
+    else:
+        victim.sigstop()
+
+    # Detected (by a broken connection, or by the request timeout when hung)
+    # and reported: degraded units or a rebuild under way.
+    seen = client.wait_status(lambda s: report(s, victim.name)["failed"], 120,
+                              f"donor {victim.name} marked failed")
+    t = seen["totals"]
+    assert t["degraded"] > 0 or t["rebuild"]["done"] > 0 or t["rebuild"]["active"], t
+
+    job.finish()
+    # Rebuilt: every unit has all its copies again, none on the failed donor.
+    final = client.wait_status(
+        lambda s: s["totals"]["degraded"] == 0 and not s["totals"]["rebuild"]["active"], 180,
+        "rebuild to finish")
+    assert final["totals"]["lost"] == 0, final["totals"]
+    gone = report(final, victim.name)
+    assert gone["failed"] and gone["extents_held"] == 0, gone
+    if failure == "hung":
+        victim.sigcont()
+    client.detach()
+    assert client.leftovers() == []
+
+
+def test_mode_none_reports_lost_extents_and_keeps_the_rest(teardown, donors, client):
+    import nbd
+
+    from netpager_testkit.nbdio import connect, pattern
+
+    ds = donors(4)
+    client.attach(ds, mode="none", size="64M", extra=["--request-timeout", "2"])
+    size = 64 * MIB
+    with connect(client.uri()) as h:
+        for off in range(0, size, MIB):
+            h.pwrite(pattern("none", off, MIB), off)
+        h.flush()
+    victim = busiest(client, ds)
+    victim.kill9()
+
+    with connect(client.uri()) as h:
+        # Touch every extent so the client finds out which are gone.
+        bad = set()
+        for off in range(0, size, MIB):
+            try:
+                got = h.pread(MIB, off)
+            except nbd.Error as e:
+                assert nbd_errno(e) == "EIO", f"extent at {off}: {e}"
+                bad.add(off // MIB)
+                continue
+            assert got == pattern("none", off, MIB), f"extent at {off} came back wrong"
+    st = client.wait_status(lambda s: s["totals"]["lost"] > 0, 60, "lost extents reported")
+    t = st["totals"]
+    assert report(st, victim.name)["failed"]
+    assert set(t["lost_extents"]) == bad, (t["lost_extents"], sorted(bad))
+    assert t["lost"] == len(bad) and 0 < len(bad) < 64
+    table = run_pagerctl(["status", "--state-dir", client.state_dir]).stdout
+    assert "LOST extents:" in table and "FAILED" in table, table
+    client.detach()
+    assert client.leftovers() == []
+
+
+def test_drain_moves_extents_while_the_job_runs(teardown, donors, client, memhog, tmp_path):
+    ds = donors(4)
+    device = client.attach(ds, mode="mirror", size="256M", swap=True, extra=["--epoch", "1"])
+    job = start_swapping_job(teardown, memhog, tmp_path, device)
+    victim = busiest(client, ds)
+    host, port = victim.status_addr
+    p = run_pagerctl(["donor-drain", f"{host}:{port}", "--wait", "--wait-timeout", "300"], timeout=360)
+    assert "is empty" in p.stdout, p.stdout
+    job.finish()
+    st = json.loads(run_pagerctl(["donor-status", f"{host}:{port}", "--json"]).stdout)
+    assert st["used_bytes"] == 0 and st["state"] == "draining", st
+    final = client.wait_status(lambda s: report(s, victim.name)["extents_held"] == 0, 30,
+                               f"status to show nothing on {victim.name}")
+    assert final["totals"]["lost"] == 0 and final["totals"]["degraded"] == 0, final["totals"]
+    run_pagerctl(["donor-drain", f"{host}:{port}", "--undo"])
+    client.detach()
+    assert client.leftovers() == []

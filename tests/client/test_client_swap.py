@@ -1,0 +1,56 @@
+"""The client as swap: 4 donors on loopback, `pagerctl attach --swap` in each
+mode, a job in a memory cgroup touching 3x its limit and verifying every
+page, then `pagerctl detach` leaving nothing behind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from client_helpers import MIB, donor_spec, run_memhog, run_pagerctl
+from netpager_testkit import swaps
+
+LIMIT = 64 * MIB
+
+
+@pytest.mark.parametrize("mode", ["none", "mirror", "parity", "disk"])
+def test_swap_job_in_each_mode(mode, teardown, donors, client, memhog, tmp_path):
+    ds = donors(4)
+    device = client.attach(ds, mode=mode, size="256M", swap=True)
+    assert device in swaps(), f"{device} is not swap: {swaps()}"
+
+    job = run_memhog(teardown, memhog, LIMIT, tmp_path / "memhog.log", device)
+    assert "memhog: OK" in job.finish()
+    assert job.swap_peak > LIMIT, f"only {job.swap_peak} bytes went to {device}"
+
+    st = client.device_status()
+    assert st["mode"] == mode
+    assert st["totals"]["units_placed"] > 0 and st["totals"]["lost"] == 0, st["totals"]
+    # The job's pages went to the donors (and, in mode disk, to the file too).
+    written = sum(d.status().bytes_written for d in ds)
+    assert written >= job.swap_peak, written
+    if mode == "disk":
+        wt = client.state_dir / "writethrough.img"
+        assert wt.stat().st_blocks > 0, f"{wt} holds nothing"
+
+    client.detach()
+    assert client.leftovers() == []
+    assert device not in swaps()
+
+
+def test_attach_failure_undoes_every_step(teardown, donors, client):
+    # No kernel nbd module here: nbd-client has no device to connect, so the
+    # attach fails after nbdkit started, and must stop it again.
+    if Path("/sys/block/nbd0").exists():
+        pytest.skip("this machine has kernel nbd devices")
+    ds = donors(1)
+    p = run_pagerctl(["attach", "--state-dir", client.state_dir, "--size", "64M", "--mode", "none",
+                      "--donor", donor_spec(ds[0]), "--via", "nbd-client"], check=False)
+    assert p.returncode != 0
+    assert "modprobe nbd" in p.stderr, p.stderr
+    assert "undoing" in p.stderr, p.stderr
+    assert client.leftovers() == []
+    # The device configuration stays: the next attach reuses it.
+    assert (client.state_dir / "device.toml").exists()
+    assert not (client.state_dir / "nbdkit.pid").exists()

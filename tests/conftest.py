@@ -1,0 +1,81 @@
+"""Fixtures shared by every end-to-end test (the harness is tests/netpager_testkit).
+
+Run with Debian's /usr/bin/python3 (python3-libnbd and python3-protobuf bind
+to it): `make test`, or `/usr/bin/python3 -m pytest tests`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from netpager_testkit import Cluster, Teardown, install_handlers, job, pb2, server_plugin
+from netpager_testkit.procs import tail
+
+_TEARDOWN_KEY = pytest.StashKey[Teardown]()
+
+
+def pytest_sessionstart(session):
+    # Ctrl-C, SIGTERM (CI timeouts) and exit undo whatever is still set up.
+    install_handlers()
+    # Generate the protobuf classes once, up front: a broken .proto fails here.
+    pb2()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    td = item.stash.get(_TEARDOWN_KEY, None)
+    if report.failed and td is not None and td.logs:
+        text = []
+        for path in dict.fromkeys(td.logs):
+            text.append(f"--- {path} (last lines)\n{tail(path, 30)}")
+        report.sections.append(("netpager logs", "\n".join(text)))
+
+
+@pytest.fixture
+def teardown(request):
+    """The test's undo registry; anything left is undone after the test, and
+    a failed undo fails the test (a leak is a bug)."""
+    td = Teardown(request.node.nodeid)
+    request.node.stash[_TEARDOWN_KEY] = td
+    yield td
+    errors = td.close()
+    if errors:
+        pytest.fail("cleanup failed: " + "; ".join(errors))
+
+
+@pytest.fixture
+def root():
+    """Swap, loop devices, FUSE mounts and cgroups need root."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (swapon, losetup, cgroups, FUSE)")
+
+
+@pytest.fixture
+def donor_plugin():
+    """Path of libpager_server.so; the test is skipped when it is not built."""
+    path = server_plugin()
+    if not path.exists():
+        pytest.skip(f"pager-server plugin not built: {path} missing "
+                    "(run `make build`, or set NETPAGER_TARGET_DIR)")
+    return path
+
+
+@pytest.fixture
+def cluster(teardown, tmp_path, donor_plugin):
+    """Donors running pager-server: `cluster.start_donors(n, budgets=..., ...)`."""
+    return Cluster(teardown, tmp_path, donor_plugin)
+
+
+@pytest.fixture
+def memory_cluster(teardown, tmp_path):
+    """Donors running nbdkit's memory plugin (for the harness's self-tests)."""
+    return Cluster(teardown, tmp_path, "memory")
+
+
+@pytest.fixture(scope="session")
+def memhog():
+    return job("memhog")

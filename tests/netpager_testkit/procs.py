@@ -1,0 +1,111 @@
+"""Processes the harness starts and owns, and only those.
+
+Every process is started by `OwnedProcess` (a Popen child, in its own
+session so a terminal's Ctrl-C reaches the harness first and the harness
+stops things in the right order). Signals go only to a pid that is still
+ours: not yet reaped by us and with the start time /proc recorded when we
+started it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from .cleanup import Teardown
+
+
+def proc_start_time(pid: int) -> int | None:
+    """Start time of `pid` in clock ticks since boot (field 22 of /proc/PID/stat)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # The command name is in parentheses and may itself contain spaces.
+    fields = stat[stat.rindex(")") + 2:].split()
+    return int(fields[19])
+
+
+def tail(path, lines: int = 40) -> str:
+    """Last `lines` lines of a log file, or a note that it is missing."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except FileNotFoundError:
+        return f"(no log at {path})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class OwnedProcess:
+    """A child process with its output in a log file, stopped on teardown."""
+
+    def __init__(self, argv: list[str], log_path, teardown: Teardown, name: str,
+                 env: dict | None = None, stop_timeout: float = 10.0):
+        self.argv = [str(a) for a in argv]
+        self.name = name
+        self.log_path = Path(log_path)
+        self.stop_timeout = stop_timeout
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"$ {' '.join(self.argv)}\n".encode())
+            log.flush()
+            self.popen = subprocess.Popen(
+                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=env, start_new_session=True)
+        self.pid = self.popen.pid
+        self.start_time = proc_start_time(self.pid)
+        teardown.add_log(self.log_path)
+        teardown.add(f"process {name} pid {self.pid}", self.stop)
+
+    def owned(self) -> bool:
+        """True while the pid is still the process we started."""
+        return (self.popen.poll() is None
+                and self.start_time is not None
+                and proc_start_time(self.pid) == self.start_time)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        """Sends `sig` if the pid is still ours; a gone process is not an error."""
+        if self.owned():
+            os.kill(self.pid, sig)
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill9(self) -> int | None:
+        """SIGKILL and reap."""
+        self.signal(signal.SIGKILL)
+        return self.wait(self.stop_timeout)
+
+    def stop(self) -> None:
+        """SIGTERM (after SIGCONT, in case it is stopped), then SIGKILL; reaps it."""
+        if not self.alive():
+            return
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGTERM)
+        if self.wait(self.stop_timeout) is None:
+            self.signal(signal.SIGKILL)
+            if self.wait(self.stop_timeout) is None:
+                raise RuntimeError(f"{self.name} pid {self.pid} survived SIGKILL")
+
+    def log_tail(self, lines: int = 40) -> str:
+        return tail(self.log_path, lines)
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
+    """Polls `predicate` until it returns a true value; raises naming `what`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)

@@ -1,0 +1,125 @@
+"""The harness itself: the job's verifier, cgroup limits, donor control and
+cleanup on signals. Donors here run nbdkit's memory plugin, so these tests
+do not depend on pager-server being built."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from netpager_testkit import (oom_killed, repo_root, run_job_in_cgroup, swaps,
+                              wait_for)
+from netpager_testkit.attach import mounted, run
+from netpager_testkit.donor import nbd_handshake
+from netpager_testkit.procs import proc_start_time
+
+MIB = 1 << 20
+
+
+def test_memhog_verifies_and_catches_a_flipped_bit(memhog):
+    ok = subprocess.run([memhog, "8M", "--passes", "3"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "memhog: OK pages=2048 " in ok.stdout
+    bad = subprocess.run([memhog, "8M", "--flip", "1234"], capture_output=True, text=True)
+    assert bad.returncode == 1
+    assert "bad page 1234 (offset 0x4d2060) word 12:" in bad.stderr, bad.stderr
+
+
+def test_cgroup_limit_is_enforced(root, teardown, tmp_path, memhog):
+    # No swap allowed: a job touching 4x its limit must be OOM-killed, which
+    # shows the limit applies to the job (and so forces swap when allowed).
+    r = run_job_in_cgroup(teardown, [memhog, "64M"], 16 * MIB, tmp_path / "job.log",
+                          timeout=120, swap_limit_bytes=0)
+    assert oom_killed(r), r.describe()
+    assert r.peak_memory_bytes <= 16 * MIB, r.describe()
+    assert not r.cgroup.exists(), f"{r.cgroup} left behind"
+
+
+def test_donor_control(memory_cluster, teardown):
+    d1, d2 = memory_cluster.start_donors(2, size="64M")
+    assert (d1.addr, d2.addr) == ("127.0.0.2", "127.0.0.3")
+    port = d1.port
+    d1.kill9()
+    assert not d1.alive() and not nbd_handshake(d1.uri())
+    d1.restart()
+    assert d1.port == port and nbd_handshake(d1.uri())
+
+    def state(d):
+        return Path(f"/proc/{d.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+    d2.sigstop()
+    wait_for(lambda: state(d2) == "T", 10, "donor d2 to stop")
+    d2.sigcont()
+    wait_for(lambda: state(d2) != "T", 10, "donor d2 to continue")
+    assert nbd_handshake(d2.uri())
+    pids = [d1.pid, d2.pid]
+    d2.sigstop()  # teardown must also end a stopped donor
+    teardown.close_or_raise()
+    assert all(proc_start_time(p) is None for p in pids)
+
+
+def _leftovers(info: dict) -> list[str]:
+    left = []
+    for name, (pid, start) in info["pids"].items():
+        if proc_start_time(pid) == start:
+            left.append(f"{name} pid {pid}")
+    if mounted(info["mountdir"]):
+        left.append(f"mount {info['mountdir']}")
+    if info["loop"] in swaps():
+        left.append(f"swap {info['loop']}")
+    backing = Path("/sys/block") / Path(info["loop"]).name / "loop" / "backing_file"
+    if backing.exists() and backing.read_text().strip() == info["fuse_file"]:
+        left.append(f"loop {info['loop']}")
+    if Path(info["cgroup"]).exists():
+        left.append(f"cgroup {info['cgroup']}")
+    if Path(info["workdir"]).exists():
+        left.append(f"directory {info['workdir']}")
+    return left
+
+
+def _salvage(info: dict) -> None:
+    """Undoes what a failed child left (its pids are our grandchildren)."""
+    if info["loop"] in swaps():
+        run(["swapoff", info["loop"]])
+    backing = Path("/sys/block") / Path(info["loop"]).name / "loop" / "backing_file"
+    if backing.exists() and backing.read_text().strip() == info["fuse_file"]:
+        run(["losetup", "-d", info["loop"]])
+    if mounted(info["mountdir"]):
+        run(["fusermount3", "-u", info["mountdir"]])
+    for pid, start in info["pids"].values():
+        if proc_start_time(pid) == start:
+            os.kill(pid, signal.SIGKILL)
+    if Path(info["cgroup"]).exists():
+        wait_for(lambda: not Path(info["cgroup"], "cgroup.procs").read_text().strip(), 10,
+                 "salvaged cgroup to empty")
+        Path(info["cgroup"]).rmdir()
+    subprocess.run(["rm", "-rf", "--one-file-system", info["workdir"]])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_midway_leaves_nothing_behind(root, teardown, tmp_path, sig):
+    env = dict(os.environ, PYTHONPATH=str(repo_root() / "tests"))
+    log = tmp_path / "child.log"
+    teardown.add_log(log)
+    with open(log, "w") as err:
+        child = subprocess.Popen([sys.executable, str(Path(__file__).with_name("cleanup_child.py"))],
+                                 stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    teardown.add("cleanup child", lambda: (child.poll() is None and child.kill(), child.wait()))
+    line = child.stdout.readline()
+    assert line, f"child died before setting up; log {log}:\n{log.read_text()}"
+    info = json.loads(line)
+    teardown.add("salvage what the child left", lambda: _salvage(info))
+    assert _leftovers(info) == [f"{n} pid {p}" for n, (p, _) in info["pids"].items()] \
+        + [f"mount {info['mountdir']}", f"swap {info['loop']}", f"loop {info['loop']}",
+           f"cgroup {info['cgroup']}", f"directory {info['workdir']}"]
+    child.send_signal(sig)
+    rc = child.wait(timeout=120)
+    assert rc == -sig, f"child exited {rc}; log {log}:\n{log.read_text()}"
+    assert _leftovers(info) == [], log.read_text()
+    assert f"{signal.Signals(sig).name}: undoing everything" in log.read_text()
