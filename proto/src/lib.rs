@@ -125,8 +125,12 @@ impl StatusClient {
         if let (Some(key), Some(auth)) = (&self.key, &req.auth) {
             // A donor refusing a request it could not authenticate does not
             // sign the refusal: report its reason rather than the signature.
-            if let (true, Some(v1::reply::Body::Error(reason))) = (reply.mac.is_empty(), &reply.body) {
-                return Err(ProtoError::Refused { addr: addr.to_string(), reason: format!("{reason} (unsigned refusal)") });
+            if reply.mac.is_empty() {
+                let reason = match &reply.body {
+                    Some(v1::reply::Body::Error(reason)) => format!("{reason} (unsigned refusal)"),
+                    _ => "its reply is not signed: the donor runs without psk= (the lab key), so its status cannot be trusted".into(),
+                };
+                return Err(ProtoError::Refused { addr: addr.to_string(), reason });
             }
             key.verify_reply(&auth.nonce, &reply)
                 .map_err(|e| ProtoError::Refused { addr: addr.to_string(), reason: format!("reply not signed by the lab key: {e}") })?;
@@ -236,6 +240,41 @@ mod tests {
         assert!(matches!(read_message::<DonorStatus>(&mut big.as_slice(), "t"), Err(ProtoError::TooLong { .. })));
         let endless = [0xffu8; 16];
         assert!(matches!(read_message::<DonorStatus>(&mut &endless[..], "t"), Err(ProtoError::BadLength { .. })));
+    }
+
+    /// A keyed client asking a donor that answers with `reply`; the
+    /// donor's end is a one-shot listener on loopback.
+    fn keyed_call(reply: v1::Reply) -> Result<v1::Reply, ProtoError> {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let donor = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let _: v1::Request = read_message(&mut s, "client").unwrap().unwrap();
+            write_message(&mut s, &reply, "client").unwrap();
+        });
+        let dir = std::env::temp_dir().join(format!("netpager-proto-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let psk = dir.join("lab.psk");
+        std::fs::write(&psk, "lab:00112233445566778899aabbccddeeff\n").unwrap();
+        let key = LabKey::from_psk_file(&psk, None).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        let client = StatusClient { timeout: Duration::from_secs(5), key: Some(key) };
+        let got = client.call(&addr, v1::Request { body: Some(v1::request::Body::Status(v1::StatusQuery {})), auth: None });
+        donor.join().unwrap();
+        got
+    }
+
+    #[test]
+    fn a_keyed_client_names_a_donor_without_psk() {
+        let unsigned = v1::Reply { body: Some(v1::reply::Body::Status(DonorStatus::default())), mac: Vec::new() };
+        let err = keyed_call(unsigned).unwrap_err().to_string();
+        assert!(err.contains("not signed") && err.contains("psk="), "{err}");
+        let refusal = v1::Reply { body: Some(v1::reply::Body::Error("bad MAC".into())), mac: Vec::new() };
+        let err = keyed_call(refusal).unwrap_err().to_string();
+        assert!(err.contains("bad MAC (unsigned refusal)"), "{err}");
+        let forged = v1::Reply { body: Some(v1::reply::Body::Status(DonorStatus::default())), mac: vec![0; 32] };
+        let err = keyed_call(forged).unwrap_err().to_string();
+        assert!(err.contains("reply not signed by the lab key"), "{err}");
     }
 
     #[test]

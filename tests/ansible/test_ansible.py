@@ -332,9 +332,10 @@ def test_systemd_units_pass_systemd_analyze(tmp_path):
     assert [u.name for u in units] == ["netpager-client-c1.service", "netpager-donor-d1.service",
                                        "netpager-prefetchd-ds1.service"]
     donor = (out / "netpager-donor-d1.service").read_text()
-    # A network address without signed status requests needs insecure=true;
-    # systemd needs % doubled.
-    assert "insecure=true" in donor and "reserve=5%%" in donor, donor
+    # With TLS (the default) the status endpoint is signed with the lab key,
+    # so a network address needs no insecure=true; systemd needs % doubled.
+    assert "psk=/etc/netpager/netpager.psk" in donor and "insecure" not in donor, donor
+    assert "reserve=5%%" in donor, donor
     v = subprocess.run(["systemd-analyze", "verify", "--man=no", *map(str, units)],
                        capture_output=True, text=True, timeout=120)
     assert v.returncode == 0 and not (v.stdout + v.stderr).strip(), v.stdout + v.stderr
@@ -397,6 +398,10 @@ def test_rollout_serves_donors_and_swaps_on_the_client(lab):
     assert row is not None, f"{device} not in /proc/swaps: {rows}"
     assert int(row[4]) == SWAP_PRIORITY
     assert int(row[2]) * 1024 >= (CLIENT_SIZE_MIB - 1) * MIB
+    # The client reads every donor's signed status: without it, it would
+    # never see a donor draining.
+    wait_for(lambda: all(d["state"] in ("idle", "busy") for d in lab.client_status()["status"]["donors"]),
+             60, "the client to read every donor's status")
 
     # prefetchd serves the data set through its FUSE view.
     assert str(lab.mount) in mounts_under(lab.root)
