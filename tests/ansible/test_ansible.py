@@ -29,6 +29,7 @@ import yaml
 
 from netpager_testkit import MemoryCgroup, OwnedProcess, StatusClient, Teardown, swaps, wait_for
 from netpager_testkit.paths import repo_root, target_dir
+from netpager_testkit.status import LabKey, StatusError
 from netpager_testkit.procs import tail
 
 ANSIBLE_DIR = repo_root() / "ansible"
@@ -231,7 +232,9 @@ class Lab:
         return json.loads(self.pagerctl("status", "--state-dir", str(self.state / f"client-{CLIENT}"), "--json"))
 
     def donor_status(self, d: str):
-        return StatusClient(self.addr[d], self.sport[d]).query()
+        """Signed with the lab key, as the donors require."""
+        key = LabKey.from_psk_file(self.etc / "netpager.psk")
+        return StatusClient(self.addr[d], self.sport[d], key=key).query()
 
     def donor_pid(self, d: str) -> int:
         return int((self.run_dir / f"donor-{d}" / "nbdkit.pid").read_text())
@@ -379,6 +382,9 @@ def test_rollout_serves_donors_and_swaps_on_the_client(lab):
         plain = subprocess.run(["nbdinfo", "--size", f"nbd://{lab.addr[d]}:{lab.port[d]}/probe"],
                                capture_output=True, text=True, timeout=30)
         assert plain.returncode != 0, "a donor served without TLS"
+        # So does the status endpoint.
+        with pytest.raises(StatusError, match="not authenticated"):
+            StatusClient(lab.addr[d], lab.sport[d]).query()
         uid = next(line.split()[1] for line in Path(f"/proc/{lab.donor_pid(d)}/status").read_text().splitlines()
                    if line.startswith("Uid:"))
         want = "root" if d == "d1" else lab.user

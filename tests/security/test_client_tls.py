@@ -1,12 +1,15 @@
 """The client device on TLS-only donors: `pagerctl attach --psk` in mirror
-mode, each donor also requiring the client's export token."""
+mode, each donor also requiring the client's export token and signed status
+requests."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
 
+from netpager_testkit import wait_for
 from netpager_testkit.nbdio import pattern
 from netpager_testkit.paths import pagerctl, target_dir
 from sec_helpers import connect
@@ -34,18 +37,20 @@ def test_mirror_device_over_tls_with_export_tokens(root, pagerctl_built, teardow
                                                     start_donors, keys):
     """Expected: the device attaches through donors that accept only TLS
     with the lab key and only c1's token, 64 MiB written through it read
-    back intact, both donors hold pages, and after one donor is killed
+    back intact, both donors hold pages, the client reads each donor's
+    signed status (state idle, not unreachable), and after one donor is killed
     (kill -9) the mirror still serves every byte."""
     donors = start_donors(2, tls_psk=keys.lab_psk, psk=keys.lab_psk,
                           export_secret=keys.export_secret)
     state = tmp_path / "state"
     # The client presents its id (c1) as TLS user; its export name on each
-    # donor carries its token. No status= for the donors: the client does
-    # not sign status requests (SECURITY.md, "Open points").
+    # donor carries its token. The donors' status endpoints take only
+    # requests signed with the lab key, and sign their replies.
     args = ["attach", "--state-dir", state, "--size", "64M", "--mode", "mirror",
             "--client-id", "c1", "--psk", keys.lab_psk, "--request-timeout", "5"]
     for d in donors:
-        args += ["--donor", f"{d.addr}:{d.port}/{keys.export('c1', '128M')},name={d.name}"]
+        host, sport = d.status_addr
+        args += ["--donor", f"{d.addr}:{d.port}/{keys.export('c1', '128M')},status={host}:{sport},name={d.name}"]
 
     def detach():
         if (state / "attach.json").exists():
@@ -66,6 +71,12 @@ def test_mirror_device_over_tls_with_export_tokens(root, pagerctl_built, teardow
     for d in donors:
         used = {e.name: e.used_bytes for e in d.status().exports}
         assert used.get("c1", 0) > 0, f"{d.name} holds no pages of c1: {used}"
+
+    def donor_states():
+        st = json.loads(run_pagerctl("status", "--state-dir", state, "--json"))
+        return {d["name"]: d["state"] for d in st["status"]["donors"]}
+    wait_for(lambda: set(donor_states().values()) <= {"idle", "busy"}, 60,
+             "the client to read every donor's signed status")
 
     donors[0].kill9()
     with connect(uri) as h:
