@@ -17,6 +17,7 @@
 #   scripts/bench-client.sh                 # all three
 #   scripts/bench-client.sh donors modes    # some of them
 #   RUNTIME=10 ROUNDS=3 LIMIT=128M scripts/bench-client.sh swap
+#   SWAP_MODE=none scripts/bench-client.sh swap   # the client in another mode
 #
 # Run as root (swapon, losetup, FUSE, cgroups). Binaries come from
 # $NETPAGER_TARGET_DIR (default target/release). Loopback only. Each
@@ -37,6 +38,7 @@ ROUNDS="${ROUNDS:-2}"        # rounds of the swap benchmark
 LIMIT="${LIMIT:-128M}"       # the swap job's memory limit (it touches 3x)
 LINK_RATE="${LINK_RATE:-1G}" # emulated link per donor, bits per second
 FIO_SIZE="${FIO_SIZE:-512M}" # region fio works on
+SWAP_MODE="${SWAP_MODE:-parity}" # the client's mode in the swap benchmark
 PY=/usr/bin/python3
 export PATH=/usr/sbin:/usr/bin:/sbin:/bin:$PATH
 
@@ -148,6 +150,15 @@ attach_client() {
   DEVICE="$(tail -1 "$WORK/attach.out")"
 }
 
+# mode_args MODE: what attach needs besides the mode (sets MODE_ARGS).
+mode_args() {
+  MODE_ARGS=()
+  case "$1" in
+    disk) MODE_ARGS=(--disk-file "$WORK/writethrough.img") ;;
+    parity) [ -z "${2:-}" ] || MODE_ARGS=(--parity-width "$2") ;;
+  esac
+}
+
 # ---------------------------------------------------------------------- fio
 # fio_run URI RW BS IODEPTH [extra...]: prints "IOPS MB/s".
 fio_run() {
@@ -211,12 +222,11 @@ bench_donors() {
 bench_modes() {
   echo "== 2. Modes side by side: 4 donors at $LINK_RATE bit/s each, fio through the client"
   declare -A R
-  local mode extra
+  local mode
   for mode in none mirror parity disk; do
     start_donors 4 "$LINK_RATE"
-    extra=()
-    [ "$mode" = disk ] && extra=(--disk-file "$WORK/writethrough.img")
-    attach_client "$WORK/c-$mode" "$mode" 1G "${extra[@]}"
+    mode_args "$mode"
+    attach_client "$WORK/c-$mode" "$mode" 1G "${MODE_ARGS[@]}"
     R[$mode]="$(fio_suite "$(client_uri "$WORK/c-$mode")")"
     undo_all
     rm -f "$WORK/writethrough.img"
@@ -271,7 +281,8 @@ swap_on() {
 # Targets: each sets SWAPDEV, pushing its own undo.
 target_client() {
   start_donors 3 ""
-  attach_client "$WORK/c-swap" parity 1G --parity-width 3 --swap --priority 32767
+  mode_args "$SWAP_MODE" 3
+  attach_client "$WORK/c-swap" "$SWAP_MODE" 1G "${MODE_ARGS[@]}" --swap --priority 32767
   SWAPDEV="$DEVICE"
 }
 target_memory() {
@@ -351,7 +362,7 @@ bench_swap() {
   base="$("$PY" -c 'import sys; v = [float(x) for x in sys.argv[1:]]; print(sum(v) / len(v))' ${T[memory]})"
   for t in "${targets[@]}"; do
     case "$t" in
-      client) label="client, parity, 3 donors" ;;
+      client) label="client, $SWAP_MODE, 3 donors" ;;
       memory) label="one nbdkit memory" ;;
       zram) label="zram" ;;
       file) label="swap file on local disk" ;;
