@@ -275,8 +275,33 @@ pub struct DeviceConfig {
     pub donors: Vec<DonorConfig>,
 }
 
+/// Data one extent holds in replica modes, and one full parity stripe in
+/// parity mode.
+const STRIPE_DATA: u64 = 1 << 20;
+/// Below this, per-extent work outweighs what smaller stripes save.
+const MIN_PARITY_EXTENT: u64 = 64 << 10;
+
+/// What `device.toml` means when it names no extent size (files written
+/// before the default depended on the mode).
 fn default_extent() -> ByteSize {
-    ByteSize(1 << 20)
+    ByteSize(STRIPE_DATA)
+}
+
+/// The extent size a new device of `mode` gets: 1 MiB; in parity mode the
+/// largest power of two that keeps a full stripe (`width - 1` data
+/// extents) within 1 MiB, but at least 64 KiB (widths over 17), so that a 1 MiB aligned write is one full-stripe
+/// write without reads whenever `width - 1` is a power of two. With 1 MiB
+/// extents a width-3 stripe is 2 MiB and every 1 MiB write is a
+/// read-modify-write: `make bench-client` measured parity's 1 MiB writes at
+/// 0.50x of mode none with 1 MiB extents and 0.83x with 512 KiB.
+pub fn default_extent_size(mode: &Mode) -> ByteSize {
+    match mode {
+        Mode::Parity { width } => {
+            let per = STRIPE_DATA / u64::from(width.saturating_sub(1).max(1));
+            ByteSize((1u64 << per.ilog2()).max(MIN_PARITY_EXTENT))
+        }
+        _ => default_extent(),
+    }
 }
 fn default_queue() -> ByteSize {
     ByteSize(16 << 20)
@@ -349,7 +374,7 @@ impl DeviceConfig {
         DeviceConfig {
             client_id: client_id.into(),
             size: ByteSize(size),
-            extent_size: default_extent(),
+            extent_size: default_extent_size(&mode),
             connections_per_donor: default_connections(),
             io_buffers: default_io_buffers(),
             mlock: true,
@@ -707,6 +732,24 @@ address = "127.0.0.2:10809"
         std::fs::write(&p, "client_id = \"x\"\nsize = \"12Q\"\n").unwrap();
         let e = DeviceConfig::load(&p).unwrap_err().to_string();
         assert!(e.contains("device.toml") && e.contains("suffix"), "{e}");
+    }
+
+    #[test]
+    fn parity_stripes_span_at_most_one_mib() {
+        let ext = |mode: Mode| default_extent_size(&mode).0;
+        for m in [Mode::None, Mode::Mirror] {
+            assert_eq!(ext(m), 1 << 20);
+        }
+        for (width, want) in [(3, 512 << 10), (4, 256 << 10), (5, 256 << 10), (9, 128 << 10), (32, 64 << 10)] {
+            assert_eq!(ext(Mode::Parity { width }), want, "width {width}");
+        }
+        for width in 3..=17 {
+            let e = ext(Mode::Parity { width });
+            assert!(e.is_power_of_two() && (u64::from(width) - 1) * e <= 1 << 20, "width {width}");
+            assert!((u64::from(width) - 1) * 2 * e > 1 << 20, "width {width}: not the largest");
+        }
+        // New devices get it; an older device.toml without the field keeps 1 MiB.
+        assert_eq!(DeviceConfig::new("c", 64 << 20, Mode::Parity { width: 3 }).extent_size.0, 512 << 10);
     }
 
     #[test]

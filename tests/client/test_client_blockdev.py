@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from client_helpers import MIB, nbd_errno, run_pagerctl
+from client_helpers import MIB, donor_spec, nbd_errno, run_pagerctl
 from netpager_testkit.attach import mounted
 
 DEVICE = 64 * MIB
@@ -144,6 +145,24 @@ def test_reattach_refuses_another_device(teardown, donors, client):
                      + sum((["--donor", f"{d.addr}:{d.port},name={d.name},status={d.params['status']}"]
                             for d in ds), []), check=False)
     assert p.returncode != 0 and "differs in size" in p.stderr, p.stderr
+    assert client.leftovers() == []
+
+
+def test_reattach_keeps_the_devices_extent_size(teardown, donors, client):
+    """A parity device made with 1 MiB extents (every parity device before
+    the default followed the stripe) re-attaches with the same options and
+    no --extent-size; asking for another extent size is refused by name."""
+    ds = donors(3)
+    client.attach(ds, mode="parity", size="64M", extra=["--extent-size", "1M"])
+    client.detach()
+    client.attach(ds, mode="parity", size="64M")
+    config = tomllib.loads((client.state_dir / "device.toml").read_text())
+    assert config["extent_size"] == MIB, config
+    client.detach()
+    p = run_pagerctl(["attach", "--state-dir", client.state_dir, "--size", "64M", "--mode", "parity",
+                      "--client-id", client.client_id, "--extent-size", "256K"]
+                     + sum((["--donor", donor_spec(d)] for d in ds), []), check=False)
+    assert p.returncode != 0 and "differs in extent_size" in p.stderr, p.stderr
     assert client.leftovers() == []
 
 

@@ -79,7 +79,8 @@ struct AttachArgs {
     /// A donor: HOST:PORT[/EXPORT][,status=HOST:PORT][,name=NAME]. Repeat.
     #[arg(long = "donor", value_name = "SPEC", value_parser = |s: &str| s.parse::<DonorSpec>().map_err(|e| e.to_string()))]
     donors: Vec<DonorSpec>,
-    /// Unit of placement (power of two, 4K..64M; default 1M).
+    /// Unit of placement (power of two, 4K..64M; default 1M, in parity mode
+    /// the largest that keeps a full stripe within 1M).
     #[arg(long, value_parser = parse_size, value_name = "SIZE")]
     extent_size: Option<u64>,
     /// Load-balancing rate b in [0, 1]: f = b*w + (1-b)*a.
@@ -345,7 +346,12 @@ fn prepare_config(a: &AttachArgs, layout: &StateLayout) -> Result<DeviceConfig> 
                 );
             }
             let client_id = a.client_id.clone().unwrap_or_else(|| old.client_id.clone());
-            let new = attach::build_config(&a.device_options(client_id)?, &layout.dir)?;
+            let mut new = attach::build_config(&a.device_options(client_id)?, &layout.dir)?;
+            // An extent size nobody asked for is the device's own: the
+            // default may have changed since the device was made.
+            if a.extent_size.is_none() {
+                new.extent_size = old.extent_size;
+            }
             let diff = attach::differences(&old, &new);
             if !diff.is_empty() {
                 bail!(
