@@ -289,11 +289,11 @@ fn default_extent() -> ByteSize {
 
 /// The extent size a new device of `mode` gets: 1 MiB; in parity mode the
 /// largest power of two that keeps a full stripe (`width - 1` data
-/// extents) within 1 MiB, but at least 64 KiB (widths over 17), so that a 1 MiB aligned write is one full-stripe
-/// write without reads whenever `width - 1` is a power of two. With 1 MiB
-/// extents a width-3 stripe is 2 MiB and every 1 MiB write is a
-/// read-modify-write: `make bench-client` measured parity's 1 MiB writes at
-/// 0.50x of mode none with 1 MiB extents and 0.83x with 512 KiB.
+/// extents) within 1 MiB, but at least 64 KiB (widths over 17). A 1 MiB
+/// aligned write is then one full-stripe write without reads whenever
+/// `width - 1` is a power of two; with 1 MiB extents a width-3 stripe is
+/// 2 MiB and every 1 MiB write is a read-modify-write (1 MiB writes at
+/// width 3: 0.50x of mode none with 1 MiB extents, 0.83x with 512 KiB).
 pub fn default_extent_size(mode: &Mode) -> ByteSize {
     match mode {
         Mode::Parity { width } => {
@@ -740,16 +740,34 @@ address = "127.0.0.2:10809"
         for m in [Mode::None, Mode::Mirror] {
             assert_eq!(ext(m), 1 << 20);
         }
-        for (width, want) in [(3, 512 << 10), (4, 256 << 10), (5, 256 << 10), (9, 128 << 10), (32, 64 << 10)] {
+        for (width, want) in [
+            (3, 512 << 10),
+            (4, 256 << 10),
+            (5, 256 << 10),
+            (9, 128 << 10),
+            (32, 64 << 10),
+        ] {
             assert_eq!(ext(Mode::Parity { width }), want, "width {width}");
         }
         for width in 3..=17 {
             let e = ext(Mode::Parity { width });
-            assert!(e.is_power_of_two() && (u64::from(width) - 1) * e <= 1 << 20, "width {width}");
-            assert!((u64::from(width) - 1) * 2 * e > 1 << 20, "width {width}: not the largest");
+            assert!(
+                e.is_power_of_two() && (u64::from(width) - 1) * e <= 1 << 20,
+                "width {width}"
+            );
+            assert!(
+                (u64::from(width) - 1) * 2 * e > 1 << 20,
+                "width {width}: not the largest"
+            );
         }
-        // New devices get it; an older device.toml without the field keeps 1 MiB.
-        assert_eq!(DeviceConfig::new("c", 64 << 20, Mode::Parity { width: 3 }).extent_size.0, 512 << 10);
+        // New devices get it (a device.toml without the field still means
+        // 1 MiB: hand_written_file_with_suffixes_and_defaults).
+        assert_eq!(
+            DeviceConfig::new("c", 64 << 20, Mode::Parity { width: 3 })
+                .extent_size
+                .0,
+            512 << 10
+        );
     }
 
     #[test]

@@ -275,6 +275,9 @@ mod tests {
         o.b = Some(0.3);
         let b = build_config(&o, st).unwrap();
         // Parity's default extent is smaller than mirror's.
-        assert_eq!(differences(&a, &b), ["extent_size", "mode", "policy.b", "size"]);
+        assert_eq!(
+            differences(&a, &b),
+            ["extent_size", "mode", "policy.b", "size"]
+        );
     }
 }

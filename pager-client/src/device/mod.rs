@@ -170,7 +170,10 @@ impl Device {
                 .as_deref()
                 .map(|f| netpager_proto::LabKey::from_psk_file(f, None))
                 .transpose()
-                .map_err(|source| DeviceError::StatusKey { donor: d.name.clone(), source })?;
+                .map_err(|source| DeviceError::StatusKey {
+                    donor: d.name.clone(),
+                    source,
+                })?;
             let status_client = netpager_proto::StatusClient {
                 timeout: std::time::Duration::from_millis(cfg.timeouts.connect_ms),
                 key,
