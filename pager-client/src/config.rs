@@ -272,6 +272,12 @@ pub struct DeviceConfig {
     pub timeouts: TimeoutConfig,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fallback: Option<FallbackConfig>,
+    /// Mode parity: how much data the parity log may hold (default: the
+    /// device's size; 0 turns it off). Small writes go to the log as whole
+    /// new stripes instead of read-modify-write of their group (DESIGN.md
+    /// §2.2, parity logging).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parity_log: Option<ByteSize>,
     pub donors: Vec<DonorConfig>,
 }
 
@@ -382,6 +388,7 @@ impl DeviceConfig {
             policy: PolicyConfig::default(),
             timeouts: TimeoutConfig::default(),
             fallback: None,
+            parity_log: None,
             donors: Vec::new(),
         }
     }
@@ -538,6 +545,17 @@ impl DeviceConfig {
             }
             _ => {}
         }
+        if let Some(log) = self.parity_log {
+            if !matches!(self.mode, Mode::Parity { .. }) {
+                return bad("parity_log", "only applies to mode parity".into());
+            }
+            if !log.0.is_multiple_of(4096) {
+                return bad(
+                    "parity_log",
+                    format!("{} must be a multiple of 4096", log.0),
+                );
+            }
+        }
         for (i, d) in self.donors.iter().enumerate() {
             let f = |name: &str| format!("donors[{i}].{name}");
             if d.name.is_empty() || d.name.len() > 200 {
@@ -590,6 +608,14 @@ impl DeviceConfig {
             return bad("donors", format!("{what}, {} given", self.donors.len()));
         }
         Ok(())
+    }
+
+    /// Bytes of data the parity log may hold (0: no log).
+    pub fn parity_log_bytes(&self) -> u64 {
+        match self.mode {
+            Mode::Parity { .. } => self.parity_log.map_or(self.size.0, |b| b.0),
+            _ => 0,
+        }
     }
 
     /// Extents in the device.

@@ -20,6 +20,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, RwLock};
 
 use crate::config::{DeviceConfig, Mode};
+use crate::page_log::{LogGeometry, PageTable, Slot, PAGE};
 
 pub const SNAPSHOT_FILE: &str = "map.snap";
 pub const JOURNAL_FILE: &str = "map.journal";
@@ -62,6 +63,8 @@ pub struct Layout {
     pub size: u64,
     pub extent: u64,
     pub mode: Redundancy,
+    /// Parity log units after the home groups (0: no parity log).
+    pub log_units: u64,
 }
 
 impl Layout {
@@ -72,11 +75,17 @@ impl Layout {
             Mode::Parity { width } => Redundancy::Parity { width },
             Mode::Disk { .. } => Redundancy::Disk,
         };
-        Layout {
+        let mut layout = Layout {
             size: cfg.size.0,
             extent: cfg.extent_size.0,
             mode,
+            log_units: 0,
+        };
+        let per_log_unit = layout.extent * layout.data_per_unit();
+        if let Redundancy::Parity { .. } = mode {
+            layout.log_units = cfg.parity_log_bytes().div_ceil(per_log_unit);
         }
+        layout
     }
 
     pub fn extents(&self) -> u64 {
@@ -91,8 +100,28 @@ impl Layout {
         }
     }
 
-    pub fn units(&self) -> u64 {
+    /// Units holding the device's extents (parity groups in mode parity).
+    pub fn home_units(&self) -> u64 {
         self.extents().div_ceil(self.data_per_unit())
+    }
+
+    /// Every unit: the home units, then the parity log's units.
+    pub fn units(&self) -> u64 {
+        self.home_units() + self.log_units
+    }
+
+    /// The parity log's shape, if there is one.
+    pub fn log_geometry(&self) -> Option<LogGeometry> {
+        (self.log_units > 0).then(|| LogGeometry {
+            units: self.log_units,
+            rows: (self.extent / PAGE) as u32,
+            cols: self.data_per_unit() as u32,
+        })
+    }
+
+    /// The map unit of log unit `lu`.
+    pub fn log_unit(&self, lu: u64) -> u64 {
+        self.home_units() + lu
     }
 
     /// Members a fully placed unit has.
@@ -136,7 +165,7 @@ impl Layout {
         }
         let k = if member < p { member } else { member - 1 } as u64;
         let e = unit * self.data_per_unit() + k;
-        (e < self.extents()).then_some(e)
+        (unit < self.home_units() && e < self.extents()).then_some(e)
     }
 }
 
@@ -240,10 +269,33 @@ pub fn crc32(data: &[u8]) -> u32 {
 
 #[derive(Debug, Clone, PartialEq)]
 enum Record {
-    Header { generation: u64, layout: Layout },
-    Donor { id: u16, entry: DonorEntry },
-    Unit { index: u32, unit: Option<Unit> },
-    End { units: u64 },
+    Header {
+        generation: u64,
+        layout: Layout,
+    },
+    Donor {
+        id: u16,
+        entry: DonorEntry,
+    },
+    Unit {
+        index: u32,
+        unit: Option<Unit>,
+    },
+    End {
+        units: u64,
+    },
+    /// Row `row` of log unit `unit` holds these pages (page + 1 per data
+    /// column, 0 for an unused column).
+    LogRow {
+        unit: u32,
+        row: u32,
+        pages: Vec<u64>,
+    },
+    /// Pages `[first, first + count)` are at home again.
+    LogDrop {
+        first: u64,
+        count: u64,
+    },
 }
 
 fn frame(payload: &[u8]) -> Vec<u8> {
@@ -266,6 +318,7 @@ fn encode(r: &Record) -> Vec<u8> {
             p.extend_from_slice(&layout.extent.to_le_bytes());
             p.push(m);
             p.extend_from_slice(&w.to_le_bytes());
+            p.extend_from_slice(&layout.log_units.to_le_bytes());
         }
         Record::Donor { id, entry } => {
             p.push(2);
@@ -297,6 +350,20 @@ fn encode(r: &Record) -> Vec<u8> {
         Record::End { units } => {
             p.push(4);
             p.extend_from_slice(&units.to_le_bytes());
+        }
+        Record::LogRow { unit, row, pages } => {
+            p.push(5);
+            p.extend_from_slice(&unit.to_le_bytes());
+            p.extend_from_slice(&row.to_le_bytes());
+            p.push(pages.len() as u8);
+            for pg in pages {
+                p.extend_from_slice(&pg.to_le_bytes());
+            }
+        }
+        Record::LogDrop { first, count } => {
+            p.push(6);
+            p.extend_from_slice(&first.to_le_bytes());
+            p.extend_from_slice(&count.to_le_bytes());
         }
     }
     frame(&p)
@@ -355,9 +422,16 @@ fn decode(payload: &[u8]) -> Result<Record, String> {
                 (3, _) => Redundancy::Disk,
                 (m, _) => return Err(format!("unknown mode {m}")),
             };
+            // Maps written before the parity log have no log units.
+            let log_units = if c.0.is_empty() { 0 } else { c.u64()? };
             Record::Header {
                 generation,
-                layout: Layout { size, extent, mode },
+                layout: Layout {
+                    size,
+                    extent,
+                    mode,
+                    log_units,
+                },
             }
         }
         2 => {
@@ -398,6 +472,17 @@ fn decode(payload: &[u8]) -> Result<Record, String> {
             }
         }
         4 => Record::End { units: c.u64()? },
+        5 => {
+            let unit = c.u32()?;
+            let row = c.u32()?;
+            let n = c.u8()? as usize;
+            let pages = (0..n).map(|_| c.u64()).collect::<Result<_, _>>()?;
+            Record::LogRow { unit, row, pages }
+        }
+        6 => Record::LogDrop {
+            first: c.u64()?,
+            count: c.u64()?,
+        },
         t => return Err(format!("unknown record type {t}")),
     };
     if !c.0.is_empty() {
@@ -560,6 +645,8 @@ pub struct ExtentMap {
     units: Vec<RwLock<Option<Unit>>>,
     persist: Mutex<Persist>,
     slots: Mutex<Slots>,
+    /// The parity log's page table. Lock order: this, then `persist`.
+    log: Option<Mutex<PageTable>>,
 }
 
 fn io_err(path: &Path) -> impl Fn(io::Error) -> MapError + '_ {
@@ -582,6 +669,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 struct Replay {
     units: Vec<Option<Unit>>,
     donors: Vec<DonorEntry>,
+    log: Option<PageTable>,
 }
 
 impl Replay {
@@ -618,7 +706,53 @@ impl Replay {
                         }
                     }
                 }
+                let freed_log_unit = unit.is_none() && index as u64 >= layout.home_units();
                 *slot = unit;
+                if let (true, Some(t)) = (freed_log_unit, self.log.as_mut()) {
+                    t.clear_unit(index as u64 - layout.home_units());
+                }
+                Ok(())
+            }
+            Record::LogRow { unit, row, pages } => {
+                let t = self
+                    .log
+                    .as_mut()
+                    .ok_or("a parity log row, but the map has no parity log")?;
+                let geo = t.geometry();
+                if unit as u64 >= geo.units || row >= geo.rows || pages.len() != geo.cols as usize {
+                    return Err(format!(
+                        "log row {row} of log unit {unit} with {} columns does not fit the log ({} units of {} rows of {} columns)",
+                        pages.len(),
+                        geo.units,
+                        geo.rows,
+                        geo.cols
+                    ));
+                }
+                for (col, &p) in pages.iter().enumerate() {
+                    if p == 0 {
+                        continue;
+                    }
+                    if p > t.pages() {
+                        return Err(format!("log row names page {} of {}", p - 1, t.pages()));
+                    }
+                    t.set(p - 1, geo.slot(unit as u64, row, col as u32));
+                }
+                Ok(())
+            }
+            Record::LogDrop { first, count } => {
+                let t = self
+                    .log
+                    .as_mut()
+                    .ok_or("a parity log drop, but the map has no parity log")?;
+                if first.checked_add(count).is_none_or(|end| end > t.pages()) {
+                    return Err(format!(
+                        "log drop of pages {first}+{count} is past the device's {} pages",
+                        t.pages()
+                    ));
+                }
+                for p in first..first + count {
+                    t.unset(p);
+                }
                 Ok(())
             }
         }
@@ -651,6 +785,10 @@ fn check_layout(path: &Path, stored: &Layout, want: &Layout) -> Result<(), MapEr
             format!("{:?}", want.mode),
         );
     }
+    if stored.log_units != want.log_units {
+        let bytes = |l: &Layout| (l.log_units * l.extent * l.data_per_unit()).to_string();
+        return mm("parity_log", bytes(stored), bytes(want));
+    }
     Ok(())
 }
 
@@ -661,9 +799,11 @@ impl ExtentMap {
         fs::create_dir_all(dir).map_err(io_err(dir))?;
         let snap_path = dir.join(SNAPSHOT_FILE);
         let jpath = dir.join(JOURNAL_FILE);
+        let pages = layout.size / PAGE;
         let mut st = Replay {
             units: vec![None; layout.units() as usize],
             donors: Vec::new(),
+            log: layout.log_geometry().and_then(|g| PageTable::new(g, pages)),
         };
 
         let mut generation = 0u64;
@@ -840,6 +980,7 @@ impl ExtentMap {
                 donors: st.donors,
             }),
             slots: Mutex::new(slots),
+            log: st.log.map(Mutex::new),
         })
     }
 
@@ -878,9 +1019,10 @@ impl ExtentMap {
 
     /// Folds the journal into a new snapshot and starts a new journal.
     pub fn compact(&self) -> Result<(), MapError> {
+        let table = self.log.as_ref().map(|t| lock(t).clone());
         let mut p = lock(&self.persist);
         let g = p.generation + 1;
-        self.write_snapshot(&p, g)?;
+        self.write_snapshot(&p, table.as_ref(), g)?;
         write_journal_header(&self.dir, g, &self.layout)?;
         let jpath = self.dir.join(JOURNAL_FILE);
         p.journal = OpenOptions::new()
@@ -892,7 +1034,12 @@ impl ExtentMap {
         Ok(())
     }
 
-    fn write_snapshot(&self, p: &Persist, generation: u64) -> Result<(), MapError> {
+    fn write_snapshot(
+        &self,
+        p: &Persist,
+        table: Option<&PageTable>,
+        generation: u64,
+    ) -> Result<(), MapError> {
         let tmp = self.dir.join(format!("{SNAPSHOT_FILE}.tmp"));
         let mut data = encode(&Record::Header {
             generation,
@@ -912,6 +1059,32 @@ impl ExtentMap {
             }));
             n += 1;
         }
+        if let Some(t) = table {
+            let geo = t.geometry();
+            for lu in 0..geo.units {
+                let mut row: Option<(u32, Vec<u64>)> = None;
+                for (slot, page) in t.live_in(lu) {
+                    let (_, r, col) = geo.place(slot);
+                    if row.as_ref().is_some_and(|(at, _)| *at != r) {
+                        let (at, pages) = row.take().expect("checked");
+                        data.extend(encode(&Record::LogRow {
+                            unit: lu as u32,
+                            row: at,
+                            pages,
+                        }));
+                    }
+                    row.get_or_insert_with(|| (r, vec![0; geo.cols as usize])).1[col as usize] =
+                        page + 1;
+                }
+                if let Some((at, pages)) = row {
+                    data.extend(encode(&Record::LogRow {
+                        unit: lu as u32,
+                        row: at,
+                        pages,
+                    }));
+                }
+            }
+        }
         data.extend(encode(&Record::End { units: n }));
         let mut f = File::create(&tmp).map_err(io_err(&tmp))?;
         f.write_all(&data)
@@ -919,6 +1092,85 @@ impl ExtentMap {
             .map_err(io_err(&tmp))?;
         fs::rename(&tmp, self.dir.join(SNAPSHOT_FILE)).map_err(io_err(&tmp))?;
         fsync_dir(&self.dir)
+    }
+
+    // ---- parity log ----
+
+    fn table(&self) -> Option<MutexGuard<'_, PageTable>> {
+        self.log.as_ref().map(lock)
+    }
+
+    /// The parity log's shape, if the map has one.
+    pub fn log_geometry(&self) -> Option<LogGeometry> {
+        self.table().map(|t| t.geometry())
+    }
+
+    /// Where `page` lives in the log, if it does.
+    pub fn log_lookup(&self, page: u64) -> Option<Slot> {
+        self.table().and_then(|t| t.lookup(page))
+    }
+
+    /// Whether any page of `[first, first + count)` is in the log.
+    pub fn log_any_in(&self, first: u64, count: u64) -> bool {
+        self.table().is_some_and(|t| t.any_in(first, count))
+    }
+
+    /// Pages in the log, and live pages of each log unit.
+    pub fn log_census(&self) -> (u64, Vec<u32>) {
+        match self.table() {
+            Some(t) => (
+                t.logged(),
+                (0..t.geometry().units).map(|u| t.live(u)).collect(),
+            ),
+            None => (0, Vec::new()),
+        }
+    }
+
+    /// Live `(slot, page)` pairs of log unit `lu`.
+    pub fn log_live_in(&self, lu: u64) -> Vec<(Slot, u64)> {
+        self.table().map(|t| t.live_in(lu)).unwrap_or_default()
+    }
+
+    /// Journals that row `row` of log unit `lu` now holds `pages` (one per
+    /// data column, `None` for unused columns). Call with the home groups
+    /// of those pages write-locked, after the row is on the donors.
+    pub fn log_row(&self, lu: u64, row: u32, pages: &[Option<u64>]) -> Result<(), MapError> {
+        let Some(t) = self.log.as_ref() else {
+            return Ok(());
+        };
+        let rec = {
+            let mut t = lock(t);
+            let geo = t.geometry();
+            for (col, p) in pages.iter().enumerate() {
+                if let Some(p) = p {
+                    t.set(*p, geo.slot(lu, row, col as u32));
+                }
+            }
+            Record::LogRow {
+                unit: lu as u32,
+                row,
+                pages: pages.iter().map(|p| p.map_or(0, |p| p + 1)).collect(),
+            }
+        };
+        self.append(&mut lock(&self.persist), &rec)
+    }
+
+    /// Journals that pages `[first, first + count)` are at home again (they
+    /// were just written there). Call with their home group write-locked.
+    pub fn log_drop(&self, first: u64, count: u64) -> Result<(), MapError> {
+        let Some(t) = self.log.as_ref() else {
+            return Ok(());
+        };
+        {
+            let mut t = lock(t);
+            if !t.any_in(first, count) {
+                return Ok(());
+            }
+            for p in first..first + count {
+                t.unset(p);
+            }
+        }
+        self.append(&mut lock(&self.persist), &Record::LogDrop { first, count })
     }
 
     // ---- donors ----
@@ -1062,6 +1314,7 @@ mod tests {
             size: 16 << 20,
             extent: 1 << 20,
             mode: Redundancy::Mirror,
+            log_units: 0,
         }
     }
 
@@ -1101,6 +1354,7 @@ mod tests {
             size: 10 << 20,
             extent: 1 << 20,
             mode: Redundancy::Parity { width: 3 },
+            log_units: 0,
         };
         assert_eq!(l.units(), 5);
         let mut seen = [false; 10];
@@ -1211,7 +1465,7 @@ mod tests {
             // Crash in the middle of the next compaction: the new snapshot
             // is in place, the old journal (already folded in) is not reset.
             let p = lock(&m.persist);
-            m.write_snapshot(&p, p.generation + 1).unwrap();
+            m.write_snapshot(&p, None, p.generation + 1).unwrap();
         }
         let m = ExtentMap::open(dir.path(), layout()).unwrap();
         assert_eq!(get(&m, 1), None);
@@ -1222,6 +1476,100 @@ mod tests {
         let m = ExtentMap::open(dir.path(), layout()).unwrap();
         assert_eq!(get(&m, 5), unit(1, 4, 0, 4));
         assert_eq!(get(&m, 2), unit(0, 2, 1, 2));
+    }
+
+    /// Parity width 3, 1 MiB extents of 256 pages, 2 log units.
+    fn log_layout() -> Layout {
+        Layout {
+            size: 8 << 20,
+            extent: 1 << 20,
+            mode: Redundancy::Parity { width: 3 },
+            log_units: 2,
+        }
+    }
+
+    fn parity_unit() -> Option<Unit> {
+        let m = |slot| Member {
+            loc: Loc::Donor { donor: 0, slot },
+            state: CopyState::Ok,
+        };
+        Some(Unit {
+            members: vec![m(1), m(2), m(3)],
+        })
+    }
+
+    #[test]
+    fn parity_log_rows_and_drops_survive_reopen_and_compaction() {
+        let dir = tempfile::tempdir().unwrap();
+        let l = log_layout();
+        let geo = l.log_geometry().unwrap();
+        assert_eq!((geo.units, geo.rows, geo.cols), (2, 256, 2));
+        assert_eq!(l.units(), l.home_units() + 2);
+        {
+            let m = ExtentMap::open(dir.path(), l).unwrap();
+            m.donor_id("a").unwrap();
+            m.commit(l.log_unit(0), &parity_unit()).unwrap();
+            m.log_row(0, 0, &[Some(10), Some(11)]).unwrap();
+            m.log_row(0, 1, &[Some(12), None]).unwrap();
+            // Page 10 written again: its first copy is garbage.
+            m.log_row(0, 2, &[Some(10), None]).unwrap();
+            m.log_drop(11, 1).unwrap();
+            m.compact().unwrap();
+            m.log_row(0, 3, &[Some(2000), Some(13)]).unwrap();
+        }
+        let m = ExtentMap::open(dir.path(), l).unwrap();
+        assert_eq!(m.log_lookup(10), Some(geo.slot(0, 2, 0)));
+        assert_eq!(m.log_lookup(11), None);
+        assert_eq!(m.log_lookup(12), Some(geo.slot(0, 1, 0)));
+        assert_eq!(m.log_lookup(2000), Some(geo.slot(0, 3, 0)));
+        assert_eq!(m.log_lookup(13), Some(geo.slot(0, 3, 1)));
+        assert_eq!(m.log_census(), (4, vec![4, 0]));
+        // Freeing a log unit sends whatever it still named home.
+        m.commit(l.log_unit(0), &None).unwrap();
+        drop(m);
+        let m = ExtentMap::open(dir.path(), l).unwrap();
+        assert_eq!(m.log_census(), (0, vec![0, 0]));
+    }
+
+    #[test]
+    fn a_log_row_outside_the_log_is_refused_at_its_offset() {
+        let dir = tempfile::tempdir().unwrap();
+        let l = log_layout();
+        {
+            let m = ExtentMap::open(dir.path(), l).unwrap();
+            m.donor_id("a").unwrap();
+            m.log_row(0, 0, &[Some(1), None]).unwrap();
+        }
+        let jpath = dir.path().join(JOURNAL_FILE);
+        let good = fs::metadata(&jpath).unwrap().len();
+        let mut f = OpenOptions::new().append(true).open(&jpath).unwrap();
+        f.write_all(&encode(&Record::LogRow {
+            unit: 5,
+            row: 0,
+            pages: vec![1, 0],
+        }))
+        .unwrap();
+        drop(f);
+        let e = ExtentMap::open(dir.path(), l).err().unwrap().to_string();
+        assert!(e.contains(&format!("corrupt record at byte {good}")), "{e}");
+        assert!(e.contains("log unit 5"), "{e}");
+    }
+
+    #[test]
+    fn a_changed_parity_log_size_is_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        drop(ExtentMap::open(dir.path(), log_layout()).unwrap());
+        let e = ExtentMap::open(
+            dir.path(),
+            Layout {
+                log_units: 1,
+                ..log_layout()
+            },
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(e.contains("parity_log"), "{e}");
     }
 
     #[test]

@@ -6,6 +6,7 @@ pub mod config;
 pub mod device;
 pub mod extent_map;
 pub mod nbd;
+pub mod page_log;
 pub mod policy;
 pub mod sim;
 pub mod status;

@@ -100,6 +100,15 @@ pub struct Totals {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub writethrough_error: Option<String>,
     pub requests: u64,
+    /// Mode parity: data the parity log can hold (0: no log).
+    #[serde(default)]
+    pub parity_log_bytes: u64,
+    /// Pages in the log that are the current copy of their page.
+    #[serde(default)]
+    pub parity_log_live_bytes: u64,
+    /// Data room of the log units that hold a placement (live or garbage).
+    #[serde(default)]
+    pub parity_log_used_bytes: u64,
 }
 
 /// Everything `status.json` holds.
@@ -214,6 +223,17 @@ pub fn render_table(s: &ClientStatus) -> String {
                 t.throttle_reason
                     .clone()
                     .unwrap_or_else(|| "all donors capped".into())
+            ),
+        );
+    }
+    if t.parity_log_bytes > 0 {
+        w(
+            &mut out,
+            format!(
+                "parity log: {} live in {} of units placed, {} room",
+                human(t.parity_log_live_bytes),
+                human(t.parity_log_used_bytes),
+                human(t.parity_log_bytes)
             ),
         );
     }

@@ -299,6 +299,7 @@ impl Inner {
             self.mark_failed_donors();
             self.rebuild_pass();
             self.drain_pass();
+            self.clean_parity_log();
             self.write_status();
             if self.map.needs_compaction() {
                 if let Err(e) = self.map.compact() {

@@ -15,6 +15,7 @@ mod epoch;
 mod io;
 mod maintenance;
 mod parity;
+mod parity_log;
 mod placement;
 mod replica;
 mod report;
@@ -32,6 +33,7 @@ use crate::status::ClientStatus;
 
 use donor::Donor;
 use io::{BufPool, Fallback};
+use parity_log::ParityLog;
 use placement::Placement;
 use writethrough::WriteThrough;
 
@@ -131,6 +133,8 @@ pub(crate) struct Inner {
     pub(crate) donors: Vec<Donor>,
     pub(crate) fallback: Option<Fallback>,
     pub(crate) wt: Option<WriteThrough>,
+    /// Mode parity with a parity log.
+    pub(crate) plog: Option<ParityLog>,
     pub(crate) bufs: BufPool,
     pub(crate) placement: Mutex<Placement>,
     pub(crate) stop: AtomicBool,
@@ -198,7 +202,19 @@ impl Device {
             }
             _ => None,
         };
+        let plog = map.log_geometry().map(|geo| {
+            let placed: Vec<bool> = (0..geo.units)
+                .map(|lu| {
+                    map.unit(layout.log_unit(lu))
+                        .read()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .is_some()
+                })
+                .collect();
+            ParityLog::new(geo, &placed, cfg.connections_per_donor as usize)
+        });
         let inner = Arc::new(Inner {
+            plog,
             bufs: BufPool::new(cfg.io_buffers as usize, layout.extent as usize),
             placement: Mutex::new(Placement::new(cfg.donors.len())),
             cfg,

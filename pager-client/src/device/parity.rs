@@ -1,13 +1,19 @@
 //! Mode parity (RAID-5): a unit is a group of `width - 1` data extents and
 //! one parity extent on `width` distinct donors, the parity position
 //! rotating with the group number. The group's write lock is held for every
-//! write, so parity always matches the data.
+//! write, so parity always matches the data. Writes smaller than a group go
+//! to the parity log when there is one (see `parity_log`).
+
+use std::sync::RwLockWriteGuard;
 
 use super::io::{xor_into, IoFail, IoReq, ZEROS};
 use super::maintenance::MoveWhy;
 use super::{DeviceError, Inner, Payload, Result};
 use crate::extent_map::{CopyState, Member, Unit};
 use crate::nbd::Op;
+use crate::page_log::PAGE;
+
+type GroupGuard<'a> = RwLockWriteGuard<'a, Option<Unit>>;
 
 impl Inner {
     fn usable(&self, m: &Member) -> bool {
@@ -15,12 +21,59 @@ impl Inner {
     }
 
     pub(crate) fn read_parity(&self, e: u64, in_off: u64, buf: &mut [u8]) -> Result<()> {
-        let (g, pos) = self.layout.locate(e);
+        let (g, _) = self.layout.locate(e);
         let guard = self.map.unit(g).read().unwrap_or_else(|p| p.into_inner());
-        let Some(unit) = guard.as_ref() else {
+        self.read_parity_locked(e, in_off, buf, guard.as_ref())
+    }
+
+    /// Reads extent `e`'s bytes with its group locked (`unit` is its
+    /// placement): pages in the parity log from there, runs of the others
+    /// from home.
+    fn read_parity_locked(
+        &self,
+        e: u64,
+        in_off: u64,
+        buf: &mut [u8],
+        unit: Option<&Unit>,
+    ) -> Result<()> {
+        let at = e * self.layout.extent + in_off;
+        let (first, last) = (at / PAGE, (at + buf.len() as u64 - 1) / PAGE);
+        if !self.map.log_any_in(first, last - first + 1) {
+            return self.read_home(e, in_off, buf, unit);
+        }
+        // [home_from, done): a run of pages at home not read yet.
+        let (mut home_from, mut done) = (0usize, 0usize);
+        while done < buf.len() {
+            let pos = at + done as u64;
+            let n = ((PAGE - pos % PAGE) as usize).min(buf.len() - done);
+            if let Some(slot) = self.map.log_lookup(pos / PAGE) {
+                if home_from < done {
+                    self.read_home(
+                        e,
+                        in_off + home_from as u64,
+                        &mut buf[home_from..done],
+                        unit,
+                    )?;
+                }
+                self.read_log_slot(slot, pos % PAGE, &mut buf[done..done + n])?;
+                home_from = done + n;
+            }
+            done += n;
+        }
+        if home_from < done {
+            self.read_home(e, in_off + home_from as u64, &mut buf[home_from..], unit)?;
+        }
+        Ok(())
+    }
+
+    /// Reads extent `e`'s bytes from its home group (`unit`), rebuilding
+    /// them from the rest of the group if their member is gone.
+    fn read_home(&self, e: u64, in_off: u64, buf: &mut [u8], unit: Option<&Unit>) -> Result<()> {
+        let Some(unit) = unit else {
             buf.fill(0);
             return Ok(());
         };
+        let (_, pos) = self.layout.locate(e);
         let m = unit.members[pos];
         if self.usable(&m) && self.exec1(m.loc, in_off, Op::Read(buf)).is_ok() {
             return Ok(());
@@ -80,9 +133,95 @@ impl Inner {
             }
             let in_off = pos % ext;
             let n = (ext - in_off).min(rest) as usize;
-            self.write_parity(pos / ext, in_off, &data[done..done + n])?;
+            self.write_small(pos / ext, in_off, &data[done..done + n])?;
             done += n;
         }
+        Ok(())
+    }
+
+    /// Writes `data` within extent `e`, less than its whole group.
+    fn write_small(&self, e: u64, in_off: u64, data: &[u8]) -> Result<()> {
+        let (g, _) = self.layout.locate(e);
+        let mut guard = self.map.unit(g).write().unwrap_or_else(|p| p.into_inner());
+        self.write_pages_locked(e, in_off, data, &mut guard, true)
+    }
+
+    /// Writes `data` within extent `e` with its group write-locked: with a
+    /// parity log (and `to_log`), as whole pages into the log, partial
+    /// pages merged with what they hold; otherwise, or when the log has no
+    /// room, home by read-modify-write, dropping the pages' log entries.
+    pub(crate) fn write_pages_locked(
+        &self,
+        e: u64,
+        in_off: u64,
+        data: &[u8],
+        guard: &mut GroupGuard<'_>,
+        to_log: bool,
+    ) -> Result<()> {
+        if self.plog.is_none() {
+            return self.write_parity_locked(e, in_off, data, guard);
+        }
+        let at = e * self.layout.extent + in_off;
+        let end = at + data.len() as u64;
+        let (first, last) = (at / PAGE, (end - 1) / PAGE);
+        // The partial first and last pages, merged.
+        let mut head = [0u8; PAGE as usize];
+        let mut tail = [0u8; PAGE as usize];
+        let head_partial = !at.is_multiple_of(PAGE) || end < (first + 1) * PAGE;
+        let tail_partial = last != first && !end.is_multiple_of(PAGE);
+        let ext = self.layout.extent;
+        if head_partial {
+            let page_off = first * PAGE - e * ext;
+            self.read_parity_locked(e, page_off, &mut head, guard.as_ref())?;
+            let from = (at % PAGE) as usize;
+            let n = ((PAGE as usize) - from).min(data.len());
+            head[from..from + n].copy_from_slice(&data[..n]);
+        }
+        if tail_partial {
+            let page_off = last * PAGE - e * ext;
+            self.read_parity_locked(e, page_off, &mut tail, guard.as_ref())?;
+            let n = (end % PAGE) as usize;
+            tail[..n].copy_from_slice(&data[data.len() - n..]);
+        }
+        let page_data = |p: u64| -> &[u8] {
+            if p == first && head_partial {
+                &head
+            } else if p == last && tail_partial {
+                &tail
+            } else {
+                let from = (p * PAGE - at) as usize;
+                &data[from..from + PAGE as usize]
+            }
+        };
+        if to_log {
+            let items: Vec<(u64, &[u8])> = (first..=last).map(|p| (p, page_data(p))).collect();
+            if self.log_pages(&items) {
+                return Ok(());
+            }
+        }
+        // Home, page-aligned, so no page keeps part of itself in the log.
+        let mut p = first;
+        while p <= last {
+            let q = if (p == first && head_partial) || (p == last && tail_partial) {
+                p + 1
+            } else {
+                // A run of whole pages straight from `data`.
+                let mut q = p + 1;
+                while q <= last && !(q == last && tail_partial) {
+                    q += 1;
+                }
+                q
+            };
+            let bytes: &[u8] = if q == p + 1 {
+                page_data(p)
+            } else {
+                let from = (p * PAGE - at) as usize;
+                &data[from..from + ((q - p) * PAGE) as usize]
+            };
+            self.write_parity_locked(e, p * PAGE - e * ext, bytes, guard)?;
+            p = q;
+        }
+        self.map.log_drop(first, last - first + 1)?;
         Ok(())
     }
 
@@ -157,6 +296,8 @@ impl Inner {
                 self.move_member(g, &mut guard, k, MoveWhy::Full)?;
             }
         }
+        let pages = data.len() as u64 / PAGE;
+        self.map.log_drop(first * ext as u64 / PAGE, pages)?;
         Ok(())
     }
 
@@ -168,19 +309,22 @@ impl Inner {
             Payload::Trim(_) => Ok(()),
             Payload::Zero(n) => {
                 let (g, _) = self.layout.locate(e);
-                if self
+                let at = e * self.layout.extent + in_off;
+                let (first, last) = (at / PAGE, (at + n - 1) / PAGE);
+                let placed = self
                     .map
                     .unit(g)
                     .read()
                     .unwrap_or_else(|p| p.into_inner())
-                    .is_none()
-                {
+                    .is_some();
+                // Never written: reads as zeros already.
+                if !placed && !self.map.log_any_in(first, last - first + 1) {
                     return Ok(());
                 }
                 let mut done = 0;
                 while done < n {
                     let k = (n - done).min(ZEROS.len() as u64);
-                    self.write_parity(e, in_off + done, &ZEROS[..k as usize])?;
+                    self.write_small(e, in_off + done, &ZEROS[..k as usize])?;
                     done += k;
                 }
                 Ok(())
@@ -188,11 +332,17 @@ impl Inner {
         }
     }
 
-    fn write_parity(&self, e: u64, in_off: u64, data: &[u8]) -> Result<()> {
+    /// Read-modify-write of `data` at home, group `g` write-locked.
+    fn write_parity_locked(
+        &self,
+        e: u64,
+        in_off: u64,
+        data: &[u8],
+        guard: &mut GroupGuard<'_>,
+    ) -> Result<()> {
         let (g, pos) = self.layout.locate(e);
-        let mut guard = self.map.unit(g).write().unwrap_or_else(|p| p.into_inner());
         if guard.is_none() {
-            self.place_group(e, g, &mut guard, true)?;
+            self.place_group(e, g, guard, true)?;
         }
         let pp = self.layout.parity_member(g);
         let len = data.len();
@@ -243,10 +393,10 @@ impl Inner {
                         // Parity has the new data folded in: rebuild the data
                         // member from it elsewhere.
                         (Err(IoFail::NoSpace(_)), Ok(())) => {
-                            return self.move_member(g, &mut guard, pos, MoveWhy::Full)
+                            return self.move_member(g, guard, pos, MoveWhy::Full)
                         }
                         (Ok(()), Err(IoFail::NoSpace(_))) => {
-                            return self.move_member(g, &mut guard, pp, MoveWhy::Full)
+                            return self.move_member(g, guard, pp, MoveWhy::Full)
                         }
                         // One member's donor died mid-write: the other holds
                         // what is needed to rebuild it.
@@ -292,9 +442,7 @@ impl Inner {
                 }
                 (true, false) => match self.exec1(dm.loc, in_off, Op::Write(data)) {
                     Ok(()) => return Ok(()),
-                    Err(IoFail::NoSpace(_)) => {
-                        self.move_member(g, &mut guard, pos, MoveWhy::Full)?
-                    }
+                    Err(IoFail::NoSpace(_)) => self.move_member(g, guard, pos, MoveWhy::Full)?,
                     Err(IoFail::Failed(_)) => continue,
                 },
                 (false, false) => return Err(double(&unit)),
@@ -309,7 +457,13 @@ impl Inner {
     /// First write to a group: `width` slots on distinct donors, zeroed
     /// (if `zero`) where they may hold old data: all-zero members have zero
     /// parity.
-    fn place_group(&self, e: u64, g: u64, guard: &mut Option<Unit>, zero: bool) -> Result<()> {
+    pub(crate) fn place_group(
+        &self,
+        e: u64,
+        g: u64,
+        guard: &mut Option<Unit>,
+        zero: bool,
+    ) -> Result<()> {
         // Each failed try rules out a donor (now full or failed).
         for _ in 0..self.donors.len() + 2 {
             let locs = self.allocate(self.layout.members(), &[], e)?;

@@ -22,13 +22,19 @@ impl Inner {
     pub(crate) fn build_status(&self) -> ClientStatus {
         let layout = &self.layout;
         let mut t = Totals {
-            units: layout.units(),
+            units: layout.home_units(),
             ..Default::default()
         };
+        let geo = self.map.log_geometry();
+        let log_unit_bytes = geo.map_or(0, |g| (g.rows * g.cols) as u64 * crate::page_log::PAGE);
         for u in 0..layout.units() {
             let g = self.map.unit(u).read().unwrap_or_else(|p| p.into_inner());
             let Some(unit) = g.as_ref() else { continue };
-            t.units_placed += 1;
+            let log_unit = u.checked_sub(layout.home_units());
+            match log_unit {
+                Some(_) => t.parity_log_used_bytes += log_unit_bytes,
+                None => t.units_placed += 1,
+            }
             t.on_fallback += unit
                 .members
                 .iter()
@@ -51,10 +57,20 @@ impl Inner {
             };
             match layout.mode {
                 Redundancy::Parity { .. } if bad.len() >= 2 => {
-                    for &k in &bad {
-                        if let Some(e) = layout.extent_of(u, k) {
-                            lost(e, &mut t);
-                        }
+                    let mut extents: Vec<u64> = match log_unit {
+                        // The extents whose current pages were in the row.
+                        Some(lu) => self
+                            .map
+                            .log_live_in(lu)
+                            .iter()
+                            .map(|&(_, page)| page * crate::page_log::PAGE / layout.extent)
+                            .collect(),
+                        None => bad.iter().filter_map(|&k| layout.extent_of(u, k)).collect(),
+                    };
+                    extents.sort_unstable();
+                    extents.dedup();
+                    for e in extents {
+                        lost(e, &mut t);
                     }
                 }
                 Redundancy::Parity { .. } => t.degraded += 1,
@@ -86,6 +102,10 @@ impl Inner {
         }
         t.requests =
             self.requests_total.load(Ordering::Relaxed) + self.requests.load(Ordering::Relaxed);
+        if let Some(geo) = geo {
+            t.parity_log_bytes = geo.units * log_unit_bytes;
+            t.parity_log_live_bytes = self.map.log_census().0 * crate::page_log::PAGE;
+        }
         let at = |v: &Vec<f64>, i: usize| v.get(i).copied().unwrap_or(0.0);
         let donors = self
             .donors
