@@ -645,7 +645,8 @@ pub struct ExtentMap {
     units: Vec<RwLock<Option<Unit>>>,
     persist: Mutex<Persist>,
     slots: Mutex<Slots>,
-    /// The parity log's page table. Lock order: this, then `persist`.
+    /// The parity log's page table. Changes update it, release it, then
+    /// append to the journal; only compaction holds both (`persist` first).
     log: Option<Mutex<PageTable>>,
 }
 
@@ -1019,8 +1020,11 @@ impl ExtentMap {
 
     /// Folds the journal into a new snapshot and starts a new journal.
     pub fn compact(&self) -> Result<(), MapError> {
-        let table = self.log.as_ref().map(|t| lock(t).clone());
+        // The table is copied with the journal held: a change made after
+        // the copy is appended to the new journal (replaying it twice is
+        // harmless), never to the old one.
         let mut p = lock(&self.persist);
+        let table = self.log.as_ref().map(|t| lock(t).clone());
         let g = p.generation + 1;
         self.write_snapshot(&p, table.as_ref(), g)?;
         write_journal_header(&self.dir, g, &self.layout)?;

@@ -177,3 +177,20 @@ fn a_killed_donor_loses_no_logged_page() {
     ds[0].kill9();
     model.check_all(&dev, 256 << 10);
 }
+
+#[test]
+fn block_status_counts_logged_pages_as_data() {
+    let ds = donors(4);
+    let state = tempfile::tempdir().unwrap();
+    let dev = open(&ds, None, state.path());
+    let off = 5 * EXTENT + 3 * PAGE;
+    dev.write(&[7u8; PAGE as usize], off).unwrap();
+    let s = dev.status();
+    // The page is in the log and its home group was never placed.
+    assert_eq!(s.totals.units_placed, 0, "{}", render_table(&s));
+    assert_eq!(s.totals.parity_log_live_bytes, PAGE);
+    let map = dev.allocation(0, SIZE);
+    let data: Vec<_> = map.iter().filter(|r| r.2).collect();
+    assert_eq!(data.len(), 1, "{map:?}");
+    assert!(data[0].0 <= off && off + PAGE <= data[0].0 + data[0].1, "{map:?}");
+}

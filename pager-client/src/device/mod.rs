@@ -29,6 +29,7 @@ use std::time::Duration;
 
 use crate::config::{ConfigError, DeviceConfig, Mode};
 use crate::extent_map::{ExtentMap, Layout, MapError, Redundancy};
+use crate::page_log::PAGE;
 use crate::status::ClientStatus;
 
 use donor::Donor;
@@ -426,12 +427,14 @@ impl Inner {
             let e = pos / self.layout.extent;
             let n = ((e + 1) * self.layout.extent).min(end) - pos;
             let (u, _) = self.layout.locate(e);
+            let (first_page, pages) = (pos / PAGE, (n + pos % PAGE).div_ceil(PAGE));
             let placed = self
                 .map
                 .unit(u)
                 .read()
                 .unwrap_or_else(|p| p.into_inner())
-                .is_some();
+                .is_some()
+                || self.map.log_any_in(first_page, pages);
             match out.last_mut() {
                 Some(last) if last.2 == placed && last.0 + last.1 == pos => last.1 += n,
                 _ => out.push((pos, n, placed)),
