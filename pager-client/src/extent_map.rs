@@ -1135,28 +1135,32 @@ impl ExtentMap {
         self.table().map(|t| t.live_in(lu)).unwrap_or_default()
     }
 
-    /// Journals that row `row` of log unit `lu` now holds `pages` (one per
-    /// data column, `None` for unused columns). Call with the home groups
-    /// of those pages write-locked, after the row is on the donors.
-    pub fn log_row(&self, lu: u64, row: u32, pages: &[Option<u64>]) -> Result<(), MapError> {
+    /// Journals that rows `row..` of log unit `lu` now hold `pages` (one
+    /// per data column, row after row; `None` for unused columns). Call
+    /// with the home groups of those pages write-locked, after the rows are
+    /// on the donors.
+    pub fn log_rows(&self, lu: u64, row: u32, pages: &[Option<u64>]) -> Result<(), MapError> {
         let Some(t) = self.log.as_ref() else {
             return Ok(());
         };
-        let rec = {
+        let mut recs = Vec::new();
+        {
             let mut t = lock(t);
             let geo = t.geometry();
-            for (col, p) in pages.iter().enumerate() {
-                if let Some(p) = p {
-                    t.set(*p, geo.slot(lu, row, col as u32));
+            for (r, cols) in (row..).zip(pages.chunks(geo.cols as usize)) {
+                for (col, p) in cols.iter().enumerate() {
+                    if let Some(p) = p {
+                        t.set(*p, geo.slot(lu, r, col as u32));
+                    }
                 }
+                recs.extend(encode(&Record::LogRow {
+                    unit: lu as u32,
+                    row: r,
+                    pages: cols.iter().map(|p| p.map_or(0, |p| p + 1)).collect(),
+                }));
             }
-            Record::LogRow {
-                unit: lu as u32,
-                row,
-                pages: pages.iter().map(|p| p.map_or(0, |p| p + 1)).collect(),
-            }
-        };
-        self.append(&mut lock(&self.persist), &rec)
+        }
+        self.append_encoded(&mut lock(&self.persist), &recs)
     }
 
     /// Journals that pages `[first, first + count)` are at home again (they
@@ -1223,9 +1227,13 @@ impl ExtentMap {
     }
 
     fn append(&self, p: &mut Persist, r: &Record) -> Result<(), MapError> {
-        let rec = encode(r);
+        self.append_encoded(p, &encode(r))
+    }
+
+    /// Appends already encoded records in one write.
+    fn append_encoded(&self, p: &mut Persist, rec: &[u8]) -> Result<(), MapError> {
         p.journal
-            .write_all(&rec)
+            .write_all(rec)
             .map_err(io_err(&self.dir.join(JOURNAL_FILE)))?;
         p.journal_bytes += rec.len() as u64;
         Ok(())
@@ -1513,13 +1521,16 @@ mod tests {
             let m = ExtentMap::open(dir.path(), l).unwrap();
             m.donor_id("a").unwrap();
             m.commit(l.log_unit(0), &parity_unit()).unwrap();
-            m.log_row(0, 0, &[Some(10), Some(11)]).unwrap();
-            m.log_row(0, 1, &[Some(12), None]).unwrap();
+            m.log_rows(0, 0, &[Some(10), Some(11)]).unwrap();
+            m.log_rows(0, 1, &[Some(12), None]).unwrap();
             // Page 10 written again: its first copy is garbage.
-            m.log_row(0, 2, &[Some(10), None]).unwrap();
+            m.log_rows(0, 2, &[Some(10), None]).unwrap();
             m.log_drop(11, 1).unwrap();
             m.compact().unwrap();
-            m.log_row(0, 3, &[Some(2000), Some(13)]).unwrap();
+            m.log_rows(0, 3, &[Some(2000), Some(13)]).unwrap();
+            // Two rows in one call.
+            m.log_rows(0, 4, &[Some(20), Some(21), Some(22), None])
+                .unwrap();
         }
         let m = ExtentMap::open(dir.path(), l).unwrap();
         assert_eq!(m.log_lookup(10), Some(geo.slot(0, 2, 0)));
@@ -1527,7 +1538,9 @@ mod tests {
         assert_eq!(m.log_lookup(12), Some(geo.slot(0, 1, 0)));
         assert_eq!(m.log_lookup(2000), Some(geo.slot(0, 3, 0)));
         assert_eq!(m.log_lookup(13), Some(geo.slot(0, 3, 1)));
-        assert_eq!(m.log_census(), (4, vec![4, 0]));
+        assert_eq!(m.log_lookup(22), Some(geo.slot(0, 5, 0)));
+        assert_eq!(m.log_lookup(21), Some(geo.slot(0, 4, 1)));
+        assert_eq!(m.log_census(), (7, vec![7, 0]));
         // Freeing a log unit sends whatever it still named home.
         m.commit(l.log_unit(0), &None).unwrap();
         drop(m);
@@ -1542,7 +1555,7 @@ mod tests {
         {
             let m = ExtentMap::open(dir.path(), l).unwrap();
             m.donor_id("a").unwrap();
-            m.log_row(0, 0, &[Some(1), None]).unwrap();
+            m.log_rows(0, 0, &[Some(1), None]).unwrap();
         }
         let jpath = dir.path().join(JOURNAL_FILE);
         let good = fs::metadata(&jpath).unwrap().len();

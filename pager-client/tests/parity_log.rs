@@ -192,5 +192,8 @@ fn block_status_counts_logged_pages_as_data() {
     let map = dev.allocation(0, SIZE);
     let data: Vec<_> = map.iter().filter(|r| r.2).collect();
     assert_eq!(data.len(), 1, "{map:?}");
-    assert!(data[0].0 <= off && off + PAGE <= data[0].0 + data[0].1, "{map:?}");
+    assert!(
+        data[0].0 <= off && off + PAGE <= data[0].0 + data[0].1,
+        "{map:?}"
+    );
 }

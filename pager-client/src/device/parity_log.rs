@@ -1,9 +1,9 @@
 //! Parity logging (DESIGN.md §2.2, RMP): in mode parity a write smaller
 //! than a whole group does not read-modify-write the group's parity (two
 //! reads, then two writes). Its pages join a queue; a leader thread takes
-//! up to `width - 1` queued pages, from any writers, computes their parity
-//! and writes them as one new row of a log unit: `width - 1` pages cost
-//! `width` writes and no reads. The page table (see
+//! the queued pages, from any writers, computes their parity and writes
+//! them as new rows of a log unit: `width - 1` pages per row, no reads, and
+//! one request per member for up to [`MAX_ROWS`] consecutive rows. The page table (see
 //! [`crate::page_log`]) says which pages live in the log; their home copies
 //! are stale until the page is written home again.
 //!
@@ -25,8 +25,11 @@ use crate::extent_map::{CopyState, Unit};
 use crate::nbd::Op;
 use crate::page_log::{LogGeometry, Slot, PAGE};
 
-/// Rows a leader tries before giving its pages back to be written home.
+/// Tries a leader makes before giving its pages back to be written home.
 const ROW_TRIES: usize = 3;
+/// Rows one leader writes at once (one request of this many pages per
+/// member): fewer, larger requests per page logged.
+const MAX_ROWS: usize = 8;
 
 /// A page waiting for its row.
 struct Entry {
@@ -54,14 +57,17 @@ struct LogState {
     queue: VecDeque<Entry>,
     /// Page buffers not in the queue (preallocated).
     spare: Vec<Box<[u8]>>,
-    /// One parity page per leader.
-    parity: Vec<Box<[u8]>>,
+    /// One buffer per leader: every member's part of `MAX_ROWS` rows.
+    scratch: Vec<Box<[u8]>>,
     leaders: usize,
     outcomes: HashMap<u64, Outcome>,
     next_ticket: u64,
     open: Vec<OpenUnit>,
     /// Log units with no placement.
     free: Vec<u64>,
+    /// Placed log units that take no more rows: only the cleaner touches
+    /// them, and only it moves a unit from here to `free`.
+    closed: Vec<u64>,
 }
 
 /// The parity log's writer side.
@@ -75,15 +81,18 @@ pub(crate) struct ParityLog {
 impl ParityLog {
     /// `placed[lu]`: whether log unit `lu` holds a placement (from the map).
     pub fn new(geo: LogGeometry, placed: &[bool], leaders: usize) -> ParityLog {
-        let pages = (2 * geo.rows as usize).max(256);
+        let pages = (2 * geo.rows as usize).max(MAX_ROWS * geo.cols as usize * leaders);
         let page = || vec![0u8; PAGE as usize].into_boxed_slice();
+        let span = (geo.cols as usize + 1) * MAX_ROWS * PAGE as usize;
         ParityLog {
             geo,
             max_leaders: leaders,
             st: Mutex::new(LogState {
                 queue: VecDeque::with_capacity(pages),
                 spare: (0..pages).map(|_| page()).collect(),
-                parity: (0..leaders).map(|_| page()).collect(),
+                scratch: (0..leaders)
+                    .map(|_| vec![0u8; span].into_boxed_slice())
+                    .collect(),
                 leaders: 0,
                 outcomes: HashMap::with_capacity(pages),
                 next_ticket: 0,
@@ -92,6 +101,7 @@ impl ParityLog {
                     .rev()
                     .filter(|&u| !placed[u as usize])
                     .collect(),
+                closed: (0..geo.units).filter(|&u| placed[u as usize]).collect(),
             }),
             cv: Condvar::new(),
         }
@@ -106,24 +116,39 @@ impl ParityLog {
     }
 
     /// Log units with no placement, and units rows are being added to.
-    pub fn free_and_open(&self) -> (usize, Vec<u64>) {
+    /// Free units, and the closed ones.
+    fn free_and_closed(&self) -> (usize, Vec<u64>) {
         let st = self.lock();
-        (st.free.len(), st.open.iter().map(|o| o.lu).collect())
+        (st.free.len(), st.closed.clone())
+    }
+
+    /// Takes closed unit `lu` out of the closed list to free it.
+    fn take_closed(&self, lu: u64) -> bool {
+        let mut st = self.lock();
+        match st.closed.iter().position(|&u| u == lu) {
+            Some(i) => {
+                st.closed.swap_remove(i);
+                true
+            }
+            None => false,
+        }
     }
 
     fn release(&self, lu: u64) {
         self.lock().free.push(lu);
     }
 
-    /// Takes the next row of an open unit; `Err(lu)` hands the caller a
-    /// free unit to place; `Ok(None)`: the log is full.
-    fn reserve(&self) -> std::result::Result<Option<(u64, u32)>, u64> {
+    /// Takes up to `want` consecutive rows of an open unit: `(unit, first
+    /// row, rows)`; `Err(lu)` hands the caller a free unit to place;
+    /// `Ok(None)`: the log is full.
+    fn reserve(&self, want: u32) -> std::result::Result<Option<(u64, u32, u32)>, u64> {
         let mut st = self.lock();
         let rows = self.geo.rows;
         if let Some(o) = st.open.iter_mut().find(|o| !o.closed && o.next_row < rows) {
-            o.next_row += 1;
+            let got = want.min(rows - o.next_row);
+            o.next_row += got;
             o.in_flight += 1;
-            return Ok(Some((o.lu, o.next_row - 1)));
+            return Ok(Some((o.lu, o.next_row - got, got)));
         }
         st.free.pop().map_or(Ok(None), Err)
     }
@@ -149,6 +174,7 @@ impl ParityLog {
             o.closed |= close;
             if (o.closed || o.next_row == rows) && o.in_flight == 0 {
                 st.open.swap_remove(i);
+                st.closed.push(lu);
             }
         }
     }
@@ -198,8 +224,8 @@ impl Inner {
                 return !o.home;
             }
             // A part row only when no row is being written: under load
-            // rows fill up (less log space per page), when idle no page
-            // waits for company.
+            // rows fill up (less log space and fewer requests per page),
+            // when idle no page waits for company.
             let row_ready =
                 st.queue.len() >= w.geo.cols as usize || (st.leaders == 0 && !st.queue.is_empty());
             st = if row_ready && st.leaders < w.max_leaders {
@@ -210,15 +236,15 @@ impl Inner {
         }
     }
 
-    /// Writes one row from the queue's head (anyone's pages).
+    /// Writes rows from the queue's head (anyone's pages).
     fn lead<'a>(&'a self, mut st: MutexGuard<'a, LogState>) -> MutexGuard<'a, LogState> {
         let w = self.plog();
         st.leaders += 1;
-        let n = st.queue.len().min(w.geo.cols as usize);
+        let n = st.queue.len().min(w.geo.cols as usize * MAX_ROWS);
         let batch: Vec<Entry> = st.queue.drain(..n).collect();
-        let mut par = st.parity.pop().expect("a parity page per leader");
+        let mut scratch = st.scratch.pop().expect("a buffer per leader");
         drop(st);
-        let logged = self.write_row(&batch, &mut par);
+        let logged = self.write_rows(&batch, &mut scratch);
         let mut st = w.lock();
         for e in batch {
             let o = st.outcomes.get_mut(&e.ticket).expect("its writer waits");
@@ -226,20 +252,23 @@ impl Inner {
             o.home |= !logged;
             st.spare.push(e.buf);
         }
-        st.parity.push(par);
+        st.scratch.push(scratch);
         st.leaders -= 1;
         w.cv.notify_all();
         st
     }
 
-    /// Writes `batch` as a new row; false if no row could take it.
-    fn write_row(&self, batch: &[Entry], par: &mut [u8]) -> bool {
-        par.copy_from_slice(&batch[0].buf);
-        for e in &batch[1..] {
-            xor_into(par, &e.buf);
-        }
-        for _ in 0..ROW_TRIES {
-            let (lu, row) = match self.plog().reserve() {
+    /// Writes `batch` as new rows; false if the log could not take all of
+    /// it (its writers then write it home).
+    fn write_rows(&self, batch: &[Entry], scratch: &mut [u8]) -> bool {
+        let cols = self.plog().geo.cols as usize;
+        let mut rest = batch;
+        let mut tries = 0;
+        while !rest.is_empty() {
+            if tries == ROW_TRIES {
+                return false;
+            }
+            let (lu, row, got) = match self.plog().reserve(rest.len().div_ceil(cols) as u32) {
                 Ok(Some(r)) => r,
                 Ok(None) => {
                     // Full: the cleaner makes room; meanwhile pages go home.
@@ -256,16 +285,28 @@ impl Inner {
                     continue;
                 }
             };
-            let ok = self.write_row_at(lu, row, batch, par);
+            let (chunk, more) = rest.split_at(rest.len().min(got as usize * cols));
+            let ok = self.write_rows_at(lu, row, got, chunk, scratch);
             self.plog().row_done(lu, !ok);
             if ok {
-                return true;
+                rest = more;
+            } else {
+                tries += 1;
             }
         }
-        false
+        true
     }
 
-    fn write_row_at(&self, lu: u64, row: u32, batch: &[Entry], par: &[u8]) -> bool {
+    /// Writes `chunk` into rows `row..row + rows` of log unit `lu`: page `i`
+    /// at row `row + i / cols`, column `i % cols`; one request per member.
+    fn write_rows_at(
+        &self,
+        lu: u64,
+        row: u32,
+        rows: u32,
+        chunk: &[Entry],
+        scratch: &mut [u8],
+    ) -> bool {
         let (g, _) = self.log_member(lu, 0);
         let guard = self.map.unit(g).read().unwrap_or_else(|p| p.into_inner());
         let Some(unit) = guard.as_ref() else {
@@ -280,33 +321,39 @@ impl Inner {
         {
             return false;
         }
-        let off = row as u64 * PAGE;
+        let cols = self.plog().geo.cols;
+        let span = (rows as u64 * PAGE) as usize;
+        let page = PAGE as usize;
         let pp = self.layout.parity_member(g);
-        let mut reqs: Vec<IoReq<'_>> = batch
-            .iter()
-            .enumerate()
-            .map(|(col, e)| IoReq {
-                loc: unit.members[self.log_member(lu, col as u32).1].loc,
-                off,
-                op: Op::Write(&e.buf),
+        let parts = &mut scratch[..unit.members.len() * span];
+        // Columns no page fills stay zero, as the unit was placed.
+        parts.fill(0);
+        for (i, e) in chunk.iter().enumerate() {
+            let (r, c) = (i / cols as usize, i as u32 % cols);
+            let at = self.log_member(lu, c).1 * span + r * page;
+            parts[at..at + page].copy_from_slice(&e.buf);
+            let p = pp * span + r * page;
+            xor_into(&mut parts[p..p + page], &e.buf);
+        }
+        let reqs: Vec<IoReq<'_>> = parts
+            .chunks(span)
+            .zip(&unit.members)
+            .map(|(part, m)| IoReq {
+                loc: m.loc,
+                off: row as u64 * PAGE,
+                op: Op::Write(part),
             })
             .collect();
-        reqs.push(IoReq {
-            loc: unit.members[pp].loc,
-            off,
-            op: Op::Write(par),
-        });
         if self.exec(reqs).iter().any(|r| r.is_err()) {
             return false;
         }
-        let mut pages = vec![None; self.plog().geo.cols as usize];
-        for (col, e) in batch.iter().enumerate() {
-            pages[col] = Some(e.page);
-        }
-        match self.map.log_row(lu, row, &pages) {
+        let pages: Vec<Option<u64>> = (0..(rows * cols) as usize)
+            .map(|i| chunk.get(i).map(|e| e.page))
+            .collect();
+        match self.map.log_rows(lu, row, &pages) {
             Ok(()) => true,
             Err(e) => {
-                tracing::error!("journaling parity log row {row} of log unit {lu}: {e}");
+                tracing::error!("journaling parity log rows {row}.. of log unit {lu}: {e}");
                 false
             }
         }
@@ -342,13 +389,14 @@ impl Inner {
         self.reconstruct(e, unit, pos, off, buf, &mut scratch[..buf.len()])
     }
 
-    /// Frees log unit `lu` if no live page is left in it.
+    /// Frees closed log unit `lu` (no live page is left in it: a closed
+    /// unit takes no new ones).
     fn free_log_unit(&self, lu: u64) -> Result<()> {
-        let g = self.layout.log_unit(lu);
-        let mut guard = self.map.unit(g).write().unwrap_or_else(|p| p.into_inner());
-        if self.map.log_census().1[lu as usize] != 0 {
+        if !self.plog().take_closed(lu) {
             return Ok(());
         }
+        let g = self.layout.log_unit(lu);
+        let mut guard = self.map.unit(g).write().unwrap_or_else(|p| p.into_inner());
         if let Some(unit) = guard.take() {
             for m in unit.members.iter().filter(|m| m.state == CopyState::Ok) {
                 if self.loc_available(m.loc) {
@@ -356,7 +404,12 @@ impl Inner {
                 }
                 self.map.free(m.loc);
             }
-            self.map.commit(g, &guard)?;
+            if let Err(e) = self.map.commit(g, &guard) {
+                // Its slots are given back already: it stays closed, and
+                // the next pass journals it free again.
+                self.plog().lock().closed.push(lu);
+                return Err(e.into());
+            }
         }
         self.plog().release(lu);
         Ok(())
@@ -388,18 +441,8 @@ impl Inner {
         let low_water = (w.geo.units as usize / 8).max(2);
         let per_unit = (w.geo.rows * w.geo.cols) as usize;
         for _ in 0..w.geo.units {
-            let (free, open) = w.free_and_open();
+            let (free, closed) = w.free_and_closed();
             let (_, live) = self.map.log_census();
-            let closed: Vec<u64> = (0..w.geo.units)
-                .filter(|lu| !open.contains(lu))
-                .filter(|&lu| {
-                    self.map
-                        .unit(self.layout.log_unit(lu))
-                        .read()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .is_some()
-                })
-                .collect();
             let mut freed = 0;
             for &lu in closed.iter().filter(|&&lu| live[lu as usize] == 0) {
                 if let Err(e) = self.free_log_unit(lu) {
