@@ -145,6 +145,11 @@ def test_reattach_refuses_another_device(teardown, donors, client):
                      + sum((["--donor", f"{d.addr}:{d.port},name={d.name},status={d.params['status']}"]
                             for d in ds), []), check=False)
     assert p.returncode != 0 and "differs in size" in p.stderr, p.stderr
+    # Options given alone are compared alone, against what the device holds.
+    p = run_pagerctl(["attach", "--state-dir", client.state_dir, "--size", "128M"], check=False)
+    assert p.returncode != 0 and "differs in size:" in p.stderr, p.stderr
+    p = run_pagerctl(["attach", "--state-dir", client.state_dir, "--parity-log", "8M"], check=False)
+    assert p.returncode != 0 and "--parity-log: only applies to --mode parity" in p.stderr, p.stderr
     assert client.leftovers() == []
 
 

@@ -36,13 +36,17 @@ impl std::str::FromStr for ModeChoice {
 /// which leaves the most donors free to rebuild onto after a failure.
 pub const DEFAULT_PARITY_WIDTH: u32 = 3;
 
-/// The options of `pagerctl attach` that shape the device.
-#[derive(Debug, Clone)]
+/// The options of `pagerctl attach` that shape the device. `None` (or no
+/// donors) means "not given": a new device takes the default, a re-attach
+/// keeps what the state directory holds.
+#[derive(Debug, Clone, Default)]
 pub struct DeviceOptions {
-    pub client_id: String,
-    pub size: u64,
-    pub mode: ModeChoice,
+    pub client_id: Option<String>,
+    pub size: Option<u64>,
+    pub mode: Option<ModeChoice>,
     pub parity_width: Option<u32>,
+    /// Bytes of parity log (mode parity; 0 turns it off).
+    pub parity_log: Option<u64>,
     /// Write-through file of mode disk (default `STATE_DIR/writethrough.img`).
     pub disk_file: Option<PathBuf>,
     pub donors: Vec<DonorSpec>,
@@ -68,33 +72,74 @@ impl DonorSpec {
     }
 }
 
-/// Builds and validates the device configuration.
+impl ModeChoice {
+    fn of(mode: &Mode) -> ModeChoice {
+        match mode {
+            Mode::None => ModeChoice::None,
+            Mode::Mirror => ModeChoice::Mirror,
+            Mode::Parity { .. } => ModeChoice::Parity,
+            Mode::Disk { .. } => ModeChoice::Disk,
+        }
+    }
+}
+
+fn bad(option: &'static str, reason: &str) -> AttachError {
+    AttachError::BadOption {
+        option,
+        reason: reason.into(),
+    }
+}
+
+/// Builds and validates the configuration of a new device.
 pub fn build_config(o: &DeviceOptions, state_dir: &Path) -> Result<DeviceConfig, AttachError> {
-    let bad = |option: &'static str, reason: String| AttachError::BadOption { option, reason };
-    if o.parity_width.is_some() && o.mode != ModeChoice::Parity {
-        return Err(bad(
-            "--parity-width",
-            "only applies to --mode parity".into(),
-        ));
-    }
-    if o.disk_file.is_some() && o.mode != ModeChoice::Disk {
-        return Err(bad("--disk-file", "only applies to --mode disk".into()));
-    }
-    let mode = match o.mode {
-        ModeChoice::None => Mode::None,
-        ModeChoice::Mirror => Mode::Mirror,
-        ModeChoice::Parity => Mode::Parity {
-            width: o.parity_width.unwrap_or(DEFAULT_PARITY_WIDTH),
-        },
-        ModeChoice::Disk => Mode::Disk {
-            path: o
-                .disk_file
-                .clone()
-                .unwrap_or_else(|| state_dir.join("writethrough.img")),
-            queue: ByteSize(16 << 20),
-        },
+    let missing: Vec<&str> = [
+        ("--client-id", o.client_id.is_none()),
+        ("--size", o.size.is_none()),
+        ("--mode", o.mode.is_none()),
+        ("--donor", o.donors.is_empty()),
+    ]
+    .iter()
+    .filter(|(_, m)| *m)
+    .map(|(name, _)| *name)
+    .collect();
+    let base = match (&o.client_id, o.size, o.mode) {
+        (Some(id), Some(size), Some(choice)) if !o.donors.is_empty() => {
+            DeviceConfig::new(id.clone(), size, mode_of(choice, o, None, state_dir)?)
+        }
+        _ => return Err(AttachError::Missing(missing.join(", "))),
     };
-    let mut c = DeviceConfig::new(o.client_id.clone(), o.size, mode);
+    let c = apply_options(&base, o, state_dir)?;
+    c.validate().map_err(AttachError::Config)?;
+    Ok(c)
+}
+
+/// `old` with the options that were given put over it: the device a
+/// re-attach asks for. Compare it with [`differences`]; it is not validated,
+/// since only an identical device is reused.
+pub fn apply_options(
+    old: &DeviceConfig,
+    o: &DeviceOptions,
+    state_dir: &Path,
+) -> Result<DeviceConfig, AttachError> {
+    let mut c = old.clone();
+    c.mode = mode_of(
+        o.mode.unwrap_or_else(|| ModeChoice::of(&old.mode)),
+        o,
+        Some(&old.mode),
+        state_dir,
+    )?;
+    if o.parity_log.is_some() && !matches!(c.mode, Mode::Parity { .. }) {
+        return Err(bad("--parity-log", "only applies to --mode parity"));
+    }
+    if let Some(id) = &o.client_id {
+        c.client_id = id.clone();
+    }
+    if let Some(s) = o.size {
+        c.size = ByteSize(s);
+    }
+    if let Some(l) = o.parity_log {
+        c.parity_log = Some(ByteSize(l));
+    }
     if let Some(e) = o.extent_size {
         c.extent_size = ByteSize(e);
     }
@@ -116,13 +161,63 @@ pub fn build_config(o: &DeviceOptions, state_dir: &Path) -> Result<DeviceConfig,
             size: ByteSize(*size),
         });
     }
-    c.donors = o
-        .donors
-        .iter()
-        .map(|d| d.to_config(o.psk.as_deref()))
-        .collect();
-    c.validate().map_err(AttachError::Config)?;
+    // A key given alone applies to the donors held; donors given alone keep
+    // the key they had.
+    let psk = o
+        .psk
+        .clone()
+        .or_else(|| old.donors.first().and_then(|d| d.tls_psk_file.clone()));
+    if !o.donors.is_empty() {
+        c.donors = o
+            .donors
+            .iter()
+            .map(|d| d.to_config(psk.as_deref()))
+            .collect();
+    } else if let Some(p) = &o.psk {
+        c.donors = old
+            .donors
+            .iter()
+            .map(|d| d.clone().with_tls(p, d.tls_username.clone()))
+            .collect();
+    }
     Ok(c)
+}
+
+/// The mode `choice` names, its details taken from the options, else from
+/// the device's `old` mode of the same kind, else the defaults.
+fn mode_of(
+    choice: ModeChoice,
+    o: &DeviceOptions,
+    old: Option<&Mode>,
+    state_dir: &Path,
+) -> Result<Mode, AttachError> {
+    if o.parity_width.is_some() && choice != ModeChoice::Parity {
+        return Err(bad("--parity-width", "only applies to --mode parity"));
+    }
+    if o.disk_file.is_some() && choice != ModeChoice::Disk {
+        return Err(bad("--disk-file", "only applies to --mode disk"));
+    }
+    Ok(match (choice, old) {
+        (ModeChoice::None, _) => Mode::None,
+        (ModeChoice::Mirror, _) => Mode::Mirror,
+        (ModeChoice::Parity, old) => Mode::Parity {
+            width: o.parity_width.unwrap_or(match old {
+                Some(Mode::Parity { width }) => *width,
+                _ => DEFAULT_PARITY_WIDTH,
+            }),
+        },
+        (ModeChoice::Disk, Some(Mode::Disk { path, queue })) => Mode::Disk {
+            path: o.disk_file.clone().unwrap_or_else(|| path.clone()),
+            queue: *queue,
+        },
+        (ModeChoice::Disk, _) => Mode::Disk {
+            path: o
+                .disk_file
+                .clone()
+                .unwrap_or_else(|| state_dir.join("writethrough.img")),
+            queue: ByteSize(16 << 20),
+        },
+    })
 }
 
 /// The top-level fields (`policy.b` style for nested ones) in which two
@@ -171,11 +266,9 @@ mod tests {
 
     fn opts(mode: ModeChoice) -> DeviceOptions {
         DeviceOptions {
-            client_id: "busy1".into(),
-            size: 64 << 20,
-            mode,
-            parity_width: None,
-            disk_file: None,
+            client_id: Some("busy1".into()),
+            size: Some(64 << 20),
+            mode: Some(mode),
             donors: [
                 "127.0.0.2:10809,status=127.0.0.2:7000",
                 "127.0.0.3:10809",
@@ -184,13 +277,7 @@ mod tests {
             .iter()
             .map(|s| s.parse().unwrap())
             .collect(),
-            extent_size: None,
-            b: None,
-            epoch: None,
-            fallback: None,
-            psk: None,
-            connect_timeout: None,
-            request_timeout: None,
+            ..DeviceOptions::default()
         }
     }
 
@@ -271,7 +358,7 @@ mod tests {
         let a = build_config(&opts(ModeChoice::Mirror), st).unwrap();
         assert!(differences(&a, &a.clone()).is_empty());
         let mut o = opts(ModeChoice::Parity);
-        o.size = 128 << 20;
+        o.size = Some(128 << 20);
         o.b = Some(0.3);
         let b = build_config(&o, st).unwrap();
         // Parity's default extent is smaller than mirror's.
@@ -279,5 +366,65 @@ mod tests {
             differences(&a, &b),
             ["extent_size", "mode", "policy.b", "size"]
         );
+    }
+
+    #[test]
+    fn a_new_device_names_the_options_it_lacks() {
+        let o = DeviceOptions {
+            size: Some(1 << 30),
+            ..DeviceOptions::default()
+        };
+        let e = build_config(&o, Path::new("/st")).unwrap_err().to_string();
+        assert_eq!(e, "a new device needs --client-id, --mode, --donor");
+    }
+
+    #[test]
+    fn a_reattach_compares_only_the_options_given() {
+        let st = Path::new("/st");
+        let mut o = opts(ModeChoice::Parity);
+        o.parity_width = Some(3);
+        o.parity_log = Some(8 << 20);
+        o.b = Some(0.25);
+        o.psk = Some("/etc/np.psk".into());
+        let held = build_config(&o, st).unwrap();
+        let again = |o: &DeviceOptions| differences(&held, &apply_options(&held, o, st).unwrap());
+        assert!(again(&DeviceOptions::default()).is_empty());
+        // The parity width, log, key and policy are the device's own.
+        assert!(again(&opts(ModeChoice::Parity)).is_empty());
+        let mut size_only = DeviceOptions {
+            size: Some(64 << 20),
+            ..DeviceOptions::default()
+        };
+        assert!(again(&size_only).is_empty());
+        size_only.size = Some(32 << 20);
+        assert_eq!(again(&size_only), ["size"]);
+        let width = DeviceOptions {
+            parity_width: Some(4),
+            ..DeviceOptions::default()
+        };
+        assert_eq!(again(&width), ["mode"]);
+        let log = DeviceOptions {
+            parity_log: Some(0),
+            ..DeviceOptions::default()
+        };
+        assert_eq!(again(&log), ["parity_log"]);
+        let key = DeviceOptions {
+            psk: Some("/etc/other.psk".into()),
+            ..DeviceOptions::default()
+        };
+        assert_eq!(again(&key), ["donors"]);
+        assert_eq!(again(&opts(ModeChoice::Mirror)), ["mode"]);
+    }
+
+    #[test]
+    fn a_parity_log_needs_mode_parity() {
+        let mut o = opts(ModeChoice::Mirror);
+        o.parity_log = Some(1 << 20);
+        let e = build_config(&o, Path::new("/st")).unwrap_err().to_string();
+        assert!(e.starts_with("--parity-log: only applies"), "{e}");
+        let mut o = opts(ModeChoice::Parity);
+        o.parity_log = Some(1000);
+        let e = build_config(&o, Path::new("/st")).unwrap_err().to_string();
+        assert!(e.contains("parity_log"), "{e}");
     }
 }

@@ -14,7 +14,7 @@ pub mod record;
 pub mod spec;
 
 pub use commands::Via;
-pub use device::{build_config, differences, DeviceOptions, ModeChoice};
+pub use device::{apply_options, build_config, differences, DeviceOptions, ModeChoice};
 pub use record::{AttachRecord, Step};
 pub use spec::DonorSpec;
 
@@ -30,6 +30,8 @@ pub enum AttachError {
         option: &'static str,
         reason: String,
     },
+    #[error("a new device needs {0}")]
+    Missing(String),
     #[error(transparent)]
     Config(#[from] crate::config::ConfigError),
     #[error("reading attach record {path}: {source}")]

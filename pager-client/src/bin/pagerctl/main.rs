@@ -73,6 +73,11 @@ struct AttachArgs {
     /// Donors per parity group (N-1 data + 1 parity), default 3.
     #[arg(long, value_name = "N")]
     parity_width: Option<u32>,
+    /// Parity log size (mode parity; default the device size, 0 turns it
+    /// off): small writes go there as whole new rows instead of
+    /// read-modify-writing their group.
+    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
+    parity_log: Option<u64>,
     /// Write-through file of mode disk (default DIR/writethrough.img).
     #[arg(long, value_name = "PATH")]
     disk_file: Option<PathBuf>,
@@ -136,34 +141,13 @@ struct AttachArgs {
 }
 
 impl AttachArgs {
-    fn shapes_device(&self) -> bool {
-        self.size.is_some()
-            || self.mode.is_some()
-            || !self.donors.is_empty()
-            || self.parity_width.is_some()
-            || self.disk_file.is_some()
-            || self.extent_size.is_some()
-            || self.b.is_some()
-            || self.epoch.is_some()
-            || self.fallback.is_some()
-            || self.psk.is_some()
-            || self.client_id.is_some()
-            || self.connect_timeout.is_some()
-            || self.request_timeout.is_some()
-    }
-
-    fn device_options(&self, client_id: String) -> Result<DeviceOptions> {
-        let (Some(size), Some(mode)) = (self.size, self.mode) else {
-            bail!("a new device needs --size, --mode and at least one --donor");
-        };
-        if self.donors.is_empty() {
-            bail!("a new device needs at least one --donor");
-        }
-        Ok(DeviceOptions {
-            client_id,
-            size,
-            mode,
+    fn device_options(&self) -> DeviceOptions {
+        DeviceOptions {
+            client_id: self.client_id.clone(),
+            size: self.size,
+            mode: self.mode,
             parity_width: self.parity_width,
+            parity_log: self.parity_log,
             disk_file: self.disk_file.clone(),
             donors: self.donors.clone(),
             extent_size: self.extent_size,
@@ -173,7 +157,7 @@ impl AttachArgs {
             psk: self.psk.clone(),
             connect_timeout: self.connect_timeout,
             request_timeout: self.request_timeout,
-        })
+        }
     }
 }
 
@@ -331,43 +315,26 @@ fn find_plugin(given: Option<&Path>) -> Result<PathBuf> {
         .with_context(|| format!("cannot resolve {}", path.display()))
 }
 
-/// Writes device.toml for a new device, or checks that a re-attach asks for
-/// the device the state directory already holds.
+/// Writes device.toml for a new device, or checks that the options given
+/// to a re-attach match the device the state directory already holds.
 fn prepare_config(a: &AttachArgs, layout: &StateLayout) -> Result<DeviceConfig> {
     let path = layout.device_toml();
+    let mut o = a.device_options();
     if path.exists() {
         let old = DeviceConfig::load(&path)?;
-        if a.shapes_device() {
-            if a.size.is_none() || a.mode.is_none() || a.donors.is_empty() {
-                bail!(
-                    "{} already holds a device: attach it without device options, or give all of them \
-                     (--size, --mode, --donor ...) to check that they match it",
-                    path.display()
-                );
-            }
-            let client_id = a.client_id.clone().unwrap_or_else(|| old.client_id.clone());
-            let mut new = attach::build_config(&a.device_options(client_id)?, &layout.dir)?;
-            // An extent size nobody asked for is the device's own: the
-            // default may have changed since the device was made.
-            if a.extent_size.is_none() {
-                new.extent_size = old.extent_size;
-            }
-            let diff = attach::differences(&old, &new);
-            if !diff.is_empty() {
-                bail!(
-                    "{} holds a device that differs in {}: attach without device options to reuse it, or use another --state-dir",
-                    path.display(),
-                    diff.join(", ")
-                );
-            }
+        let diff = attach::differences(&old, &attach::apply_options(&old, &o, &layout.dir)?);
+        if !diff.is_empty() {
+            bail!(
+                "{} holds a device that differs in {}: attach without those options to reuse it, or use another --state-dir",
+                path.display(),
+                diff.join(", ")
+            );
         }
         tracing::info!("reusing {}", path.display());
         return Ok(old);
     }
-    let cfg = attach::build_config(
-        &a.device_options(a.client_id.clone().unwrap_or_else(host_name))?,
-        &layout.dir,
-    )?;
+    o.client_id.get_or_insert_with(host_name);
+    let cfg = attach::build_config(&o, &layout.dir)?;
     cfg.save(&path)?;
     tracing::info!("wrote {}", path.display());
     Ok(cfg)
