@@ -6,18 +6,25 @@
 #      each behind nbdkit's rate filter emulating a 1 Gbit/s link
 #      (rate=1G: the filter counts bits per second). Target: 4 donors >= 3.5x
 #      one donor.
-#   2. modes: none / mirror / parity / disk side by side on 4 such donors,
-#      as ratios to none. Targets: parity reads >= 0.95x, writes >= 0.6x.
+#   2. modes: none / mirror / parity / parity without its log / disk side
+#      by side on 4 such donors, as ratios to none. Targets: parity reads
+#      >= 0.95x, writes >= 0.6x.
 #   3. swap: a job touching 3x its memory cgroup limit swapping through the
 #      client (3 donors, parity), through one `nbdkit memory` attached the
 #      same way (nbdfuse + loop device), through zram and through a swap
 #      file on local disk, alternating A B C D A B C D ... Completion times
-#      and ratios to nbdkit memory. Target: client <= 1.0x.
+#      and ratios to nbdkit memory. Two settings (SWAP_SETTINGS):
+#      "links" puts each donor and the one nbdkit memory behind its own
+#      emulated $LINK_RATE link, as remote memory is in a lab; "loopback"
+#      runs all of them at loopback speed, which shows what the client's
+#      extra hop costs. Target: client <= 1.0x, with links.
 #
 #   scripts/bench-client.sh                 # all three
 #   scripts/bench-client.sh donors modes    # some of them
 #   RUNTIME=10 ROUNDS=3 LIMIT=128M scripts/bench-client.sh swap
 #   SWAP_MODE=none scripts/bench-client.sh swap   # the client in another mode
+#   SWAP_SETTINGS=links scripts/bench-client.sh swap
+#   MODES=parity scripts/bench-client.sh modes   # none and parity only
 #
 # Run as root (swapon, losetup, FUSE, cgroups). Binaries come from
 # $NETPAGER_TARGET_DIR (default target/release). Loopback only. Each
@@ -39,6 +46,8 @@ LIMIT="${LIMIT:-128M}"       # the swap job's memory limit (it touches 3x)
 LINK_RATE="${LINK_RATE:-1G}" # emulated link per donor, bits per second
 FIO_SIZE="${FIO_SIZE:-512M}" # region fio works on
 SWAP_MODE="${SWAP_MODE:-parity}" # the client's mode in the swap benchmark
+SWAP_SETTINGS="${SWAP_SETTINGS:-links loopback}" # see 3. above
+MODES="${MODES:-mirror parity parity-nolog disk}" # modes compared with none in 2.
 PY=/usr/bin/python3
 export PATH=/usr/sbin:/usr/bin:/sbin:/bin:$PATH
 
@@ -150,12 +159,18 @@ attach_client() {
   DEVICE="$(tail -1 "$WORK/attach.out")"
 }
 
-# mode_args MODE: what attach needs besides the mode (sets MODE_ARGS).
+# mode_args MODE [WIDTH]: the attach mode (sets MODE_WORD) and what attach
+# needs besides (sets MODE_ARGS). MODE parity-nolog is parity with its log
+# off.
 mode_args() {
+  MODE_WORD="${1%-nolog}"
   MODE_ARGS=()
   case "$1" in
     disk) MODE_ARGS=(--disk-file "$WORK/writethrough.img") ;;
-    parity) [ -z "${2:-}" ] || MODE_ARGS=(--parity-width "$2") ;;
+    parity-nolog) MODE_ARGS=(--parity-log 0) ;;
+  esac
+  case "$1" in
+    parity*) [ -z "${2:-}" ] || MODE_ARGS+=(--parity-width "$2") ;;
   esac
 }
 
@@ -222,25 +237,25 @@ bench_donors() {
 bench_modes() {
   echo "== 2. Modes side by side: 4 donors at $LINK_RATE bit/s each, fio through the client"
   declare -A R
-  local mode
-  for mode in none mirror parity disk; do
+  local mode modes=(none $MODES)
+  for mode in "${modes[@]}"; do
     start_donors 4 "$LINK_RATE"
     mode_args "$mode"
-    attach_client "$WORK/c-$mode" "$mode" 1G "${MODE_ARGS[@]}"
+    attach_client "$WORK/c-$mode" "$MODE_WORD" 1G "${MODE_ARGS[@]}"
     R[$mode]="$(fio_suite "$(client_uri "$WORK/c-$mode")")"
     undo_all
     rm -f "$WORK/writethrough.img"
   done
-  printf '%-8s %14s %14s %14s %14s\n' mode "4K randread" "4K randwrite" "1M read" "1M write"
-  printf '%-8s %14s %14s %14s %14s\n' "" IOPS IOPS MB/s MB/s
-  for mode in none mirror parity disk; do
+  printf '%-17s %14s %14s %14s %14s\n' mode "4K randread" "4K randwrite" "1M read" "1M write"
+  printf '%-17s %14s %14s %14s %14s\n' "" IOPS IOPS MB/s MB/s
+  for mode in "${modes[@]}"; do
     read -r a b c d <<<"${R[$mode]}"
-    printf '%-8s %14s %14s %14s %14s\n' "$mode" "$a" "$b" "$c" "$d"
+    printf '%-17s %14s %14s %14s %14s\n' "$mode" "$a" "$b" "$c" "$d"
   done
   local none=(${R[none]}) m k
-  for mode in mirror parity disk; do
+  for mode in "${modes[@]:1}"; do
     m=(${R[$mode]})
-    printf '%-8s' "$mode/none"; for k in 0 1 2 3; do printf ' %14s' "$(ratio "${m[k]}" "${none[k]}")"; done; echo
+    printf '%-17s' "$mode/none"; for k in 0 1 2 3; do printf ' %14s' "$(ratio "${m[k]}" "${none[k]}")"; done; echo
   done
   echo "(targets: parity reads >= 0.95x none, parity writes >= 0.6x none)"
   echo
@@ -278,16 +293,20 @@ swap_on() {
   push_undo "swapoff $1"
 }
 
-# Targets: each sets SWAPDEV, pushing its own undo.
+# Targets: each sets SWAPDEV, pushing its own undo. The remote ones put
+# each server behind a link of SWAP_RATE bits/s ("" for loopback speed).
+SWAP_RATE=""
 target_client() {
-  start_donors 3 ""
+  start_donors 3 "$SWAP_RATE"
   mode_args "$SWAP_MODE" 3
-  attach_client "$WORK/c-swap" "$SWAP_MODE" 1G "${MODE_ARGS[@]}" --swap --priority 32767
+  attach_client "$WORK/c-swap" "$MODE_WORD" 1G "${MODE_ARGS[@]}" --swap --priority 32767
   SWAPDEV="$DEVICE"
 }
 target_memory() {
-  local pid lo
-  nbdkit -f --unix "$WORK/mem.sock" --pidfile "$WORK/mem.pid" memory size=1G >"$WORK/mem.log" 2>&1 &
+  local pid lo filter=()
+  [ -n "$SWAP_RATE" ] && filter=(--filter=rate)
+  nbdkit -f --unix "$WORK/mem.sock" --pidfile "$WORK/mem.pid" "${filter[@]}" memory size=1G \
+    ${SWAP_RATE:+rate="$SWAP_RATE"} >"$WORK/mem.log" 2>&1 &
   pid=$!
   push_undo "stop_pid $pid; rm -f $WORK/mem.pid $WORK/mem.sock"
   wait_file "$WORK/mem.pid" "$pid" "nbdkit memory"
@@ -348,29 +367,45 @@ bench_swap() {
   TOUCH=$((3 * limit_bytes))
   echo "== 3. Swap: memhog touching $((TOUCH >> 20)) MiB in a $LIMIT memory cgroup (1 verify pass), $ROUNDS rounds"
   declare -A T
-  local round t
-  local targets=(client memory zram file)
+  local round t setting runs=()
+  for setting in $SWAP_SETTINGS; do
+    case "$setting" in
+      links | loopback) runs+=("client/$setting" "memory/$setting") ;;
+      *) die "unknown swap setting $setting (links, loopback)" ;;
+    esac
+  done
+  runs+=(zram file)
   for round in $(seq "$ROUNDS"); do
-    for t in "${targets[@]}"; do
-      swap_run "$t"
+    for t in "${runs[@]}"; do
+      SWAP_RATE=""
+      [ "${t#*/}" = links ] && SWAP_RATE="$LINK_RATE"
+      swap_run "${t%/*}"
       T[$t]="${T[$t]:-} $SECS"
       echo "round $round: $t ${SECS}s" >&2
     done
   done
-  printf '%-28s %-24s %10s %16s\n' target "seconds per round" mean "vs nbdkit memory"
-  local label mean base
-  base="$("$PY" -c 'import sys; v = [float(x) for x in sys.argv[1:]]; print(sum(v) / len(v))' ${T[memory]})"
-  for t in "${targets[@]}"; do
+  local label mean base setting
+  mean_of() { "$PY" -c 'import sys; v = [float(x) for x in sys.argv[1:]]; print(f"{sum(v) / len(v):.1f}")' "$@"; }
+  printf '%-40s %-24s %10s %16s\n' target "seconds per round" mean "vs nbdkit memory"
+  for t in "${runs[@]}"; do
+    setting="${t#*/}"
+    [ "$setting" = "$t" ] && setting=loopback
     case "$t" in
-      client) label="client, $SWAP_MODE, 3 donors" ;;
-      memory) label="one nbdkit memory" ;;
+      client/*) label="client, $SWAP_MODE, 3 donors" ;;
+      memory/*) label="one nbdkit memory" ;;
       zram) label="zram" ;;
       file) label="swap file on local disk" ;;
     esac
-    mean="$("$PY" -c 'import sys; v = [float(x) for x in sys.argv[1:]]; print(f"{sum(v) / len(v):.1f}")' ${T[$t]})"
-    printf '%-28s %-24s %10s %16s\n' "$label" "${T[$t]# }" "$mean" "$(ratio "$mean" "$base")"
+    case "$setting" in
+      links) label="$label, $LINK_RATE links" ;;
+      loopback) [ "$t" = zram ] || [ "$t" = file ] || label="$label, loopback" ;;
+    esac
+    mean="$(mean_of ${T[$t]})"
+    # Local targets compare with the loopback nbdkit memory if it ran.
+    base="${T[memory/$setting]:-${T[memory/${SWAP_SETTINGS##* }]}}"
+    printf '%-40s %-24s %10s %16s\n' "$label" "${T[$t]# }" "$mean" "$(ratio "$mean" "$(mean_of $base)")"
   done
-  echo "(target: client <= 1.0x one nbdkit memory)"
+  echo "(target: client <= 1.0x one nbdkit memory, both behind links)"
   echo
 }
 
