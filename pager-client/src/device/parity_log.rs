@@ -17,7 +17,8 @@
 //! by writing them again (into the log, or home if the log is full).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
+use std::thread::{self, Thread};
 
 use super::io::{xor_into, IoReq};
 use super::{DeviceError, Inner, Result};
@@ -39,10 +40,13 @@ struct Entry {
 }
 
 /// What became of one writer's pages.
-#[derive(Clone, Copy)]
 struct Outcome {
     left: usize,
     home: bool,
+    /// Unparked when its pages are done, or when it should lead. Each
+    /// writer is woken alone: waking all of them for every row costs more
+    /// context switches than the rows cost requests.
+    writer: Thread,
 }
 
 /// A log unit rows are being added to.
@@ -57,6 +61,8 @@ struct LogState {
     queue: VecDeque<Entry>,
     /// Page buffers not in the queue (preallocated).
     spare: Vec<Box<[u8]>>,
+    /// Writers waiting for spare buffers.
+    short: Vec<Thread>,
     /// One buffer per leader: every member's part of `MAX_ROWS` rows.
     scratch: Vec<Box<[u8]>>,
     leaders: usize,
@@ -75,7 +81,6 @@ pub(crate) struct ParityLog {
     pub geo: LogGeometry,
     max_leaders: usize,
     st: Mutex<LogState>,
-    cv: Condvar,
 }
 
 impl ParityLog {
@@ -90,6 +95,7 @@ impl ParityLog {
             st: Mutex::new(LogState {
                 queue: VecDeque::with_capacity(pages),
                 spare: (0..pages).map(|_| page()).collect(),
+                short: Vec::new(),
                 scratch: (0..leaders)
                     .map(|_| vec![0u8; span].into_boxed_slice())
                     .collect(),
@@ -103,7 +109,6 @@ impl ParityLog {
                     .collect(),
                 closed: (0..geo.units).filter(|&u| placed[u as usize]).collect(),
             }),
-            cv: Condvar::new(),
         }
     }
 
@@ -111,8 +116,11 @@ impl ParityLog {
         self.st.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn wait<'a>(&self, g: MutexGuard<'a, LogState>) -> MutexGuard<'a, LogState> {
-        self.cv.wait(g).unwrap_or_else(|p| p.into_inner())
+    /// Sleeps until unparked (or spuriously: callers check again).
+    fn wait<'a>(&'a self, g: MutexGuard<'a, LogState>) -> MutexGuard<'a, LogState> {
+        drop(g);
+        thread::park();
+        self.lock()
     }
 
     /// Log units with no placement, and units rows are being added to.
@@ -132,6 +140,13 @@ impl ParityLog {
             }
             None => false,
         }
+    }
+
+    /// A part row only when no row is being written: under load rows fill
+    /// up (less log space and fewer requests per page), when idle no page
+    /// waits for company.
+    fn row_ready(&self, st: &LogState) -> bool {
+        st.queue.len() >= self.geo.cols as usize || (st.leaders == 0 && !st.queue.is_empty())
     }
 
     fn release(&self, lu: u64) {
@@ -201,6 +216,7 @@ impl Inner {
         let w = self.plog();
         let mut st = w.lock();
         while st.spare.len() < items.len() {
+            st.short.push(thread::current());
             st = w.wait(st);
         }
         let ticket = st.next_ticket;
@@ -215,20 +231,15 @@ impl Inner {
             Outcome {
                 left: items.len(),
                 home: false,
+                writer: thread::current(),
             },
         );
         loop {
-            let o = st.outcomes[&ticket];
-            if o.left == 0 {
-                st.outcomes.remove(&ticket);
+            if st.outcomes[&ticket].left == 0 {
+                let o = st.outcomes.remove(&ticket).expect("checked above");
                 return !o.home;
             }
-            // A part row only when no row is being written: under load
-            // rows fill up (less log space and fewer requests per page),
-            // when idle no page waits for company.
-            let row_ready =
-                st.queue.len() >= w.geo.cols as usize || (st.leaders == 0 && !st.queue.is_empty());
-            st = if row_ready && st.leaders < w.max_leaders {
+            st = if w.row_ready(&st) && st.leaders < w.max_leaders {
                 self.lead(st)
             } else {
                 w.wait(st)
@@ -250,11 +261,21 @@ impl Inner {
             let o = st.outcomes.get_mut(&e.ticket).expect("its writer waits");
             o.left -= 1;
             o.home |= !logged;
+            if o.left == 0 {
+                o.writer.unpark();
+            }
             st.spare.push(e.buf);
         }
         st.scratch.push(scratch);
         st.leaders -= 1;
-        w.cv.notify_all();
+        for t in st.short.drain(..) {
+            t.unpark();
+        }
+        // The writer of the oldest queued page leads next.
+        if w.row_ready(&st) {
+            let head = st.queue.front().expect("a row is ready").ticket;
+            st.outcomes[&head].writer.unpark();
+        }
         st
     }
 
