@@ -45,6 +45,7 @@ extern "C" {
     fn nbd_get_errno() -> c_int;
     fn nbd_set_handle_name(h: *mut NbdHandle, name: *const c_char) -> c_int;
     fn nbd_set_export_name(h: *mut NbdHandle, name: *const c_char) -> c_int;
+    fn nbd_set_request_structured_replies(h: *mut NbdHandle, request: bool) -> c_int;
     fn nbd_set_tls(h: *mut NbdHandle, tls: c_int) -> c_int;
     fn nbd_set_tls_username(h: *mut NbdHandle, username: *const c_char) -> c_int;
     fn nbd_set_tls_psk_file(h: *mut NbdHandle, filename: *const c_char) -> c_int;
@@ -180,6 +181,11 @@ impl Handle {
         let name = cstring("handle name", name)?;
         // SAFETY: valid handle, NUL-terminated string copied by libnbd.
         check(unsafe { nbd_set_handle_name(handle.ptr(), name.as_ptr()) })?;
+        // Simple replies: a read's answer is one header and the data (two
+        // receives, not four). Nothing here needs structured replies: no
+        // block status, no sparse reads.
+        // SAFETY: valid handle, not yet connected.
+        check(unsafe { nbd_set_request_structured_replies(handle.ptr(), false) })?;
         Ok(handle)
     }
 
