@@ -10,10 +10,11 @@
 #      by side on 4 such donors, as ratios to none. Targets: parity reads
 #      >= 0.95x, writes >= 0.6x.
 #   3. swap: a job touching 3x its memory cgroup limit swapping through the
-#      client (3 donors, parity), through one `nbdkit memory` attached the
-#      same way (nbdfuse + loop device), through zram and through a swap
-#      file on local disk, alternating A B C D A B C D ... Completion times
-#      and ratios to nbdkit memory. Two settings (SWAP_SETTINGS):
+#      client (3 donors, parity), through one `nbdkit memory` over TCP (a
+#      remote memory server, as a donor is) attached the same way (nbdfuse
+#      + loop device), through zram and through a swap file on local disk,
+#      alternating A B C D A B C D ... Completion times and ratios to nbdkit
+#      memory. Two settings (SWAP_SETTINGS):
 #      "links" puts each donor and the one nbdkit memory behind its own
 #      emulated $LINK_RATE link, as remote memory is in a lab; "loopback"
 #      runs all of them at loopback speed, which shows what the client's
@@ -303,19 +304,21 @@ target_client() {
   SWAPDEV="$DEVICE"
 }
 target_memory() {
-  local pid lo filter=()
+  # A remote memory server: over TCP, on a loopback address of its own.
+  local pid lo port filter=() addr=127.0.0.9
+  port="$(free_port "$addr")"
   [ -n "$SWAP_RATE" ] && filter=(--filter=rate)
-  nbdkit -f --unix "$WORK/mem.sock" --pidfile "$WORK/mem.pid" "${filter[@]}" memory size=1G \
+  nbdkit -f -i "$addr" -p "$port" --pidfile "$WORK/mem.pid" "${filter[@]}" memory size=1G \
     ${SWAP_RATE:+rate="$SWAP_RATE"} >"$WORK/mem.log" 2>&1 &
   pid=$!
-  push_undo "stop_pid $pid; rm -f $WORK/mem.pid $WORK/mem.sock"
+  push_undo "stop_pid $pid; rm -f $WORK/mem.pid"
   wait_file "$WORK/mem.pid" "$pid" "nbdkit memory"
   # The same steps pagerctl takes: nbdfuse file, loop device with direct I/O
   # and the same queue depth.
   mkdir -p "$WORK/memfuse"
   rm -f "$WORK/memfuse.pid"
   nbdfuse --pidfile "$WORK/memfuse.pid" "$WORK/memfuse/device" \
-    "nbd+unix:///?socket=$WORK/mem.sock" >"$WORK/memfuse.log" 2>&1 &
+    "nbd://$addr:$port" >"$WORK/memfuse.log" 2>&1 &
   pid=$!
   push_undo "fuse_stop $WORK/memfuse $pid; rm -f $WORK/memfuse.pid"
   wait_file "$WORK/memfuse.pid" "$pid" "nbdfuse"
