@@ -199,27 +199,21 @@ impl Inner {
                 return Ok(());
             }
         }
-        // Home, page-aligned, so no page keeps part of itself in the log.
-        let mut p = first;
-        while p <= last {
-            let q = if (p == first && head_partial) || (p == last && tail_partial) {
-                p + 1
-            } else {
-                // A run of whole pages straight from `data`.
-                let mut q = p + 1;
-                while q <= last && !(q == last && tail_partial) {
-                    q += 1;
-                }
-                q
-            };
-            let bytes: &[u8] = if q == p + 1 {
-                page_data(p)
-            } else {
-                let from = (p * PAGE - at) as usize;
-                &data[from..from + ((q - p) * PAGE) as usize]
-            };
-            self.write_parity_locked(e, p * PAGE - e * ext, bytes, guard)?;
-            p = q;
+        // Home, page-aligned, so no page keeps part of itself in the log:
+        // the merged partial pages, and the whole pages between them
+        // straight from `data`.
+        let home = |p: u64| p * PAGE - e * ext;
+        if head_partial {
+            self.write_parity_locked(e, home(first), &head, guard)?;
+        }
+        let whole = (first + head_partial as u64)..(last + 1 - tail_partial as u64);
+        if !whole.is_empty() {
+            let from = (whole.start * PAGE - at) as usize;
+            let bytes = &data[from..from + ((whole.end - whole.start) * PAGE) as usize];
+            self.write_parity_locked(e, home(whole.start), bytes, guard)?;
+        }
+        if tail_partial {
+            self.write_parity_locked(e, home(last), &tail, guard)?;
         }
         self.map.log_drop(first, last - first + 1)?;
         Ok(())
