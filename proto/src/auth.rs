@@ -40,7 +40,11 @@ const REPLAY_MEMORY: usize = 65_536;
 #[derive(Debug, thiserror::Error)]
 pub enum AuthError {
     #[error("cannot read key file {path}: {source}")]
-    Read { path: String, #[source] source: std::io::Error },
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("{path}:{line}: expected `username:hexkey`")]
     Syntax { path: String, line: usize },
     #[error("{path}:{line}: key is not even-length hex of at least 16 bytes")]
@@ -71,7 +75,9 @@ pub struct LabKey {
 impl std::fmt::Debug for LabKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // Never print the key itself.
-        f.debug_struct("LabKey").field("username", &self.username).finish_non_exhaustive()
+        f.debug_struct("LabKey")
+            .field("username", &self.username)
+            .finish_non_exhaustive()
     }
 }
 
@@ -80,16 +86,31 @@ impl LabKey {
     /// `username:hexkey` file as written by psktool or the Ansible roles.
     pub fn from_psk_file(path: &Path, username: Option<&str>) -> Result<LabKey, AuthError> {
         let p = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| AuthError::Read { path: p.clone(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| AuthError::Read {
+            path: p.clone(),
+            source,
+        })?;
         let mut first = None;
         for (i, raw) in text.lines().enumerate() {
             let line = raw.trim();
             if line.is_empty() || line.starts_with('#') {
                 continue;
             }
-            let (user, hex) = line.split_once(':').ok_or(AuthError::Syntax { path: p.clone(), line: i + 1 })?;
-            let key = decode_hex(hex.trim()).filter(|k| k.len() >= 16).ok_or(AuthError::BadKey { path: p.clone(), line: i + 1 })?;
-            let entry = LabKey { username: user.to_string(), key };
+            let (user, hex) = line.split_once(':').ok_or(AuthError::Syntax {
+                path: p.clone(),
+                line: i + 1,
+            })?;
+            let key =
+                decode_hex(hex.trim())
+                    .filter(|k| k.len() >= 16)
+                    .ok_or(AuthError::BadKey {
+                        path: p.clone(),
+                        line: i + 1,
+                    })?;
+            let entry = LabKey {
+                username: user.to_string(),
+                key,
+            };
             match username {
                 Some(u) if u == entry.username => return Ok(entry),
                 Some(_) => {}
@@ -101,7 +122,10 @@ impl LabKey {
             }
         }
         match username {
-            Some(u) => Err(AuthError::NoSuchUser { path: p, username: u.to_string() }),
+            Some(u) => Err(AuthError::NoSuchUser {
+                path: p,
+                username: u.to_string(),
+            }),
             None => first.ok_or(AuthError::Empty { path: p }),
         }
     }
@@ -122,7 +146,11 @@ impl LabKey {
         let timestamp_ms = now_ms();
         req.auth = None;
         let mac = self.request_mac(timestamp_ms, &nonce, &req.encode_to_vec());
-        req.auth = Some(v1::Auth { timestamp_ms, nonce, mac });
+        req.auth = Some(v1::Auth {
+            timestamp_ms,
+            nonce,
+            mac,
+        });
     }
 
     fn request_mac(&self, timestamp_ms: u64, nonce: &[u8], body: &[u8]) -> Vec<u8> {
@@ -146,12 +174,18 @@ impl LabKey {
 
     /// Signs a donor's reply to a request carrying `nonce`.
     pub fn sign_reply(&self, nonce: &[u8], reply: &mut v1::Reply) {
-        reply.mac = self.reply_mac(nonce, reply).finalize().into_bytes().to_vec();
+        reply.mac = self
+            .reply_mac(nonce, reply)
+            .finalize()
+            .into_bytes()
+            .to_vec();
     }
 
     /// Checks a donor's reply to a request carrying `nonce`.
     pub fn verify_reply(&self, nonce: &[u8], reply: &v1::Reply) -> Result<(), AuthError> {
-        self.reply_mac(nonce, reply).verify_slice(&reply.mac).map_err(|_| AuthError::BadMac)
+        self.reply_mac(nonce, reply)
+            .verify_slice(&reply.mac)
+            .map_err(|_| AuthError::BadMac)
     }
 }
 
@@ -164,7 +198,11 @@ pub struct Verifier {
 
 impl Verifier {
     pub fn new(key: LabKey) -> Verifier {
-        Verifier { key, seen: HashSet::new(), order: VecDeque::new() }
+        Verifier {
+            key,
+            seen: HashSet::new(),
+            order: VecDeque::new(),
+        }
     }
 
     pub fn key(&self) -> &LabKey {
@@ -208,14 +246,22 @@ impl Verifier {
 /// `openssl rand -hex 32`).
 pub fn load_export_secret(path: &Path) -> Result<Vec<u8>, AuthError> {
     let p = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|source| AuthError::Read { path: p.clone(), source })?;
+    let text = std::fs::read_to_string(path).map_err(|source| AuthError::Read {
+        path: p.clone(),
+        source,
+    })?;
     let (i, line) = text
         .lines()
         .map(str::trim)
         .enumerate()
         .find(|(_, l)| !l.is_empty() && !l.starts_with('#'))
         .ok_or(AuthError::Empty { path: p.clone() })?;
-    decode_hex(line).filter(|k| k.len() >= 16).ok_or(AuthError::BadKey { path: p, line: i + 1 })
+    decode_hex(line)
+        .filter(|k| k.len() >= 16)
+        .ok_or(AuthError::BadKey {
+            path: p,
+            line: i + 1,
+        })
 }
 
 fn export_mac(secret: &[u8], client: &str) -> HmacSha256 {
@@ -239,20 +285,28 @@ pub fn export_token(secret: &[u8], client: &str) -> String {
 /// so that timing does not reveal how much of a guess was right.
 pub fn check_export_token(secret: &[u8], client: &str, token: &str) -> bool {
     match decode_hex(token) {
-        Some(t) if t.len() == EXPORT_TOKEN_HEX / 2 => export_mac(secret, client).verify_truncated_left(&t).is_ok(),
+        Some(t) if t.len() == EXPORT_TOKEN_HEX / 2 => {
+            export_mac(secret, client).verify_truncated_left(&t).is_ok()
+        }
         _ => false,
     }
 }
 
 fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 fn decode_hex(s: &str) -> Option<Vec<u8>> {
     if s.len() % 2 != 0 {
         return None;
     }
-    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok()).collect()
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
 }
 
 #[cfg(test)]
@@ -260,11 +314,17 @@ mod tests {
     use super::*;
 
     fn key(hex: &str) -> LabKey {
-        LabKey { username: "lab".into(), key: decode_hex(hex).unwrap() }
+        LabKey {
+            username: "lab".into(),
+            key: decode_hex(hex).unwrap(),
+        }
     }
 
     fn status_request() -> v1::Request {
-        v1::Request { body: Some(v1::request::Body::Status(v1::StatusQuery {})), auth: None }
+        v1::Request {
+            body: Some(v1::request::Body::Status(v1::StatusQuery {})),
+            auth: None,
+        }
     }
 
     #[test]
@@ -285,7 +345,10 @@ mod tests {
         let mut req = status_request();
         other.sign_request(&mut req);
         assert!(matches!(v.verify(&req), Err(AuthError::BadMac)));
-        assert!(matches!(v.verify(&status_request()), Err(AuthError::Missing)));
+        assert!(matches!(
+            v.verify(&status_request()),
+            Err(AuthError::Missing)
+        ));
         let mut req = status_request();
         k.sign_request(&mut req);
         req.body = Some(v1::request::Body::Drain(v1::DrainCommand { drain: true }));
@@ -306,7 +369,10 @@ mod tests {
     #[test]
     fn reply_signature_binds_nonce_and_content() {
         let k = key("00112233445566778899aabbccddeeff");
-        let mut reply = v1::Reply { body: Some(v1::reply::Body::Error("x".into())), mac: vec![] };
+        let mut reply = v1::Reply {
+            body: Some(v1::reply::Body::Error("x".into())),
+            mac: vec![],
+        };
         k.sign_reply(b"nonce-one-16byte", &mut reply);
         assert!(k.verify_reply(b"nonce-one-16byte", &reply).is_ok());
         assert!(k.verify_reply(b"nonce-two-16byte", &reply).is_err());
@@ -339,14 +405,23 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let f = dir.join("export.secret");
         std::fs::write(&f, "# export secret\n\n000102030405060708090a0b0c0d0e0f\n").unwrap();
-        assert_eq!(load_export_secret(&f).unwrap(), decode_hex("000102030405060708090a0b0c0d0e0f").unwrap());
+        assert_eq!(
+            load_export_secret(&f).unwrap(),
+            decode_hex("000102030405060708090a0b0c0d0e0f").unwrap()
+        );
         std::fs::write(&f, "\n0011\n").unwrap();
         let err = load_export_secret(&f).unwrap_err().to_string();
         assert!(err.contains(":2:"), "{err}");
         std::fs::write(&f, "# nothing\n").unwrap();
-        assert!(matches!(load_export_secret(&f), Err(AuthError::Empty { .. })));
+        assert!(matches!(
+            load_export_secret(&f),
+            Err(AuthError::Empty { .. })
+        ));
         std::fs::remove_dir_all(&dir).unwrap();
-        assert!(matches!(load_export_secret(&f), Err(AuthError::Read { .. })));
+        assert!(matches!(
+            load_export_secret(&f),
+            Err(AuthError::Read { .. })
+        ));
     }
 
     #[test]
@@ -356,8 +431,14 @@ mod tests {
         let f = dir.join("keys.psk");
         std::fs::write(&f, "# lab key\nalice:00112233445566778899aabbccddeeff\nbob:ffeeddccbbaa99887766554433221100\n").unwrap();
         assert_eq!(LabKey::from_psk_file(&f, None).unwrap().username(), "alice");
-        assert_eq!(LabKey::from_psk_file(&f, Some("bob")).unwrap().username(), "bob");
-        assert!(matches!(LabKey::from_psk_file(&f, Some("carol")), Err(AuthError::NoSuchUser { .. })));
+        assert_eq!(
+            LabKey::from_psk_file(&f, Some("bob")).unwrap().username(),
+            "bob"
+        );
+        assert!(matches!(
+            LabKey::from_psk_file(&f, Some("carol")),
+            Err(AuthError::NoSuchUser { .. })
+        ));
         std::fs::write(&f, "alice:00112233445566778899aabbccddeeff\nbob:zz\n").unwrap();
         let err = LabKey::from_psk_file(&f, None).unwrap_err().to_string();
         assert!(err.contains(":2:"), "{err}");

@@ -58,7 +58,10 @@ pub fn read_message<M: Message + Default>(
     r: &mut impl Read,
     peer: &str,
 ) -> Result<Option<M>, ProtoError> {
-    let io_err = |source| ProtoError::Io { addr: peer.to_string(), source };
+    let io_err = |source| ProtoError::Io {
+        addr: peer.to_string(),
+        source,
+    };
     let mut len: u64 = 0;
     for i in 0..10 {
         let mut b = [0u8; 1];
@@ -72,30 +75,48 @@ pub fn read_message<M: Message + Default>(
         len |= u64::from(b[0] & 0x7f) << (7 * i);
         if b[0] & 0x80 == 0 {
             if len > MAX_MESSAGE_BYTES as u64 {
-                return Err(ProtoError::TooLong { addr: peer.to_string(), len, max: MAX_MESSAGE_BYTES });
+                return Err(ProtoError::TooLong {
+                    addr: peer.to_string(),
+                    len,
+                    max: MAX_MESSAGE_BYTES,
+                });
             }
             let mut buf = vec![0u8; len as usize];
             r.read_exact(&mut buf).map_err(io_err)?;
             return M::decode(buf.as_slice())
                 .map(Some)
-                .map_err(|source| ProtoError::Decode { addr: peer.to_string(), source });
+                .map_err(|source| ProtoError::Decode {
+                    addr: peer.to_string(),
+                    source,
+                });
         }
     }
-    Err(ProtoError::BadLength { addr: peer.to_string() })
+    Err(ProtoError::BadLength {
+        addr: peer.to_string(),
+    })
 }
 
 /// Writes one length-delimited message.
-pub fn write_message<M: Message>(w: &mut impl Write, msg: &M, peer: &str) -> Result<(), ProtoError> {
+pub fn write_message<M: Message>(
+    w: &mut impl Write,
+    msg: &M,
+    peer: &str,
+) -> Result<(), ProtoError> {
     w.write_all(&msg.encode_length_delimited_to_vec())
         .and_then(|_| w.flush())
-        .map_err(|source| ProtoError::Io { addr: peer.to_string(), source })
+        .map_err(|source| ProtoError::Io {
+            addr: peer.to_string(),
+            source,
+        })
 }
 
 fn resolve(addr: &str) -> Result<SocketAddr, ProtoError> {
     addr.to_socket_addrs()
         .ok()
         .and_then(|mut a| a.next())
-        .ok_or_else(|| ProtoError::Resolve { addr: addr.to_string() })
+        .ok_or_else(|| ProtoError::Resolve {
+            addr: addr.to_string(),
+        })
 }
 
 /// Talks to donors' status endpoints, signing requests when it holds the
@@ -110,7 +131,10 @@ impl StatusClient {
     /// Sends one request and returns the donor's reply, checking the reply's
     /// signature when a key is held.
     pub fn call(&self, addr: &str, mut req: v1::Request) -> Result<v1::Reply, ProtoError> {
-        let io_err = |source| ProtoError::Io { addr: addr.to_string(), source };
+        let io_err = |source| ProtoError::Io {
+            addr: addr.to_string(),
+            source,
+        };
         let sa = resolve(addr)?;
         let mut s = TcpStream::connect_timeout(&sa, self.timeout).map_err(io_err)?;
         s.set_read_timeout(Some(self.timeout)).map_err(io_err)?;
@@ -130,23 +154,35 @@ impl StatusClient {
                     Some(v1::reply::Body::Error(reason)) => format!("{reason} (unsigned refusal)"),
                     _ => "its reply is not signed: the donor runs without psk= (the lab key), so its status cannot be trusted".into(),
                 };
-                return Err(ProtoError::Refused { addr: addr.to_string(), reason });
+                return Err(ProtoError::Refused {
+                    addr: addr.to_string(),
+                    reason,
+                });
             }
             key.verify_reply(&auth.nonce, &reply)
-                .map_err(|e| ProtoError::Refused { addr: addr.to_string(), reason: format!("reply not signed by the lab key: {e}") })?;
+                .map_err(|e| ProtoError::Refused {
+                    addr: addr.to_string(),
+                    reason: format!("reply not signed by the lab key: {e}"),
+                })?;
         }
         Ok(reply)
     }
 
     /// Reads a donor's current status.
     pub fn query(&self, addr: &str) -> Result<DonorStatus, ProtoError> {
-        let req = v1::Request { body: Some(v1::request::Body::Status(v1::StatusQuery {})), auth: None };
+        let req = v1::Request {
+            body: Some(v1::request::Body::Status(v1::StatusQuery {})),
+            auth: None,
+        };
         expect_status(addr, self.call(addr, req)?)
     }
 
     /// Asks a donor to start or stop draining; returns its status afterwards.
     pub fn set_draining(&self, addr: &str, drain: bool) -> Result<DonorStatus, ProtoError> {
-        let req = v1::Request { body: Some(v1::request::Body::Drain(v1::DrainCommand { drain })), auth: None };
+        let req = v1::Request {
+            body: Some(v1::request::Body::Drain(v1::DrainCommand { drain })),
+            auth: None,
+        };
         expect_status(addr, self.call(addr, req)?)
     }
 }
@@ -154,8 +190,13 @@ impl StatusClient {
 fn expect_status(addr: &str, reply: v1::Reply) -> Result<DonorStatus, ProtoError> {
     match reply.body {
         Some(v1::reply::Body::Status(s)) => Ok(s),
-        Some(v1::reply::Body::Error(reason)) => Err(ProtoError::Refused { addr: addr.to_string(), reason }),
-        None => Err(ProtoError::EmptyReply { addr: addr.to_string() }),
+        Some(v1::reply::Body::Error(reason)) => Err(ProtoError::Refused {
+            addr: addr.to_string(),
+            reason,
+        }),
+        None => Err(ProtoError::EmptyReply {
+            addr: addr.to_string(),
+        }),
     }
 }
 
@@ -218,7 +259,11 @@ mod tests {
 
     #[test]
     fn round_trip_through_framing() {
-        let msg = DonorStatus { node_id: "d1".into(), used_bytes: 4096, ..Default::default() };
+        let msg = DonorStatus {
+            node_id: "d1".into(),
+            used_bytes: 4096,
+            ..Default::default()
+        };
         let mut buf = Vec::new();
         write_message(&mut buf, &msg, "test").unwrap();
         let got: DonorStatus = read_message(&mut buf.as_slice(), "test").unwrap().unwrap();
@@ -227,8 +272,13 @@ mod tests {
 
     #[test]
     fn clean_eof_is_none_and_truncation_is_an_error() {
-        assert!(read_message::<DonorStatus>(&mut &[][..], "t").unwrap().is_none());
-        let msg = DonorStatus { node_id: "d1".into(), ..Default::default() };
+        assert!(read_message::<DonorStatus>(&mut &[][..], "t")
+            .unwrap()
+            .is_none());
+        let msg = DonorStatus {
+            node_id: "d1".into(),
+            ..Default::default()
+        };
         let buf = msg.encode_length_delimited_to_vec();
         assert!(read_message::<DonorStatus>(&mut &buf[..buf.len() - 1], "t").is_err());
     }
@@ -237,9 +287,15 @@ mod tests {
     fn oversized_and_endless_prefixes_are_refused() {
         let mut big = Vec::new();
         prost::encoding::encode_varint((MAX_MESSAGE_BYTES + 1) as u64, &mut big);
-        assert!(matches!(read_message::<DonorStatus>(&mut big.as_slice(), "t"), Err(ProtoError::TooLong { .. })));
+        assert!(matches!(
+            read_message::<DonorStatus>(&mut big.as_slice(), "t"),
+            Err(ProtoError::TooLong { .. })
+        ));
         let endless = [0xffu8; 16];
-        assert!(matches!(read_message::<DonorStatus>(&mut &endless[..], "t"), Err(ProtoError::BadLength { .. })));
+        assert!(matches!(
+            read_message::<DonorStatus>(&mut &endless[..], "t"),
+            Err(ProtoError::BadLength { .. })
+        ));
     }
 
     /// A keyed client asking a donor that answers with `reply`; the
@@ -258,28 +314,49 @@ mod tests {
         std::fs::write(&psk, "lab:00112233445566778899aabbccddeeff\n").unwrap();
         let key = LabKey::from_psk_file(&psk, None).unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
-        let client = StatusClient { timeout: Duration::from_secs(5), key: Some(key) };
-        let got = client.call(&addr, v1::Request { body: Some(v1::request::Body::Status(v1::StatusQuery {})), auth: None });
+        let client = StatusClient {
+            timeout: Duration::from_secs(5),
+            key: Some(key),
+        };
+        let got = client.call(
+            &addr,
+            v1::Request {
+                body: Some(v1::request::Body::Status(v1::StatusQuery {})),
+                auth: None,
+            },
+        );
         donor.join().unwrap();
         got
     }
 
     #[test]
     fn a_keyed_client_names_a_donor_without_psk() {
-        let unsigned = v1::Reply { body: Some(v1::reply::Body::Status(DonorStatus::default())), mac: Vec::new() };
+        let unsigned = v1::Reply {
+            body: Some(v1::reply::Body::Status(DonorStatus::default())),
+            mac: Vec::new(),
+        };
         let err = keyed_call(unsigned).unwrap_err().to_string();
         assert!(err.contains("not signed") && err.contains("psk="), "{err}");
-        let refusal = v1::Reply { body: Some(v1::reply::Body::Error("bad MAC".into())), mac: Vec::new() };
+        let refusal = v1::Reply {
+            body: Some(v1::reply::Body::Error("bad MAC".into())),
+            mac: Vec::new(),
+        };
         let err = keyed_call(refusal).unwrap_err().to_string();
         assert!(err.contains("bad MAC (unsigned refusal)"), "{err}");
-        let forged = v1::Reply { body: Some(v1::reply::Body::Status(DonorStatus::default())), mac: vec![0; 32] };
+        let forged = v1::Reply {
+            body: Some(v1::reply::Body::Status(DonorStatus::default())),
+            mac: vec![0; 32],
+        };
         let err = keyed_call(forged).unwrap_err().to_string();
         assert!(err.contains("reply not signed by the lab key"), "{err}");
     }
 
     #[test]
     fn json_names_the_state() {
-        let s = DonorStatus { state: DonorState::Draining as i32, ..Default::default() };
+        let s = DonorStatus {
+            state: DonorState::Draining as i32,
+            ..Default::default()
+        };
         assert_eq!(status_json(&s)["state"], "draining");
     }
 }

@@ -36,7 +36,10 @@ fn check_client(client: &str) -> Result<()> {
     if client.is_empty() || client.len() > 64 {
         bail!("client {client:?}: must be 1 to 64 characters");
     }
-    if let Some(c) = client.chars().find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))) {
+    if let Some(c) = client
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+    {
         bail!("client {client:?}: character {c:?} not allowed (use A-Z a-z 0-9 . _ -)");
     }
     if !client.starts_with(|c: char| c.is_ascii_alphanumeric()) {
