@@ -262,6 +262,9 @@ struct PoolState {
     open: usize,
     closed: bool,
     generation: u64,
+    /// Threads waiting in `checkout`: a returned lease wakes one only if
+    /// there is one, since a wake-up is a system call even with no waiter.
+    waiting: usize,
 }
 
 impl Pool {
@@ -277,6 +280,7 @@ impl Pool {
                 open: 0,
                 closed: false,
                 generation: 0,
+                waiting: 0,
             }),
             cv: Condvar::new(),
         }
@@ -322,12 +326,16 @@ impl Pool {
                         if st.generation == generation {
                             st.open -= 1;
                         }
-                        self.cv.notify_one();
+                        if st.waiting > 0 {
+                            self.cv.notify_one();
+                        }
                         Err(e)
                     }
                 };
             }
+            st.waiting += 1;
             st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+            st.waiting -= 1;
         }
     }
 
@@ -380,7 +388,9 @@ impl Drop for Lease<'_> {
                 st.open -= 1;
             }
         }
-        self.pool.cv.notify_one();
+        if st.waiting > 0 {
+            self.pool.cv.notify_one();
+        }
     }
 }
 

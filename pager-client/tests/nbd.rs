@@ -184,3 +184,36 @@ fn export_names_reach_the_server() {
         .expect("export listed");
     assert_eq!(e.used_bytes, 4096);
 }
+
+#[test]
+fn a_returned_lease_wakes_a_waiting_checkout() {
+    let a = Nbdkit::memory("1M");
+    let t = Timeouts {
+        connect: T,
+        request: T,
+    };
+    let pool = Pool::new(0, endpoint(&a.addr, ""), t, 1);
+    let held = pool.checkout().unwrap();
+    std::thread::scope(|s| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let pool = &pool;
+        s.spawn(move || {
+            if let Ok(mut lease) = pool.checkout() {
+                lease.run(0, Op::Write(&[5u8; 4096])).unwrap();
+                tx.send(()).unwrap();
+            }
+        });
+        // The pool's only connection is leased: the waiter must still wait.
+        assert!(rx.recv_timeout(Duration::from_millis(300)).is_err());
+        drop(held);
+        let woken = rx.recv_timeout(Duration::from_secs(10));
+        if woken.is_err() {
+            // Frees the waiter, so that the test fails instead of hanging.
+            pool.close();
+        }
+        assert!(
+            woken.is_ok(),
+            "the waiting checkout never got the returned connection"
+        );
+    });
+}
