@@ -92,22 +92,22 @@ fn bad(option: &'static str, reason: &str) -> AttachError {
 
 /// Builds and validates the configuration of a new device.
 pub fn build_config(o: &DeviceOptions, state_dir: &Path) -> Result<DeviceConfig, AttachError> {
-    let missing: Vec<&str> = [
-        ("--client-id", o.client_id.is_none()),
-        ("--size", o.size.is_none()),
-        ("--mode", o.mode.is_none()),
-        ("--donor", o.donors.is_empty()),
-    ]
-    .iter()
-    .filter(|(_, m)| *m)
-    .map(|(name, _)| *name)
-    .collect();
-    let base = match (&o.client_id, o.size, o.mode) {
-        (Some(id), Some(size), Some(choice)) if !o.donors.is_empty() => {
-            DeviceConfig::new(id.clone(), size, mode_of(choice, o, None, state_dir)?)
-        }
-        _ => return Err(AttachError::Missing(missing.join(", "))),
+    let (Some(id), Some(size), Some(choice), false) =
+        (&o.client_id, o.size, o.mode, o.donors.is_empty())
+    else {
+        let missing: Vec<&str> = [
+            ("--client-id", o.client_id.is_none()),
+            ("--size", o.size.is_none()),
+            ("--mode", o.mode.is_none()),
+            ("--donor", o.donors.is_empty()),
+        ]
+        .iter()
+        .filter(|(_, m)| *m)
+        .map(|(name, _)| *name)
+        .collect();
+        return Err(AttachError::Missing(missing.join(", ")));
     };
+    let base = DeviceConfig::new(id.clone(), size, mode_of(choice, o, None, state_dir)?);
     let c = apply_options(&base, o, state_dir)?;
     c.validate().map_err(AttachError::Config)?;
     Ok(c)
