@@ -16,11 +16,12 @@
 #      alternating A B C D A B C D ... Completion times and ratios to nbdkit
 #      memory. The same nbdkit memory is also reached through a local
 #      nbdkit proxy on a unix socket (its nbd plugin), the path the client
-#      takes to a donor: it prices the extra hop apart from the client. Two settings (SWAP_SETTINGS):
-#      "links" puts each donor and the one nbdkit memory behind its own
-#      emulated $LINK_RATE link, as remote memory is in a lab; "loopback"
-#      runs all of them at loopback speed, which shows what the client's
-#      extra hop costs. Target: client <= 1.0x, with links.
+#      takes to a donor: that prices the extra hop apart from the client.
+#      Two settings (SWAP_SETTINGS): "links" puts each donor and the one
+#      nbdkit memory behind its own emulated $LINK_RATE link, as remote
+#      memory is in a lab; "loopback" runs all of them at loopback speed,
+#      which shows whether bandwidth binds at all. Target: client <= 1.0x,
+#      with links.
 #
 #   scripts/bench-client.sh                 # all three
 #   scripts/bench-client.sh donors modes    # some of them
