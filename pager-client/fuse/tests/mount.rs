@@ -1,0 +1,230 @@
+//! Real mounts (root): a backend in memory served over each transport,
+//! read and written through the kernel with O_DIRECT and through a loop
+//! device, and the fallback when io_uring is switched off.
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::Path;
+use std::sync::Mutex;
+
+use pager_fuse::{Backend, Mount, Options, Transport, ENABLE_URING};
+
+/// The sysfs switch is machine-wide: tests that depend on it take turns.
+static URING_SWITCH: Mutex<()> = Mutex::new(());
+
+struct Memory {
+    bytes: Mutex<Vec<u8>>,
+    trims: Mutex<Vec<(u64, u64)>>,
+}
+
+impl Backend for Memory {
+    fn size(&self) -> u64 {
+        self.bytes.lock().unwrap().len() as u64
+    }
+    fn read(&self, buf: &mut [u8], offset: u64) -> Result<(), i32> {
+        let b = self.bytes.lock().unwrap();
+        buf.copy_from_slice(&b[offset as usize..offset as usize + buf.len()]);
+        Ok(())
+    }
+    fn write(&self, data: &[u8], offset: u64) -> Result<(), i32> {
+        let mut b = self.bytes.lock().unwrap();
+        b[offset as usize..offset as usize + data.len()].copy_from_slice(data);
+        Ok(())
+    }
+    fn zero(&self, len: u64, offset: u64) -> Result<(), i32> {
+        self.bytes.lock().unwrap()[offset as usize..(offset + len) as usize].fill(0);
+        Ok(())
+    }
+    fn trim(&self, len: u64, offset: u64) -> Result<(), i32> {
+        self.trims.lock().unwrap().push((offset, len));
+        self.zero(len, offset)
+    }
+    fn flush(&self) -> Result<(), i32> {
+        Ok(())
+    }
+}
+
+fn root() -> bool {
+    // The effective uid, from /proc.
+    std::fs::read_to_string("/proc/self/status")
+        .map(|s| {
+            s.lines()
+                .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(2) == Some("0"))
+        })
+        .unwrap_or(false)
+}
+
+fn set_uring(on: bool) -> Option<bool> {
+    let old = std::fs::read_to_string(ENABLE_URING).ok()?.trim() == "Y";
+    std::fs::write(ENABLE_URING, if on { "Y" } else { "N" }).ok()?;
+    Some(old)
+}
+
+/// Aligned buffer for O_DIRECT.
+fn aligned(len: usize, seed: u8) -> (Vec<u8>, usize) {
+    let v: Vec<u8> = (0..len + 4096)
+        .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+        .collect();
+    let at = v.as_ptr().align_offset(4096);
+    (v, at)
+}
+
+fn exercise(dir: &Path, size: usize) {
+    let file = dir.join("device");
+    assert_eq!(std::fs::metadata(&file).unwrap().len(), size as u64);
+    let names: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(names, ["device"]);
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&file)
+        .unwrap();
+    for (i, (off, len)) in [
+        (0usize, 4096usize),
+        (8192, 65536),
+        (size - (1 << 20), 1 << 20),
+        (12288, 4096),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let (src, at) = aligned(len, i as u8);
+        f.write_all_at(&src[at..at + len], off as u64).unwrap();
+        let (mut back, bat) = aligned(len, 0xff);
+        f.read_exact_at(&mut back[bat..bat + len], off as u64)
+            .unwrap();
+        assert!(
+            back[bat..bat + len] == src[at..at + len],
+            "bytes at {off}+{len} differ"
+        );
+    }
+    // A hole punched is a trim.
+    // SAFETY: fallocate(2) takes integers and an fd that `f` keeps open.
+    let rc = unsafe {
+        libc::fallocate(
+            std::os::fd::AsRawFd::as_raw_fd(&f),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            8192,
+            65536,
+        )
+    };
+    assert_eq!(rc, 0, "punch hole: {}", std::io::Error::last_os_error());
+    let (mut back, bat) = aligned(65536, 1);
+    f.read_exact_at(&mut back[bat..bat + 65536], 8192).unwrap();
+    assert!(back[bat..bat + 65536].iter().all(|&c| c == 0));
+    f.sync_all().unwrap();
+}
+
+/// Unmounts on every exit path, a failed assertion included.
+struct Mounted {
+    dir: tempfile::TempDir,
+    mount: Option<Mount>,
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        if let Some(m) = self.mount.take() {
+            let _ = pager_fuse::unmount(self.dir.path(), true);
+            let _ = m.wait();
+        }
+    }
+}
+
+impl Mounted {
+    /// Unmounts the normal way (not lazily) and waits for every thread.
+    fn finish(mut self) {
+        let m = self.mount.take().unwrap();
+        pager_fuse::unmount(self.dir.path(), false).unwrap();
+        m.wait().unwrap();
+    }
+
+    fn mount(&self) -> &Mount {
+        self.mount.as_ref().unwrap()
+    }
+}
+
+fn serve(transport: Transport, size: usize) -> Mounted {
+    let dir = tempfile::tempdir().unwrap();
+    let backend = Memory {
+        bytes: Mutex::new(vec![0; size]),
+        trims: Mutex::new(Vec::new()),
+    };
+    let opts = Options {
+        transport,
+        threads: 2,
+        ..Options::default()
+    };
+    let m = Mount::start(backend, dir.path(), &opts).unwrap();
+    Mounted {
+        dir,
+        mount: Some(m),
+    }
+}
+
+#[test]
+fn classic_serves_reads_writes_and_holes() {
+    if !root() {
+        panic!("needs root (mounts FUSE)");
+    }
+    let m = serve(Transport::Classic, 8 << 20);
+    assert_eq!(m.mount().transport(), Transport::Classic);
+    assert!(m.mount().fallback_reason().is_none());
+    exercise(m.dir.path(), 8 << 20);
+    m.finish();
+}
+
+#[test]
+fn uring_serves_reads_writes_and_holes() {
+    if !root() {
+        panic!("needs root (mounts FUSE)");
+    }
+    let _turn = URING_SWITCH.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(old) = set_uring(true) else {
+        eprintln!("this kernel has no FUSE over io_uring ({ENABLE_URING}); nothing to test");
+        return;
+    };
+    let m = serve(Transport::Uring, 8 << 20);
+    let t = m.mount().transport();
+    let reason = m.mount().fallback_reason().map(str::to_string);
+    let result = std::panic::catch_unwind(|| exercise(m.dir.path(), 8 << 20));
+    let answered = m.mount().ring_answers();
+    m.finish();
+    set_uring(old);
+    if let Err(p) = result {
+        std::panic::resume_unwind(p);
+    }
+    assert_eq!(t, Transport::Uring, "fell back: {reason:?}");
+    // Every read and write of `exercise` at least (8 requests).
+    assert!(
+        answered >= 8,
+        "only {answered} requests came through the rings"
+    );
+}
+
+#[test]
+fn uring_switched_off_falls_back_to_classic_and_says_why() {
+    if !root() {
+        panic!("needs root (mounts FUSE)");
+    }
+    let _turn = URING_SWITCH.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(old) = set_uring(false) else {
+        eprintln!("this kernel has no FUSE over io_uring ({ENABLE_URING}); nothing to test");
+        return;
+    };
+    let m = serve(Transport::Uring, 4 << 20);
+    let t = m.mount().transport();
+    let reason = m.mount().fallback_reason().map(str::to_string);
+    let result = std::panic::catch_unwind(|| exercise(m.dir.path(), 4 << 20));
+    assert_eq!(m.mount().ring_answers(), 0);
+    m.finish();
+    set_uring(old);
+    if let Err(p) = result {
+        std::panic::resume_unwind(p);
+    }
+    assert_eq!(t, Transport::Classic);
+    assert!(reason.unwrap().contains("enable_uring"));
+}
