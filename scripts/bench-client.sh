@@ -10,9 +10,11 @@
 #      by side on 4 such donors, as ratios to none. Targets: parity reads
 #      >= 0.95x, writes >= 0.6x.
 #   3. swap: a job touching 3x its memory cgroup limit swapping through the
-#      client (3 donors, parity), through one `nbdkit memory` over TCP (a
-#      remote memory server, as a donor is) attached the same way (nbdfuse
-#      + loop device), through zram and through a swap file on local disk,
+#      client (3 donors, parity) on each front end (FRONTENDS: fuse-uring,
+#      fuse, nbd), through one `nbdkit memory` over TCP (a remote memory
+#      server, as a donor is) attached through nbdfuse + a loop device,
+#      through a loop device over a tmpfs file (the floor of any loop
+#      device), through zram and through a swap file on local disk,
 #      alternating A B C D A B C D ... Completion times and ratios to nbdkit
 #      memory. The same nbdkit memory is also reached through a local
 #      nbdkit proxy on a unix socket (its nbd plugin), the path the client
@@ -20,10 +22,14 @@
 #      Two settings (SWAP_SETTINGS): "links" puts each donor and the one
 #      nbdkit memory behind its own emulated $LINK_RATE link, as remote
 #      memory is in a lab; "loopback" runs all of them at loopback speed,
-#      which shows whether bandwidth binds at all. Target: client <= 1.0x,
-#      with links.
+#      which shows whether bandwidth binds at all. Targets: client on
+#      fuse-uring <= 1.0x nbdkit memory and <= 1.0x the swap file.
+#   4. latency: QD1 4 KiB random reads and writes (fio, psync, direct=1)
+#      through the client's loop device (mode none, one donor, each front
+#      end) against fio's nbd engine straight to that donor over TCP,
+#      alternating. Target: fuse-uring <= 1.2x direct.
 #
-#   scripts/bench-client.sh                 # all three
+#   scripts/bench-client.sh                 # all four
 #   scripts/bench-client.sh donors modes    # some of them
 #   RUNTIME=10 ROUNDS=3 LIMIT=128M scripts/bench-client.sh swap
 #   SWAP_MODE=none scripts/bench-client.sh swap   # the client in another mode
@@ -54,6 +60,7 @@ FIO_SIZE="${FIO_SIZE:-512M}" # region fio works on
 SWAP_MODE="${SWAP_MODE:-parity}" # the client's mode in the swap benchmark
 SWAP_SETTINGS="${SWAP_SETTINGS:-links loopback}" # see 3. above
 MODES="${MODES:-mirror parity parity-nolog disk}" # modes compared with none in 2.
+FRONTENDS="${FRONTENDS:-fuse-uring fuse nbd}" # the client's front ends in 3. and 4.
 PY=/usr/bin/python3
 export PATH=/usr/sbin:/usr/bin:/sbin:/bin:$PATH
 
@@ -318,10 +325,12 @@ swap_on() {
 # Targets: each sets SWAPDEV, pushing its own undo. The remote ones put
 # each server behind a link of SWAP_RATE bits/s ("" for loopback speed).
 SWAP_RATE=""
+FRONTEND=fuse-uring
 target_client() {
   start_donors 3 "$SWAP_RATE"
   mode_args "$SWAP_MODE" 3
-  attach_client "$WORK/c-swap" "$MODE_WORD" 1G "${MODE_ARGS[@]}" --swap --priority 32767
+  attach_client "$WORK/c-swap" "$MODE_WORD" 1G "${MODE_ARGS[@]}" --frontend "$FRONTEND" \
+    --swap --priority 32767
   SWAPDEV="$DEVICE"
 }
 # memory_server: one `nbdkit memory` over TCP on a loopback address of its
@@ -380,6 +389,17 @@ target_proxy() {
   wait_file "$WORK/proxy.pid" "$pid" "nbdkit nbd (log $WORK/proxy.log)"
   fuse_swap "nbd+unix:///?socket=$sock"
 }
+# A loop device over a file in tmpfs: what a loop device costs by itself,
+# the floor of every FUSE-backed target.
+target_tmpfs() {
+  local f="/dev/shm/netpager-bench-swap" lo
+  fallocate -l 1G "$f"
+  push_undo "rm -f $f"
+  lo="$(losetup --find --show --direct-io=on "$f")"
+  push_undo "losetup --detach $lo; while [ -e /sys/block/${lo#/dev/}/loop/backing_file ]; do sleep 0.1; done"
+  swap_on "$lo"
+  SWAPDEV="$lo"
+}
 target_zram() {
   local z
   z="$(zramctl --find --size 1G)"
@@ -421,16 +441,21 @@ bench_swap() {
   local round t setting runs=()
   for setting in $SWAP_SETTINGS; do
     case "$setting" in
-      links | loopback) runs+=("client/$setting" "proxy/$setting" "memory/$setting") ;;
+      links | loopback)
+        for f in $FRONTENDS; do runs+=("client:$f/$setting"); done
+        runs+=("proxy/$setting" "memory/$setting")
+        ;;
       *) die "unknown swap setting $setting (links, loopback)" ;;
     esac
   done
-  runs+=(zram file)
+  runs+=(tmpfs zram file)
   for round in $(seq "$ROUNDS"); do
     for t in "${runs[@]}"; do
       SWAP_RATE=""
       [ "${t#*/}" = links ] && SWAP_RATE="$LINK_RATE"
-      swap_run "${t%/*}"
+      local target="${t%/*}"
+      FRONTEND="${target#client:}"
+      swap_run "${target%%:*}"
       T[$t]="${T[$t]:-} $SECS"
       echo "round $round: $t ${SECS}s" >&2
     done
@@ -442,15 +467,16 @@ bench_swap() {
     setting="${t#*/}"
     [ "$setting" = "$t" ] && setting=loopback
     case "$t" in
-      client/*) label="client, $SWAP_MODE, 3 donors" ;;
+      client:*) label="client, $SWAP_MODE, 3 donors, ${t%%/*}"; label="${label/client:/}" ;;
       proxy/*) label="one nbdkit memory via a local proxy" ;;
       memory/*) label="one nbdkit memory" ;;
+      tmpfs) label="loop over a tmpfs file (the floor)" ;;
       zram) label="zram" ;;
       file) label="swap file on local disk" ;;
     esac
     case "$setting" in
       links) label="$label, $LINK_RATE links" ;;
-      loopback) [ "$t" = zram ] || [ "$t" = file ] || label="$label, loopback" ;;
+      loopback) case "$t" in */*) label="$label, loopback" ;; esac ;;
     esac
     mean="$(mean_of ${T[$t]})"
     # Local targets compare with the loopback nbdkit memory if it ran.
@@ -458,17 +484,69 @@ bench_swap() {
     printf '%-52s %-24s %10s %16s\n' "$label" "${T[$t]# }" "$mean" "$(ratio "$mean" "$(mean_of $base)")"
   done
   for setting in $SWAP_SETTINGS; do
-    echo "client vs the proxied nbdkit memory, $setting: $(ratio "$(mean_of ${T[client/$setting]})" "$(mean_of ${T[proxy/$setting]})") (the client's own cost, the hop set aside)"
+    for f in $FRONTENDS; do
+      echo "client on $f vs the swap file, $setting: $(ratio "$(mean_of ${T[client:$f/$setting]})" "$(mean_of ${T[file]})")"
+    done
   done
-  echo "(target: client <= 1.0x one nbdkit memory, both behind links)"
+  echo "(targets: client on fuse-uring <= 1.0x one nbdkit memory and <= 1.0x the swap file)"
+  echo
+}
+
+# ---------------------------------------------------------- 4. latency
+# fio_lat TARGET RW [extra...]: prints the mean completion latency in us of
+# QD1 4 KiB random I/O over the first 64 MiB.
+fio_lat() {
+  local target="$1" rw="$2"
+  shift 2
+  fio --name=lat "$target" --rw="$rw" --bs=4k --iodepth=1 --size=64M --runtime="$RUNTIME" \
+    --time_based --ramp_time=2 --randrepeat=0 --output-format=json "$@" 2>"$WORK/fio-lat.err" |
+    "$PY" -c 'import json, sys; j = json.load(sys.stdin)["jobs"][0]; d = j["read"] if j["read"]["io_bytes"] else j["write"]; print(f"{d['clat_ns']['mean'] / 1000:.1f}")' ||
+    die "fio failed: $(tail -3 "$WORK/fio-lat.err")"
+}
+
+bench_latency() {
+  echo "== 4. Latency: QD1 4 KiB random I/O, mean completion time (us), $ROUNDS rounds"
+  declare -A L
+  local round f rw
+  start_donors 1 ""
+  local donor="${DONORS[1]%%,*}"
+  for round in $(seq "$ROUNDS"); do
+    for f in $FRONTENDS; do
+      attach_client "$WORK/c-lat-$f" none 256M --frontend "$f"
+      for rw in randread randwrite; do
+        # The device is new: written once first, so reads find data.
+        [ "$round$rw" = 1randread ] && fio --name=fill --filename="$DEVICE" --rw=write --bs=1M \
+          --size=64M --direct=1 >/dev/null 2>&1
+        L[$f/$rw]="${L[$f/$rw]:-} $(fio_lat "--filename=$DEVICE" "$rw" --ioengine=psync --direct=1)"
+      done
+      "$PAGERCTL" detach --state-dir "$WORK/c-lat-$f" >/dev/null 2>>"$WORK/pagerctl.log"
+    done
+    for rw in randread randwrite; do
+      L[direct/$rw]="${L[direct/$rw]:-} $(fio_lat "--uri=nbd://$donor/direct@256M" "$rw" --ioengine=nbd)"
+    done
+  done
+  mean_of() { "$PY" -c 'import sys; v = [float(x) for x in sys.argv[1:]]; print(f"{sum(v) / len(v):.1f}")' "$@"; }
+  printf '%-44s %12s %12s %12s %12s
+' path "read us" "vs direct" "write us" "vs direct"
+  local r w rd wd
+  rd="$(mean_of ${L[direct/randread]})"
+  wd="$(mean_of ${L[direct/randwrite]})"
+  for f in $FRONTENDS direct; do
+    r="$(mean_of ${L[$f/randread]})"
+    w="$(mean_of ${L[$f/randwrite]})"
+    printf '%-44s %12s %12s %12s %12s
+' "$( [ "$f" = direct ] && echo "fio nbd engine to the donor" || echo "client, none, 1 donor, $f")" \
+      "$r" "$(ratio "$r" "$rd")" "$w" "$(ratio "$w" "$wd")"
+  done
+  echo "(target: fuse-uring <= 1.2x direct)"
   echo
 }
 
 WHICH=("$@")
-[ ${#WHICH[@]} -gt 0 ] || WHICH=(donors modes swap)
+[ ${#WHICH[@]} -gt 0 ] || WHICH=(donors modes swap latency)
 for b in "${WHICH[@]}"; do
   case "$b" in
-    donors | modes | swap) bench "bench_$b" ;;
-    *) die "unknown benchmark $b (donors, modes, swap)" ;;
+    donors | modes | swap | latency) bench "bench_$b" ;;
+    *) die "unknown benchmark $b (donors, modes, swap, latency)" ;;
   esac
 done

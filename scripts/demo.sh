@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# netpager demo: donor on loopback -> nbdfuse -> loop -> swapon -> a job in a
-# memory cgroup touching 3x its limit and verifying every page -> the donor's
-# status -> teardown. Run as root after `make build` (`make demo` does both).
+# netpager demo: donors on loopback -> the client's own FUSE file -> loop ->
+# swapon -> a job in a memory cgroup touching 3x its limit and verifying every
+# page -> the donors' status -> teardown. Run as root after `make build` (`make demo` does both).
 # Options go to the demo module: --donors N --size 1G --limit 128M --factor 3.
 set -euo pipefail
 cd "$(dirname "$0")/.."

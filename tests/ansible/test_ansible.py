@@ -396,7 +396,7 @@ def test_rollout_serves_donors_and_swaps_on_the_client(lab):
     assert key not in out, "the lab key appeared in ansible's output"
 
     st = lab.client_status()
-    assert st["attached"] and st["swap"] and st["nbdkit"]["alive"], st
+    assert st["attached"] and st["swap"] and st["server"]["alive"], st
     device = st["device"]
     with open("/proc/swaps") as f:
         rows = [line.split() for line in f.readlines()[1:]]
@@ -452,7 +452,7 @@ def test_rolling_update_drains_each_donor_and_keeps_every_page(lab):
         assert recap(out)[CLIENT]["changed"] == 0, out
 
         st = lab.client_status()
-        assert st["attached"] and st["nbdkit"]["alive"], st
+        assert st["attached"] and st["server"]["alive"], st
         assert st["status"]["totals"]["lost"] == 0, st["status"]["totals"]
 
         holder.signal(signal.SIGUSR1)

@@ -141,14 +141,19 @@ class PagerClient:
         return self.state_dir / "nbd.sock"
 
     def uri(self) -> str:
-        """The client's own NBD export on its unix socket (for libnbd and fio)."""
+        """The client's own NBD export on its unix socket (for libnbd and fio;
+        attach with frontend="nbd")."""
         return f"nbd+unix:///{self.client_id}?socket={self.socket}"
 
     def attach(self, donors, *, mode: str | None = "none", size: str | None = "128M",
-               swap: bool = False, extra=(), new_device: bool = True) -> str:
+               swap: bool = False, extra=(), new_device: bool = True,
+               frontend: str | None = None) -> str:
         """`pagerctl attach`; returns the device. `new_device=False` re-attaches
-        the device the state directory holds (no device options)."""
+        the device the state directory holds (no device options). `frontend`
+        None is pagerctl's auto (fuse-uring here)."""
         args = ["attach", "--state-dir", self.state_dir]
+        if frontend:
+            args += ["--frontend", frontend]
         if new_device:
             args += ["--size", size, "--mode", mode, "--client-id", self.client_id]
             for d in donors:
@@ -161,10 +166,11 @@ class PagerClient:
             # attach.json, which detach undoes.
             self.teardown.add(f"pagerctl detach {self.state_dir}", self._teardown_detach)
             self.teardown.add_log(self.state_dir / "nbdkit.log")
+            self.teardown.add_log(self.state_dir / "serve.log")
             self._registered = True
         p = run_pagerctl(args)
         self.device = p.stdout.strip().splitlines()[-1]
-        pid = self.nbdkit_pid()
+        pid = self.server_pid()
         if pid:
             self._pids.append(pid)
         return self.device
@@ -175,12 +181,18 @@ class PagerClient:
         except FileNotFoundError:
             return None
 
-    def nbdkit_pid(self) -> int | None:
+    def server_pid(self) -> int | None:
+        """The process serving the device: `pagerctl serve`, or nbdkit."""
         rec = self.attach_json()
         for step in (rec or {}).get("steps", []):
-            if step["step"] == "nbdkit":
+            if step["step"] in ("nbdkit", "fuse-server"):
                 return step["pid"]
         return None
+
+    def frontend(self) -> str | None:
+        """The front end in use: fuse-uring, fuse or nbd."""
+        st = self.status()
+        return st["transport"] or st["frontend"]
 
     def detach(self) -> None:
         run_pagerctl(["detach", "--state-dir", self.state_dir])
@@ -212,13 +224,13 @@ class PagerClient:
         except TimeoutError as e:
             raise TimeoutError(f"{e}; last status: {json.dumps(last, indent=1)[:4000]}") from None
 
-    def kill_nbdkit(self) -> None:
-        """Crashes the client: SIGKILL to its nbdkit (a pid this test started
-        through pagerctl, read from attach.json)."""
-        pid = self.nbdkit_pid()
-        assert pid and pid in self._pids, f"nbdkit pid {pid} is not one this test started"
+    def kill_server(self) -> None:
+        """Crashes the client: SIGKILL to its serving process (a pid this test
+        started through pagerctl, read from attach.json)."""
+        pid = self.server_pid()
+        assert pid and pid in self._pids, f"server pid {pid} is not one this test started"
         os.kill(pid, 9)
-        wait_for(lambda: not pid_alive(pid), 10, f"client nbdkit {pid} to die")
+        wait_for(lambda: not pid_alive(pid), 10, f"client server {pid} to die")
 
     def leftovers(self) -> list[str]:
         """What a detach should have removed and is still there."""
@@ -232,8 +244,10 @@ class PagerClient:
             left.append(f"loop device {dev}")
             if dev in swaps():
                 left.append(f"swap on {dev}")
-        left += [f"nbdkit pid {p}" for p in self._pids if pid_alive(p)]
+        left += [f"server pid {p}" for p in self._pids if pid_alive(p)]
         left += processes_mentioning(str(self.state_dir))
         if self.socket.exists():
             left.append(f"socket {self.socket}")
+        if (self.state_dir / "serve.json").exists():
+            left.append("serve.json")
         return left

@@ -48,7 +48,7 @@ def test_full_donors_spill_to_the_fallback_file(teardown, donors, client, tmp_pa
     # 4 donors x 8 MiB cannot hold a 64 MiB device; the fallback takes the rest.
     ds = donors(4, budget="8M")
     fallback = tmp_path / "fallback.img"
-    client.attach(ds, mode="none", size="64M",
+    client.attach(ds, mode="none", size="64M", frontend="nbd",
                   extra=["--fallback", fallback, "--fallback-size", "64M"])
     assert fill(client, "fb") is None
     verify(client, "fb")
@@ -65,7 +65,7 @@ def test_full_donors_spill_to_the_fallback_file(teardown, donors, client, tmp_pa
 
 def test_full_donors_without_fallback_give_enospc(teardown, donors, client):
     ds = donors(4, budget="8M")
-    client.attach(ds, mode="none", size="64M")
+    client.attach(ds, mode="none", size="64M", frontend="nbd")
     stopped = fill(client, "nospc")
     assert stopped is not None and stopped > 0, "every write fitted into 32 MiB of budgets"
     # What was accepted before the device filled up is intact.
@@ -99,10 +99,12 @@ def fsck_clean(device: str):
     assert p.returncode == 0, f"fsck.ext4 -n {device}: {p.returncode}\n{p.stdout}\n{p.stderr}"
 
 
-@pytest.mark.parametrize("mode", ["mirror", "parity"])
-def test_filesystem_survives_detach_and_client_crash(mode, teardown, donors, client, tmp_path):
+@pytest.mark.parametrize("mode,frontend", [("mirror", "fuse-uring"), ("parity", "fuse-uring"),
+                                           ("parity", "fuse"), ("parity", "nbd")])
+def test_filesystem_survives_detach_and_client_crash(mode, frontend, teardown, donors, client, tmp_path):
     ds = donors(4)
-    dev = client.attach(ds, mode=mode, size="64M")
+    dev = client.attach(ds, mode=mode, size="64M", frontend=frontend)
+    assert client.frontend() == frontend
     subprocess.run(["mkfs.ext4", "-q", "-F", dev], check=True, capture_output=True)
     mnt = Mount(teardown, dev, tmp_path / "mnt")
     for i in range(8):
@@ -122,9 +124,9 @@ def test_filesystem_survives_detach_and_client_crash(mode, teardown, donors, cli
     mnt.umount()
     subprocess.run(["sync"], check=True)
 
-    # A crash: the client's nbdkit dies; detach cleans up what is left of the
-    # attach, and the next attach serves the data the donors still hold.
-    client.kill_nbdkit()
+    # A crash: the serving process dies; detach cleans up what is left of
+    # the attach, and the next attach serves the data the donors still hold.
+    client.kill_server()
     client.detach()
     assert client.leftovers() == []
     dev = client.attach(ds, new_device=False)
@@ -175,7 +177,7 @@ def test_fio_verifies_through_the_device_and_the_socket(teardown, donors, client
     from netpager_testkit.nbdio import fio
 
     ds = donors(4)
-    dev = client.attach(ds, mode="parity", size="64M")
+    dev = client.attach(ds, mode="parity", size="64M", frontend="nbd")
     common = ["--bs=4k", "--size=32M", "--verify=crc32c", "--verify_fatal=1", "--do_verify=1",
               "--randrepeat=0"]
     fio(["--name=loop", f"--filename={dev}", "--direct=1", "--ioengine=psync", "--rw=randwrite"]
@@ -184,6 +186,22 @@ def test_fio_verifies_through_the_device_and_the_socket(teardown, donors, client
     # the device, so it does not overwrite what the first job verified.
     fio(["--name=nbd", "--ioengine=nbd", f"--uri={client.uri()}", "--rw=randwrite",
          "--offset=32M", "--iodepth=8"] + common, tmp_path / "fio-nbd.log")
+    assert client.device_status()["totals"]["lost"] == 0
+    client.detach()
+    assert client.leftovers() == []
+
+
+@pytest.mark.parametrize("frontend", ["fuse-uring", "fuse", "nbd"])
+def test_fio_verifies_randrw_on_each_front_end(frontend, teardown, donors, client, tmp_path):
+    from netpager_testkit.nbdio import fio
+
+    ds = donors(4)
+    dev = client.attach(ds, mode="parity", size="64M", frontend=frontend)
+    assert client.frontend() == frontend
+    fio(["--name=randrw", f"--filename={dev}", "--direct=1", "--ioengine=libaio", "--iodepth=8",
+         "--rw=randrw", "--numjobs=4", "--bs=4k", "--size=16M", "--offset_increment=16M",
+         "--verify=crc32c", "--verify_fatal=1", "--do_verify=1", "--randrepeat=0"],
+        tmp_path / "fio.log")
     assert client.device_status()["totals"]["lost"] == 0
     client.detach()
     assert client.leftovers() == []

@@ -76,7 +76,7 @@ def test_mode_none_reports_lost_extents_and_keeps_the_rest(teardown, donors, cli
     from netpager_testkit.nbdio import connect, pattern
 
     ds = donors(4)
-    client.attach(ds, mode="none", size="64M", extra=["--request-timeout", "2"])
+    client.attach(ds, mode="none", size="64M", frontend="nbd", extra=["--request-timeout", "2"])
     size = 64 * MIB
     with connect(client.uri()) as h:
         for off in range(0, size, MIB):
@@ -123,4 +123,43 @@ def test_drain_moves_extents_while_the_job_runs(teardown, donors, client, memhog
     assert final["totals"]["lost"] == 0 and final["totals"]["degraded"] == 0, final["totals"]
     run_pagerctl(["donor-drain", f"{host}:{port}", "--undo"])
     client.detach()
+    assert client.leftovers() == []
+
+
+def test_client_killed_while_swapping_leaves_a_kernel_that_answers(teardown, donors, client, memhog,
+                                                                  tmp_path):
+    """kill -9 of the serving process with a job swapping through it: the
+    FUSE connection aborts, the job's swapped pages fail (it may die), but
+    nothing hangs, and detach cleans everything up (pagerctl(1), CRASHES)."""
+    ds = donors(3)
+    device = client.attach(ds, mode="parity", size="256M", swap=True, frontend="fuse-uring")
+    job = start_swapping_job(teardown, memhog, tmp_path, device)
+    client.kill_server()
+    # The job either finishes (its pages read back before the kill) or dies
+    # of a failed swap-in; what it must not do is hang.
+    assert job.proc.wait(120) is not None, "the job hangs after the client died"
+    p = run_pagerctl(["status", "--state-dir", client.state_dir, "--json"])
+    st = json.loads(p.stdout)
+    assert st["server"] and not st["server"]["alive"], st["server"]
+    client.detach()
+    assert client.leftovers() == []
+
+
+def test_attach_turns_io_uring_on_and_detach_turns_it_back(teardown, donors, client):
+    from pathlib import Path
+
+    switch = Path("/sys/module/fuse/parameters/enable_uring")
+    if not switch.exists():
+        pytest.skip("this kernel has no FUSE over io_uring")
+    old = switch.read_text().strip()
+    teardown.add(f"{switch} back to {old}", lambda: switch.write_text(old))
+    switch.write_text("N")
+    ds = donors(1)
+    client.attach(ds, mode="none", size="64M", frontend="fuse-uring")
+    assert switch.read_text().strip() == "Y"
+    st = client.status()
+    assert st["transport"] == "fuse-uring" and st["transport_fallback"] is None, st
+    assert any(s["step"] == "uring-switch" and s["old"] == "N" for s in st["steps"]), st["steps"]
+    client.detach()
+    assert switch.read_text().strip() == "N"
     assert client.leftovers() == []

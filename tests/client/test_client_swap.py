@@ -14,11 +14,14 @@ from netpager_testkit import swaps
 LIMIT = 64 * MIB
 
 
-@pytest.mark.parametrize("mode", ["none", "mirror", "parity", "disk"])
-def test_swap_job_in_each_mode(mode, teardown, donors, client, memhog, tmp_path):
+@pytest.mark.parametrize("mode,frontend", [("none", "fuse-uring"), ("mirror", "fuse-uring"),
+                                           ("parity", "fuse-uring"), ("disk", "fuse-uring"),
+                                           ("parity", "fuse"), ("parity", "nbd")])
+def test_swap_job_in_each_mode(mode, frontend, teardown, donors, client, memhog, tmp_path):
     ds = donors(4)
-    device = client.attach(ds, mode=mode, size="256M", swap=True)
+    device = client.attach(ds, mode=mode, size="256M", swap=True, frontend=frontend)
     assert device in swaps(), f"{device} is not swap: {swaps()}"
+    assert client.frontend() == frontend
 
     job = run_memhog(teardown, memhog, LIMIT, tmp_path / "memhog.log", device)
     assert "memhog: OK" in job.finish()
@@ -46,7 +49,8 @@ def test_attach_failure_undoes_every_step(teardown, donors, client):
         pytest.skip("this machine has kernel nbd devices")
     ds = donors(1)
     p = run_pagerctl(["attach", "--state-dir", client.state_dir, "--size", "64M", "--mode", "none",
-                      "--donor", donor_spec(ds[0]), "--via", "nbd-client"], check=False)
+                      "--donor", donor_spec(ds[0]), "--frontend", "nbd", "--via", "nbd-client"],
+                     check=False)
     assert p.returncode != 0
     assert "modprobe nbd" in p.stderr, p.stderr
     assert "undoing" in p.stderr, p.stderr

@@ -3,8 +3,10 @@
     python3 -m netpager_testkit.demo [--donors N] [--mode parity] [--limit 128M] [--factor 3]
 
 1. donors: nbdkit + pager-server on 127.0.0.2, ...
-2. attach: `pagerctl attach --swap`: the client's nbdkit (extents on the
-   donors, parity) -> nbdfuse file -> loop device -> swapon
+2. attach: `pagerctl attach --swap --frontend auto`: the client process
+   serves its device (extents on the donors, parity) as a file on its own
+   FUSE mount (over io_uring where the kernel has it) -> loop device ->
+   swapon
 3. job: memhog in a memory cgroup touches FACTOR x its limit, so most of
    its pages live on the donors, and verifies every page
 4. the client's status (donors, weights, extents) and the donors' own
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -73,9 +76,14 @@ def attach(td: Teardown, state: Path, donors: list[Donor], mode: str, size: int)
         args += ["--parity-width", str(min(len(donors), 4))]
     for d in donors:
         args += ["--donor", f"{d.addr}:{d.port},status={d.params['status']},name={d.name}"]
+    args += ["--frontend", "auto"]
     device = pagerctl_run(args).strip().splitlines()[-1]
-    print(f"client nbdkit  {state / 'nbd.sock'} (libpager_client_plugin.so, mode {mode})")
-    print(f"swap on        {device} (nbdfuse file -> loop device with direct I/O)")
+    status = json.loads(pagerctl_run(["status", "--state-dir", state, "--json"]))
+    print(f"client         pagerctl serve pid {status['server']['pid']} (mode {mode}), "
+          f"front end {status['transport'] or status['frontend']}")
+    if status.get("transport_fallback"):
+        print(f"               io_uring not used: {status['transport_fallback']}")
+    print(f"swap on        {device} (loop device with direct I/O over {state / 'fuse' / 'device'})")
     return device
 
 

@@ -8,6 +8,74 @@ use std::path::Path;
 
 use super::AttachError;
 
+/// How the local kernel reaches the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Frontend {
+    /// fuse-uring where the kernel has it, else nbd where kernel nbd
+    /// exists, else fuse.
+    Auto,
+    /// `pagerctl serve`'s own FUSE mount over io_uring, plus a loop device.
+    FuseUring,
+    /// The same over classic `/dev/fuse`.
+    Fuse,
+    /// The client's nbdkit on a unix socket, reached through kernel nbd (or
+    /// nbdfuse and a loop device, see [`Via`]): one socket hop more.
+    Nbd,
+}
+
+impl std::str::FromStr for Frontend {
+    type Err = AttachError;
+    fn from_str(s: &str) -> Result<Self, AttachError> {
+        match s {
+            "auto" => Ok(Frontend::Auto),
+            "fuse-uring" => Ok(Frontend::FuseUring),
+            "fuse" => Ok(Frontend::Fuse),
+            "nbd" => Ok(Frontend::Nbd),
+            _ => Err(AttachError::BadOption {
+                option: "--frontend",
+                reason: format!("{s:?}: expected auto, fuse-uring, fuse or nbd"),
+            }),
+        }
+    }
+}
+
+impl std::fmt::Display for Frontend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Frontend::Auto => "auto",
+            Frontend::FuseUring => "fuse-uring",
+            Frontend::Fuse => "fuse",
+            Frontend::Nbd => "nbd",
+        })
+    }
+}
+
+impl Frontend {
+    /// Resolves `Auto` from what the machine has: FUSE over io_uring in
+    /// the kernel (its switch exists), kernel nbd with nbd-client.
+    pub fn resolve(self, kernel_uring: bool, kernel_nbd: bool) -> Frontend {
+        match self {
+            Frontend::Auto if kernel_uring => Frontend::FuseUring,
+            Frontend::Auto if kernel_nbd => Frontend::Nbd,
+            Frontend::Auto => Frontend::Fuse,
+            f => f,
+        }
+    }
+}
+
+/// `pagerctl serve` for the FUSE front ends, run by `pagerctl` itself.
+pub fn serve_command(pagerctl: &Path, state_dir: &Path, frontend: Frontend) -> Vec<String> {
+    vec![
+        s(pagerctl),
+        "serve".into(),
+        "--state-dir".into(),
+        s(state_dir),
+        "--transport".into(),
+        frontend.to_string(),
+    ]
+}
+
 /// How the local kernel reaches the client's nbdkit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -224,6 +292,29 @@ mod tests {
 
     fn p(x: &str) -> PathBuf {
         PathBuf::from(x)
+    }
+
+    #[test]
+    fn frontend_auto_prefers_io_uring_then_kernel_nbd() {
+        assert_eq!(Frontend::Auto.resolve(true, true), Frontend::FuseUring);
+        assert_eq!(Frontend::Auto.resolve(false, true), Frontend::Nbd);
+        assert_eq!(Frontend::Auto.resolve(false, false), Frontend::Fuse);
+        assert_eq!(Frontend::Fuse.resolve(true, true), Frontend::Fuse);
+        for f in ["auto", "fuse-uring", "fuse", "nbd"] {
+            assert_eq!(f.parse::<Frontend>().unwrap().to_string(), f);
+        }
+        assert!("uring".parse::<Frontend>().is_err());
+        assert_eq!(
+            serve_command(&p("/bin/pagerctl"), &p("/st"), Frontend::FuseUring),
+            [
+                "/bin/pagerctl",
+                "serve",
+                "--state-dir",
+                "/st",
+                "--transport",
+                "fuse-uring"
+            ]
+        );
     }
 
     #[test]

@@ -13,7 +13,7 @@ pub mod device;
 pub mod record;
 pub mod spec;
 
-pub use commands::Via;
+pub use commands::{Frontend, Via};
 pub use device::{apply_options, build_config, differences, DeviceOptions, ModeChoice};
 pub use record::{AttachRecord, Step};
 pub use spec::DonorSpec;

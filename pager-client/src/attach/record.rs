@@ -7,7 +7,7 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use super::{commands, AttachError, Via};
+use super::{commands, AttachError, Frontend, Via};
 
 /// Where things live in a client's state directory.
 #[derive(Debug, Clone)]
@@ -58,6 +58,13 @@ impl StateLayout {
     pub fn nbdfuse_log(&self) -> PathBuf {
         self.dir.join("nbdfuse.log")
     }
+    /// What `pagerctl serve` says while it serves ([`ServeInfo`]).
+    pub fn serve_json(&self) -> PathBuf {
+        self.dir.join("serve.json")
+    }
+    pub fn serve_log(&self) -> PathBuf {
+        self.dir.join("serve.log")
+    }
     /// The socket path, refused when the kernel could not bind it.
     pub fn checked_socket(&self) -> Result<PathBuf, String> {
         let sock = self.socket();
@@ -97,7 +104,18 @@ pub enum Step {
         file: PathBuf,
         pidfile: PathBuf,
     },
-    /// A loop device over the nbdfuse file.
+    /// `pagerctl serve` serving the device as `file` on its own FUSE
+    /// mount over `mountpoint`, over `transport` (fuse-uring or fuse).
+    FuseServer {
+        pid: u32,
+        started: u64,
+        mountpoint: PathBuf,
+        file: PathBuf,
+        transport: String,
+    },
+    /// The kernel's FUSE over io_uring switch, turned on from `old`.
+    UringSwitch { path: PathBuf, old: String },
+    /// A loop device over the FUSE file.
     LoopDevice { device: PathBuf, file: PathBuf },
     /// The device's request queue shortened from `old` to `new` requests.
     QueueDepth { device: PathBuf, old: u32, new: u32 },
@@ -111,7 +129,10 @@ impl Step {
     /// written back to sysfs instead.
     pub fn undo_command(&self) -> Option<Vec<String>> {
         match self {
-            Step::Nbdkit { .. } | Step::QueueDepth { .. } => None,
+            Step::Nbdkit { .. }
+            | Step::QueueDepth { .. }
+            | Step::FuseServer { .. }
+            | Step::UringSwitch { .. } => None,
             Step::NbdClient { device } => Some(commands::nbd_client_disconnect(device)),
             Step::Nbdfuse { mountpoint, .. } => Some(commands::fuse_unmount(mountpoint)),
             Step::LoopDevice { device, .. } => Some(commands::losetup_detach(device)),
@@ -123,9 +144,9 @@ impl Step {
     /// once the step is undone.
     pub fn process(&self) -> Option<(u32, u64)> {
         match self {
-            Step::Nbdkit { pid, started, .. } | Step::Nbdfuse { pid, started, .. } => {
-                Some((*pid, *started))
-            }
+            Step::Nbdkit { pid, started, .. }
+            | Step::Nbdfuse { pid, started, .. }
+            | Step::FuseServer { pid, started, .. } => Some((*pid, *started)),
             _ => None,
         }
     }
@@ -137,6 +158,18 @@ impl Step {
             Step::NbdClient { device } => format!("kernel nbd {}", device.display()),
             Step::Nbdfuse { pid, file, .. } => {
                 format!("nbdfuse pid {pid} serving {}", file.display())
+            }
+            Step::FuseServer {
+                pid,
+                file,
+                transport,
+                ..
+            } => format!(
+                "pagerctl serve pid {pid} serving {} over {transport}",
+                file.display()
+            ),
+            Step::UringSwitch { path, old } => {
+                format!("{} turned on (was {old})", path.display())
             }
             Step::LoopDevice { device, file } => {
                 format!("loop {} over {}", device.display(), file.display())
@@ -154,10 +187,53 @@ impl Step {
     }
 }
 
+/// The content of `serve.json`, written by `pagerctl serve` once it serves
+/// and removed when it stops.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ServeInfo {
+    pub pid: u32,
+    /// fuse-uring or fuse.
+    pub transport: String,
+    /// Why io_uring was wanted but not used.
+    pub fallback: Option<String>,
+}
+
+impl ServeInfo {
+    pub fn load(path: &Path) -> Option<ServeInfo> {
+        serde_json::from_slice(&std::fs::read(path).ok()?).ok()
+    }
+
+    pub fn save(&self, path: &Path) -> Result<(), AttachError> {
+        save_json(self, path)
+    }
+}
+
+/// Writes `value` as JSON atomically (temporary file, fsync, rename), so a
+/// crash leaves the old file or the new one.
+fn save_json(value: &impl serde::Serialize, path: &Path) -> Result<(), AttachError> {
+    let err = |source| AttachError::WriteRecord {
+        path: path.to_path_buf(),
+        source,
+    };
+    let tmp = path.with_extension("json.tmp");
+    let mut f = std::fs::File::create(&tmp).map_err(err)?;
+    let text = serde_json::to_vec_pretty(value).expect("plain data serialises");
+    f.write_all(&text)
+        .and_then(|_| f.write_all(b"\n"))
+        .and_then(|_| f.sync_all())
+        .map_err(err)?;
+    std::fs::rename(&tmp, path).map_err(err)
+}
+
 /// The content of `attach.json`.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct AttachRecord {
-    /// How the kernel reaches nbdkit (never `auto` once resolved).
+    /// How the kernel reaches the device (never `auto` once resolved);
+    /// records written before the FUSE front end were all nbd.
+    #[serde(default = "nbd_frontend")]
+    pub frontend: Frontend,
+    /// With the nbd front end: how the kernel reaches nbdkit (never `auto`
+    /// once resolved).
     pub via: Via,
     /// NBD export name the kernel side asked for.
     pub export: String,
@@ -165,9 +241,14 @@ pub struct AttachRecord {
     pub steps: Vec<Step>,
 }
 
+fn nbd_frontend() -> Frontend {
+    Frontend::Nbd
+}
+
 impl AttachRecord {
-    pub fn new(via: Via, export: &str) -> Self {
+    pub fn new(frontend: Frontend, via: Via, export: &str) -> Self {
         AttachRecord {
+            frontend,
             via,
             export: export.to_string(),
             steps: Vec::new(),
@@ -187,11 +268,12 @@ impl AttachRecord {
         self.steps.iter().any(|s| matches!(s, Step::Swap { .. }))
     }
 
-    /// The client's nbdkit (pid, start time), if started.
-    pub fn nbdkit_process(&self) -> Option<(u32, u64)> {
+    /// The process serving the device (the client's nbdkit, or `pagerctl
+    /// serve`) as (pid, start time), if started.
+    pub fn server_process(&self) -> Option<(u32, u64)> {
         self.steps
             .iter()
-            .find(|s| matches!(s, Step::Nbdkit { .. }))
+            .find(|s| matches!(s, Step::Nbdkit { .. } | Step::FuseServer { .. }))
             .and_then(Step::process)
     }
 
@@ -212,20 +294,9 @@ impl AttachRecord {
         }
     }
 
-    /// Writes the record atomically (temporary file, fsync, rename).
+    /// Writes the record atomically.
     pub fn save(&self, path: &Path) -> Result<(), AttachError> {
-        let err = |source| AttachError::WriteRecord {
-            path: path.to_path_buf(),
-            source,
-        };
-        let tmp = path.with_extension("json.tmp");
-        let mut f = std::fs::File::create(&tmp).map_err(err)?;
-        let text = serde_json::to_vec_pretty(self).expect("attach record serialises");
-        f.write_all(&text)
-            .and_then(|_| f.write_all(b"\n"))
-            .and_then(|_| f.sync_all())
-            .map_err(err)?;
-        std::fs::rename(&tmp, path).map_err(err)
+        save_json(self, path)
     }
 }
 
@@ -235,7 +306,7 @@ mod tests {
 
     fn sample() -> AttachRecord {
         let l = StateLayout::new("/st");
-        let mut r = AttachRecord::new(Via::Nbdfuse, "pager");
+        let mut r = AttachRecord::new(Frontend::Nbd, Via::Nbdfuse, "pager");
         r.steps.push(Step::Nbdkit {
             pid: 10,
             started: 100,
@@ -265,6 +336,26 @@ mod tests {
             priority: 100,
         });
         r
+    }
+
+    #[test]
+    fn a_record_from_before_the_fuse_front_end_is_nbd() {
+        let old = r#"{"via":"nbdfuse","export":"pager","steps":[]}"#;
+        let r: AttachRecord = serde_json::from_str(old).unwrap();
+        assert_eq!(r.frontend, Frontend::Nbd);
+        let mut r = AttachRecord::new(Frontend::FuseUring, Via::Nbdfuse, "pager");
+        let l = StateLayout::new("/st");
+        r.steps.push(Step::FuseServer {
+            pid: 5,
+            started: 50,
+            mountpoint: l.fuse_dir(),
+            file: l.fuse_file(),
+            transport: "fuse-uring".into(),
+        });
+        let back: AttachRecord = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
+        assert_eq!(back, r);
+        assert_eq!(back.steps[0].process(), Some((5, 50)));
+        assert!(back.steps[0].undo_command().is_none());
     }
 
     #[test]
@@ -315,8 +406,8 @@ mod tests {
         let r = sample();
         assert_eq!(r.device(), Some(Path::new("/dev/loop7")));
         assert!(r.swapping());
-        assert_eq!(r.nbdkit_process(), Some((10, 100)));
-        let empty = AttachRecord::new(Via::NbdClient, "x");
+        assert_eq!(r.server_process(), Some((10, 100)));
+        let empty = AttachRecord::new(Frontend::Nbd, Via::NbdClient, "x");
         assert_eq!(empty.device(), None);
         assert!(!empty.swapping());
     }

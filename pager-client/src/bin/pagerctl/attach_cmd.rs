@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use pager_client::attach::commands;
-use pager_client::attach::record::StateLayout;
-use pager_client::attach::{AttachRecord, Step, Via};
+use pager_client::attach::record::{ServeInfo, StateLayout};
+use pager_client::attach::{AttachRecord, Frontend, Step, Via};
 
 use crate::{nbd_wire, procs};
 
@@ -20,7 +20,11 @@ pub struct Plan {
     pub layout: StateLayout,
     pub plugin: PathBuf,
     pub export: String,
+    /// Resolved: never `Auto`.
+    pub frontend: Frontend,
     pub via: Via,
+    /// `pagerctl serve`'s threads (per queue with io_uring).
+    pub serve_threads: usize,
     pub swap: Option<i32>,
     pub start_timeout: Duration,
     pub queue_depth: Option<u32>,
@@ -30,7 +34,7 @@ pub struct Plan {
 /// first error. Returns the block device.
 pub fn attach(plan: &Plan) -> Result<PathBuf> {
     let path = plan.layout.attach_json();
-    let mut record = AttachRecord::new(plan.via, &plan.export);
+    let mut record = AttachRecord::new(plan.frontend, plan.via, &plan.export);
     record.save(&path)?;
     match run_steps(plan, &mut record) {
         Ok(device) => Ok(device),
@@ -56,8 +60,42 @@ fn push(layout: &StateLayout, record: &mut AttachRecord, step: Step) -> Result<(
 
 fn run_steps(plan: &Plan, record: &mut AttachRecord) -> Result<PathBuf> {
     let layout = &plan.layout;
-    start_nbdkit(plan, record)?;
-    let device = match plan.via {
+    let device = match plan.frontend {
+        Frontend::FuseUring | Frontend::Fuse => {
+            if plan.frontend == Frontend::FuseUring {
+                enable_uring(layout, record)?;
+            }
+            start_server(plan, record)?;
+            loop_device(layout, record, layout.fuse_file())?
+        }
+        Frontend::Nbd | Frontend::Auto => {
+            start_nbdkit(plan, record)?;
+            kernel_side_of_nbd(plan, record)?
+        }
+    };
+    if let Some(depth) = plan.queue_depth {
+        set_queue_depth(layout, record, &device, depth)?;
+    }
+    if let Some(priority) = plan.swap {
+        procs::run(&commands::mkswap(&device, "netpager"))?;
+        procs::run(&commands::swapon(&device, priority))?;
+        push(
+            layout,
+            record,
+            Step::Swap {
+                device: device.clone(),
+                priority,
+            },
+        )?;
+    }
+    Ok(device)
+}
+
+/// Connects the kernel to the client's nbdkit: kernel nbd, or nbdfuse and
+/// a loop device.
+fn kernel_side_of_nbd(plan: &Plan, record: &mut AttachRecord) -> Result<PathBuf> {
+    let layout = &plan.layout;
+    Ok(match plan.via {
         Via::NbdClient => {
             let device = free_nbd_device()?;
             let cmd = commands::nbd_client_command(
@@ -79,44 +117,111 @@ fn run_steps(plan: &Plan, record: &mut AttachRecord) -> Result<PathBuf> {
         }
         Via::Nbdfuse | Via::Auto => {
             start_nbdfuse(plan, record)?;
-            let file = layout.fuse_file();
-            // Direct I/O keeps swapped pages out of the FUSE file's page
-            // cache; fall back to buffered I/O where the kernel refuses it.
-            let out = procs::run(&commands::losetup_attach(&file, true)).or_else(|e| {
-                tracing::warn!("loop device with direct I/O refused ({e:#}); using buffered I/O");
-                procs::run(&commands::losetup_attach(&file, false))
-            })?;
-            let device = PathBuf::from(out.trim());
-            if !device.starts_with("/dev/") {
-                bail!("losetup printed {:?} instead of a device name", out.trim());
-            }
-            push(
-                layout,
-                record,
-                Step::LoopDevice {
-                    device: device.clone(),
-                    file,
-                },
-            )?;
-            device
+            loop_device(layout, record, layout.fuse_file())?
         }
-    };
-    if let Some(depth) = plan.queue_depth {
-        set_queue_depth(layout, record, &device, depth)?;
+    })
+}
+
+/// A loop device over `file`. Direct I/O keeps swapped pages out of the
+/// FUSE file's page cache; buffered I/O where the kernel refuses it.
+fn loop_device(layout: &StateLayout, record: &mut AttachRecord, file: PathBuf) -> Result<PathBuf> {
+    let out = procs::run(&commands::losetup_attach(&file, true)).or_else(|e| {
+        tracing::warn!("loop device with direct I/O refused ({e:#}); using buffered I/O");
+        procs::run(&commands::losetup_attach(&file, false))
+    })?;
+    let device = PathBuf::from(out.trim());
+    if !device.starts_with("/dev/") {
+        bail!("losetup printed {:?} instead of a device name", out.trim());
     }
-    if let Some(priority) = plan.swap {
-        procs::run(&commands::mkswap(&device, "netpager"))?;
-        procs::run(&commands::swapon(&device, priority))?;
-        push(
-            layout,
-            record,
-            Step::Swap {
-                device: device.clone(),
-                priority,
-            },
-        )?;
-    }
+    push(
+        layout,
+        record,
+        Step::LoopDevice {
+            device: device.clone(),
+            file,
+        },
+    )?;
     Ok(device)
+}
+
+/// Turns the kernel's FUSE over io_uring switch on if it is off (it is
+/// read when a FUSE file system is mounted), recording the old value.
+fn enable_uring(layout: &StateLayout, record: &mut AttachRecord) -> Result<()> {
+    let path = PathBuf::from(pager_fuse::ENABLE_URING);
+    let old = std::fs::read_to_string(&path)
+        .with_context(|| {
+            format!(
+                "this kernel has no FUSE over io_uring ({} is missing; it needs Linux 6.14+ with CONFIG_FUSE_IO_URING): use --frontend fuse",
+                path.display()
+            )
+        })?
+        .trim()
+        .to_string();
+    if old == "Y" {
+        return Ok(());
+    }
+    std::fs::write(&path, "Y").with_context(|| format!("cannot write Y to {}", path.display()))?;
+    tracing::info!(
+        "turned FUSE over io_uring on ({} was {old}); detach turns it back",
+        path.display()
+    );
+    push(layout, record, Step::UringSwitch { path, old })
+}
+
+/// Starts `pagerctl serve` (this same program) serving the device on its
+/// own FUSE mount, log in the state directory, and waits until it serves.
+fn start_server(plan: &Plan, record: &mut AttachRecord) -> Result<()> {
+    let layout = &plan.layout;
+    let mountpoint = layout.fuse_dir();
+    let file = layout.fuse_file();
+    let info_path = layout.serve_json();
+    std::fs::create_dir_all(&mountpoint)
+        .with_context(|| format!("cannot create {}", mountpoint.display()))?;
+    if is_mounted(&mountpoint) {
+        bail!(
+            "{} is still mounted (an earlier server?): run pagerctl detach, or umount it",
+            mountpoint.display()
+        );
+    }
+    let _ = std::fs::remove_file(&info_path);
+    let me = std::env::current_exe().context("cannot find pagerctl's own path")?;
+    let mut cmd = commands::serve_command(&me, &layout.dir, plan.frontend);
+    cmd.extend(["--threads".into(), plan.serve_threads.to_string()]);
+    let log = layout.serve_log();
+    let child = spawn_detached(&cmd, &log)?;
+    let pid = child.id();
+    let started = procs::start_ticks(pid).ok_or_else(|| {
+        anyhow!(
+            "pagerctl serve (pid {pid}) exited at once; log {}:\n{}",
+            log.display(),
+            procs::log_tail(&log, 20)
+        )
+    })?;
+    push(
+        layout,
+        record,
+        Step::FuseServer {
+            pid,
+            started,
+            mountpoint: mountpoint.clone(),
+            file: file.clone(),
+            transport: plan.frontend.to_string(),
+        },
+    )?;
+    wait_ready(child, "pagerctl serve", &log, plan.start_timeout, || {
+        ServeInfo::load(&info_path).is_some_and(|i| i.pid == pid)
+            && is_mounted(&mountpoint)
+            && file.metadata().is_ok_and(|m| m.len() > 0)
+    })?;
+    let info = ServeInfo::load(&info_path).context("serve.json vanished")?;
+    if let Some(why) = &info.fallback {
+        tracing::warn!("serving over classic /dev/fuse: {why}");
+    }
+    if let Some(Step::FuseServer { transport, .. }) = record.steps.last_mut() {
+        *transport = info.transport;
+    }
+    record.save(&layout.attach_json())?;
+    Ok(())
 }
 
 /// Shortens the device's request queue. Reclaim in a memory cgroup v1 does
@@ -436,6 +541,8 @@ pub fn undo_all(layout: &StateLayout, record: &mut AttachRecord, grace: Duration
     }
     std::fs::remove_file(layout.attach_json())
         .with_context(|| format!("cannot remove {}", layout.attach_json().display()))?;
+    // Left by a server that was killed.
+    let _ = std::fs::remove_file(layout.serve_json());
     let fuse = layout.fuse_dir();
     if fuse.is_dir() && !is_mounted(&fuse) {
         let _ = std::fs::remove_dir(&fuse);
@@ -512,6 +619,35 @@ fn undo(step: &Step, export: &str, grace: Duration) -> Result<()> {
                 procs::stop(*pid, *started, "nbdfuse", Duration::from_secs(5))?;
             }
             let _ = std::fs::remove_file(pidfile);
+        }
+        Step::UringSwitch { path, old } => {
+            std::fs::write(path, old)
+                .with_context(|| format!("cannot write {old} back to {}", path.display()))?;
+        }
+        Step::FuseServer {
+            pid,
+            started,
+            mountpoint,
+            ..
+        } => {
+            let start = Instant::now();
+            while is_mounted(mountpoint) {
+                // A server that died leaves a dead connection: detach it.
+                let lazy = !procs::owned(*pid, *started);
+                match pager_fuse::unmount(mountpoint, lazy) {
+                    Ok(()) => break,
+                    Err(e) if start.elapsed() > grace => {
+                        return Err(e)
+                            .with_context(|| format!("cannot unmount {}", mountpoint.display()))
+                    }
+                    // Busy for a moment after the loop device let go.
+                    Err(_) => std::thread::sleep(Duration::from_millis(100)),
+                }
+            }
+            // The server exits by itself once unmounted, its map synced.
+            if !procs::wait_gone(*pid, *started, grace) {
+                procs::stop(*pid, *started, "pagerctl serve", Duration::from_secs(5))?;
+            }
         }
         Step::Nbdkit {
             pid,

@@ -5,6 +5,7 @@ mod attach_cmd;
 mod donor;
 mod nbd_wire;
 mod procs;
+mod serve_cmd;
 mod simulate;
 mod status_cmd;
 mod sys;
@@ -15,7 +16,9 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use pager_client::attach::record::StateLayout;
-use pager_client::attach::{self, AttachRecord, DeviceOptions, DonorSpec, ModeChoice, Via};
+use pager_client::attach::{
+    self, AttachRecord, DeviceOptions, DonorSpec, Frontend, ModeChoice, Via,
+};
 use pager_client::config::{self, DeviceConfig};
 
 /// Remote memory as swap or a block device (netpager client).
@@ -33,8 +36,11 @@ struct Cli {
 enum Cmd {
     /// Start the client device and attach it as a block device (or swap).
     Attach(Box<AttachArgs>),
-    /// Undo an attach: swapoff, detach the device, stop the client's nbdkit.
+    /// Undo an attach: swapoff, detach the device, stop the serving process.
     Detach(DetachArgs),
+    /// Serve a device to the kernel on this process's own FUSE mount
+    /// (started by attach; runs until unmounted).
+    Serve(ServeArgs),
     /// Show the device's status (donors, placement, rebuild, drain).
     Status(StatusArgs),
     /// Show donors' status endpoints.
@@ -124,10 +130,20 @@ struct AttachArgs {
         allow_negative_numbers = true
     )]
     priority: i32,
-    /// How the kernel reaches the device: auto, nbd-client or nbdfuse.
+    /// How the kernel reaches the device: auto, fuse-uring, fuse or nbd.
+    /// auto: fuse-uring where the kernel has it, else nbd where kernel nbd
+    /// exists, else fuse.
+    #[arg(long, default_value = "auto", value_parser = |s: &str| s.parse::<Frontend>().map_err(|e| e.to_string()))]
+    frontend: Frontend,
+    /// Threads serving the kernel (fuse: readers; fuse-uring: per CPU).
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    serve_threads: usize,
+    /// With --frontend nbd: how the kernel reaches the client's nbdkit:
+    /// auto, nbd-client or nbdfuse.
     #[arg(long, default_value = "auto", value_parser = |s: &str| s.parse::<Via>().map_err(|e| e.to_string()))]
     via: Via,
-    /// The client plugin (default: next to pagerctl, or in $NETPAGER_PLUGIN_DIR).
+    /// The client plugin, for --frontend nbd (default: next to pagerctl, or
+    /// in $NETPAGER_PLUGIN_DIR).
     #[arg(long, value_name = "PATH")]
     plugin: Option<PathBuf>,
     /// Requests the kernel keeps in flight to the device (0: leave the
@@ -135,7 +151,8 @@ struct AttachArgs {
     /// writeback instead of being OOM-killed in a memory cgroup v1.
     #[arg(long, default_value_t = 16, value_name = "N")]
     queue_depth: u32,
-    /// How long nbdkit and nbdfuse may take to start.
+    /// How long the serving process (or nbdkit and nbdfuse) may take to
+    /// start.
     #[arg(long, default_value = "30", value_parser = parse_secs, value_name = "SECS")]
     start_timeout: Duration,
 }
@@ -168,6 +185,27 @@ struct DetachArgs {
     /// How long each process may take to stop before it is killed.
     #[arg(long, default_value = "60", value_parser = parse_secs, value_name = "SECS")]
     timeout: Duration,
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    #[arg(long, value_name = "DIR")]
+    state_dir: PathBuf,
+    /// fuse-uring (falls back to fuse when the kernel does not offer it)
+    /// or fuse.
+    #[arg(long, default_value = "fuse-uring", value_parser = parse_transport)]
+    transport: pager_fuse::Transport,
+    /// Reader threads (fuse), or serving threads per CPU (fuse-uring).
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    threads: usize,
+}
+
+fn parse_transport(s: &str) -> Result<pager_fuse::Transport, String> {
+    match s {
+        "fuse-uring" => Ok(pager_fuse::Transport::Uring),
+        "fuse" => Ok(pager_fuse::Transport::Classic),
+        _ => Err(format!("{s:?}: expected fuse-uring or fuse")),
+    }
 }
 
 #[derive(clap::Args)]
@@ -252,6 +290,11 @@ fn main() {
     let result = match cli.command {
         Cmd::Attach(a) => attach(*a),
         Cmd::Detach(a) => detach(a),
+        Cmd::Serve(a) => serve_cmd::run(serve_cmd::ServeArgs {
+            state_dir: a.state_dir,
+            transport: a.transport,
+            threads: a.threads,
+        }),
         Cmd::Status(a) => status_cmd::run(&StateLayout::new(a.state_dir), a.json),
         Cmd::DonorStatus(a) => a
             .endpoint
@@ -361,8 +404,19 @@ fn attach(a: AttachArgs) -> Result<()> {
             layout.dir.display()
         );
     }
-    layout.checked_socket().map_err(anyhow::Error::msg)?;
-    let plugin = find_plugin(a.plugin.as_deref())?;
+    let kernel_nbd = Path::new("/dev/nbd0").exists() && procs::on_path("nbd-client");
+    let frontend = a
+        .frontend
+        .resolve(Path::new(pager_fuse::ENABLE_URING).exists(), kernel_nbd);
+    if a.frontend == Frontend::Auto {
+        tracing::info!("front end: {frontend}");
+    }
+    let plugin = if frontend == Frontend::Nbd {
+        layout.checked_socket().map_err(anyhow::Error::msg)?;
+        find_plugin(a.plugin.as_deref())?
+    } else {
+        PathBuf::new()
+    };
     let cfg = prepare_config(&a, &layout)?;
     let via = a.via.resolve(
         Path::new("/dev/nbd0").exists(),
@@ -372,7 +426,9 @@ fn attach(a: AttachArgs) -> Result<()> {
         layout,
         plugin,
         export: cfg.client_id.clone(),
+        frontend,
         via,
+        serve_threads: a.serve_threads.max(1),
         swap: a.swap.then_some(a.priority),
         start_timeout: a.start_timeout,
         queue_depth: (a.queue_depth > 0).then_some(a.queue_depth),

@@ -1,17 +1,17 @@
 //! `pagerctl status`: the device's own status (status.json, written by the
-//! client plugin about once a second) plus what pagerctl attached and
-//! whether the client's nbdkit still runs.
+//! serving process about once a second) plus what pagerctl attached, the
+//! front end in use and whether the serving process still runs.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Result};
-use pager_client::attach::record::StateLayout;
-use pager_client::attach::AttachRecord;
+use pager_client::attach::record::{ServeInfo, StateLayout};
+use pager_client::attach::{AttachRecord, Frontend};
 use pager_client::status::{render_table, ClientStatus};
 
 use crate::procs;
 
-/// How old status.json may be while nbdkit runs before it is called stale
+/// How old status.json may be while the server runs before it is called stale
 /// (the device rewrites it about once a second).
 const STALE_MS: u64 = 10_000;
 
@@ -20,8 +20,14 @@ pub fn run(layout: &StateLayout, json: bool) -> Result<()> {
         bail!("state directory {} does not exist", layout.dir.display());
     }
     let record = AttachRecord::load(&layout.attach_json())?;
-    let nbdkit = record.as_ref().and_then(|r| r.nbdkit_process());
-    let nbdkit_alive = nbdkit.is_some_and(|(pid, started)| procs::owned(pid, started));
+    let server = record.as_ref().and_then(|r| r.server_process());
+    let server_alive = server.is_some_and(|(pid, started)| procs::owned(pid, started));
+    let frontend = record.as_ref().map(|r| r.frontend);
+    let serve = ServeInfo::load(&layout.serve_json());
+    let log = match frontend {
+        Some(Frontend::Nbd) => layout.nbdkit_log(),
+        _ => layout.serve_log(),
+    };
     let status = match ClientStatus::read(&layout.dir) {
         Ok(s) => Some(s),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
@@ -34,16 +40,19 @@ pub fn run(layout: &StateLayout, json: bool) -> Result<()> {
     let age_ms = status
         .as_ref()
         .map(|s| now_ms.saturating_sub(s.updated_unix_ms));
-    let stale = !nbdkit_alive || age_ms.is_some_and(|a| a > STALE_MS);
+    let stale = !server_alive || age_ms.is_some_and(|a| a > STALE_MS);
     if json {
         let v = serde_json::json!({
             "state_dir": layout.dir,
             "attached": record.as_ref().is_some_and(|r| !r.steps.is_empty()),
             "device": record.as_ref().and_then(|r| r.device()),
+            "frontend": frontend,
+            "transport": serve.as_ref().map(|s| s.transport.clone()),
+            "transport_fallback": serve.as_ref().and_then(|s| s.fallback.clone()),
             "via": record.as_ref().map(|r| r.via),
             "swap": record.as_ref().is_some_and(|r| r.swapping()),
             "steps": record.as_ref().map(|r| r.steps.clone()).unwrap_or_default(),
-            "nbdkit": nbdkit.map(|(pid, _)| serde_json::json!({ "pid": pid, "alive": nbdkit_alive })),
+            "server": server.map(|(pid, _)| serde_json::json!({ "pid": pid, "alive": server_alive, "log": log })),
             "status": status,
             "status_age_ms": age_ms,
             "stale": stale,
@@ -58,12 +67,23 @@ pub fn run(layout: &StateLayout, json: bool) -> Result<()> {
         }
         _ => println!("not attached ({})", layout.dir.display()),
     }
-    match nbdkit {
-        Some((pid, _)) if nbdkit_alive => println!("client nbdkit: running, pid {pid}"),
+    if let Some(f) = frontend.filter(|_| server.is_some()) {
+        match &serve {
+            Some(ServeInfo {
+                transport,
+                fallback: Some(why),
+                ..
+            }) => println!("front end: {transport} (io_uring not used: {why})"),
+            Some(s) => println!("front end: {}", s.transport),
+            None => println!("front end: {f}"),
+        }
+    }
+    match server {
+        Some((pid, _)) if server_alive => println!("server: running, pid {pid}"),
         Some((pid, _)) => {
             println!(
-                "client nbdkit: NOT RUNNING (pid {pid} is gone; see {})",
-                layout.nbdkit_log().display()
+                "server: NOT RUNNING (pid {pid} is gone; see {})",
+                log.display()
             )
         }
         None => {}

@@ -1,5 +1,6 @@
 //! The only unsafe code of pagerctl: sending signals to processes it
-//! started in an earlier invocation (their `Child` handles are long gone).
+//! started in an earlier invocation (their `Child` handles are long gone),
+//! and the signal mask of `pagerctl serve`.
 
 use std::io;
 
@@ -13,4 +14,38 @@ pub fn signal(pid: u32, signal: libc::c_int) -> io::Result<()> {
     } else {
         Err(io::Error::last_os_error())
     }
+}
+
+fn stop_signals() -> libc::sigset_t {
+    // SAFETY: sigset_t is plain data, initialised by sigemptyset before use.
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: the set is a live local.
+    unsafe {
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::sigaddset(&mut set, libc::SIGINT);
+    }
+    set
+}
+
+/// Blocks SIGTERM and SIGINT in this thread and every thread it starts
+/// later, so that only [`wait_stop_signal`] receives them.
+pub fn block_stop_signals() -> io::Result<()> {
+    let set = stop_signals();
+    // SAFETY: the set is live for the call; the old mask is not wanted.
+    let rc = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::from_raw_os_error(rc))
+    }
+}
+
+/// Waits for SIGTERM or SIGINT (blocked by [`block_stop_signals`]).
+pub fn wait_stop_signal() -> libc::c_int {
+    let set = stop_signals();
+    let mut sig: libc::c_int = 0;
+    // SAFETY: both pointers are live locals for the call.
+    while unsafe { libc::sigwait(&set, &mut sig) } != 0 {}
+    sig
 }
