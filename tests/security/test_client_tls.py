@@ -47,7 +47,9 @@ def test_mirror_device_over_tls_with_export_tokens(root, pagerctl_built, teardow
     # donor carries its token. The donors' status endpoints take only
     # requests signed with the lab key, and sign their replies.
     args = ["attach", "--state-dir", state, "--size", "64M", "--mode", "mirror",
-            "--client-id", "c1", "--psk", keys.lab_psk, "--request-timeout", "5"]
+            "--client-id", "c1", "--psk", keys.lab_psk, "--request-timeout", "5",
+            # The client's own NBD socket is what this test reads through.
+            "--frontend", "nbd"]
     for d in donors:
         host, sport = d.status_addr
         args += ["--donor", f"{d.addr}:{d.port}/{keys.export('c1', '128M')},status={host}:{sport},name={d.name}"]
