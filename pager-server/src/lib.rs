@@ -1,7 +1,8 @@
 //! pager-server: an nbdkit plugin that donates a node's spare RAM to
 //! netpager clients (see `pager-server.1.md`).
 //!
-//! The library does the work: [`store`] (pages, budget, ages), [`config`]
+//! The library does the work: [`store`] (pages, budget, ages), [`slab`]
+//! (the memory pages live in), [`config`]
 //! (parameters, export names), [`memwatch`] (meminfo, load), [`state`]
 //! (idle/busy/draining, utilisation), [`donor`] (the whole donor and its
 //! status), [`status`] (the TCP endpoint), [`access`] (who may reach
@@ -12,6 +13,7 @@ pub mod access;
 pub mod config;
 pub mod donor;
 pub mod memwatch;
+pub mod slab;
 pub mod state;
 pub mod status;
 pub mod store;

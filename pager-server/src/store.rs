@@ -1,14 +1,15 @@
 //! The donor's page store: one sparse, sharded page table per export, a
 //! budget shared by all exports, and a coarse last-touched stamp per page.
 //!
-//! Pages are 4 KiB, allocated on the first write that needs them and
-//! initialised right then: zeroed, or filled with the write's data when it
-//! covers the whole page. So unwritten ranges read as zeros and a page
-//! handed to one export can never show bytes another export freed
-//! (initialise on allocation: freeing is then just `free`, and memory the
-//! allocator returns to the kernel is not touched twice). Trim and zero
-//! free whole pages and zero the covered part of a partial page (freeing it
-//! too once it is all zeros).
+//! Pages are 4 KiB from the donor's slabs ([`crate::slab`]), allocated on
+//! the first write that needs them and initialised right then: zeroed
+//! (unless fresh from a new slab, hence zeros already), or filled with the
+//! write's data when it covers the whole page. So unwritten ranges read as
+//! zeros and a page handed to one export can never show bytes another
+//! export freed (initialise on allocation: freeing is then just giving the
+//! page back, and a slab returned to the kernel is not touched twice). Trim
+//! and zero free whole pages and zero the covered part of a partial page
+//! (freeing it too once it is all zeros).
 //!
 //! Layout and concurrency: pages are kept in groups of 16 (64 KiB), and an
 //! export's groups are spread over [`SHARDS`] read-write locks by a hash of
@@ -25,6 +26,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::config::ExportSpec;
+use crate::slab::{Alloc, Slabs};
+use crate::sys::Page;
 
 /// Bytes per page: the unit of allocation, budget and age.
 pub const PAGE_SIZE: usize = 4096;
@@ -64,7 +67,7 @@ impl Hasher for PageHasher {
 
 /// Up to [`GROUP_PAGES`] consecutive pages and their stamps.
 struct Group {
-    data: [Option<Box<[u8; PAGE_SIZE]>>; GROUP_PAGES as usize],
+    data: [Option<Page>; GROUP_PAGES as usize],
     /// Tick of each page's last read or write (relaxed: a coarse hint).
     stamps: [AtomicU32; GROUP_PAGES as usize],
     live: u32,
@@ -97,11 +100,12 @@ impl PageMap {
         self.get(page).is_some()
     }
 
-    /// Stores a new page; `Err` when the table cannot grow (out of memory).
-    fn try_insert(&mut self, page: u64, data: Box<[u8; PAGE_SIZE]>, stamp: u32) -> Result<(), ()> {
+    /// Stores a new page at an empty slot; gives the page back when the
+    /// table cannot grow (out of memory).
+    fn try_insert(&mut self, page: u64, data: Page, stamp: u32) -> Result<(), Page> {
         let key = page / GROUP_PAGES;
-        if !self.0.contains_key(&key) {
-            self.0.try_reserve(1).map_err(|_| ())?;
+        if !self.0.contains_key(&key) && self.0.try_reserve(1).is_err() {
+            return Err(data);
         }
         let g = self.0.entry(key).or_insert_with(|| Group {
             data: [const { None }; GROUP_PAGES as usize],
@@ -109,23 +113,23 @@ impl PageMap {
             live: 0,
         });
         let i = slot(page);
-        if g.data[i].replace(data).is_none() {
-            g.live += 1;
-        }
+        debug_assert!(g.data[i].is_none(), "page {page} is stored already");
+        g.data[i] = Some(data);
+        g.live += 1;
         *g.stamps[i].get_mut() = stamp;
         Ok(())
     }
 
-    fn remove(&mut self, page: u64) {
+    /// Takes a page out of the table, for the caller to give back.
+    fn remove(&mut self, page: u64) -> Option<Page> {
         let key = page / GROUP_PAGES;
-        if let Some(g) = self.0.get_mut(&key) {
-            if g.data[slot(page)].take().is_some() {
-                g.live -= 1;
-                if g.live == 0 {
-                    self.0.remove(&key);
-                }
-            }
+        let g = self.0.get_mut(&key)?;
+        let data = g.data[slot(page)].take()?;
+        g.live -= 1;
+        if g.live == 0 {
+            self.0.remove(&key);
         }
+        Some(data)
     }
 
     /// Stamps of all pages held.
@@ -144,16 +148,16 @@ fn shard_of(page: u64) -> usize {
     (mix(page / GROUP_PAGES) as usize) & (SHARDS - 1)
 }
 
-/// A new page holding `full` (a whole page of data), or zeros; `None`
-/// when memory is exhausted.
-fn new_page(full: Option<&[u8]>) -> Option<Box<[u8; PAGE_SIZE]>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(PAGE_SIZE).ok()?;
+/// A page from `alloc` holding `full` (a whole page of data), or zeros;
+/// `None` when memory is exhausted.
+fn new_page(alloc: &mut Alloc<'_>, full: Option<&[u8]>) -> Option<Page> {
+    let (mut page, fresh) = alloc.take().ok()?;
     match full {
-        Some(data) => v.extend_from_slice(data),
-        None => v.resize(PAGE_SIZE, 0u8),
+        Some(data) => page.copy_from_slice(data),
+        None if !fresh => page.fill(0),
+        None => {}
     }
-    v.into_boxed_slice().try_into().ok()
+    Some(page)
 }
 
 /// Why a request failed.
@@ -318,10 +322,11 @@ pub struct Export {
     used: AtomicU64,
     shards: Box<[RwLock<PageMap>]>,
     budget: Arc<Budget>,
+    slabs: Arc<Slabs>,
 }
 
 impl Export {
-    fn new(name: String, size: u64, budget: Arc<Budget>) -> Self {
+    fn new(name: String, size: u64, budget: Arc<Budget>, slabs: Arc<Slabs>) -> Self {
         let shards = (0..SHARDS)
             .map(|_| RwLock::new(PageMap::default()))
             .collect();
@@ -331,6 +336,7 @@ impl Export {
             used: AtomicU64::new(0),
             shards,
             budget,
+            slabs,
         }
     }
 
@@ -484,20 +490,25 @@ impl Export {
         needed: u64,
         needs_page: &dyn Fn(&mut dyn Maps, u64) -> bool,
     ) -> Result<(), StoreError> {
+        let mut alloc = self.slabs.lock();
         for q in first..=last {
             if !needs_page(maps, q) {
                 continue;
             }
             let (in_page, in_buf) = piece(q, offset, buf.len() as u64);
             let full = (in_page.len() == PAGE_SIZE).then(|| &buf[in_buf]);
-            let stored = new_page(full)
-                .ok_or(())
-                .and_then(|data| maps.map(q).try_insert(q, data, NEW_PAGE));
-            if stored.is_err() {
+            let stored = match new_page(&mut alloc, full) {
+                Some(data) => maps.map(q).try_insert(q, data, NEW_PAGE).map_err(Some),
+                None => Err(None),
+            };
+            if let Err(unstored) = stored {
+                if let Some(p) = unstored {
+                    alloc.give(p);
+                }
                 for r in first..q {
                     let m = maps.map(r);
                     if m.get(r).is_some_and(|(_, s)| s.load(Relaxed) == NEW_PAGE) {
-                        m.remove(r);
+                        alloc.give(m.remove(r).expect("the page was just seen"));
                     }
                 }
                 self.budget.give_back(needed);
@@ -522,6 +533,9 @@ impl Export {
         let (first, last) = Self::pages(offset, len);
         let freed = self.with_shards(first, last, |maps| {
             let mut freed = 0;
+            // Locked at the first page freed: most discards of a swapping
+            // client land on holes or whole pages, and many on holes only.
+            let mut alloc = None;
             for q in first..=last {
                 let (in_page, _) = piece(q, offset, len);
                 let map = maps.map(q);
@@ -534,7 +548,8 @@ impl Export {
                     }
                 };
                 if now_zero {
-                    map.remove(q);
+                    let page = map.remove(q).expect("the page was just seen");
+                    alloc.get_or_insert_with(|| self.slabs.lock()).give(page);
                     freed += 1;
                 }
             }
@@ -620,14 +635,21 @@ pub struct Usage {
 /// All exports of a donor and their common budget.
 pub struct Pool {
     budget: Arc<Budget>,
+    slabs: Arc<Slabs>,
     exports: RwLock<BTreeMap<String, Arc<Export>>>,
     max_exports: usize,
 }
 
 impl Pool {
     pub fn new(limit_pages: u64, max_exports: usize) -> Self {
+        Self::with_slabs(limit_pages, max_exports, Slabs::new())
+    }
+
+    /// A pool whose pages come from `slabs` (small slabs for unit tests).
+    pub fn with_slabs(limit_pages: u64, max_exports: usize, slabs: Slabs) -> Self {
         Pool {
             budget: Arc::new(Budget::new(limit_pages)),
+            slabs: Arc::new(slabs),
             exports: RwLock::new(BTreeMap::new()),
             max_exports,
         }
@@ -635,6 +657,11 @@ impl Pool {
 
     pub fn budget(&self) -> &Budget {
         &self.budget
+    }
+
+    /// Bytes of the slabs mapped for pages (see [`Slabs::mapped_bytes`]).
+    pub fn mapped_bytes(&self) -> u64 {
+        self.slabs.mapped_bytes()
     }
 
     /// The store of `spec.name`, created on first use with `spec.size` or
@@ -671,6 +698,7 @@ impl Pool {
             spec.name.clone(),
             spec.size.unwrap_or(default_size),
             Arc::clone(&self.budget),
+            Arc::clone(&self.slabs),
         ));
         all.insert(spec.name.clone(), Arc::clone(&e));
         Ok(e)
