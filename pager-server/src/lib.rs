@@ -53,6 +53,8 @@ const NBDKIT_LOG: Logger = Logger {
     debug: sys::log_debug,
     error: sys::log_error,
 };
+/// Blocks from this size up get their own mapping (glibc's default, pinned).
+const MMAP_THRESHOLD: i32 = 128 << 10;
 /// Pages one extents request looks at, at most (512 MiB of export).
 const EXTENTS_MAX_PAGES: u64 = 1 << 17;
 
@@ -254,6 +256,13 @@ impl Server for PagerServer {
         // in the process that serves. nbdkit -u/-g has dropped privileges
         // by now, so the mlock check made at config_complete is repeated.
         let d = donor()?;
+        // Connections come and go with request buffers of up to 64 MiB;
+        // these must go back to the node with them (see the function).
+        if !sys::fix_mmap_threshold(MMAP_THRESHOLD) {
+            sys::log_error(
+                "cannot set malloc's mmap threshold: freed request buffers may stay resident",
+            );
+        }
         if d.settings().mlock {
             check_mlock(d.settings())?;
             sys::lock_all_memory().map_err(|e| {

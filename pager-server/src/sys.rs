@@ -1,5 +1,5 @@
 //! Every `unsafe` of the crate: nbdkit's logging functions, the client's
-//! address, memory locking, the slabs donated pages live in ([`Slab`],
+//! address, memory locking, malloc's mmap threshold, the slabs donated pages live in ([`Slab`],
 //! [`Page`]), and the plugin registration struct.
 //!
 //! Registration: the `nbdkit` crate 0.3 describes `struct nbdkit_plugin`
@@ -260,6 +260,17 @@ impl Drop for Slab {
             )
         };
     }
+}
+
+/// Pins glibc's mmap threshold at `bytes`, so that every larger block
+/// (nbdkit's per-thread request buffers of up to 64 MiB) gets a mapping of
+/// its own that `free` unmaps. Left dynamic, glibc raises the threshold to
+/// the size of the first such block freed and serves the next ones from
+/// its arenas, which keep what they grew to: under mlockall they cannot
+/// even advise free memory away. Returns false if glibc refused.
+pub fn fix_mmap_threshold(bytes: c_int) -> bool {
+    // SAFETY: mallopt only changes malloc's tunables; any value is safe.
+    unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, bytes) == 1 }
 }
 
 /// `struct nbdkit_plugin` of nbdkit 1.30+: the crate's struct, then the

@@ -9,6 +9,8 @@ freed memory could otherwise only ever be reused, never returned.
 
 from __future__ import annotations
 
+import threading
+
 from netpager_testkit.nbdio import connect, pattern
 
 MIB = 1 << 20
@@ -51,3 +53,36 @@ def test_rss_returns_after_trimming_everything(start_donor):
     assert after <= start + 16 * MIB, (
         f"RSS {after / MIB:.1f} MiB after trimming everything, {start / MIB:.1f} MiB at start")
 
+
+def test_rss_does_not_creep_over_rounds_of_clients(start_donor):
+    donor = start_donor(budget="512M", size="1G")
+    clients, per_client = 16, 2 * MIB
+    rounds = 50
+
+    def client(i: int, errors: list) -> None:
+        try:
+            off = i * per_client
+            with connect(donor.uri(f"round-{i % 4}@64M")) as h:
+                for o in range(0, per_client, MIB):
+                    h.pwrite(pattern(f"c{i}", off + o, MIB), off + o)
+                assert h.pread(4096, off) == pattern(f"c{i}", off, 4096)
+                h.trim(per_client, off)
+        except Exception as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    samples = []
+    for _ in range(rounds):
+        errors: list = []
+        threads = [threading.Thread(target=client, args=(i, errors)) for i in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        samples.append(rss(donor.pid))
+    assert donor.status().used_bytes == 0
+    first, last = max(samples[:10]), max(samples[-10:])
+    print("RSS per round (MiB):", " ".join(f"{s / MIB:.0f}" for s in samples))
+    assert last <= first + 8 * MIB, (
+        f"RSS crept from {first / MIB:.1f} MiB (max of rounds 1-10) to "
+        f"{last / MIB:.1f} MiB (max of rounds {rounds - 9}-{rounds})")
