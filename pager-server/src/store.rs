@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::config::ExportSpec;
-use crate::slab::{Alloc, Slabs};
+use crate::slab::Slabs;
 use crate::sys::Page;
 
 /// Bytes per page: the unit of allocation, budget and age.
@@ -38,6 +38,8 @@ const GROUP_PAGES: u64 = 16;
 pub const SHARDS: usize = 256;
 /// Length of one age tick: page stamps count ticks since the donor started.
 pub const TICK_MS: u64 = 100;
+/// Groups a shard's table keeps room for without shrinking.
+const MIN_TABLE: usize = 64;
 /// Stamp of a page allocated by a write that has not finished yet.
 const NEW_PAGE: u32 = u32::MAX;
 
@@ -128,6 +130,13 @@ impl PageMap {
         g.live -= 1;
         if g.live == 0 {
             self.0.remove(&key);
+            // A table does not shrink by itself: trimmed exports would keep
+            // their peak's tables. Shrinking at a quarter full to half full
+            // keeps the rehashing amortised.
+            let cap = self.0.capacity();
+            if cap > MIN_TABLE && self.0.len() < cap / 4 {
+                self.0.shrink_to(self.0.len() * 2);
+            }
         }
         Some(data)
     }
@@ -150,8 +159,11 @@ fn shard_of(page: u64) -> usize {
 
 /// A page from `alloc` holding `full` (a whole page of data), or zeros;
 /// `None` when memory is exhausted.
-fn new_page(alloc: &mut Alloc<'_>, full: Option<&[u8]>) -> Option<Page> {
-    let (mut page, fresh) = alloc.take().ok()?;
+fn new_page(slabs: &Slabs, full: Option<&[u8]>) -> Option<Page> {
+    // Filled after the allocator is unlocked: the first touch of a fresh
+    // slab faults in (and zeroes) up to 2 MiB, which must not stall the
+    // other writers.
+    let (mut page, fresh) = slabs.lock().take().ok()?;
     match full {
         Some(data) => page.copy_from_slice(data),
         None if !fresh => page.fill(0),
@@ -490,18 +502,18 @@ impl Export {
         needed: u64,
         needs_page: &dyn Fn(&mut dyn Maps, u64) -> bool,
     ) -> Result<(), StoreError> {
-        let mut alloc = self.slabs.lock();
         for q in first..=last {
             if !needs_page(maps, q) {
                 continue;
             }
             let (in_page, in_buf) = piece(q, offset, buf.len() as u64);
             let full = (in_page.len() == PAGE_SIZE).then(|| &buf[in_buf]);
-            let stored = match new_page(&mut alloc, full) {
+            let stored = match new_page(&self.slabs, full) {
                 Some(data) => maps.map(q).try_insert(q, data, NEW_PAGE).map_err(Some),
                 None => Err(None),
             };
             if let Err(unstored) = stored {
+                let mut alloc = self.slabs.lock();
                 if let Some(p) = unstored {
                     alloc.give(p);
                 }
@@ -775,6 +787,39 @@ mod tests {
         e.write(&[0; 8192], 3 * 4096, 1).unwrap();
         assert_eq!(e.used_pages(), 2, "zeros written into a hole need no page");
         assert_eq!(p.budget().used_pages(), 2);
+    }
+
+    #[test]
+    fn trimmed_pages_return_their_slabs_and_freed_pages_are_reused_zeroed() {
+        let slab = 4 * PAGE;
+        let p = Pool::with_slabs(64, 8, Slabs::with_slab_pages(4));
+        let a = p.open(&spec("a"), 1 << 20).unwrap();
+        let b = p.open(&spec("b"), 1 << 20).unwrap();
+        a.write(&[1; 10 * 4096], 0, 0).unwrap();
+        b.write(&[2; 6 * 4096], 0, 0).unwrap();
+        assert_eq!(p.mapped_bytes(), 4 * slab, "16 pages fill 4 slabs");
+        // Half of a's pages freed, scattered: the slabs stay, the freed
+        // pages serve the next writes (partly written: zeroed first).
+        for i in (0..10).step_by(2) {
+            a.discard(i * PAGE, PAGE).unwrap();
+        }
+        assert_eq!(p.budget().used_pages(), 11);
+        for i in 0..5 {
+            b.write(&[3; 10], 100 * PAGE + i * PAGE, 0).unwrap();
+        }
+        assert_eq!(p.mapped_bytes(), 4 * slab);
+        assert_eq!(
+            read(&b, 100 * PAGE, 4096),
+            [&[3; 10][..], &[0; 4086]].concat()
+        );
+        // Everything trimmed: only the spare slab stays mapped.
+        a.discard(0, 1 << 20).unwrap();
+        b.discard(0, 1 << 20).unwrap();
+        assert_eq!(p.budget().used_pages(), 0);
+        assert_eq!(p.mapped_bytes(), slab);
+        b.write(&[4; 4096], 0, 0).unwrap();
+        assert_eq!(read(&a, 0, 4 * 4096), vec![0; 4 * 4096]);
+        assert_eq!(read(&b, 0, 4096), vec![4; 4096]);
     }
 
     #[test]
