@@ -157,7 +157,7 @@ fn shard_of(page: u64) -> usize {
     (mix(page / GROUP_PAGES) as usize) & (SHARDS - 1)
 }
 
-/// A page from `alloc` holding `full` (a whole page of data), or zeros;
+/// A page from `slabs` holding `full` (a whole page of data), or zeros;
 /// `None` when memory is exhausted.
 fn new_page(slabs: &Slabs, full: Option<&[u8]>) -> Option<Page> {
     // Filled after the allocator is unlocked: the first touch of a fresh
