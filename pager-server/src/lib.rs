@@ -1,7 +1,8 @@
 //! pager-server: an nbdkit plugin that donates a node's spare RAM to
 //! netpager clients (see `pager-server.1.md`).
 //!
-//! The library does the work: [`store`] (pages, budget, ages), [`config`]
+//! The library does the work: [`store`] (pages, budget, ages), [`slab`]
+//! (the memory pages live in), [`config`]
 //! (parameters, export names), [`memwatch`] (meminfo, load), [`state`]
 //! (idle/busy/draining, utilisation), [`donor`] (the whole donor and its
 //! status), [`status`] (the TCP endpoint), [`access`] (who may reach
@@ -12,6 +13,7 @@ pub mod access;
 pub mod config;
 pub mod donor;
 pub mod memwatch;
+pub mod slab;
 pub mod state;
 pub mod status;
 pub mod store;
@@ -51,6 +53,8 @@ const NBDKIT_LOG: Logger = Logger {
     debug: sys::log_debug,
     error: sys::log_error,
 };
+/// Blocks from this size up get their own mapping (glibc's default, pinned).
+const MMAP_THRESHOLD: i32 = 128 << 10;
 /// Pages one extents request looks at, at most (512 MiB of export).
 const EXTENTS_MAX_PAGES: u64 = 1 << 17;
 
@@ -252,6 +256,13 @@ impl Server for PagerServer {
         // in the process that serves. nbdkit -u/-g has dropped privileges
         // by now, so the mlock check made at config_complete is repeated.
         let d = donor()?;
+        // Connections come and go with request buffers of up to 64 MiB;
+        // these must go back to the node with them (see the function).
+        if !sys::fix_mmap_threshold(MMAP_THRESHOLD) {
+            sys::log_error(
+                "cannot set malloc's mmap threshold: freed request buffers may stay resident",
+            );
+        }
         if d.settings().mlock {
             check_mlock(d.settings())?;
             sys::lock_all_memory().map_err(|e| {

@@ -1,14 +1,15 @@
 //! The donor's page store: one sparse, sharded page table per export, a
 //! budget shared by all exports, and a coarse last-touched stamp per page.
 //!
-//! Pages are 4 KiB, allocated on the first write that needs them and
-//! initialised right then: zeroed, or filled with the write's data when it
-//! covers the whole page. So unwritten ranges read as zeros and a page
-//! handed to one export can never show bytes another export freed
-//! (initialise on allocation: freeing is then just `free`, and memory the
-//! allocator returns to the kernel is not touched twice). Trim and zero
-//! free whole pages and zero the covered part of a partial page (freeing it
-//! too once it is all zeros).
+//! Pages are 4 KiB from the donor's slabs ([`crate::slab`]), allocated on
+//! the first write that needs them and initialised right then: zeroed
+//! (unless fresh from a new slab, hence zeros already), or filled with the
+//! write's data when it covers the whole page. So unwritten ranges read as
+//! zeros and a page handed to one export can never show bytes another
+//! export freed (initialise on allocation: freeing is then just giving the
+//! page back, and a slab returned to the kernel is not touched twice). Trim
+//! and zero free whole pages and zero the covered part of a partial page
+//! (freeing it too once it is all zeros).
 //!
 //! Layout and concurrency: pages are kept in groups of 16 (64 KiB), and an
 //! export's groups are spread over [`SHARDS`] read-write locks by a hash of
@@ -25,6 +26,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::config::ExportSpec;
+use crate::slab::Slabs;
+use crate::sys::Page;
 
 /// Bytes per page: the unit of allocation, budget and age.
 pub const PAGE_SIZE: usize = 4096;
@@ -35,6 +38,8 @@ const GROUP_PAGES: u64 = 16;
 pub const SHARDS: usize = 256;
 /// Length of one age tick: page stamps count ticks since the donor started.
 pub const TICK_MS: u64 = 100;
+/// Groups a shard's table keeps room for without shrinking.
+const MIN_TABLE: usize = 64;
 /// Stamp of a page allocated by a write that has not finished yet.
 const NEW_PAGE: u32 = u32::MAX;
 
@@ -64,7 +69,7 @@ impl Hasher for PageHasher {
 
 /// Up to [`GROUP_PAGES`] consecutive pages and their stamps.
 struct Group {
-    data: [Option<Box<[u8; PAGE_SIZE]>>; GROUP_PAGES as usize],
+    data: [Option<Page>; GROUP_PAGES as usize],
     /// Tick of each page's last read or write (relaxed: a coarse hint).
     stamps: [AtomicU32; GROUP_PAGES as usize],
     live: u32,
@@ -97,11 +102,12 @@ impl PageMap {
         self.get(page).is_some()
     }
 
-    /// Stores a new page; `Err` when the table cannot grow (out of memory).
-    fn try_insert(&mut self, page: u64, data: Box<[u8; PAGE_SIZE]>, stamp: u32) -> Result<(), ()> {
+    /// Stores a new page at an empty slot; gives the page back when the
+    /// table cannot grow (out of memory).
+    fn try_insert(&mut self, page: u64, data: Page, stamp: u32) -> Result<(), Page> {
         let key = page / GROUP_PAGES;
-        if !self.0.contains_key(&key) {
-            self.0.try_reserve(1).map_err(|_| ())?;
+        if !self.0.contains_key(&key) && self.0.try_reserve(1).is_err() {
+            return Err(data);
         }
         let g = self.0.entry(key).or_insert_with(|| Group {
             data: [const { None }; GROUP_PAGES as usize],
@@ -109,23 +115,30 @@ impl PageMap {
             live: 0,
         });
         let i = slot(page);
-        if g.data[i].replace(data).is_none() {
-            g.live += 1;
-        }
+        debug_assert!(g.data[i].is_none(), "page {page} is stored already");
+        g.data[i] = Some(data);
+        g.live += 1;
         *g.stamps[i].get_mut() = stamp;
         Ok(())
     }
 
-    fn remove(&mut self, page: u64) {
+    /// Takes a page out of the table, for the caller to give back.
+    fn remove(&mut self, page: u64) -> Option<Page> {
         let key = page / GROUP_PAGES;
-        if let Some(g) = self.0.get_mut(&key) {
-            if g.data[slot(page)].take().is_some() {
-                g.live -= 1;
-                if g.live == 0 {
-                    self.0.remove(&key);
-                }
+        let g = self.0.get_mut(&key)?;
+        let data = g.data[slot(page)].take()?;
+        g.live -= 1;
+        if g.live == 0 {
+            self.0.remove(&key);
+            // A table does not shrink by itself: trimmed exports would keep
+            // their peak's tables. Shrinking at a quarter full to half full
+            // keeps the rehashing amortised.
+            let cap = self.0.capacity();
+            if cap > MIN_TABLE && self.0.len() < cap / 4 {
+                self.0.shrink_to(self.0.len() * 2);
             }
         }
+        Some(data)
     }
 
     /// Stamps of all pages held.
@@ -144,16 +157,19 @@ fn shard_of(page: u64) -> usize {
     (mix(page / GROUP_PAGES) as usize) & (SHARDS - 1)
 }
 
-/// A new page holding `full` (a whole page of data), or zeros; `None`
-/// when memory is exhausted.
-fn new_page(full: Option<&[u8]>) -> Option<Box<[u8; PAGE_SIZE]>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(PAGE_SIZE).ok()?;
+/// A page from `slabs` holding `full` (a whole page of data), or zeros;
+/// `None` when memory is exhausted.
+fn new_page(slabs: &Slabs, full: Option<&[u8]>) -> Option<Page> {
+    // Filled after the allocator is unlocked: the first touch of a fresh
+    // slab faults in (and zeroes) up to 2 MiB, which must not stall the
+    // other writers.
+    let (mut page, fresh) = slabs.lock().take().ok()?;
     match full {
-        Some(data) => v.extend_from_slice(data),
-        None => v.resize(PAGE_SIZE, 0u8),
+        Some(data) => page.copy_from_slice(data),
+        None if !fresh => page.fill(0),
+        None => {}
     }
-    v.into_boxed_slice().try_into().ok()
+    Some(page)
 }
 
 /// Why a request failed.
@@ -318,10 +334,11 @@ pub struct Export {
     used: AtomicU64,
     shards: Box<[RwLock<PageMap>]>,
     budget: Arc<Budget>,
+    slabs: Arc<Slabs>,
 }
 
 impl Export {
-    fn new(name: String, size: u64, budget: Arc<Budget>) -> Self {
+    fn new(name: String, size: u64, budget: Arc<Budget>, slabs: Arc<Slabs>) -> Self {
         let shards = (0..SHARDS)
             .map(|_| RwLock::new(PageMap::default()))
             .collect();
@@ -331,6 +348,7 @@ impl Export {
             used: AtomicU64::new(0),
             shards,
             budget,
+            slabs,
         }
     }
 
@@ -490,14 +508,19 @@ impl Export {
             }
             let (in_page, in_buf) = piece(q, offset, buf.len() as u64);
             let full = (in_page.len() == PAGE_SIZE).then(|| &buf[in_buf]);
-            let stored = new_page(full)
-                .ok_or(())
-                .and_then(|data| maps.map(q).try_insert(q, data, NEW_PAGE));
-            if stored.is_err() {
+            let stored = match new_page(&self.slabs, full) {
+                Some(data) => maps.map(q).try_insert(q, data, NEW_PAGE).map_err(Some),
+                None => Err(None),
+            };
+            if let Err(unstored) = stored {
+                let mut alloc = self.slabs.lock();
+                if let Some(p) = unstored {
+                    alloc.give(p);
+                }
                 for r in first..q {
                     let m = maps.map(r);
                     if m.get(r).is_some_and(|(_, s)| s.load(Relaxed) == NEW_PAGE) {
-                        m.remove(r);
+                        alloc.give(m.remove(r).expect("the page was just seen"));
                     }
                 }
                 self.budget.give_back(needed);
@@ -522,6 +545,9 @@ impl Export {
         let (first, last) = Self::pages(offset, len);
         let freed = self.with_shards(first, last, |maps| {
             let mut freed = 0;
+            // Locked at the first page freed: most discards of a swapping
+            // client land on holes or whole pages, and many on holes only.
+            let mut alloc = None;
             for q in first..=last {
                 let (in_page, _) = piece(q, offset, len);
                 let map = maps.map(q);
@@ -534,7 +560,8 @@ impl Export {
                     }
                 };
                 if now_zero {
-                    map.remove(q);
+                    let page = map.remove(q).expect("the page was just seen");
+                    alloc.get_or_insert_with(|| self.slabs.lock()).give(page);
                     freed += 1;
                 }
             }
@@ -620,14 +647,21 @@ pub struct Usage {
 /// All exports of a donor and their common budget.
 pub struct Pool {
     budget: Arc<Budget>,
+    slabs: Arc<Slabs>,
     exports: RwLock<BTreeMap<String, Arc<Export>>>,
     max_exports: usize,
 }
 
 impl Pool {
     pub fn new(limit_pages: u64, max_exports: usize) -> Self {
+        Self::with_slabs(limit_pages, max_exports, Slabs::new())
+    }
+
+    /// A pool whose pages come from `slabs` (small slabs for unit tests).
+    pub fn with_slabs(limit_pages: u64, max_exports: usize, slabs: Slabs) -> Self {
         Pool {
             budget: Arc::new(Budget::new(limit_pages)),
+            slabs: Arc::new(slabs),
             exports: RwLock::new(BTreeMap::new()),
             max_exports,
         }
@@ -635,6 +669,11 @@ impl Pool {
 
     pub fn budget(&self) -> &Budget {
         &self.budget
+    }
+
+    /// Bytes of the slabs mapped for pages (see [`Slabs::mapped_bytes`]).
+    pub fn mapped_bytes(&self) -> u64 {
+        self.slabs.mapped_bytes()
     }
 
     /// The store of `spec.name`, created on first use with `spec.size` or
@@ -671,6 +710,7 @@ impl Pool {
             spec.name.clone(),
             spec.size.unwrap_or(default_size),
             Arc::clone(&self.budget),
+            Arc::clone(&self.slabs),
         ));
         all.insert(spec.name.clone(), Arc::clone(&e));
         Ok(e)
@@ -747,6 +787,39 @@ mod tests {
         e.write(&[0; 8192], 3 * 4096, 1).unwrap();
         assert_eq!(e.used_pages(), 2, "zeros written into a hole need no page");
         assert_eq!(p.budget().used_pages(), 2);
+    }
+
+    #[test]
+    fn trimmed_pages_return_their_slabs_and_freed_pages_are_reused_zeroed() {
+        let slab = 4 * PAGE;
+        let p = Pool::with_slabs(64, 8, Slabs::with_slab_pages(4));
+        let a = p.open(&spec("a"), 1 << 20).unwrap();
+        let b = p.open(&spec("b"), 1 << 20).unwrap();
+        a.write(&[1; 10 * 4096], 0, 0).unwrap();
+        b.write(&[2; 6 * 4096], 0, 0).unwrap();
+        assert_eq!(p.mapped_bytes(), 4 * slab, "16 pages fill 4 slabs");
+        // Half of a's pages freed, scattered: the slabs stay, the freed
+        // pages serve the next writes (partly written: zeroed first).
+        for i in (0..10).step_by(2) {
+            a.discard(i * PAGE, PAGE).unwrap();
+        }
+        assert_eq!(p.budget().used_pages(), 11);
+        for i in 0..5 {
+            b.write(&[3; 10], 100 * PAGE + i * PAGE, 0).unwrap();
+        }
+        assert_eq!(p.mapped_bytes(), 4 * slab);
+        assert_eq!(
+            read(&b, 100 * PAGE, 4096),
+            [&[3; 10][..], &[0; 4086]].concat()
+        );
+        // Everything trimmed: only the spare slab stays mapped.
+        a.discard(0, 1 << 20).unwrap();
+        b.discard(0, 1 << 20).unwrap();
+        assert_eq!(p.budget().used_pages(), 0);
+        assert_eq!(p.mapped_bytes(), slab);
+        b.write(&[4; 4096], 0, 0).unwrap();
+        assert_eq!(read(&a, 0, 4 * 4096), vec![0; 4 * 4096]);
+        assert_eq!(read(&b, 0, 4096), vec![4; 4096]);
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! Every `unsafe` of the crate: nbdkit's logging functions, the client's
-//! address, memory locking, and the plugin registration struct.
+//! address, memory locking, malloc's mmap threshold, the slabs donated pages live in ([`Slab`],
+//! [`Page`]), and the plugin registration struct.
 //!
 //! Registration: the `nbdkit` crate 0.3 describes `struct nbdkit_plugin`
 //! only up to `after_fork`, so it cannot declare `block_size`. We build its
@@ -15,9 +16,12 @@ use std::ffi::CString;
 use std::io;
 use std::mem::{offset_of, size_of};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::ops::{Deref, DerefMut};
 use std::os::raw::{c_char, c_int, c_void};
+use std::ptr::NonNull;
 
 use crate::access::Peer;
+use crate::store::PAGE_SIZE;
 
 extern "C" {
     fn nbdkit_debug(fmt: *const c_char, ...);
@@ -100,6 +104,173 @@ pub fn lock_all_memory() -> io::Result<()> {
         return Err(io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// One anonymous private mapping of `pages` pages, handed out page by page
+/// as [`Page`]s. The pages a slab has never handed out are untouched, so
+/// they are zeros and cost no memory; returned pages are handed out again
+/// first (last in, first out: the most recently used are warm in cache).
+///
+/// The mapping is unmapped when the slab is dropped with no page out, which
+/// returns its memory to the kernel and ends its lock under mlockall; a
+/// slab dropped with pages still out leaks its mapping rather than leave
+/// them dangling.
+pub struct Slab {
+    base: NonNull<u8>,
+    pages: u16,
+    /// Pages handed out at least once: `0..fresh_from`.
+    fresh_from: u16,
+    /// Returned pages, by index.
+    free: Vec<u16>,
+    id: u32,
+}
+
+// SAFETY: a Slab owns its mapping exclusively; the raw pointer is only an
+// address, never shared with another Slab.
+unsafe impl Send for Slab {}
+
+/// One page of a [`Slab`]: the only handle to it while it is out, so it
+/// derefs to the page's bytes like a `Box<[u8; PAGE_SIZE]>`.
+pub struct Page {
+    ptr: NonNull<[u8; PAGE_SIZE]>,
+    slab: u32,
+}
+
+// SAFETY: a Page is the unique owner of its bytes (no other Page or Slab
+// hands out the same address while it lives), like a Box.
+unsafe impl Send for Page {}
+// SAFETY: `&Page` only gives `&[u8]`; mutation needs `&mut Page`.
+unsafe impl Sync for Page {}
+
+impl Page {
+    /// The id of the slab this page belongs to.
+    pub fn slab(&self) -> u32 {
+        self.slab
+    }
+}
+
+impl Deref for Page {
+    type Target = [u8; PAGE_SIZE];
+    fn deref(&self) -> &[u8; PAGE_SIZE] {
+        // SAFETY: the page lies in a mapping that stays mapped while any of
+        // its pages is out (see Slab's Drop), and this Page is its only
+        // handle, so no `&mut` to it exists while this borrow lives.
+        unsafe { self.ptr.as_ref() }
+    }
+}
+
+impl DerefMut for Page {
+    fn deref_mut(&mut self) -> &mut [u8; PAGE_SIZE] {
+        // SAFETY: as for Deref; `&mut self` makes this borrow exclusive.
+        unsafe { self.ptr.as_mut() }
+    }
+}
+
+impl Slab {
+    /// Maps a slab of `pages` pages (at most 65535), asking for transparent
+    /// huge pages (a 2 MiB slab is then one page fault and one TLB entry,
+    /// where the kernel has them; refused advice changes nothing else).
+    /// Under `mlockall(MCL_FUTURE|MCL_ONFAULT)` the mapping is locked as it
+    /// is touched.
+    pub fn map(pages: u16, id: u32) -> io::Result<Slab> {
+        let len = usize::from(pages) * PAGE_SIZE;
+        // SAFETY: a fresh anonymous private mapping at an address of the
+        // kernel's choosing overlaps no memory Rust knows about.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: advice on the mapping just made; MADV_HUGEPAGE changes how
+        // it is backed, never its contents.
+        unsafe { libc::madvise(p, len, libc::MADV_HUGEPAGE) };
+        Ok(Slab {
+            base: NonNull::new(p.cast()).expect("mmap succeeded, so not NULL"),
+            pages,
+            fresh_from: 0,
+            free: Vec::new(),
+            id,
+        })
+    }
+
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    /// Pages out.
+    pub fn in_use(&self) -> usize {
+        usize::from(self.fresh_from) - self.free.len()
+    }
+
+    pub fn is_full(&self) -> bool {
+        self.in_use() == usize::from(self.pages)
+    }
+
+    /// A page and whether it is fresh (never handed out, so all zeros);
+    /// `None` when all are out.
+    pub fn take(&mut self) -> Option<(Page, bool)> {
+        let (i, fresh) = match self.free.pop() {
+            Some(i) => (i, false),
+            None if self.fresh_from < self.pages => {
+                self.fresh_from += 1;
+                (self.fresh_from - 1, true)
+            }
+            None => return None,
+        };
+        // SAFETY: i < pages, so the page lies inside the mapping.
+        let p = unsafe { self.base.as_ptr().add(usize::from(i) * PAGE_SIZE) };
+        let ptr = NonNull::new(p.cast()).expect("inside a mapping, so not NULL");
+        Some((Page { ptr, slab: self.id }, fresh))
+    }
+
+    /// Takes back a page this slab handed out.
+    ///
+    /// # Panics
+    /// If the page belongs to another slab (a bug of the caller).
+    pub fn give(&mut self, page: Page) {
+        let off = (page.ptr.as_ptr() as usize).wrapping_sub(self.base.as_ptr() as usize);
+        assert!(
+            page.slab == self.id && off < usize::from(self.pages) * PAGE_SIZE,
+            "page of slab {} given back to slab {}",
+            page.slab,
+            self.id
+        );
+        self.free.push((off / PAGE_SIZE) as u16);
+    }
+}
+
+impl Drop for Slab {
+    fn drop(&mut self) {
+        if self.in_use() > 0 {
+            return;
+        }
+        // SAFETY: no Page of this mapping is out, so nothing refers to it.
+        unsafe {
+            libc::munmap(
+                self.base.as_ptr().cast(),
+                usize::from(self.pages) * PAGE_SIZE,
+            )
+        };
+    }
+}
+
+/// Pins glibc's mmap threshold at `bytes`, so that every larger block
+/// (nbdkit's per-thread request buffers of up to 64 MiB) gets a mapping of
+/// its own that `free` unmaps. Left dynamic, glibc raises the threshold to
+/// the size of the first such block freed and serves the next ones from
+/// its arenas, which keep what they grew to: under mlockall they cannot
+/// even advise free memory away. Returns false if glibc refused.
+pub fn fix_mmap_threshold(bytes: c_int) -> bool {
+    // SAFETY: mallopt only changes malloc's tunables; any value is safe.
+    unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, bytes) == 1 }
 }
 
 /// `struct nbdkit_plugin` of nbdkit 1.30+: the crate's struct, then the
