@@ -18,6 +18,10 @@ use crate::policy;
 /// File name of the configuration inside a state directory.
 pub const FILE_NAME: &str = "device.toml";
 
+/// Widest parity group: bounds the members of a unit, so a request's
+/// per-member bookkeeping fits in fixed-size arrays.
+pub const MAX_WIDTH: u32 = 32;
+
 /// A byte count; see the module documentation for its TOML forms.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub struct ByteSize(pub u64);
@@ -528,10 +532,10 @@ impl DeviceConfig {
             }
         }
         match &self.mode {
-            Mode::Parity { width } if *width < 3 || *width > 32 => {
+            Mode::Parity { width } if *width < 3 || *width > MAX_WIDTH => {
                 return bad(
                     "mode.width",
-                    format!("{width} must be 3..=32 (N-1 data + 1 parity)"),
+                    format!("{width} must be 3..={MAX_WIDTH} (N-1 data + 1 parity)"),
                 );
             }
             Mode::Disk { path, .. } if relative(path) => {

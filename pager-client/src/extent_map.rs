@@ -25,6 +25,9 @@ use crate::page_log::{LogGeometry, PageTable, Slot, PAGE};
 pub const SNAPSHOT_FILE: &str = "map.snap";
 pub const JOURNAL_FILE: &str = "map.journal";
 const MAGIC: &[u8; 8] = b"NPMAP001";
+/// Initial size of the journal's record buffer: a parity log leader's
+/// records (8 rows of up to 31 pages) fit.
+const JOURNAL_SCRATCH: usize = 4096;
 /// The journal is compacted into a snapshot once it grows past this.
 pub const COMPACT_AFTER_BYTES: u64 = 4 << 20;
 
@@ -298,16 +301,46 @@ enum Record {
     },
 }
 
-fn frame(payload: &[u8]) -> Vec<u8> {
-    let mut v = Vec::with_capacity(payload.len() + 8);
-    v.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-    v.extend_from_slice(&crc32(payload).to_le_bytes());
-    v.extend_from_slice(payload);
-    v
+/// Appends one framed record to `out`: length, CRC, then the payload that
+/// `payload` writes.
+fn frame_into(out: &mut Vec<u8>, payload: impl FnOnce(&mut Vec<u8>)) {
+    let at = out.len();
+    out.extend_from_slice(&[0; 8]);
+    payload(out);
+    let len = (out.len() - at - 8) as u32;
+    let crc = crc32(&out[at + 8..]);
+    out[at..at + 4].copy_from_slice(&len.to_le_bytes());
+    out[at + 4..at + 8].copy_from_slice(&crc.to_le_bytes());
+}
+
+/// A `Record::LogRow` payload; the journal writes it straight from a row's
+/// page list, without building the record's vector.
+fn log_row_payload(
+    p: &mut Vec<u8>,
+    unit: u32,
+    row: u32,
+    pages: impl ExactSizeIterator<Item = u64>,
+) {
+    p.push(5);
+    p.extend_from_slice(&unit.to_le_bytes());
+    p.extend_from_slice(&row.to_le_bytes());
+    p.push(pages.len() as u8);
+    for pg in pages {
+        p.extend_from_slice(&pg.to_le_bytes());
+    }
 }
 
 fn encode(r: &Record) -> Vec<u8> {
-    let mut p = Vec::new();
+    let mut v = Vec::new();
+    encode_into(r, &mut v);
+    v
+}
+
+fn encode_into(r: &Record, out: &mut Vec<u8>) {
+    frame_into(out, |p| encode_payload(r, p));
+}
+
+fn encode_payload(r: &Record, p: &mut Vec<u8>) {
     match r {
         Record::Header { generation, layout } => {
             let (m, w) = layout.mode.code();
@@ -352,13 +385,7 @@ fn encode(r: &Record) -> Vec<u8> {
             p.extend_from_slice(&units.to_le_bytes());
         }
         Record::LogRow { unit, row, pages } => {
-            p.push(5);
-            p.extend_from_slice(&unit.to_le_bytes());
-            p.extend_from_slice(&row.to_le_bytes());
-            p.push(pages.len() as u8);
-            for pg in pages {
-                p.extend_from_slice(&pg.to_le_bytes());
-            }
+            log_row_payload(p, *unit, *row, pages.iter().copied());
         }
         Record::LogDrop { first, count } => {
             p.push(6);
@@ -366,7 +393,6 @@ fn encode(r: &Record) -> Vec<u8> {
             p.extend_from_slice(&count.to_le_bytes());
         }
     }
-    frame(&p)
 }
 
 struct Cursor<'a>(&'a [u8]);
@@ -635,6 +661,9 @@ struct Persist {
     generation: u64,
     mirror: Vec<Option<Unit>>,
     donors: Vec<DonorEntry>,
+    /// Records being appended, kept so the parity log's journal records
+    /// (one per small write) are encoded without allocating.
+    scratch: Vec<u8>,
 }
 
 /// The extent map: in-memory placements behind per-unit locks, plus the
@@ -979,6 +1008,7 @@ impl ExtentMap {
                 generation,
                 mirror: st.units,
                 donors: st.donors,
+                scratch: Vec::with_capacity(JOURNAL_SCRATCH),
             }),
             slots: Mutex::new(slots),
             log: st.log.map(Mutex::new),
@@ -1143,8 +1173,7 @@ impl ExtentMap {
         let Some(t) = self.log.as_ref() else {
             return Ok(());
         };
-        let mut recs = Vec::new();
-        {
+        let cols = {
             let mut t = lock(t);
             let geo = t.geometry();
             for (r, cols) in (row..).zip(pages.chunks(geo.cols as usize)) {
@@ -1153,14 +1182,17 @@ impl ExtentMap {
                         t.set(*p, geo.slot(lu, r, col as u32));
                     }
                 }
-                recs.extend(encode(&Record::LogRow {
-                    unit: lu as u32,
-                    row: r,
-                    pages: cols.iter().map(|p| p.map_or(0, |p| p + 1)).collect(),
-                }));
             }
-        }
-        self.append_encoded(&mut lock(&self.persist), &recs)
+            geo.cols as usize
+        };
+        self.append_with(&mut lock(&self.persist), |out| {
+            for (r, cols) in (row..).zip(pages.chunks(cols)) {
+                frame_into(out, |p| {
+                    let pages = cols.iter().map(|p| p.map_or(0, |p| p + 1));
+                    log_row_payload(p, lu as u32, r, pages)
+                });
+            }
+        })
     }
 
     /// Journals that pages `[first, first + count)` are at home again (they
@@ -1227,16 +1259,30 @@ impl ExtentMap {
     }
 
     fn append(&self, p: &mut Persist, r: &Record) -> Result<(), MapError> {
-        self.append_encoded(p, &encode(r))
+        self.append_with(p, |out| encode_into(r, out))
     }
 
-    /// Appends already encoded records in one write.
-    fn append_encoded(&self, p: &mut Persist, rec: &[u8]) -> Result<(), MapError> {
-        p.journal
-            .write_all(rec)
-            .map_err(io_err(&self.dir.join(JOURNAL_FILE)))?;
-        p.journal_bytes += rec.len() as u64;
-        Ok(())
+    /// Appends the records `encode` writes, in one write, encoded in the
+    /// journal's reused buffer.
+    fn append_with(
+        &self,
+        p: &mut Persist,
+        encode: impl FnOnce(&mut Vec<u8>),
+    ) -> Result<(), MapError> {
+        let mut buf = std::mem::take(&mut p.scratch);
+        buf.clear();
+        encode(&mut buf);
+        // The path is built only for an error: this runs for every small
+        // write to the parity log.
+        let res = p
+            .journal
+            .write_all(&buf)
+            .map_err(|e| io_err(&self.dir.join(JOURNAL_FILE))(e));
+        if res.is_ok() {
+            p.journal_bytes += buf.len() as u64;
+        }
+        p.scratch = buf;
+        res
     }
 
     // ---- slots ----

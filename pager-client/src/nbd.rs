@@ -9,7 +9,6 @@
 
 mod ffi;
 
-use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -109,6 +108,17 @@ impl Op<'_> {
         }
     }
 
+    /// The same request, borrowing its buffer for a shorter time.
+    pub fn reborrow(&mut self) -> Op<'_> {
+        match self {
+            Op::Read(b) => Op::Read(b),
+            Op::Write(b) => Op::Write(b),
+            Op::Zero(n) => Op::Zero(*n),
+            Op::Trim(n) => Op::Trim(*n),
+            Op::Flush => Op::Flush,
+        }
+    }
+
     fn len(&self) -> u64 {
         match self {
             Op::Read(b) => b.len() as u64,
@@ -167,9 +177,9 @@ impl Connection {
         let outcome = match start(&mut self.h, &mut op, offset) {
             Err(e) => Outcome::Failed(e),
             Ok(cmd) => {
-                let mut cmds = [cmd];
+                let mut cmds = [Some(cmd)];
                 ffi::wait_all(&mut cmds, Instant::now() + timeout);
-                cmds[0].outcome().cloned().unwrap_or(Outcome::TimedOut)
+                outcome_of(&cmds[0])
             }
         };
         to_result(&self.addr, name, offset, len, timeout, outcome)
@@ -214,6 +224,13 @@ fn start<'a>(h: &'a mut Handle, op: &'a mut Op<'_>, offset: u64) -> Result<InFli
         Op::Trim(n) => h.start_trim(*n, offset),
         Op::Flush => h.start_flush(),
     }
+}
+
+/// How a started command ended (`TimedOut` if it is still running).
+fn outcome_of(cmd: &Option<InFlight<'_>>) -> Outcome {
+    cmd.as_ref()
+        .and_then(|c| c.outcome().cloned())
+        .unwrap_or(Outcome::TimedOut)
 }
 
 fn to_result(
@@ -276,7 +293,8 @@ impl Pool {
             timeouts,
             max: max.max(1),
             state: Mutex::new(PoolState {
-                idle: Vec::new(),
+                // Its full size now: returning a lease never allocates.
+                idle: Vec::with_capacity(max.max(1)),
                 open: 0,
                 closed: false,
                 generation: 0,
@@ -404,100 +422,174 @@ pub struct Request<'p, 'b> {
 /// Runs a batch: requests to different donors run in parallel, requests to
 /// the same donor one after another on one connection. Returns one result
 /// per request, in order. A donor that does not answer within the request
-/// timeout gets [`NbdError::Timeout`].
+/// timeout gets [`NbdError::Timeout`]. See [`run_into`].
 pub fn run(reqs: &mut [Request<'_, '_>]) -> Vec<Result<(), NbdError>> {
-    let n = reqs.len();
-    let mut results: Vec<Option<Result<(), NbdError>>> = vec![None; n];
-    let mut order: Vec<usize> = (0..n).collect();
-    order.sort_by_key(|&i| (reqs[i].pool.order, i));
+    let mut batch: Vec<Option<Request<'_, '_>>> = reqs
+        .iter_mut()
+        .map(|r| {
+            Some(Request {
+                pool: r.pool,
+                offset: r.offset,
+                op: r.op.reborrow(),
+            })
+        })
+        .collect();
+    let mut results = vec![Ok(()); batch.len()];
+    run_into(&mut batch, &mut results);
+    results
+}
 
-    // Check out one connection per donor, in lock order.
-    let mut groups: Vec<(Lease<'_>, VecDeque<usize>)> = Vec::new();
-    let mut failed_pool: Option<(usize, NbdError)> = None;
-    for &i in &order {
-        let pool = reqs[i].pool;
-        if let Some((o, e)) = &failed_pool {
-            if *o == pool.order {
-                results[i] = Some(Err(e.clone()));
-                continue;
-            }
-        }
-        if let Some((lease, q)) = groups.last_mut() {
-            if lease.pool.order == pool.order {
-                q.push_back(i);
-                continue;
-            }
-        }
-        match pool.checkout() {
-            Ok(lease) => groups.push((lease, VecDeque::from([i]))),
-            Err(e) => {
-                results[i] = Some(Err(e.clone()));
-                failed_pool = Some((pool.order, e));
-            }
-        }
-    }
+/// Donors one wave of a batch talks to in parallel.
+const WAVE: usize = ffi::MAX_WAIT;
 
+/// One donor's part of a wave: a connection and the request running on it.
+struct Group<'p, 'b> {
+    lease: Lease<'p>,
+    /// The request to run next on it, or the one running.
+    next: Option<usize>,
+    /// The running request's op, out of the batch while it runs.
+    op: Option<Op<'b>>,
+}
+
+/// [`run`] without allocating: `None` entries are skipped, and the result
+/// of request `i` goes to `results[i]` (left alone for `None`). Up to 32
+/// donors (the widest parity group, so a device batch never has more) run
+/// in parallel; the donors of a larger batch run in successive waves.
+pub fn run_into(reqs: &mut [Option<Request<'_, '_>>], results: &mut [Result<(), NbdError>]) {
+    assert_eq!(reqs.len(), results.len(), "one result per request");
+    // Pools below `from` are done. Within a wave, connections are checked
+    // out in ascending pool order, so two batches never wait on each
+    // other's connections; a wave gives its connections back before the
+    // next one starts.
+    let mut from = 0;
     loop {
-        let mut slots: Vec<Option<&mut Request<'_, '_>>> = reqs.iter_mut().map(Some).collect();
-        let mut cmds = Vec::new();
-        let mut who = Vec::new();
-        let mut timeout = Duration::ZERO;
-        let mut any = false;
-        for (g, (lease, q)) in groups.iter_mut().enumerate() {
-            let Some(&i) = q.front() else { continue };
-            any = true;
-            let r = slots[i].take().expect("each request is in one queue once");
-            let (name, len, offset) = (r.op.name(), r.op.len(), r.offset);
-            timeout = timeout.max(lease.pool.timeouts.request);
-            let addr = lease.pool.ep.addr();
-            match start(
-                &mut lease.conn.as_mut().expect("leased").h,
-                &mut r.op,
-                offset,
-            ) {
-                Ok(c) => {
-                    cmds.push(c);
-                    who.push((g, i, name, len, offset, addr));
+        let mut groups: [Option<Group<'_, '_>>; WAVE] = std::array::from_fn(|_| None);
+        let mut n = 0;
+        let mut more = false;
+        while n < WAVE {
+            let Some(first) = lowest_pool(reqs, from) else {
+                break;
+            };
+            let pool = reqs[first].as_ref().expect("found above").pool;
+            from = pool.order + 1;
+            more = true;
+            match pool.checkout() {
+                Ok(lease) => {
+                    groups[n] = Some(Group {
+                        lease,
+                        next: Some(first),
+                        op: None,
+                    });
+                    n += 1;
                 }
                 Err(e) => {
-                    results[i] = Some(to_result(
-                        &addr,
-                        name,
-                        offset,
-                        len,
-                        timeout,
-                        Outcome::Failed(e),
-                    ));
-                    q.pop_front();
+                    for (r, res) in reqs.iter().zip(results.iter_mut()) {
+                        if r.as_ref().is_some_and(|r| r.pool.order == pool.order) {
+                            *res = Err(e.clone());
+                        }
+                    }
                 }
             }
         }
-        if !any {
-            break;
+        if !more {
+            return;
         }
-        ffi::wait_all(&mut cmds, Instant::now() + timeout);
-        let outcomes: Vec<Outcome> = cmds
-            .iter()
-            .map(|c| c.outcome().cloned().unwrap_or(Outcome::TimedOut))
-            .collect();
-        drop(cmds);
-        drop(slots);
-        for ((g, i, name, len, offset, addr), o) in who.into_iter().zip(outcomes) {
-            let (lease, q) = &mut groups[g];
-            q.pop_front();
-            let res = to_result(&addr, name, offset, len, lease.pool.timeouts.request, o);
-            if res.is_err() && !lease.conn().usable() {
-                // The connection is gone: the donor's remaining requests fail
-                // the same way instead of waiting again.
-                for j in q.drain(..) {
-                    results[j] = Some(res.clone());
-                }
-            }
-            results[i] = Some(res);
+        run_wave(reqs, results, &mut groups[..n]);
+    }
+}
+
+/// The first request on the pool with the lowest order at or above `from`.
+fn lowest_pool(reqs: &[Option<Request<'_, '_>>], from: usize) -> Option<usize> {
+    let mut best: Option<(usize, usize)> = None;
+    for (i, r) in reqs.iter().enumerate() {
+        let Some(r) = r else { continue };
+        let o = r.pool.order;
+        if o >= from && best.is_none_or(|(b, _)| o < b) {
+            best = Some((o, i));
         }
     }
-    results
-        .into_iter()
-        .map(|r| r.expect("every request has a result"))
-        .collect()
+    best.map(|(_, i)| i)
+}
+
+/// The next request at or after `at` on the pool of order `order`.
+fn next_on(reqs: &[Option<Request<'_, '_>>], order: usize, at: usize) -> Option<usize> {
+    reqs[at..]
+        .iter()
+        .position(|r| r.as_ref().is_some_and(|r| r.pool.order == order))
+        .map(|k| at + k)
+}
+
+/// Runs the groups' requests, one per group at a time, all groups at once.
+fn run_wave<'b>(
+    reqs: &mut [Option<Request<'_, 'b>>],
+    results: &mut [Result<(), NbdError>],
+    groups: &mut [Option<Group<'_, 'b>>],
+) {
+    loop {
+        let mut timeout = Duration::ZERO;
+        let mut any = false;
+        for g in groups.iter_mut().flatten() {
+            let Some(i) = g.next else { continue };
+            let r = reqs[i].as_mut().expect("queued requests exist");
+            g.op = Some(std::mem::replace(&mut r.op, Op::Flush));
+            timeout = timeout.max(g.lease.pool.timeouts.request);
+            any = true;
+        }
+        if !any {
+            return;
+        }
+        let mut outcomes: [Option<Outcome>; WAVE] = std::array::from_fn(|_| None);
+        let n = groups.len();
+        {
+            let mut cmds: [Option<InFlight<'_>>; WAVE] = std::array::from_fn(|_| None);
+            for ((g, cmd), out) in groups.iter_mut().zip(&mut cmds).zip(&mut outcomes) {
+                let Some(Group { lease, next, op }) = g else {
+                    continue;
+                };
+                let (Some(i), Some(op)) = (*next, op.as_mut()) else {
+                    continue;
+                };
+                let offset = reqs[i].as_ref().expect("queued requests exist").offset;
+                let h = &mut lease.conn.as_mut().expect("leased").h;
+                match start(h, op, offset) {
+                    Ok(c) => *cmd = Some(c),
+                    Err(e) => *out = Some(Outcome::Failed(e)),
+                }
+            }
+            ffi::wait_all(&mut cmds[..n], Instant::now() + timeout);
+            for (cmd, out) in cmds.iter().zip(&mut outcomes) {
+                if cmd.is_some() {
+                    *out = Some(outcome_of(cmd));
+                }
+            }
+        }
+        for (g, o) in groups.iter_mut().zip(outcomes) {
+            let (Some(g), Some(o)) = (g.as_mut(), o) else {
+                continue;
+            };
+            let i = g.next.expect("it ran a request");
+            let r = reqs[i].as_mut().expect("queued requests exist");
+            r.op = g.op.take().expect("taken above");
+            let order = r.pool.order;
+            let t = g.lease.pool.timeouts.request;
+            let res = to_result(
+                &g.lease.conn().addr,
+                r.op.name(),
+                r.offset,
+                r.op.len(),
+                t,
+                o,
+            );
+            g.next = next_on(reqs, order, i + 1);
+            if res.is_err() && !g.lease.conn().usable() {
+                // The connection is gone: the donor's remaining requests fail
+                // the same way instead of waiting again.
+                while let Some(j) = g.next {
+                    results[j] = res.clone();
+                    g.next = next_on(reqs, order, j + 1);
+                }
+            }
+            results[i] = res;
+        }
+    }
 }

@@ -286,6 +286,11 @@ impl Inner {
 
     /// Writes a new label on donor `d` before its first extent.
     pub(crate) fn ensure_label(&self, d: &Donor) -> Result<()> {
+        // Labelled already (the usual case): no need to wait behind a
+        // labelling round trip.
+        if self.map.donor_label(d.id) != 0 {
+            return Ok(());
+        }
         let _g = d.label_lock.lock().unwrap_or_else(|p| p.into_inner());
         if self.map.donor_label(d.id) != 0 {
             return Ok(());

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::{Condvar, Mutex};
 
+use super::donor::Donor;
 use super::{DeviceError, Inner, Result};
 use crate::config::FallbackConfig;
 use crate::extent_map::{ExtentMap, Loc, SlotOwner};
@@ -35,39 +36,44 @@ impl BufPool {
         }
     }
 
-    /// Takes `n` buffers at once (waiting for them), so two takers can never
-    /// each hold part of what the other needs.
+    /// Takes `n` (1 or 2) buffers at once (waiting for them), so two
+    /// takers can never each hold part of what the other needs.
     pub fn take(&self, n: usize) -> Bufs<'_> {
+        assert!((1..=2).contains(&n), "{n} buffers at once");
         let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
         while free.len() < n {
             free = self.cv.wait(free).unwrap_or_else(|p| p.into_inner());
         }
-        let at = free.len() - n;
-        let bufs = free.split_off(at);
+        let bufs = [free.pop(), if n == 2 { free.pop() } else { None }];
         Bufs { pool: self, bufs }
     }
 }
 
+/// Buffers taken from a [`BufPool`]; they go back on drop (into the pool's
+/// own vector, which has room for all of them: no allocation either way).
 pub(crate) struct Bufs<'a> {
     pool: &'a BufPool,
-    bufs: Vec<Box<[u8]>>,
+    bufs: [Option<Box<[u8]>>; 2],
 }
 
 impl Bufs<'_> {
     pub fn one(&mut self, len: usize) -> &mut [u8] {
-        &mut self.bufs[0][..len]
+        &mut self.bufs[0].as_mut().expect("taken")[..len]
     }
 
     pub fn two(&mut self, len: usize) -> (&mut [u8], &mut [u8]) {
-        let (a, b) = self.bufs.split_at_mut(1);
-        (&mut a[0][..len], &mut b[0][..len])
+        let [a, b] = &mut self.bufs;
+        (
+            &mut a.as_mut().expect("taken")[..len],
+            &mut b.as_mut().expect("two taken")[..len],
+        )
     }
 }
 
 impl Drop for Bufs<'_> {
     fn drop(&mut self) {
         let mut free = self.pool.free.lock().unwrap_or_else(|p| p.into_inner());
-        free.append(&mut self.bufs);
+        free.extend(self.bufs.iter_mut().filter_map(Option::take));
         self.pool.cv.notify_all();
     }
 }
@@ -177,6 +183,17 @@ impl Fallback {
     }
 }
 
+/// Most requests in one batch: one per member of the widest unit.
+pub(crate) const MAX_BATCH: usize = crate::config::MAX_WIDTH as usize;
+
+/// Requests by member position, `None` where a member gets none.
+pub(crate) type Batch<'b> = [Option<IoReq<'b>>; MAX_BATCH];
+
+/// A batch with no requests yet.
+pub(crate) fn batch<'b>() -> Batch<'b> {
+    std::array::from_fn(|_| None)
+}
+
 /// One request to a member's location: `op` at `off` within its slot.
 pub(crate) struct IoReq<'b> {
     pub loc: Loc,
@@ -201,11 +218,14 @@ impl IoFail {
     }
 }
 
+/// What became of one request.
+pub(crate) type IoResult = std::result::Result<(), IoFail>;
+
 impl Inner {
     /// The configured donor holding `loc`, if it is on a donor we know.
     pub(crate) fn loc_donor(&self, loc: Loc) -> Option<usize> {
         match loc {
-            Loc::Donor { donor, .. } => self.donors.iter().position(|d| d.id == donor),
+            Loc::Donor { donor, .. } => self.donor_index.get(donor as usize).copied().flatten(),
             Loc::Fallback { .. } => None,
         }
     }
@@ -221,17 +241,28 @@ impl Inner {
     }
 
     /// Runs requests in parallel across donors; a donor that errors or
-    /// times out is marked failed here.
-    pub(crate) fn exec(&self, reqs: Vec<IoReq<'_>>) -> Vec<std::result::Result<(), IoFail>> {
-        let n = reqs.len();
-        let mut results: Vec<Option<std::result::Result<(), IoFail>>> = vec![None; n];
-        let mut batch = Vec::new();
-        let mut who = Vec::new();
-        for (i, r) in reqs.into_iter().enumerate() {
+    /// times out is marked failed here. The result of `reqs[i]` is at `i`
+    /// (`None` where there is no request). Everything lives on the stack:
+    /// callers size `N` to their batch (at most a unit's members).
+    pub(crate) fn exec<const N: usize>(
+        &self,
+        reqs: &mut [Option<IoReq<'_>>; N],
+    ) -> [Option<IoResult>; N] {
+        let mut results: [Option<IoResult>; N] = std::array::from_fn(|_| None);
+        let mut batch: [Option<nbd::Request<'_, '_>>; N] = std::array::from_fn(|_| None);
+        let mut who: [Option<&Donor>; N] = [None; N];
+        let mut any = false;
+        for (((r, res), req), who) in reqs
+            .iter_mut()
+            .zip(&mut results)
+            .zip(&mut batch)
+            .zip(&mut who)
+        {
+            let Some(r) = r else { continue };
             match r.loc {
                 Loc::Fallback { slot } => {
-                    results[i] = Some(match &self.fallback {
-                        Some(fb) => fb.run(slot, r.off, r.op).map_err(|e| {
+                    *res = Some(match &self.fallback {
+                        Some(fb) => fb.run(slot, r.off, r.op.reborrow()).map_err(|e| {
                             IoFail::Failed(format!("fallback {}: {e}", fb.path.display()))
                         }),
                         None => Err(IoFail::Failed(
@@ -241,11 +272,11 @@ impl Inner {
                 }
                 Loc::Donor { slot, .. } => {
                     let Some(d) = self.loc_donor(r.loc).map(|i| &self.donors[i]) else {
-                        results[i] = Some(Err(IoFail::Failed("donor no longer configured".into())));
+                        *res = Some(Err(IoFail::Failed("donor no longer configured".into())));
                         continue;
                     };
                     if d.is_failed() {
-                        results[i] = Some(Err(IoFail::Failed(format!(
+                        *res = Some(Err(IoFail::Failed(format!(
                             "donor {} is failed",
                             d.cfg.name
                         ))));
@@ -255,18 +286,23 @@ impl Inner {
                         Op::Read(_) => d.reads.fetch_add(1, Ordering::Relaxed),
                         _ => d.writes.fetch_add(1, Ordering::Relaxed),
                     };
-                    batch.push(nbd::Request {
+                    *req = Some(nbd::Request {
                         pool: &d.pool,
                         offset: slot as u64 * self.layout.extent + r.off,
-                        op: r.op,
+                        op: r.op.reborrow(),
                     });
-                    who.push((i, d));
+                    *who = Some(d);
+                    any = true;
                 }
             }
         }
-        if !batch.is_empty() {
-            for ((i, d), res) in who.into_iter().zip(nbd::run(&mut batch)) {
-                results[i] = Some(res.map_err(|e| {
+        if any {
+            let mut out: [std::result::Result<(), nbd::NbdError>; N] =
+                std::array::from_fn(|_| Ok(()));
+            nbd::run_into(&mut batch, &mut out);
+            for ((d, o), res) in who.iter().zip(out).zip(&mut results) {
+                let Some(d) = d else { continue };
+                *res = Some(o.map_err(|e| {
                     if e.is_no_space() {
                         d.full.store(true, Ordering::Release);
                         IoFail::NoSpace(e.to_string())
@@ -278,21 +314,17 @@ impl Inner {
             }
         }
         results
-            .into_iter()
-            .map(|r| r.expect("every request has a result"))
-            .collect()
     }
 
-    pub(crate) fn exec1(&self, loc: Loc, off: u64, op: Op<'_>) -> std::result::Result<(), IoFail> {
-        self.exec(vec![IoReq { loc, off, op }])
-            .pop()
-            .expect("one result")
+    pub(crate) fn exec1(&self, loc: Loc, off: u64, op: Op<'_>) -> IoResult {
+        let [res] = self.exec(&mut [Some(IoReq { loc, off, op })]);
+        res.expect("one request, one result")
     }
 
     /// Flushes every donor that is up, in parallel. A failing donor is
     /// marked failed; the caller's data is safe elsewhere or reported lost.
     pub(crate) fn flush_donors(&self) {
-        let up: Vec<&super::donor::Donor> = self
+        let up: Vec<&Donor> = self
             .donors
             .iter()
             .filter(|d| !d.is_failed() && d.attached.load(Ordering::Acquire))

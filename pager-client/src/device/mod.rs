@@ -132,6 +132,8 @@ pub(crate) struct Inner {
     pub(crate) layout: Layout,
     pub(crate) map: ExtentMap,
     pub(crate) donors: Vec<Donor>,
+    /// Map donor id -> index in `donors` (`None`: not configured).
+    pub(crate) donor_index: Vec<Option<usize>>,
     pub(crate) fallback: Option<Fallback>,
     pub(crate) wt: Option<WriteThrough>,
     /// Mode parity with a parity log.
@@ -193,6 +195,14 @@ impl Device {
                 status_client,
             ));
         }
+        let mut donor_index = Vec::new();
+        for d in &donors {
+            let id = d.id as usize;
+            if donor_index.len() <= id {
+                donor_index.resize(id + 1, None);
+            }
+            donor_index[id] = Some(d.idx);
+        }
         let fallback = match &cfg.fallback {
             Some(fb) => Some(Fallback::open(fb, layout.extent, &map)?),
             None => None,
@@ -223,6 +233,7 @@ impl Device {
             layout,
             map,
             donors,
+            donor_index,
             fallback,
             wt,
             stop: AtomicBool::new(false),

@@ -6,10 +6,10 @@
 
 use std::sync::RwLockWriteGuard;
 
-use super::io::{xor_into, IoFail, IoReq, ZEROS};
+use super::io::{batch, xor_into, IoFail, IoReq, ZEROS};
 use super::maintenance::MoveWhy;
 use super::{DeviceError, Inner, Payload, Result};
-use crate::extent_map::{CopyState, Member, Unit};
+use crate::extent_map::{CopyState, Loc, Member, Unit};
 use crate::nbd::Op;
 use crate::page_log::PAGE;
 
@@ -193,11 +193,8 @@ impl Inner {
                 &data[from..from + PAGE as usize]
             }
         };
-        if to_log {
-            let items: Vec<(u64, &[u8])> = (first..=last).map(|p| (p, page_data(p))).collect();
-            if self.log_pages(&items) {
-                return Ok(());
-            }
+        if to_log && self.log_pages(first..=last, page_data) {
+            return Ok(());
         }
         // Home, page-aligned, so no page keeps part of itself in the log:
         // the merged partial pages, and the whole pages between them
@@ -228,7 +225,6 @@ impl Inner {
             // Every member is written in full below: no zeroing.
             self.place_group(first, g, &mut guard, false)?;
         }
-        let unit = guard.as_ref().expect("placed above").clone();
         let pp = self.layout.parity_member(g);
         let mut bufs = self.bufs.take(1);
         let par = bufs.one(ext);
@@ -236,6 +232,7 @@ impl Inner {
         for chunk in data[ext..].chunks(ext) {
             xor_into(par, chunk);
         }
+        let par: &[u8] = par;
         let content = |k: usize| -> usize {
             if k < pp {
                 k
@@ -243,50 +240,46 @@ impl Inner {
                 k - 1
             }
         };
-        let targets: Vec<usize> = (0..unit.members.len())
-            .filter(|&k| self.usable(&unit.members[k]))
-            .collect();
-        let missing = unit.members.len() - targets.len();
+        let unit = guard.as_ref().expect("placed above");
+        let mut reqs = batch();
+        for (k, (m, r)) in unit.members.iter().zip(&mut reqs).enumerate() {
+            let bytes = if k == pp {
+                par
+            } else {
+                &data[content(k) * ext..(content(k) + 1) * ext]
+            };
+            *r = self.usable(m).then_some(IoReq {
+                loc: m.loc,
+                off: 0,
+                op: Op::Write(bytes),
+            });
+        }
+        let missing = unit.members.len() - reqs.iter().flatten().count();
         if missing >= 2 {
             return Err(DeviceError::Lost {
                 extent: first,
-                reason: self.lost_reason(&unit),
+                reason: self.lost_reason(unit),
             });
         }
-        let reqs = targets
-            .iter()
-            .map(|&k| {
-                let bytes: &[u8] = if k == pp {
-                    &*par
-                } else {
-                    &data[content(k) * ext..(content(k) + 1) * ext]
-                };
-                IoReq {
-                    loc: unit.members[k].loc,
-                    off: 0,
-                    op: Op::Write(bytes),
-                }
-            })
-            .collect();
-        let res = self.exec(reqs);
+        let res = self.exec(&mut reqs);
         drop(bufs);
         let failed = res
             .iter()
-            .filter(|r| matches!(r, Err(IoFail::Failed(_))))
+            .filter(|r| matches!(r, Some(Err(IoFail::Failed(_)))))
             .count();
         if missing + failed >= 2 {
             return Err(DeviceError::Io {
                 extent: first,
                 reason: format!(
                     "full-stripe write lost two members of the group: {}",
-                    self.lost_reason(&unit)
+                    self.lost_reason(unit)
                 ),
             });
         }
         // A member refused for lack of room is rebuilt elsewhere from the
         // others, which now hold the new stripe.
-        for (&k, r) in targets.iter().zip(&res) {
-            if matches!(r, Err(IoFail::NoSpace(_))) {
+        for (k, r) in res.iter().enumerate() {
+            if matches!(r, Some(Err(IoFail::NoSpace(_)))) {
                 self.move_member(g, &mut guard, k, MoveWhy::Full)?;
             }
         }
@@ -345,44 +338,17 @@ impl Inner {
             reason: self.lost_reason(unit),
         };
         for _ in 0..=self.layout.members() {
-            let unit = guard.as_ref().expect("placed above").clone();
-            let (dm, pm) = (unit.members[pos], unit.members[pp]);
+            let (dm, pm) = {
+                let unit = guard.as_ref().expect("placed above");
+                (unit.members[pos], unit.members[pp])
+            };
             match (self.usable(&dm), self.usable(&pm)) {
                 (true, true) => {
-                    let mut bufs = self.bufs.take(2);
-                    let (old_d, par) = bufs.two(len);
-                    let r = self.exec(vec![
-                        IoReq {
-                            loc: dm.loc,
-                            off: in_off,
-                            op: Op::Read(old_d),
-                        },
-                        IoReq {
-                            loc: pm.loc,
-                            off: in_off,
-                            op: Op::Read(par),
-                        },
-                    ]);
-                    if r.iter().any(|x| x.is_err()) {
+                    let Some([dw, pw]) = self.update_pair(dm.loc, pm.loc, in_off, data) else {
                         // A donor just failed (and is marked): go degraded.
                         continue;
-                    }
-                    xor_into(par, old_d);
-                    xor_into(par, data);
-                    let r = self.exec(vec![
-                        IoReq {
-                            loc: dm.loc,
-                            off: in_off,
-                            op: Op::Write(data),
-                        },
-                        IoReq {
-                            loc: pm.loc,
-                            off: in_off,
-                            op: Op::Write(par),
-                        },
-                    ]);
-                    drop(bufs);
-                    match (&r[0], &r[1]) {
+                    };
+                    match (dw, pw) {
                         (Ok(()), Ok(())) => return Ok(()),
                         // Parity has the new data folded in: rebuild the data
                         // member from it elsewhere.
@@ -403,6 +369,7 @@ impl Inner {
                 (false, true) => {
                     // Degraded write: parity = new data ^ the other data
                     // members, so the lost member reads back as `data`.
+                    let unit = guard.as_ref().expect("placed above");
                     let mut bufs = self.bufs.take(2);
                     let (acc, scratch) = bufs.two(len);
                     acc.copy_from_slice(data);
@@ -413,7 +380,7 @@ impl Inner {
                         .filter(|(k, _)| *k != pos && *k != pp)
                     {
                         if !self.usable(m) {
-                            return Err(double(&unit));
+                            return Err(double(unit));
                         }
                         self.exec1(m.loc, in_off, Op::Read(scratch)).map_err(|f| {
                             DeviceError::Lost {
@@ -439,13 +406,70 @@ impl Inner {
                     Err(IoFail::NoSpace(_)) => self.move_member(g, guard, pos, MoveWhy::Full)?,
                     Err(IoFail::Failed(_)) => continue,
                 },
-                (false, false) => return Err(double(&unit)),
+                (false, false) => return Err(double(guard.as_ref().expect("placed above"))),
             }
         }
         Err(DeviceError::Io {
             extent: e,
             reason: "the parity update kept failing".into(),
         })
+    }
+
+    /// Read-modify-write of data member `dm` and parity member `pm` at
+    /// `in_off`: the results of writing `data` and the new parity, or
+    /// `None` if reading the old ones failed. Up to a page (the swap
+    /// path's size) the scratch is on the stack, so concurrent small writes
+    /// never wait for the shared extent buffers.
+    fn update_pair(
+        &self,
+        dm: Loc,
+        pm: Loc,
+        in_off: u64,
+        data: &[u8],
+    ) -> Option<[std::result::Result<(), IoFail>; 2]> {
+        let len = data.len();
+        let mut stack = [[0u8; PAGE as usize]; 2];
+        let mut pooled;
+        let (old_d, par) = if len <= PAGE as usize {
+            let [a, b] = &mut stack;
+            (&mut a[..len], &mut b[..len])
+        } else {
+            pooled = self.bufs.take(2);
+            pooled.two(len)
+        };
+        let reads = self.exec(&mut [
+            Some(IoReq {
+                loc: dm,
+                off: in_off,
+                op: Op::Read(old_d),
+            }),
+            Some(IoReq {
+                loc: pm,
+                off: in_off,
+                op: Op::Read(par),
+            }),
+        ]);
+        if reads.iter().any(|r| !matches!(r, Some(Ok(())))) {
+            return None;
+        }
+        xor_into(par, old_d);
+        xor_into(par, data);
+        let [dw, pw] = self.exec(&mut [
+            Some(IoReq {
+                loc: dm,
+                off: in_off,
+                op: Op::Write(data),
+            }),
+            Some(IoReq {
+                loc: pm,
+                off: in_off,
+                op: Op::Write(par),
+            }),
+        ]);
+        Some([
+            dw.expect("a result per request"),
+            pw.expect("a result per request"),
+        ])
     }
 
     /// First write to a group: `width` slots on distinct donors, zeroed
@@ -461,16 +485,15 @@ impl Inner {
         // Each failed try rules out a donor (now full or failed).
         for _ in 0..self.donors.len() + 2 {
             let locs = self.allocate(self.layout.members(), &[], e)?;
-            let dirty: Vec<usize> = (0..locs.len()).filter(|&i| zero && !locs[i].1).collect();
-            let reqs = dirty
-                .iter()
-                .map(|&i| IoReq {
-                    loc: locs[i].0,
+            let mut reqs = batch();
+            for (&(loc, clean), r) in locs.iter().zip(&mut reqs) {
+                *r = (zero && !clean).then_some(IoReq {
+                    loc,
                     off: 0,
                     op: Op::Zero(self.layout.extent),
-                })
-                .collect();
-            if self.exec(reqs).iter().all(|r| r.is_ok()) {
+                });
+            }
+            if self.exec(&mut reqs).iter().flatten().all(|r| r.is_ok()) {
                 let members = locs
                     .iter()
                     .map(|&(loc, _)| Member {

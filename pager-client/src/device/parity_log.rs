@@ -17,10 +17,11 @@
 //! by writing them again (into the log, or home if the log is full).
 
 use std::collections::{HashMap, VecDeque};
+use std::ops::RangeInclusive;
 use std::sync::{Mutex, MutexGuard};
 use std::thread::{self, Thread};
 
-use super::io::{xor_into, IoReq};
+use super::io::{batch, xor_into, IoReq, MAX_BATCH};
 use super::{DeviceError, Inner, Result};
 use crate::extent_map::{CopyState, Unit};
 use crate::nbd::Op;
@@ -49,6 +50,14 @@ struct Outcome {
     writer: Thread,
 }
 
+/// What a leader works with, allocated once.
+struct Leader {
+    /// Every member's part of `MAX_ROWS` rows.
+    parts: Box<[u8]>,
+    /// The queued pages it writes (room for `MAX_ROWS` rows).
+    batch: Vec<Entry>,
+}
+
 /// A log unit rows are being added to.
 struct OpenUnit {
     lu: u64,
@@ -63,8 +72,8 @@ struct LogState {
     spare: Vec<Box<[u8]>>,
     /// Writers waiting for spare buffers.
     short: Vec<Thread>,
-    /// One buffer per leader: every member's part of `MAX_ROWS` rows.
-    scratch: Vec<Box<[u8]>>,
+    /// One scratch per leader (preallocated).
+    scratch: Vec<Leader>,
     leaders: usize,
     outcomes: HashMap<u64, Outcome>,
     next_ticket: u64,
@@ -97,7 +106,10 @@ impl ParityLog {
                 spare: (0..pages).map(|_| page()).collect(),
                 short: Vec::new(),
                 scratch: (0..leaders)
-                    .map(|_| vec![0u8; span].into_boxed_slice())
+                    .map(|_| Leader {
+                        parts: vec![0u8; span].into_boxed_slice(),
+                        batch: Vec::with_capacity(MAX_ROWS * geo.cols as usize),
+                    })
                     .collect(),
                 leaders: 0,
                 outcomes: HashMap::with_capacity(pages),
@@ -209,27 +221,32 @@ impl Inner {
         (g, if c < pp { c } else { c + 1 })
     }
 
-    /// Writes whole pages (`(device page, 4096 bytes)`) into the log;
-    /// false if it had no room (the caller writes them home). Call with the
-    /// pages' home groups write-locked.
-    pub(crate) fn log_pages(&self, items: &[(u64, &[u8])]) -> bool {
+    /// Writes whole device pages `pages` (their 4096 bytes each from
+    /// `data`) into the log; false if it had no room (the caller writes
+    /// them home). Call with the pages' home groups write-locked.
+    pub(crate) fn log_pages<'d>(
+        &self,
+        pages: RangeInclusive<u64>,
+        data: impl Fn(u64) -> &'d [u8],
+    ) -> bool {
         let w = self.plog();
+        let n = (pages.end() - pages.start() + 1) as usize;
         let mut st = w.lock();
-        while st.spare.len() < items.len() {
+        while st.spare.len() < n {
             st.short.push(thread::current());
             st = w.wait(st);
         }
         let ticket = st.next_ticket;
         st.next_ticket += 1;
-        for &(page, data) in items {
+        for page in pages {
             let mut buf = st.spare.pop().expect("counted above");
-            buf.copy_from_slice(data);
+            buf.copy_from_slice(data(page));
             st.queue.push_back(Entry { ticket, page, buf });
         }
         st.outcomes.insert(
             ticket,
             Outcome {
-                left: items.len(),
+                left: n,
                 home: false,
                 writer: thread::current(),
             },
@@ -252,12 +269,12 @@ impl Inner {
         let w = self.plog();
         st.leaders += 1;
         let n = st.queue.len().min(w.geo.cols as usize * MAX_ROWS);
-        let batch: Vec<Entry> = st.queue.drain(..n).collect();
-        let mut scratch = st.scratch.pop().expect("a buffer per leader");
+        let mut work = st.scratch.pop().expect("a scratch per leader");
+        work.batch.extend(st.queue.drain(..n));
         drop(st);
-        let logged = self.write_rows(&batch, &mut scratch);
+        let logged = self.write_rows(&work.batch, &mut work.parts);
         let mut st = w.lock();
-        for e in batch {
+        for e in work.batch.drain(..) {
             let o = st.outcomes.get_mut(&e.ticket).expect("its writer waits");
             o.left -= 1;
             o.home |= !logged;
@@ -266,7 +283,7 @@ impl Inner {
             }
             st.spare.push(e.buf);
         }
-        st.scratch.push(scratch);
+        st.scratch.push(work);
         st.leaders -= 1;
         for t in st.short.drain(..) {
             t.unpark();
@@ -356,22 +373,23 @@ impl Inner {
             let p = pp * span + r * page;
             xor_into(&mut parts[p..p + page], &e.buf);
         }
-        let reqs: Vec<IoReq<'_>> = parts
-            .chunks(span)
-            .zip(&unit.members)
-            .map(|(part, m)| IoReq {
+        let mut reqs = batch();
+        for ((part, m), r) in parts.chunks(span).zip(&unit.members).zip(&mut reqs) {
+            *r = Some(IoReq {
                 loc: m.loc,
                 off: row as u64 * PAGE,
                 op: Op::Write(part),
-            })
-            .collect();
-        if self.exec(reqs).iter().any(|r| r.is_err()) {
+            });
+        }
+        if self.exec(&mut reqs).iter().flatten().any(|r| r.is_err()) {
             return false;
         }
-        let pages: Vec<Option<u64>> = (0..(rows * cols) as usize)
-            .map(|i| chunk.get(i).map(|e| e.page))
-            .collect();
-        match self.map.log_rows(lu, row, &pages) {
+        let mut pages = [None; MAX_ROWS * (MAX_BATCH - 1)];
+        let pages = &mut pages[..(rows * cols) as usize];
+        for (p, e) in pages.iter_mut().zip(chunk) {
+            *p = Some(e.page);
+        }
+        match self.map.log_rows(lu, row, pages) {
             Ok(()) => true,
             Err(e) => {
                 tracing::error!("journaling parity log rows {row}.. of log unit {lu}: {e}");

@@ -2,7 +2,7 @@
 
 use std::sync::atomic::Ordering;
 
-use super::io::IoReq;
+use super::io::{batch, IoFail, IoReq};
 use super::maintenance::MoveWhy;
 use super::{DeviceError, Inner, Payload, Result};
 use crate::extent_map::{CopyState, Member, Unit};
@@ -90,10 +90,15 @@ impl Inner {
                     None if !matches!(p, Payload::Data(_)) => return Ok(()),
                     None => {}
                     Some(unit) => {
-                        let targets: Vec<usize> = (0..unit.members.len())
-                            .filter(|&j| self.readable(&unit.members[j]))
-                            .collect();
-                        if targets.is_empty() {
+                        let mut reqs = batch();
+                        for (m, r) in unit.members.iter().zip(&mut reqs) {
+                            *r = self.readable(m).then(|| IoReq {
+                                loc: m.loc,
+                                off: in_off,
+                                op: op_of(&p),
+                            });
+                        }
+                        if reqs.iter().all(Option::is_none) {
                             if matches!(p, Payload::Trim(_)) {
                                 // Advisory, and there is nothing left to discard.
                                 return Ok(());
@@ -110,21 +115,14 @@ impl Inner {
                                 });
                             }
                         } else {
-                            let reqs = targets
+                            let res = self.exec(&mut reqs);
+                            let ok = res.iter().flatten().filter(|r| r.is_ok()).count();
+                            // Empty (no allocation) unless a donor is full.
+                            relocate = res
                                 .iter()
-                                .map(|&j| IoReq {
-                                    loc: unit.members[j].loc,
-                                    off: in_off,
-                                    op: op_of(&p),
-                                })
-                                .collect();
-                            let res = self.exec(reqs);
-                            let ok = res.iter().filter(|r| r.is_ok()).count();
-                            relocate = targets
-                                .iter()
-                                .zip(&res)
-                                .filter(|(_, r)| matches!(r, Err(super::io::IoFail::NoSpace(_))))
-                                .map(|(&j, _)| (j, unit.members[j].loc))
+                                .enumerate()
+                                .filter(|(_, r)| matches!(r, Some(Err(IoFail::NoSpace(_)))))
+                                .map(|(j, _)| (j, unit.members[j].loc))
                                 .collect();
                             if relocate.is_empty() {
                                 if ok > 0 || self.wt.is_some() {
@@ -207,30 +205,28 @@ impl Inner {
             let locs = self.allocate(self.layout.members(), &[], e)?;
             let mut good = vec![true; locs.len()];
             if !full {
-                let dirty: Vec<usize> = (0..locs.len()).filter(|&i| !locs[i].1).collect();
-                let reqs = dirty
-                    .iter()
-                    .map(|&i| IoReq {
-                        loc: locs[i].0,
+                let mut reqs = batch();
+                for (&(loc, clean), r) in locs.iter().zip(&mut reqs) {
+                    *r = (!clean).then_some(IoReq {
+                        loc,
                         off: 0,
                         op: Op::Zero(ext),
-                    })
-                    .collect();
-                for (&i, r) in dirty.iter().zip(self.exec(reqs)) {
-                    good[i] = r.is_ok();
+                    });
+                }
+                for (ok, r) in good.iter_mut().zip(self.exec(&mut reqs)) {
+                    *ok = r.is_none_or(|r| r.is_ok());
                 }
             }
-            let writes: Vec<usize> = (0..locs.len()).filter(|&i| good[i]).collect();
-            let reqs = writes
-                .iter()
-                .map(|&i| IoReq {
-                    loc: locs[i].0,
+            let mut reqs = batch();
+            for ((&(loc, _), &ok), r) in locs.iter().zip(&good).zip(&mut reqs) {
+                *r = ok.then_some(IoReq {
+                    loc,
                     off: in_off,
                     op: Op::Write(data),
-                })
-                .collect();
-            for (&i, r) in writes.iter().zip(self.exec(reqs)) {
-                good[i] = r.is_ok();
+                });
+            }
+            for (ok, r) in good.iter_mut().zip(self.exec(&mut reqs)) {
+                *ok = r.is_some_and(|r| r.is_ok());
             }
             for (i, (loc, _)) in locs.iter().enumerate() {
                 if !good[i] {
@@ -276,16 +272,15 @@ impl Inner {
             .into_iter()
             .filter(|m| m.state == CopyState::Ok)
             .collect();
-        let reqs = owned
-            .iter()
-            .filter(|m| self.loc_available(m.loc))
-            .map(|m| IoReq {
+        let mut reqs = batch();
+        for (m, r) in owned.iter().zip(&mut reqs) {
+            *r = self.loc_available(m.loc).then_some(IoReq {
                 loc: m.loc,
                 off: 0,
                 op: Op::Trim(self.layout.extent),
-            })
-            .collect();
-        self.exec(reqs);
+            });
+        }
+        self.exec(&mut reqs);
         for m in owned {
             self.map.free(m.loc);
         }

@@ -259,7 +259,7 @@ impl Handle {
                 return Outcome::Failed(LibError::new("connection closed during negotiation"));
             }
             let mut errs = [None];
-            match poll_handles(&mut [&mut *self], &mut errs, deadline) {
+            match poll_handles(&mut [Some(&mut *self)], &mut errs, deadline) {
                 Ok(true) => {}
                 Ok(false) => return Outcome::TimedOut,
                 Err(e) => return Outcome::Failed(e),
@@ -417,30 +417,36 @@ impl Drop for InFlight<'_> {
     }
 }
 
+/// Most commands one [`wait_all`] drives at once (one per member of the
+/// widest parity group): its bookkeeping lives on the stack, not the heap.
+pub const MAX_WAIT: usize = crate::config::MAX_WIDTH as usize;
+
 /// Drives every command until each has an outcome or `deadline` passes;
 /// commands still running then get `Outcome::TimedOut` (and their handles
 /// are poisoned when they are dropped). A broken socket fails only the
-/// command on that handle.
-pub fn wait_all(cmds: &mut [InFlight<'_>], deadline: Instant) {
+/// command on that handle. `None` entries are skipped; at most
+/// [`MAX_WAIT`] entries.
+pub fn wait_all(cmds: &mut [Option<InFlight<'_>>], deadline: Instant) {
+    assert!(cmds.len() <= MAX_WAIT, "{} commands at once", cmds.len());
     loop {
-        for c in cmds.iter_mut() {
+        for c in cmds.iter_mut().flatten() {
             c.poll_completion();
         }
-        let mut errs: Vec<Option<LibError>> = Vec::new();
+        let mut errs: [Option<LibError>; MAX_WAIT] = std::array::from_fn(|_| None);
         let polled = {
-            let mut pending: Vec<&mut Handle> = cmds
-                .iter_mut()
-                .filter(|c| c.outcome.is_none())
-                .map(|c| &mut *c.h)
-                .collect();
-            if pending.is_empty() {
+            let mut pending: [Option<&mut Handle>; MAX_WAIT] = std::array::from_fn(|_| None);
+            let mut n = 0;
+            for c in cmds.iter_mut().flatten().filter(|c| c.outcome.is_none()) {
+                pending[n] = Some(&mut *c.h);
+                n += 1;
+            }
+            if n == 0 {
                 return;
             }
-            errs.resize(pending.len(), None);
-            poll_handles(&mut pending, &mut errs, deadline)
+            poll_handles(&mut pending[..n], &mut errs[..n], deadline)
         };
-        let fail_all = |cmds: &mut [InFlight<'_>], o: Outcome| {
-            for c in cmds.iter_mut().filter(|c| c.outcome.is_none()) {
+        let fail_all = |cmds: &mut [Option<InFlight<'_>>], o: Outcome| {
+            for c in cmds.iter_mut().flatten().filter(|c| c.outcome.is_none()) {
                 c.outcome = Some(o.clone());
             }
         };
@@ -450,7 +456,7 @@ pub fn wait_all(cmds: &mut [InFlight<'_>], deadline: Instant) {
             Err(e) => return fail_all(cmds, Outcome::Failed(e)),
         }
         let mut errs = errs.into_iter();
-        for c in cmds.iter_mut().filter(|c| c.outcome.is_none()) {
+        for c in cmds.iter_mut().flatten().filter(|c| c.outcome.is_none()) {
             if let Some(Some(e)) = errs.next() {
                 c.poll_completion();
                 if c.outcome.is_none() {
@@ -465,13 +471,21 @@ pub fn wait_all(cmds: &mut [InFlight<'_>], deadline: Instant) {
 /// (the same logic as libnbd's own `nbd_poll`, lib/poll.c, for several
 /// handles). `Ok(false)` when the deadline passed with nothing to do; a
 /// handle whose socket or state machine failed gets its error in `errs`.
+/// At most [`MAX_WAIT`] handles, every entry `Some`.
 fn poll_handles(
-    hs: &mut [&mut Handle],
+    hs: &mut [Option<&mut Handle>],
     errs: &mut [Option<LibError>],
     deadline: Instant,
 ) -> Result<bool, LibError> {
-    let mut fds = Vec::with_capacity(hs.len());
-    for (h, err) in hs.iter().zip(errs.iter_mut()) {
+    let unused = libc::pollfd {
+        fd: -1,
+        events: 0,
+        revents: 0,
+    };
+    let mut all = [unused; MAX_WAIT];
+    let fds = &mut all[..hs.len()];
+    for ((h, err), pfd) in hs.iter().zip(errs.iter_mut()).zip(fds.iter_mut()) {
+        let h = h.as_ref().expect("a handle in every entry");
         // SAFETY: valid handle; queries only.
         let (fd, dir) = unsafe { (nbd_aio_get_fd(h.ptr()), nbd_aio_get_direction(h.ptr())) };
         let mut events = 0;
@@ -485,11 +499,11 @@ fn poll_handles(
             *err = Some(last_error());
         }
         // A negative fd is ignored by poll(2).
-        fds.push(libc::pollfd {
+        *pfd = libc::pollfd {
             fd,
             events,
             revents: 0,
-        });
+        };
     }
     if errs.iter().any(Option::is_some) {
         return Ok(true);
@@ -517,7 +531,8 @@ fn poll_handles(
     if r == 0 {
         return Ok(Instant::now() < deadline);
     }
-    for ((h, p), err) in hs.iter_mut().zip(&fds).zip(errs.iter_mut()) {
+    for ((h, p), err) in hs.iter_mut().zip(fds.iter()).zip(errs.iter_mut()) {
+        let h = h.as_mut().expect("a handle in every entry");
         // SAFETY: valid handle; notify calls run the state machine, whose
         // buffers are borrowed by live InFlight values (or by nothing).
         let res = unsafe {
