@@ -19,7 +19,7 @@ use crate::disk::{Disk, Urgency};
 use crate::donor::{DonorArg, DonorLane, FillSource};
 use crate::files::{FileEntry, FileTable};
 use crate::plan::engine::{
-    Action, DonorSpec, Engine, EngineConfig, GlobalSource, LocalSource, Step,
+    Action, DonorSpec, Engine, EngineConfig, GlobalSource, LocalSource, RunId, Step,
 };
 use crate::plan::{BlockId, FileId, JobId, Nanos};
 use crate::source::{open_hints, SourceReport};
@@ -35,6 +35,8 @@ pub struct Config {
     pub donors: Vec<DonorArg>,
     /// io_uring slots (reads in flight on the local disk).
     pub disk_depth: u32,
+    /// Largest local disk request, in bytes (coalesced runs, readahead).
+    pub max_request: usize,
     pub timeouts: pager_client::nbd::Timeouts,
 }
 
@@ -95,8 +97,10 @@ impl Daemon {
             FileTable::new(&cfg.data)
                 .with_context(|| format!("data directory {}", cfg.data.display()))?,
         );
-        let disk =
-            Arc::new(Disk::start(cfg.disk_depth, bs).context("starting the io_uring disk level")?);
+        let disk = Arc::new(
+            Disk::start(cfg.disk_depth, cfg.max_request.max(bs))
+                .context("starting the io_uring disk level")?,
+        );
         let mut donors = Vec::new();
         for (i, d) in cfg.donors.iter().enumerate() {
             let lane = DonorLane::start(i, d, bs, files.replica_size(), disk.clone(), cfg.timeouts);
@@ -263,6 +267,7 @@ impl Daemon {
         }
         let bs = self.bs as u64;
         let (first, last) = (offset / bs, (end - 1) / bs);
+        let file_blocks = file.size().div_ceil(bs);
         let nblocks = last - first + 1;
         let began = Instant::now();
         let now = self.now();
@@ -279,7 +284,10 @@ impl Daemon {
             let mut actions = Vec::new();
             for index in first..=last {
                 let block = BlockId::new(file.id, index);
-                match st.engine.access(job, block, now) {
+                match st
+                    .engine
+                    .access_read(job, block, last + 1..file_blocks, now)
+                {
                     Step::Hit { buf } => {
                         let b = buf as usize;
                         let bytes = &st.cache[b * self.bs..b * self.bs + st.cache_len[b] as usize];
@@ -359,7 +367,7 @@ impl Daemon {
         }
     }
 
-    /// A fill into local memory finished.
+    /// A fill into local memory from a donor finished.
     fn local_fill_done(
         self: &Arc<Self>,
         block: BlockId,
@@ -371,55 +379,87 @@ impl Daemon {
             let mut guard = self.lock();
             let st = &mut *guard;
             let mut actions = Vec::new();
-            match result {
-                Ok(bytes) => {
-                    if let Some(buf) = st.engine.local_filled(block) {
-                        let b = buf as usize;
-                        let n = bytes.len().min(self.bs);
-                        st.cache[b * self.bs..b * self.bs + n].copy_from_slice(&bytes[..n]);
-                        st.cache_len[b] = n as u32;
-                    }
-                    self.deliver(st, block, bytes, &mut done);
-                }
-                Err(e) => {
-                    st.engine.local_failed(block);
-                    if let LocalSource::Global { donor, .. } = from {
-                        tracing::debug!(
-                            "block {block:?} from donor {donor}: {e}; reading it from disk"
-                        );
-                        if self.donors[donor].failed() {
-                            st.engine.donor_failed(donor);
-                        }
-                    } else {
-                        tracing::warn!(
-                            "disk read of block {} of file {}: {e}",
-                            block.index,
-                            block.file
-                        );
-                    }
-                    if st.waiters.contains_key(&block) {
-                        match (from, st.engine.retry(block, self.now())) {
-                            (LocalSource::Disk, _) => {
-                                self.fail_waiters(st, block, libc::EIO, &mut done)
-                            }
-                            (_, Step::Fetch(a)) => actions.push(a),
-                            (_, Step::Hit { buf }) => {
-                                let b = buf as usize;
-                                let bytes = st.cache
-                                    [b * self.bs..b * self.bs + st.cache_len[b] as usize]
-                                    .to_vec();
-                                self.deliver(st, block, &bytes, &mut done);
-                            }
-                            (_, Step::Wait) => {}
-                        }
-                    }
-                }
+            self.block_arrived(st, block, from, result, &mut actions, &mut done);
+            actions.extend(st.engine.plan(self.now()));
+            actions
+        };
+        answer(done);
+        self.execute(actions);
+    }
+
+    /// Disk request `run`, reading from block `first` of its file, finished.
+    fn disk_run_done(self: &Arc<Self>, run: RunId, first: u64, result: Result<&[u8], String>) {
+        let mut done: Finished = Vec::new();
+        let actions = {
+            let mut guard = self.lock();
+            let st = &mut *guard;
+            let mut actions = Vec::new();
+            for block in st.engine.run_done(run) {
+                let bytes = result.as_ref().map_err(Clone::clone).map(|b| {
+                    let at = ((block.index - first) as usize * self.bs).min(b.len());
+                    &b[at..(at + self.bs).min(b.len())]
+                });
+                self.block_arrived(st, block, LocalSource::Disk, bytes, &mut actions, &mut done);
             }
             actions.extend(st.engine.plan(self.now()));
             actions
         };
         answer(done);
         self.execute(actions);
+    }
+
+    /// One block of a fill into local memory arrived (or failed to).
+    fn block_arrived(
+        &self,
+        st: &mut State,
+        block: BlockId,
+        from: LocalSource,
+        result: Result<&[u8], String>,
+        actions: &mut Vec<Action>,
+        done: &mut Finished,
+    ) {
+        match result {
+            Ok(bytes) => {
+                if let Some(buf) = st.engine.local_filled(block) {
+                    let b = buf as usize;
+                    let n = bytes.len().min(self.bs);
+                    st.cache[b * self.bs..b * self.bs + n].copy_from_slice(&bytes[..n]);
+                    st.cache_len[b] = n as u32;
+                }
+                self.deliver(st, block, bytes, done);
+            }
+            Err(e) => {
+                st.engine.local_failed(block);
+                if let LocalSource::Global { donor, .. } = from {
+                    tracing::debug!(
+                        "block {block:?} from donor {donor}: {e}; reading it from disk"
+                    );
+                    if self.donors[donor].failed() {
+                        st.engine.donor_failed(donor);
+                    }
+                } else {
+                    tracing::warn!(
+                        "disk read of block {} of file {}: {e}",
+                        block.index,
+                        block.file
+                    );
+                }
+                if st.waiters.contains_key(&block) {
+                    match (from, st.engine.retry(block, self.now())) {
+                        (LocalSource::Disk, _) => self.fail_waiters(st, block, libc::EIO, done),
+                        (_, Step::Fetch(a)) => actions.push(a),
+                        (_, Step::Hit { buf }) => {
+                            let b = buf as usize;
+                            let bytes = st.cache
+                                [b * self.bs..b * self.bs + st.cache_len[b] as usize]
+                                .to_vec();
+                            self.deliver(st, block, &bytes, done);
+                        }
+                        (_, Step::Wait) => {}
+                    }
+                }
+            }
+        }
     }
 
     /// A disk-to-global fill finished.
@@ -460,64 +500,61 @@ impl Daemon {
         let bs = self.bs as u64;
         for a in actions {
             match a {
-                Action::FillLocal {
-                    block,
-                    from,
+                Action::ReadDisk {
+                    run,
+                    file,
+                    first,
+                    count,
                     prefetch,
-                    ..
                 } => {
                     let me = self.clone();
-                    match from {
-                        LocalSource::Disk => {
-                            let Some(file) = self.files.by_id(block.file) else {
-                                self.local_fill_done(
-                                    block,
-                                    from,
-                                    Err(format!("unknown file id {}", block.file)),
-                                );
-                                continue;
-                            };
-                            let submitted = self.now();
-                            let urgency = if prefetch {
-                                Urgency::Prefetch
-                            } else {
-                                Urgency::Demand
-                            };
-                            self.disk.read(
-                                file.file.clone(),
-                                block.index * bs,
-                                self.bs,
-                                urgency,
-                                Box::new(move |r| {
-                                    if r.is_ok() {
-                                        let now = me.now();
-                                        me.lock().engine.disk_sample(submitted, now);
-                                    }
-                                    me.local_fill_done(block, from, r.map_err(|e| e.to_string()));
-                                }),
+                    let Some(entry) = self.files.by_id(file) else {
+                        self.disk_run_done(run, first, Err(format!("unknown file id {file}")));
+                        continue;
+                    };
+                    let submitted = self.now();
+                    let urgency = if prefetch {
+                        Urgency::Prefetch
+                    } else {
+                        Urgency::Demand
+                    };
+                    self.disk.read(
+                        entry.file.clone(),
+                        first * bs,
+                        count as usize * self.bs,
+                        urgency,
+                        Box::new(move |r| {
+                            if r.is_ok() {
+                                let now = me.now();
+                                me.lock().engine.disk_sample(submitted, now);
+                            }
+                            me.disk_run_done(run, first, r.map_err(|e| e.to_string()));
+                        }),
+                    );
+                }
+                Action::FillLocal {
+                    block, donor, slot, ..
+                } => {
+                    let me = self.clone();
+                    let from = LocalSource::Global { donor, slot };
+                    let file_size = self.files.by_id(block.file).map_or(0, |f| f.size());
+                    let valid = file_size.saturating_sub(block.index * bs).min(bs) as usize;
+                    self.donors[donor].read_slot(
+                        slot,
+                        Box::new(move |r, took| {
+                            if r.is_ok() {
+                                me.lock().engine.global_sample(took.as_nanos() as Nanos);
+                            }
+                            let r = r.map_err(|e| e.to_string());
+                            me.local_fill_done(
+                                block,
+                                from,
+                                r.as_ref()
+                                    .map(|b| &b[..valid.min(b.len())])
+                                    .map_err(|e| e.clone()),
                             );
-                        }
-                        LocalSource::Global { donor, slot } => {
-                            let file_size = self.files.by_id(block.file).map_or(0, |f| f.size());
-                            let valid = file_size.saturating_sub(block.index * bs).min(bs) as usize;
-                            self.donors[donor].read_slot(
-                                slot,
-                                Box::new(move |r, took| {
-                                    if r.is_ok() {
-                                        me.lock().engine.global_sample(took.as_nanos() as Nanos);
-                                    }
-                                    let r = r.map_err(|e| e.to_string());
-                                    me.local_fill_done(
-                                        block,
-                                        from,
-                                        r.as_ref()
-                                            .map(|b| &b[..valid.min(b.len())])
-                                            .map_err(|e| e.clone()),
-                                    );
-                                }),
-                            );
-                        }
-                    }
+                        }),
+                    );
                 }
                 Action::FillGlobal {
                     block,

@@ -12,6 +12,7 @@ use prefetchd::control::{self, ControlServer};
 use prefetchd::daemon::{self, Config, Daemon};
 use prefetchd::donor::DonorArg;
 use prefetchd::fs::{self as pfs, PrefetchFs};
+use prefetchd::plan::coalesce::CoalesceConfig;
 use prefetchd::plan::cursor::CursorConfig;
 use prefetchd::plan::engine::EngineConfig;
 use prefetchd::{files, sys, table};
@@ -103,6 +104,16 @@ struct ServeArgs {
     /// io_uring slots.
     #[arg(long, default_value_t = 32)]
     disk_depth: u32,
+    /// Largest local disk request coalescing a job's hinted blocks
+    /// (K, M suffixes; one block: no coalescing).
+    #[arg(long, default_value = "256K", value_parser = table::parse_size)]
+    coalesce: u64,
+    /// Largest hole of unhinted blocks read inside a coalesced request.
+    #[arg(long, default_value = "32K", value_parser = table::parse_size)]
+    coalesce_gap: u64,
+    /// Largest sequential readahead of readers without hints (0: none).
+    #[arg(long, default_value = "128K", value_parser = table::parse_size)]
+    readahead: u64,
     /// Do not lock memory (mlockall).
     #[arg(long)]
     no_mlock: bool,
@@ -188,12 +199,21 @@ fn serve(args: ServeArgs, control_path: &Path) -> Result<()> {
             args.mount.display()
         );
     }
+    let bs = u64::from(args.block_size);
+    let blocks_of = |bytes: u64, what: &str| {
+        u32::try_from((bytes / bs).max(1)).with_context(|| format!("--{what} too large"))
+    };
     let local_blocks = (args.local_cache / u64::from(args.block_size)).max(1);
     let local_blocks = u32::try_from(local_blocks).context("--local-cache too large")?;
     let mut engine = EngineConfig {
         local_blocks,
         donor_outstanding: args.outstanding.max(1),
         disk_prefetch_depth: args.disk_prefetch_depth.max(1),
+        coalesce: CoalesceConfig {
+            max_blocks: blocks_of(args.coalesce, "coalesce")?,
+            max_gap: (args.coalesce_gap / bs) as u32,
+        },
+        readahead_blocks: blocks_of(args.readahead, "readahead")?,
         prefetch: !args.no_prefetch,
         cursor: CursorConfig {
             miss_limit: args.miss_limit.max(1),
@@ -209,6 +229,8 @@ fn serve(args: ServeArgs, control_path: &Path) -> Result<()> {
         engine,
         donors: args.donors.clone(),
         disk_depth: args.disk_depth,
+        max_request: engine.coalesce.max_blocks.max(engine.readahead_blocks) as usize
+            * args.block_size as usize,
         timeouts: daemon::default_timeouts(),
     };
     let d = Daemon::start(cfg)?;
