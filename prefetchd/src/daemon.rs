@@ -23,6 +23,7 @@ use crate::plan::engine::{
 };
 use crate::plan::{BlockId, FileId, JobId, Nanos};
 use crate::source::{open_hints, SourceReport};
+use hints::{FileDecl, Recorder};
 
 /// Answers a read: its bytes, or an errno.
 pub type Reply = Box<dyn FnOnce(Result<Vec<u8>, i32>) + Send>;
@@ -42,9 +43,13 @@ pub struct Config {
 
 struct JobInfo {
     id: JobId,
-    hints: PathBuf,
+    hints: Option<PathBuf>,
     stale: Vec<String>,
     report: Arc<SourceReport>,
+    /// Where the job's reads are being recorded.
+    recorder: Option<Recorder>,
+    /// Why recording stopped early.
+    record_error: Option<String>,
 }
 
 struct PendingRead {
@@ -175,8 +180,21 @@ impl Daemon {
         self.state.lock().expect("daemon state lock")
     }
 
-    /// Stops the disk and donor workers (pending reads get EIO).
+    /// Stops the disk and donor workers (pending reads get EIO) and
+    /// writes the jobs' recordings.
     pub fn stop(&self) {
+        let recorders: Vec<(String, Recorder)> = {
+            let mut st = self.lock();
+            st.jobs
+                .iter_mut()
+                .filter_map(|(n, j)| Some((n.clone(), j.recorder.take()?)))
+                .collect()
+        };
+        for (name, r) in recorders {
+            if let Err(e) = finish_recording(&name, r) {
+                tracing::warn!("{e:#}");
+            }
+        }
         for l in &self.donors {
             l.stop();
         }
@@ -206,15 +224,36 @@ impl Daemon {
     }
 
     /// Registers job `name` following the hint file `hints` (its own job
-    /// name when `name` is None). Returns the name and the stale-hint report.
-    pub fn add_job(self: &Arc<Self>, name: Option<&str>, hints: &Path) -> Result<Value> {
-        let opened = open_hints(hints, self.files.clone(), self.bs as u32)
-            .with_context(|| format!("hint file {}", hints.display()))?;
-        let name = name.map_or(opened.job.clone(), str::to_owned);
+    /// name when `name` is None), recording its reads into `record` if
+    /// given. Returns the name and the stale-hint report.
+    pub fn add_job(
+        self: &Arc<Self>,
+        name: Option<&str>,
+        hints: Option<&Path>,
+        record: Option<&Path>,
+    ) -> Result<Value> {
+        let opened = match hints {
+            Some(h) => Some(
+                open_hints(h, self.files.clone(), self.bs as u32)
+                    .with_context(|| format!("hint file {}", h.display()))?,
+            ),
+            None => None,
+        };
+        let name = match (name, &opened) {
+            (Some(n), _) => n.to_owned(),
+            (None, Some(o)) => o.job.clone(),
+            (None, None) => bail!("a job without hints needs a name"),
+        };
         if name.is_empty() || name.contains('/') || name == "." || name == ".." {
             bail!("job name {name:?} must be a non-empty file name");
         }
-        let stale: Vec<String> = opened.stale.iter().map(|s| s.to_string()).collect();
+        if hints.is_none() && record.is_none() {
+            bail!("job {name}: give a hint file to follow, a file to record into, or both");
+        }
+        let stale: Vec<String> = opened
+            .iter()
+            .flat_map(|o| o.stale.iter().map(|s| s.to_string()))
+            .collect();
         for s in &stale {
             tracing::warn!("job {name}: stale hints ignored: {s}");
         }
@@ -222,32 +261,62 @@ impl Daemon {
         if st.jobs.contains_key(&name) {
             bail!("job {name:?} is already registered");
         }
-        let id = st.engine.add_job(&name, Box::new(opened.blocks));
+        let recorder = match record {
+            Some(r) => Some(
+                Recorder::create(r, &name, self.bs as u32)
+                    .with_context(|| format!("job {name}: recording into {}", r.display()))?,
+            ),
+            None => None,
+        };
+        let (source, report): (crate::plan::engine::BlockSource, _) = match opened {
+            Some(o) => (Box::new(o.blocks), o.report),
+            None => (Box::new(std::iter::empty()), Arc::default()),
+        };
+        let id = st.engine.add_job(&name, source);
         st.jobs.insert(
             name.clone(),
             JobInfo {
                 id,
-                hints: hints.to_path_buf(),
+                hints: hints.map(Path::to_path_buf),
                 stale: stale.clone(),
-                report: opened.report,
+                report,
+                recorder,
+                record_error: None,
             },
         );
-        tracing::info!("job {name} added with hints {}", hints.display());
+        match (hints, record) {
+            (Some(h), None) => tracing::info!("job {name} added with hints {}", h.display()),
+            (None, Some(r)) => tracing::info!("job {name} added, recording into {}", r.display()),
+            (Some(h), Some(r)) => tracing::info!(
+                "job {name} added with hints {}, recording into {}",
+                h.display(),
+                r.display()
+            ),
+            (None, None) => {}
+        }
         // Disk-to-global prefetching starts now, before the job's first read.
         let actions = st.engine.plan(self.now());
         drop(st);
         self.execute(actions);
-        Ok(json!({ "job": name, "id": id, "stale": stale }))
+        Ok(json!({ "job": name, "id": id, "stale": stale, "recording": record }))
     }
 
-    pub fn remove_job(&self, name: &str) -> Result<()> {
-        let mut st = self.lock();
-        let Some(info) = st.jobs.remove(name) else {
-            bail!("no job {name:?}")
+    /// Forgets job `name`, writing its recording. Returns the recording's
+    /// path, if there is one.
+    pub fn remove_job(&self, name: &str) -> Result<Option<PathBuf>> {
+        let info = {
+            let mut st = self.lock();
+            let Some(info) = st.jobs.remove(name) else {
+                bail!("no job {name:?}")
+            };
+            st.engine.remove_job(info.id);
+            info
         };
-        st.engine.remove_job(info.id);
         tracing::info!("job {name} removed");
-        Ok(())
+        if let Some(e) = info.record_error {
+            bail!("job {name}: recording failed: {e}");
+        }
+        info.recorder.map(|r| finish_recording(name, r)).transpose()
     }
 
     /// Serves a read of `size` bytes at `offset` of `file`, attributed to
@@ -275,6 +344,10 @@ impl Daemon {
         let actions = {
             let mut guard = self.lock();
             let st = &mut *guard;
+            let info = job.and_then(|n| st.jobs.get_mut(n));
+            if let Some(info) = info.filter(|i| i.recorder.is_some()) {
+                record_read(info, file, offset, end - offset);
+            }
             let job = job.and_then(|n| st.jobs.get(n)).map(|j| j.id);
             st.engine.read_started(job, nblocks, now);
             let mut data = vec![0u8; (end - offset) as usize];
@@ -610,6 +683,8 @@ impl Daemon {
                 let mut v = serde_json::to_value(j).expect("job status serialises");
                 if let Some((_, info)) = by_id.get(&j.id) {
                     v["hints"] = json!(info.hints);
+                    v["recording"] = json!(info.recorder.as_ref().map(Recorder::path));
+                    v["record_error"] = json!(info.record_error);
                     v["stale"] = json!(info.stale);
                     v["hint_stream"] = info.report.snapshot();
                 }
@@ -642,6 +717,34 @@ impl Daemon {
             "unhinted": es.unhinted,
         })
     }
+}
+
+/// Appends a read to the job's recording; a failure stops the recording
+/// (the job goes on) and is reported when the job is removed.
+fn record_read(info: &mut JobInfo, file: &FileEntry, offset: u64, len: u64) {
+    let Some(rec) = info.recorder.as_mut() else {
+        return;
+    };
+    let decl = || FileDecl {
+        path: file.rel.clone(),
+        size: file.size(),
+        mtime_ns: i64::try_from(file.identity.mtime_ns).ok(),
+    };
+    if let Err(e) = rec.read(&file.rel, offset, len, decl) {
+        tracing::warn!("recording stops: {e}");
+        info.record_error = Some(e.to_string());
+        info.recorder = None;
+    }
+}
+
+/// Writes a job's recording.
+fn finish_recording(name: &str, r: Recorder) -> Result<PathBuf> {
+    let path = r.path().to_path_buf();
+    let n = r
+        .finish()
+        .with_context(|| format!("job {name}: writing its recording"))?;
+    tracing::info!("job {name}: {n} reads recorded in {}", path.display());
+    Ok(path)
 }
 
 /// Copies the part of a block (whose first byte is at file offset

@@ -54,11 +54,19 @@ enum Command {
 
 #[derive(Subcommand)]
 enum JobCommand {
-    /// Job NAME reads through MOUNT/jobs/NAME/ and follows HINTFILE.
+    /// Job NAME reads through MOUNT/jobs/NAME/, follows HINTFILE and/or
+    /// records its reads into a hint file.
+    #[command(arg_required_else_help = true)]
     Add {
         name: String,
-        hints: PathBuf,
+        #[arg(required_unless_present = "record")]
+        hints: Option<PathBuf>,
+        /// Record the job's reads into this hint file (written when the
+        /// job is removed or the daemon stops).
+        #[arg(long, value_name = "FILE")]
+        record: Option<PathBuf>,
     },
+    /// Forget job NAME (and write its recording).
     Remove {
         name: String,
     },
@@ -151,14 +159,22 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Job { command } => {
             match command {
-                JobCommand::Add { name, hints } => {
-                    let hints = hints
-                        .canonicalize()
-                        .with_context(|| format!("hint file {}", hints.display()))?;
-                    let a = control::request(
-                        &cli.control,
-                        &json!({"op": "job-add", "name": name, "hints": hints}),
-                    )?;
+                JobCommand::Add {
+                    name,
+                    hints,
+                    record,
+                } => {
+                    let mut req = json!({"op": "job-add", "name": name});
+                    if let Some(h) = hints {
+                        req["hints"] = json!(h
+                            .canonicalize()
+                            .with_context(|| format!("hint file {}", h.display()))?);
+                    }
+                    if let Some(r) = record {
+                        req["record"] = json!(std::path::absolute(&r)
+                            .with_context(|| format!("recording {}", r.display()))?);
+                    }
+                    let a = control::request(&cli.control, &req)?;
                     for s in a["added"]["stale"].as_array().into_iter().flatten() {
                         eprintln!(
                             "prefetchd: job {name}: stale hints ignored: {}",
@@ -167,7 +183,11 @@ fn run(cli: Cli) -> Result<()> {
                     }
                 }
                 JobCommand::Remove { name } => {
-                    control::request(&cli.control, &json!({"op": "job-remove", "name": name}))?;
+                    let a =
+                        control::request(&cli.control, &json!({"op": "job-remove", "name": name}))?;
+                    if let Some(r) = a["recorded"].as_str() {
+                        eprintln!("prefetchd: job {name}: recorded in {r}");
+                    }
                 }
                 JobCommand::List => {
                     let a = control::request(&cli.control, &json!({"op": "job-list"}))?;
@@ -253,7 +273,7 @@ fn serve_mounted(d: &std::sync::Arc<Daemon>, args: &ServeArgs, control_path: &Pa
         let (name, hints) = j
             .split_once('=')
             .with_context(|| format!("--job {j:?}: expected NAME=HINTFILE"))?;
-        d.add_job(Some(name), Path::new(hints))?;
+        d.add_job(Some(name), Some(Path::new(hints)), None)?;
     }
     if !args.no_mlock {
         if let Err(e) = sys::lock_memory() {
