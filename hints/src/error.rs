@@ -212,4 +212,16 @@ pub enum ErrorKind {
     /// A second pass was asked of a stream that cannot rewind.
     #[error("the source is not seekable: cannot read another pass (open the file by path or use from_seekable)")]
     NotSeekable,
+    /// Hint files to combine use different block sizes.
+    #[error("field 'block-size': {found} differs from {expected} of the first input")]
+    BlockSizeMismatch {
+        /// The first input's block size.
+        expected: u32,
+        /// This input's.
+        found: u32,
+    },
+    /// Hint files to combine declare one file differently (it changed
+    /// between the recordings).
+    #[error("field 'file': {0:?} declared with another size or mtime by an earlier input")]
+    ConflictingDeclaration(String),
 }

@@ -26,6 +26,9 @@
 //! # Ok(()) }
 //! ```
 //!
+//! Recordings of real runs ([`Recorder`]) become hint files, which
+//! [`merge`] combines and [`distinct`] reduces to first uses.
+//!
 //! Besides reading and writing ([`HintWriter`]) the crate computes
 //! statistics ([`Stats`]), detects hints made stale by changed files
 //! ([`HintReader::check_against`]) and generates the reference workloads of
@@ -40,6 +43,7 @@ mod error;
 pub mod gen;
 mod input;
 mod reader;
+mod record;
 mod stats;
 mod text;
 mod writer;
@@ -51,6 +55,7 @@ use serde::Serialize;
 pub use check::{Stale, Staleness};
 pub use error::{ErrorKind, HintError, Location};
 pub use reader::{HintReader, Reference, References};
+pub use record::{distinct, merge, Recorder};
 pub use stats::Stats;
 pub use writer::HintWriter;
 

@@ -3,6 +3,7 @@
 //! ```text
 //! {"op":"status"}
 //! {"op":"job-add","hints":"/path/render.hints","name":"render"}   (name optional)
+//! {"op":"job-add","name":"scan","record":"/path/scan.hints"}      (hints optional)
 //! {"op":"job-remove","name":"render"}
 //! {"op":"job-list"}
 //! ```
@@ -126,13 +127,17 @@ fn handle(req: &Value, daemon: &Arc<Daemon>) -> Result<Value> {
     Ok(match op {
         "status" => json!({"ok": true, "status": daemon.status()}),
         "job-add" => {
-            let hints = req["hints"].as_str().context("job-add without \"hints\"")?;
-            let added = daemon.add_job(name, Path::new(hints))?;
+            let hints = req["hints"].as_str().map(Path::new);
+            let record = req["record"].as_str().map(Path::new);
+            if hints.is_none() && record.is_none() {
+                bail!("job-add without \"hints\" or \"record\"");
+            }
+            let added = daemon.add_job(name, hints, record)?;
             json!({"ok": true, "added": added})
         }
         "job-remove" => {
-            daemon.remove_job(name.context("job-remove without \"name\"")?)?;
-            json!({"ok": true})
+            let recorded = daemon.remove_job(name.context("job-remove without \"name\"")?)?;
+            json!({"ok": true, "recorded": recorded})
         }
         "job-list" => json!({"ok": true, "jobs": daemon.job_names()}),
         other => bail!("unknown op {other:?} (status, job-add, job-remove, job-list)"),

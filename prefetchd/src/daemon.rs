@@ -19,10 +19,11 @@ use crate::disk::{Disk, Urgency};
 use crate::donor::{DonorArg, DonorLane, FillSource};
 use crate::files::{FileEntry, FileTable};
 use crate::plan::engine::{
-    Action, DonorSpec, Engine, EngineConfig, GlobalSource, LocalSource, Step,
+    Action, DonorSpec, Engine, EngineConfig, GlobalSource, LocalSource, RunId, Step,
 };
 use crate::plan::{BlockId, FileId, JobId, Nanos};
 use crate::source::{open_hints, SourceReport};
+use hints::{FileDecl, Recorder};
 
 /// Answers a read: its bytes, or an errno.
 pub type Reply = Box<dyn FnOnce(Result<Vec<u8>, i32>) + Send>;
@@ -35,14 +36,20 @@ pub struct Config {
     pub donors: Vec<DonorArg>,
     /// io_uring slots (reads in flight on the local disk).
     pub disk_depth: u32,
+    /// Largest local disk request, in bytes (coalesced runs, readahead).
+    pub max_request: usize,
     pub timeouts: pager_client::nbd::Timeouts,
 }
 
 struct JobInfo {
     id: JobId,
-    hints: PathBuf,
+    hints: Option<PathBuf>,
     stale: Vec<String>,
     report: Arc<SourceReport>,
+    /// Where the job's reads are being recorded.
+    recorder: Option<Recorder>,
+    /// Why recording stopped early.
+    record_error: Option<String>,
 }
 
 struct PendingRead {
@@ -95,8 +102,10 @@ impl Daemon {
             FileTable::new(&cfg.data)
                 .with_context(|| format!("data directory {}", cfg.data.display()))?,
         );
-        let disk =
-            Arc::new(Disk::start(cfg.disk_depth, bs).context("starting the io_uring disk level")?);
+        let disk = Arc::new(
+            Disk::start(cfg.disk_depth, cfg.max_request.max(bs))
+                .context("starting the io_uring disk level")?,
+        );
         let mut donors = Vec::new();
         for (i, d) in cfg.donors.iter().enumerate() {
             let lane = DonorLane::start(i, d, bs, files.replica_size(), disk.clone(), cfg.timeouts);
@@ -171,8 +180,21 @@ impl Daemon {
         self.state.lock().expect("daemon state lock")
     }
 
-    /// Stops the disk and donor workers (pending reads get EIO).
+    /// Stops the disk and donor workers (pending reads get EIO) and
+    /// writes the jobs' recordings.
     pub fn stop(&self) {
+        let recorders: Vec<(String, Recorder)> = {
+            let mut st = self.lock();
+            st.jobs
+                .iter_mut()
+                .filter_map(|(n, j)| Some((n.clone(), j.recorder.take()?)))
+                .collect()
+        };
+        for (name, r) in recorders {
+            if let Err(e) = finish_recording(&name, r) {
+                tracing::warn!("{e:#}");
+            }
+        }
         for l in &self.donors {
             l.stop();
         }
@@ -202,15 +224,36 @@ impl Daemon {
     }
 
     /// Registers job `name` following the hint file `hints` (its own job
-    /// name when `name` is None). Returns the name and the stale-hint report.
-    pub fn add_job(self: &Arc<Self>, name: Option<&str>, hints: &Path) -> Result<Value> {
-        let opened = open_hints(hints, self.files.clone(), self.bs as u32)
-            .with_context(|| format!("hint file {}", hints.display()))?;
-        let name = name.map_or(opened.job.clone(), str::to_owned);
+    /// name when `name` is None), recording its reads into `record` if
+    /// given. Returns the name and the stale-hint report.
+    pub fn add_job(
+        self: &Arc<Self>,
+        name: Option<&str>,
+        hints: Option<&Path>,
+        record: Option<&Path>,
+    ) -> Result<Value> {
+        let opened = match hints {
+            Some(h) => Some(
+                open_hints(h, self.files.clone(), self.bs as u32)
+                    .with_context(|| format!("hint file {}", h.display()))?,
+            ),
+            None => None,
+        };
+        let name = match (name, &opened) {
+            (Some(n), _) => n.to_owned(),
+            (None, Some(o)) => o.job.clone(),
+            (None, None) => bail!("a job without hints needs a name"),
+        };
         if name.is_empty() || name.contains('/') || name == "." || name == ".." {
             bail!("job name {name:?} must be a non-empty file name");
         }
-        let stale: Vec<String> = opened.stale.iter().map(|s| s.to_string()).collect();
+        if hints.is_none() && record.is_none() {
+            bail!("job {name}: give a hint file to follow, a file to record into, or both");
+        }
+        let stale: Vec<String> = opened
+            .iter()
+            .flat_map(|o| o.stale.iter().map(|s| s.to_string()))
+            .collect();
         for s in &stale {
             tracing::warn!("job {name}: stale hints ignored: {s}");
         }
@@ -218,32 +261,62 @@ impl Daemon {
         if st.jobs.contains_key(&name) {
             bail!("job {name:?} is already registered");
         }
-        let id = st.engine.add_job(&name, Box::new(opened.blocks));
+        let recorder = match record {
+            Some(r) => Some(
+                Recorder::create(r, &name, self.bs as u32)
+                    .with_context(|| format!("job {name}: recording into {}", r.display()))?,
+            ),
+            None => None,
+        };
+        let (source, report): (crate::plan::engine::BlockSource, _) = match opened {
+            Some(o) => (Box::new(o.blocks), o.report),
+            None => (Box::new(std::iter::empty()), Arc::default()),
+        };
+        let id = st.engine.add_job(&name, source);
         st.jobs.insert(
             name.clone(),
             JobInfo {
                 id,
-                hints: hints.to_path_buf(),
+                hints: hints.map(Path::to_path_buf),
                 stale: stale.clone(),
-                report: opened.report,
+                report,
+                recorder,
+                record_error: None,
             },
         );
-        tracing::info!("job {name} added with hints {}", hints.display());
+        match (hints, record) {
+            (Some(h), None) => tracing::info!("job {name} added with hints {}", h.display()),
+            (None, Some(r)) => tracing::info!("job {name} added, recording into {}", r.display()),
+            (Some(h), Some(r)) => tracing::info!(
+                "job {name} added with hints {}, recording into {}",
+                h.display(),
+                r.display()
+            ),
+            (None, None) => {}
+        }
         // Disk-to-global prefetching starts now, before the job's first read.
         let actions = st.engine.plan(self.now());
         drop(st);
         self.execute(actions);
-        Ok(json!({ "job": name, "id": id, "stale": stale }))
+        Ok(json!({ "job": name, "id": id, "stale": stale, "recording": record }))
     }
 
-    pub fn remove_job(&self, name: &str) -> Result<()> {
-        let mut st = self.lock();
-        let Some(info) = st.jobs.remove(name) else {
-            bail!("no job {name:?}")
+    /// Forgets job `name`, writing its recording. Returns the recording's
+    /// path, if there is one.
+    pub fn remove_job(&self, name: &str) -> Result<Option<PathBuf>> {
+        let info = {
+            let mut st = self.lock();
+            let Some(info) = st.jobs.remove(name) else {
+                bail!("no job {name:?}")
+            };
+            st.engine.remove_job(info.id);
+            info
         };
-        st.engine.remove_job(info.id);
         tracing::info!("job {name} removed");
-        Ok(())
+        if let Some(e) = info.record_error {
+            bail!("job {name}: recording failed: {e}");
+        }
+        info.recorder.map(|r| finish_recording(name, r)).transpose()
     }
 
     /// Serves a read of `size` bytes at `offset` of `file`, attributed to
@@ -263,6 +336,7 @@ impl Daemon {
         }
         let bs = self.bs as u64;
         let (first, last) = (offset / bs, (end - 1) / bs);
+        let file_blocks = file.size().div_ceil(bs);
         let nblocks = last - first + 1;
         let began = Instant::now();
         let now = self.now();
@@ -270,6 +344,10 @@ impl Daemon {
         let actions = {
             let mut guard = self.lock();
             let st = &mut *guard;
+            let info = job.and_then(|n| st.jobs.get_mut(n));
+            if let Some(info) = info.filter(|i| i.recorder.is_some()) {
+                record_read(info, file, offset, end - offset);
+            }
             let job = job.and_then(|n| st.jobs.get(n)).map(|j| j.id);
             st.engine.read_started(job, nblocks, now);
             let mut data = vec![0u8; (end - offset) as usize];
@@ -279,7 +357,10 @@ impl Daemon {
             let mut actions = Vec::new();
             for index in first..=last {
                 let block = BlockId::new(file.id, index);
-                match st.engine.access(job, block, now) {
+                match st
+                    .engine
+                    .access_read(job, block, last + 1..file_blocks, now)
+                {
                     Step::Hit { buf } => {
                         let b = buf as usize;
                         let bytes = &st.cache[b * self.bs..b * self.bs + st.cache_len[b] as usize];
@@ -359,7 +440,7 @@ impl Daemon {
         }
     }
 
-    /// A fill into local memory finished.
+    /// A fill into local memory from a donor finished.
     fn local_fill_done(
         self: &Arc<Self>,
         block: BlockId,
@@ -371,55 +452,87 @@ impl Daemon {
             let mut guard = self.lock();
             let st = &mut *guard;
             let mut actions = Vec::new();
-            match result {
-                Ok(bytes) => {
-                    if let Some(buf) = st.engine.local_filled(block) {
-                        let b = buf as usize;
-                        let n = bytes.len().min(self.bs);
-                        st.cache[b * self.bs..b * self.bs + n].copy_from_slice(&bytes[..n]);
-                        st.cache_len[b] = n as u32;
-                    }
-                    self.deliver(st, block, bytes, &mut done);
-                }
-                Err(e) => {
-                    st.engine.local_failed(block);
-                    if let LocalSource::Global { donor, .. } = from {
-                        tracing::debug!(
-                            "block {block:?} from donor {donor}: {e}; reading it from disk"
-                        );
-                        if self.donors[donor].failed() {
-                            st.engine.donor_failed(donor);
-                        }
-                    } else {
-                        tracing::warn!(
-                            "disk read of block {} of file {}: {e}",
-                            block.index,
-                            block.file
-                        );
-                    }
-                    if st.waiters.contains_key(&block) {
-                        match (from, st.engine.retry(block, self.now())) {
-                            (LocalSource::Disk, _) => {
-                                self.fail_waiters(st, block, libc::EIO, &mut done)
-                            }
-                            (_, Step::Fetch(a)) => actions.push(a),
-                            (_, Step::Hit { buf }) => {
-                                let b = buf as usize;
-                                let bytes = st.cache
-                                    [b * self.bs..b * self.bs + st.cache_len[b] as usize]
-                                    .to_vec();
-                                self.deliver(st, block, &bytes, &mut done);
-                            }
-                            (_, Step::Wait) => {}
-                        }
-                    }
-                }
+            self.block_arrived(st, block, from, result, &mut actions, &mut done);
+            actions.extend(st.engine.plan(self.now()));
+            actions
+        };
+        answer(done);
+        self.execute(actions);
+    }
+
+    /// Disk request `run`, reading from block `first` of its file, finished.
+    fn disk_run_done(self: &Arc<Self>, run: RunId, first: u64, result: Result<&[u8], String>) {
+        let mut done: Finished = Vec::new();
+        let actions = {
+            let mut guard = self.lock();
+            let st = &mut *guard;
+            let mut actions = Vec::new();
+            for block in st.engine.run_done(run) {
+                let bytes = result.as_ref().map_err(Clone::clone).map(|b| {
+                    let at = ((block.index - first) as usize * self.bs).min(b.len());
+                    &b[at..(at + self.bs).min(b.len())]
+                });
+                self.block_arrived(st, block, LocalSource::Disk, bytes, &mut actions, &mut done);
             }
             actions.extend(st.engine.plan(self.now()));
             actions
         };
         answer(done);
         self.execute(actions);
+    }
+
+    /// One block of a fill into local memory arrived (or failed to).
+    fn block_arrived(
+        &self,
+        st: &mut State,
+        block: BlockId,
+        from: LocalSource,
+        result: Result<&[u8], String>,
+        actions: &mut Vec<Action>,
+        done: &mut Finished,
+    ) {
+        match result {
+            Ok(bytes) => {
+                if let Some(buf) = st.engine.local_filled(block) {
+                    let b = buf as usize;
+                    let n = bytes.len().min(self.bs);
+                    st.cache[b * self.bs..b * self.bs + n].copy_from_slice(&bytes[..n]);
+                    st.cache_len[b] = n as u32;
+                }
+                self.deliver(st, block, bytes, done);
+            }
+            Err(e) => {
+                st.engine.local_failed(block);
+                if let LocalSource::Global { donor, .. } = from {
+                    tracing::debug!(
+                        "block {block:?} from donor {donor}: {e}; reading it from disk"
+                    );
+                    if self.donors[donor].failed() {
+                        st.engine.donor_failed(donor);
+                    }
+                } else {
+                    tracing::warn!(
+                        "disk read of block {} of file {}: {e}",
+                        block.index,
+                        block.file
+                    );
+                }
+                if st.waiters.contains_key(&block) {
+                    match (from, st.engine.retry(block, self.now())) {
+                        (LocalSource::Disk, _) => self.fail_waiters(st, block, libc::EIO, done),
+                        (_, Step::Fetch(a)) => actions.push(a),
+                        (_, Step::Hit { buf }) => {
+                            let b = buf as usize;
+                            let bytes = st.cache
+                                [b * self.bs..b * self.bs + st.cache_len[b] as usize]
+                                .to_vec();
+                            self.deliver(st, block, &bytes, done);
+                        }
+                        (_, Step::Wait) => {}
+                    }
+                }
+            }
+        }
     }
 
     /// A disk-to-global fill finished.
@@ -460,64 +573,61 @@ impl Daemon {
         let bs = self.bs as u64;
         for a in actions {
             match a {
-                Action::FillLocal {
-                    block,
-                    from,
+                Action::ReadDisk {
+                    run,
+                    file,
+                    first,
+                    count,
                     prefetch,
-                    ..
                 } => {
                     let me = self.clone();
-                    match from {
-                        LocalSource::Disk => {
-                            let Some(file) = self.files.by_id(block.file) else {
-                                self.local_fill_done(
-                                    block,
-                                    from,
-                                    Err(format!("unknown file id {}", block.file)),
-                                );
-                                continue;
-                            };
-                            let submitted = self.now();
-                            let urgency = if prefetch {
-                                Urgency::Prefetch
-                            } else {
-                                Urgency::Demand
-                            };
-                            self.disk.read(
-                                file.file.clone(),
-                                block.index * bs,
-                                self.bs,
-                                urgency,
-                                Box::new(move |r| {
-                                    if r.is_ok() {
-                                        let now = me.now();
-                                        me.lock().engine.disk_sample(submitted, now);
-                                    }
-                                    me.local_fill_done(block, from, r.map_err(|e| e.to_string()));
-                                }),
+                    let Some(entry) = self.files.by_id(file) else {
+                        self.disk_run_done(run, first, Err(format!("unknown file id {file}")));
+                        continue;
+                    };
+                    let submitted = self.now();
+                    let urgency = if prefetch {
+                        Urgency::Prefetch
+                    } else {
+                        Urgency::Demand
+                    };
+                    self.disk.read(
+                        entry.file.clone(),
+                        first * bs,
+                        count as usize * self.bs,
+                        urgency,
+                        Box::new(move |r| {
+                            if r.is_ok() {
+                                let now = me.now();
+                                me.lock().engine.disk_sample(submitted, now);
+                            }
+                            me.disk_run_done(run, first, r.map_err(|e| e.to_string()));
+                        }),
+                    );
+                }
+                Action::FillLocal {
+                    block, donor, slot, ..
+                } => {
+                    let me = self.clone();
+                    let from = LocalSource::Global { donor, slot };
+                    let file_size = self.files.by_id(block.file).map_or(0, |f| f.size());
+                    let valid = file_size.saturating_sub(block.index * bs).min(bs) as usize;
+                    self.donors[donor].read_slot(
+                        slot,
+                        Box::new(move |r, took| {
+                            if r.is_ok() {
+                                me.lock().engine.global_sample(took.as_nanos() as Nanos);
+                            }
+                            let r = r.map_err(|e| e.to_string());
+                            me.local_fill_done(
+                                block,
+                                from,
+                                r.as_ref()
+                                    .map(|b| &b[..valid.min(b.len())])
+                                    .map_err(|e| e.clone()),
                             );
-                        }
-                        LocalSource::Global { donor, slot } => {
-                            let file_size = self.files.by_id(block.file).map_or(0, |f| f.size());
-                            let valid = file_size.saturating_sub(block.index * bs).min(bs) as usize;
-                            self.donors[donor].read_slot(
-                                slot,
-                                Box::new(move |r, took| {
-                                    if r.is_ok() {
-                                        me.lock().engine.global_sample(took.as_nanos() as Nanos);
-                                    }
-                                    let r = r.map_err(|e| e.to_string());
-                                    me.local_fill_done(
-                                        block,
-                                        from,
-                                        r.as_ref()
-                                            .map(|b| &b[..valid.min(b.len())])
-                                            .map_err(|e| e.clone()),
-                                    );
-                                }),
-                            );
-                        }
-                    }
+                        }),
+                    );
                 }
                 Action::FillGlobal {
                     block,
@@ -573,6 +683,8 @@ impl Daemon {
                 let mut v = serde_json::to_value(j).expect("job status serialises");
                 if let Some((_, info)) = by_id.get(&j.id) {
                     v["hints"] = json!(info.hints);
+                    v["recording"] = json!(info.recorder.as_ref().map(Recorder::path));
+                    v["record_error"] = json!(info.record_error);
                     v["stale"] = json!(info.stale);
                     v["hint_stream"] = info.report.snapshot();
                 }
@@ -605,6 +717,34 @@ impl Daemon {
             "unhinted": es.unhinted,
         })
     }
+}
+
+/// Appends a read to the job's recording; a failure stops the recording
+/// (the job goes on) and is reported when the job is removed.
+fn record_read(info: &mut JobInfo, file: &FileEntry, offset: u64, len: u64) {
+    let Some(rec) = info.recorder.as_mut() else {
+        return;
+    };
+    let decl = || FileDecl {
+        path: file.rel.clone(),
+        size: file.size(),
+        mtime_ns: i64::try_from(file.identity.mtime_ns).ok(),
+    };
+    if let Err(e) = rec.read(&file.rel, offset, len, decl) {
+        tracing::warn!("recording stops: {e}");
+        info.record_error = Some(e.to_string());
+        info.recorder = None;
+    }
+}
+
+/// Writes a job's recording.
+fn finish_recording(name: &str, r: Recorder) -> Result<PathBuf> {
+    let path = r.path().to_path_buf();
+    let n = r
+        .finish()
+        .with_context(|| format!("job {name}: writing its recording"))?;
+    tracing::info!("job {name}: {n} reads recorded in {}", path.display());
+    Ok(path)
 }
 
 /// Copies the part of a block (whose first byte is at file offset

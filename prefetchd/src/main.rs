@@ -12,6 +12,7 @@ use prefetchd::control::{self, ControlServer};
 use prefetchd::daemon::{self, Config, Daemon};
 use prefetchd::donor::DonorArg;
 use prefetchd::fs::{self as pfs, PrefetchFs};
+use prefetchd::plan::coalesce::CoalesceConfig;
 use prefetchd::plan::cursor::CursorConfig;
 use prefetchd::plan::engine::EngineConfig;
 use prefetchd::{files, sys, table};
@@ -53,11 +54,19 @@ enum Command {
 
 #[derive(Subcommand)]
 enum JobCommand {
-    /// Job NAME reads through MOUNT/jobs/NAME/ and follows HINTFILE.
+    /// Job NAME reads through MOUNT/jobs/NAME/, follows HINTFILE and/or
+    /// records its reads into a hint file.
+    #[command(arg_required_else_help = true)]
     Add {
         name: String,
-        hints: PathBuf,
+        #[arg(required_unless_present = "record")]
+        hints: Option<PathBuf>,
+        /// Record the job's reads into this hint file (written when the
+        /// job is removed or the daemon stops).
+        #[arg(long, value_name = "FILE")]
+        record: Option<PathBuf>,
     },
+    /// Forget job NAME (and write its recording).
     Remove {
         name: String,
     },
@@ -103,6 +112,16 @@ struct ServeArgs {
     /// io_uring slots.
     #[arg(long, default_value_t = 32)]
     disk_depth: u32,
+    /// Largest local disk request coalescing a job's hinted blocks
+    /// (K, M suffixes; one block: no coalescing).
+    #[arg(long, default_value = "256K", value_parser = table::parse_size)]
+    coalesce: u64,
+    /// Largest hole of unhinted blocks read inside a coalesced request.
+    #[arg(long, default_value = "32K", value_parser = table::parse_size)]
+    coalesce_gap: u64,
+    /// Largest sequential readahead of readers without hints (0: none).
+    #[arg(long, default_value = "128K", value_parser = table::parse_size)]
+    readahead: u64,
     /// Do not lock memory (mlockall).
     #[arg(long)]
     no_mlock: bool,
@@ -140,14 +159,22 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Job { command } => {
             match command {
-                JobCommand::Add { name, hints } => {
-                    let hints = hints
-                        .canonicalize()
-                        .with_context(|| format!("hint file {}", hints.display()))?;
-                    let a = control::request(
-                        &cli.control,
-                        &json!({"op": "job-add", "name": name, "hints": hints}),
-                    )?;
+                JobCommand::Add {
+                    name,
+                    hints,
+                    record,
+                } => {
+                    let mut req = json!({"op": "job-add", "name": name});
+                    if let Some(h) = hints {
+                        req["hints"] = json!(h
+                            .canonicalize()
+                            .with_context(|| format!("hint file {}", h.display()))?);
+                    }
+                    if let Some(r) = record {
+                        req["record"] = json!(std::path::absolute(&r)
+                            .with_context(|| format!("recording {}", r.display()))?);
+                    }
+                    let a = control::request(&cli.control, &req)?;
                     for s in a["added"]["stale"].as_array().into_iter().flatten() {
                         eprintln!(
                             "prefetchd: job {name}: stale hints ignored: {}",
@@ -156,7 +183,11 @@ fn run(cli: Cli) -> Result<()> {
                     }
                 }
                 JobCommand::Remove { name } => {
-                    control::request(&cli.control, &json!({"op": "job-remove", "name": name}))?;
+                    let a =
+                        control::request(&cli.control, &json!({"op": "job-remove", "name": name}))?;
+                    if let Some(r) = a["recorded"].as_str() {
+                        eprintln!("prefetchd: job {name}: recorded in {r}");
+                    }
                 }
                 JobCommand::List => {
                     let a = control::request(&cli.control, &json!({"op": "job-list"}))?;
@@ -188,12 +219,21 @@ fn serve(args: ServeArgs, control_path: &Path) -> Result<()> {
             args.mount.display()
         );
     }
+    let bs = u64::from(args.block_size);
+    let blocks_of = |bytes: u64, what: &str| {
+        u32::try_from((bytes / bs).max(1)).with_context(|| format!("--{what} too large"))
+    };
     let local_blocks = (args.local_cache / u64::from(args.block_size)).max(1);
     let local_blocks = u32::try_from(local_blocks).context("--local-cache too large")?;
     let mut engine = EngineConfig {
         local_blocks,
         donor_outstanding: args.outstanding.max(1),
         disk_prefetch_depth: args.disk_prefetch_depth.max(1),
+        coalesce: CoalesceConfig {
+            max_blocks: blocks_of(args.coalesce, "coalesce")?,
+            max_gap: (args.coalesce_gap / bs) as u32,
+        },
+        readahead_blocks: blocks_of(args.readahead, "readahead")?,
         prefetch: !args.no_prefetch,
         cursor: CursorConfig {
             miss_limit: args.miss_limit.max(1),
@@ -209,6 +249,8 @@ fn serve(args: ServeArgs, control_path: &Path) -> Result<()> {
         engine,
         donors: args.donors.clone(),
         disk_depth: args.disk_depth,
+        max_request: engine.coalesce.max_blocks.max(engine.readahead_blocks) as usize
+            * args.block_size as usize,
         timeouts: daemon::default_timeouts(),
     };
     let d = Daemon::start(cfg)?;
@@ -231,7 +273,7 @@ fn serve_mounted(d: &std::sync::Arc<Daemon>, args: &ServeArgs, control_path: &Pa
         let (name, hints) = j
             .split_once('=')
             .with_context(|| format!("--job {j:?}: expected NAME=HINTFILE"))?;
-        d.add_job(Some(name), Path::new(hints))?;
+        d.add_job(Some(name), Some(Path::new(hints)), None)?;
     }
     if !args.no_mlock {
         if let Err(e) = sys::lock_memory() {

@@ -239,3 +239,42 @@ def run_job(td: Teardown, workdir: Path, hints: Path, root: Path, manifest: Path
     if rc not in (0, 1) or not lines:
         raise RuntimeError(f"{name} failed ({rc}):\n{tail(log)}")
     return json.loads(lines[-1])
+
+
+# A table scan: every row's key and value are looked at.
+SCAN_QUERY = "SELECT count(*), sum(length(v)), max(k), sum(instr(k, '77')) FROM t"
+
+
+def scattered_db(path: Path, rows: int, seed: int = 1) -> Path:
+    """An SQLite database of one table filled in random key order, so its
+    leaf pages lie scattered over the file and a scan reads them out of
+    file order (4 KiB pages, 50-150 byte values)."""
+    import random
+    import sqlite3
+
+    rng = random.Random(seed)
+    ids = list(range(rows))
+    rng.shuffle(ids)
+    db = sqlite3.connect(path)
+    try:
+        db.execute("PRAGMA page_size=4096")
+        db.execute("CREATE TABLE t(id INTEGER PRIMARY KEY, k TEXT, v BLOB)")
+        db.executemany("INSERT INTO t VALUES(?,?,?)",
+                       ((i, f"key{i:08d}", rng.randbytes(rng.randint(50, 150))) for i in ids))
+        db.commit()
+    finally:
+        db.close()
+    return path
+
+
+def sqlite_scan(db: Path, query: str = SCAN_QUERY, timeout: float = 300.0) -> tuple[str, float]:
+    """Runs `query` with the sqlite3 CLI on `db`, read-only and immutable
+    (no locks, no journal: the mount is read-only); returns its output and
+    the elapsed seconds."""
+    started = time.monotonic()
+    p = subprocess.run(["sqlite3", "-readonly", f"file:{db}?immutable=1", query],
+                       capture_output=True, text=True, timeout=timeout)
+    took = time.monotonic() - started
+    if p.returncode != 0:
+        raise RuntimeError(f"sqlite3 {db}: exit {p.returncode}: {p.stderr.strip()}")
+    return p.stdout, took

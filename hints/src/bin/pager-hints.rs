@@ -18,7 +18,7 @@ const EXIT_STALE: u8 = 3;
 #[command(
     name = "pager-hints",
     version,
-    about = "netpager hint files: validate, convert, stats, check, gen",
+    about = "netpager hint files: validate, convert, stats, check, merge, distinct, gen",
     after_help = "Exit status: 0 ok, 1 error (invalid hint file, i/o), 2 usage, 3 stale hints (check)."
 )]
 struct Cli {
@@ -53,6 +53,28 @@ enum Command {
         root: PathBuf,
         #[arg(long)]
         json: bool,
+    },
+    /// Write the records of several hint files (recordings), one after the
+    /// other, as one hint file.
+    Merge {
+        /// Hint files, in the order their records are to be read.
+        #[arg(required = true)]
+        inputs: Vec<PathBuf>,
+        /// Output file.
+        #[arg(long)]
+        out: PathBuf,
+        /// Job name (default: the first input's).
+        #[arg(long)]
+        job: Option<String>,
+        #[arg(long, default_value_t = Format::Text)]
+        format: Format,
+    },
+    /// Reduce a hint file to its distinct blocks, in first-use order.
+    Distinct {
+        input: PathBuf,
+        output: PathBuf,
+        #[arg(long, default_value_t = Format::Text)]
+        format: Format,
     },
     /// Write a reference workload's data set and hint file under DIR.
     Gen {
@@ -138,6 +160,27 @@ fn run(command: Command) -> Result<ExitCode> {
             if !stale.is_empty() {
                 return Ok(ExitCode::from(EXIT_STALE));
             }
+        }
+        Command::Merge {
+            inputs,
+            out,
+            job,
+            format,
+        } => {
+            let n = hints::merge(&inputs, &out, format, job.as_deref())?;
+            println!(
+                "{}: {n} records from {} file(s)",
+                out.display(),
+                inputs.len()
+            );
+        }
+        Command::Distinct {
+            input,
+            output,
+            format,
+        } => {
+            let n = hints::distinct(&input, &output, format)?;
+            println!("{}: {n} records", output.display());
         }
         Command::Gen {
             workload,

@@ -4,6 +4,7 @@
 //! - [`cursor`]: follows one job through its hinted reference stream.
 //! - [`timing`]: time per reference and the fetch costs F_L, F_G, F_D.
 //! - [`forestall`]: the conservative local prefetch predicate.
+//! - [`coalesce`]: which blocks one disk request reads.
 //! - [`engine`]: the planner tying them together with the local cache,
 //!   the global-memory directory (donor slots), block values, replacement
 //!   and the aggressive disk-to-global policy.
@@ -11,6 +12,7 @@
 //! Time is given by the caller in nanoseconds ([`Nanos`]) so tests drive a
 //! simulated clock.
 
+pub mod coalesce;
 pub mod cursor;
 pub mod engine;
 pub mod forestall;
