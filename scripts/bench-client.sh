@@ -13,8 +13,8 @@
 #      client (3 donors, parity) on each front end (FRONTENDS: fuse-uring,
 #      fuse, nbd), through one `nbdkit memory` over TCP (a remote memory
 #      server, as a donor is) attached through nbdfuse + a loop device,
-#      through a loop device over a tmpfs file (the floor of any loop
-#      device), through zram and through a swap file on local disk,
+#      through the same FUSE front end answering from memory (the floor of
+#      the client's path), through zram and through a swap file on local disk,
 #      alternating A B C D A B C D ... Completion times and ratios to nbdkit
 #      memory. The same nbdkit memory is also reached through a local
 #      nbdkit proxy on a unix socket (its nbd plugin), the path the client
@@ -50,6 +50,7 @@ TARGET_DIR="${NETPAGER_TARGET_DIR:-$ROOT/target/release}"
 PAGERCTL="$TARGET_DIR/pagerctl"
 SERVER_SO="$TARGET_DIR/libpager_server.so"
 CLIENT_SO="$TARGET_DIR/libpager_client_plugin.so"
+FUSE_MEMORY="$TARGET_DIR/examples/fuse-memory"
 MEMHOG="$ROOT/tests/jobs/memhog"
 RUNTIME="${RUNTIME:-8}"      # seconds per fio run
 FIO_ROUNDS="${FIO_ROUNDS:-2}" # fio runs per measurement, the best kept
@@ -66,7 +67,7 @@ export PATH=/usr/sbin:/usr/bin:/sbin:/bin:$PATH
 
 die() { echo "bench-client: $*" >&2; exit 1; }
 [ "$(id -u)" = 0 ] || die "must run as root (swapon, losetup, FUSE, cgroups)"
-for f in "$PAGERCTL" "$SERVER_SO" "$CLIENT_SO"; do
+for f in "$PAGERCTL" "$SERVER_SO" "$CLIENT_SO" "$FUSE_MEMORY"; do
   [ -e "$f" ] || die "$f not found (make build, or set NETPAGER_TARGET_DIR)"
 done
 [ -x "$MEMHOG" ] || make -s -C "$ROOT/tests/jobs" memhog
@@ -389,14 +390,24 @@ target_proxy() {
   wait_file "$WORK/proxy.pid" "$pid" "nbdkit nbd (log $WORK/proxy.log)"
   fuse_swap "nbd+unix:///?socket=$sock"
 }
-# A loop device over a file in tmpfs: what a loop device costs by itself,
-# the floor of every FUSE-backed target.
-target_tmpfs() {
-  local f="/dev/shm/netpager-bench-swap" lo
-  fallocate -l 1G "$f"
-  push_undo "rm -f $f"
-  lo="$(losetup --find --show --direct-io=on "$f")"
+# The floor of the client's path: the same FUSE front end, loop device and
+# queue depth, answering from its own memory with no donor behind it
+# (examples/fuse-memory.rs). A loop device over a tmpfs file is no floor
+# to swap on: loop charges the file's pages to the swapping job's cgroup,
+# which then swaps them to the same loop device, and swap-in deadlocks.
+target_floor() {
+  local pid lo
+  mkdir -p "$WORK/floor"
+  "$FUSE_MEMORY" "$WORK/floor" 1024 fuse-uring >"$WORK/floor.log" 2>&1 &
+  pid=$!
+  push_undo "umount $WORK/floor; wait $pid"
+  wait_file "$WORK/floor/device" "$pid" "fuse-memory (log $WORK/floor.log)"
+  lo="$(losetup --find --show --direct-io=on "$WORK/floor/device")"
   push_undo "losetup --detach $lo; while [ -e /sys/block/${lo#/dev/}/loop/backing_file ]; do sleep 0.1; done"
+  local q="/sys/block/${lo#/dev/}/queue/nr_requests" depth
+  depth="$(cat "$q")"
+  echo 16 >"$q"
+  push_undo "echo $depth > $q"
   swap_on "$lo"
   SWAPDEV="$lo"
 }
@@ -448,7 +459,7 @@ bench_swap() {
       *) die "unknown swap setting $setting (links, loopback)" ;;
     esac
   done
-  runs+=(tmpfs zram file)
+  runs+=(floor zram file)
   for round in $(seq "$ROUNDS"); do
     for t in "${runs[@]}"; do
       SWAP_RATE=""
@@ -470,7 +481,7 @@ bench_swap() {
       client:*) label="client, $SWAP_MODE, 3 donors, ${t%%/*}"; label="${label/client:/}" ;;
       proxy/*) label="one nbdkit memory via a local proxy" ;;
       memory/*) label="one nbdkit memory" ;;
-      tmpfs) label="loop over a tmpfs file (the floor)" ;;
+      floor) label="FUSE from memory + loop (the floor)" ;;
       zram) label="zram" ;;
       file) label="swap file on local disk" ;;
     esac
@@ -494,13 +505,14 @@ bench_swap() {
 
 # ---------------------------------------------------------- 4. latency
 # fio_lat TARGET RW [extra...]: prints the mean completion latency in us of
-# QD1 4 KiB random I/O over the first 64 MiB.
+# QD1 4 KiB random I/O over the first 64 MiB. (fio's nbd engine prints a
+# line of its own before the JSON.)
 fio_lat() {
   local target="$1" rw="$2"
   shift 2
-  fio --name=lat "$target" --rw="$rw" --bs=4k --iodepth=1 --size=64M --runtime="$RUNTIME" \
-    --time_based --ramp_time=2 --randrepeat=0 --output-format=json "$@" 2>"$WORK/fio-lat.err" |
-    "$PY" -c 'import json, sys; j = json.load(sys.stdin)["jobs"][0]; d = j["read"] if j["read"]["io_bytes"] else j["write"]; print(f"{d['clat_ns']['mean'] / 1000:.1f}")' ||
+  fio --name=lat "$@" "$target" --rw="$rw" --bs=4k --iodepth=1 --size=64M --runtime="$RUNTIME" \
+    --time_based --ramp_time=2 --randrepeat=0 --output-format=json 2>"$WORK/fio-lat.err" |
+    "$PY" -c 'import json, sys; t = sys.stdin.read(); j = json.loads(t[t.index("{"):])["jobs"][0]; d = j["read"] if j["read"]["io_bytes"] else j["write"]; m = d["clat_ns"]["mean"] / 1000; print(f"{m:.1f}")' ||
     die "fio failed: $(tail -3 "$WORK/fio-lat.err")"
 }
 
