@@ -396,7 +396,12 @@ target_proxy() {
 # to swap on: loop charges the file's pages to the swapping job's cgroup,
 # which then swaps them to the same loop device, and swap-in deadlocks.
 target_floor() {
-  local pid lo
+  local pid lo uring=/sys/module/fuse/parameters/enable_uring
+  # On, as pagerctl attach turns it on for the client (and detach back).
+  if [ -e "$uring" ]; then
+    push_undo "echo $(cat "$uring") > $uring"
+    echo Y >"$uring"
+  fi
   mkdir -p "$WORK/floor"
   "$FUSE_MEMORY" "$WORK/floor" 1024 fuse-uring >"$WORK/floor.log" 2>&1 &
   pid=$!

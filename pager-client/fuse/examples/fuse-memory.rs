@@ -74,7 +74,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (Some(mountpoint), Some(mib)) = (args.get(1), args.get(2)) else {
         return Err("usage: fuse-memory MOUNTPOINT SIZE_MIB [fuse-uring|fuse]".into());
     };
-    let size = mib.parse::<usize>().map_err(|e| format!("SIZE_MIB {mib:?}: {e}"))? << 20;
+    let size = mib
+        .parse::<usize>()
+        .map_err(|e| format!("SIZE_MIB {mib:?}: {e}"))?
+        << 20;
     let transport = match args.get(3).map(String::as_str) {
         None | Some("fuse-uring") => Transport::Uring,
         Some("fuse") => Transport::Classic,

@@ -351,13 +351,13 @@ fn start_rings<B: Backend>(
                     tracing::warn!("cannot pin ring thread to CPU {cpu}: {e}");
                 }
                 match uring::Queue::register(&fd, cpu as u16, depth, payload) {
-                    Ok(q) => {
-                        let _ = tx.send(Ok(()));
+                    Ok((q, refused)) => {
+                        let _ =
+                            tx.send(refused.map_or(Ok(()), |e| Err(format!("queue {cpu}: {e}"))));
                         q.serve(&s, &n)
                     }
                     Err(e) => {
-                        let msg = format!("queue {cpu}: {e}");
-                        let _ = tx.send(Err(msg));
+                        let _ = tx.send(Err(format!("queue {cpu}: {e}")));
                         Ok(())
                     }
                 }

@@ -28,15 +28,25 @@ pub struct Queue {
     /// Each entry's last command: 0 for REGISTER, else the commit id of
     /// its COMMIT_AND_FETCH (to send again if the kernel asks for a retry).
     last: Vec<u64>,
+    /// Entries whose request arrived while registering.
+    arrived: Vec<u64>,
+    /// Entries registered and not yet ended.
+    live: usize,
     qid: u16,
 }
 
 impl Queue {
     /// Creates the ring and registers `depth` entries of `payload_len`
-    /// bytes on queue `qid` of `fd`'s connection. Errors the kernel gives
-    /// at once (io_uring refused by the connection, a buffer too small)
-    /// come back here.
-    pub fn register(fd: &File, qid: u16, depth: usize, payload_len: usize) -> io::Result<Queue> {
+    /// bytes on queue `qid` of `fd`'s connection. A REGISTER the kernel
+    /// refuses at once (io_uring refused by the connection, a buffer too
+    /// small) comes back beside the queue, which must still serve the
+    /// entries that were accepted: a request may already wait in one.
+    pub fn register(
+        fd: &File,
+        qid: u16,
+        depth: usize,
+        payload_len: usize,
+    ) -> io::Result<(Queue, Option<io::Error>)> {
         let mut ring = IoUring::<squeue::Entry128, cqueue::Entry>::builder()
             .setup_cqsize(2 * depth as u32)
             .build(depth as u32)?;
@@ -47,17 +57,26 @@ impl Queue {
         }
         ring.submit()?;
         // A refused REGISTER completes at once; an accepted one only when a
-        // request arrives.
-        if let Some(cqe) = ring.completion().next() {
-            return Err(io::Error::from_raw_os_error(-cqe.result()));
+        // request arrives, which can be at once too (the other queues made
+        // the ring ready): such a request is answered first by `serve`.
+        let mut arrived = Vec::new();
+        let mut refused = None;
+        for cqe in ring.completion() {
+            match cqe.result() {
+                0 => arrived.push(cqe.user_data()),
+                err => refused = Some(io::Error::from_raw_os_error(-err)),
+            }
         }
-        let last = vec![0; depth];
-        Ok(Queue {
+        let live = depth - usize::from(refused.is_some());
+        let queue = Queue {
             ring,
             entries,
-            last,
+            last: vec![0; depth],
+            arrived,
+            live,
             qid,
-        })
+        };
+        Ok((queue, refused))
     }
 
     /// Answers requests until the connection ends (every entry completes
@@ -67,8 +86,10 @@ impl Queue {
         session: &Session<B>,
         answered: &AtomicU64,
     ) -> io::Result<()> {
-        let mut live = self.entries.len();
-        while live > 0 {
+        for i in std::mem::take(&mut self.arrived) {
+            self.reply(i as usize, session, answered)?;
+        }
+        while self.live > 0 {
             self.ring.submit_and_wait(1)?;
             loop {
                 let Some(cqe) = self.ring.completion().next() else {
@@ -76,11 +97,7 @@ impl Queue {
                 };
                 let i = cqe.user_data() as usize;
                 match -cqe.result() {
-                    0 => {
-                        self.last[i] = self.answer(i, session);
-                        answered.fetch_add(1, Ordering::Relaxed);
-                        sys::push_commit(&mut self.ring, self.qid, self.last[i], i as u64)?;
-                    }
+                    0 => self.reply(i, session, answered)?,
                     libc::EAGAIN | libc::EINTR => match self.last[i] {
                         0 => sys::push_register(
                             &mut self.ring,
@@ -90,7 +107,7 @@ impl Queue {
                         )?,
                         id => sys::push_commit(&mut self.ring, self.qid, id, i as u64)?,
                     },
-                    libc::ENOTCONN | libc::ECONNABORTED | libc::ECANCELED => live -= 1,
+                    libc::ENOTCONN | libc::ECONNABORTED | libc::ECANCELED => self.live -= 1,
                     errno => {
                         return Err(io::Error::from_raw_os_error(errno));
                     }
@@ -98,6 +115,19 @@ impl Queue {
             }
         }
         Ok(())
+    }
+
+    /// Answers the request in entry `i` and queues the commit that sends
+    /// the reply and fetches the next request.
+    fn reply<B: Backend>(
+        &mut self,
+        i: usize,
+        session: &Session<B>,
+        answered: &AtomicU64,
+    ) -> io::Result<()> {
+        self.last[i] = self.answer(i, session);
+        answered.fetch_add(1, Ordering::Relaxed);
+        sys::push_commit(&mut self.ring, self.qid, self.last[i], i as u64)
     }
 
     /// Answers the request in entry `i`; returns its commit id.

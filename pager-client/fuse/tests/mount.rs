@@ -228,3 +228,59 @@ fn uring_switched_off_falls_back_to_classic_and_says_why() {
     assert_eq!(t, Transport::Classic);
     assert!(reason.unwrap().contains("enable_uring"));
 }
+
+#[test]
+fn requests_arriving_while_queues_register_are_answered() {
+    if !root() {
+        panic!("needs root (mounts FUSE)");
+    }
+    let _turn = URING_SWITCH.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(old) = set_uring(true) else {
+        eprintln!("this kernel has no FUSE over io_uring ({ENABLE_URING}); nothing to test");
+        return;
+    };
+    // A reader that keeps asking from before the mount: some of its
+    // requests may reach ring entries the moment their queue registers.
+    // (The window is microseconds: this checks that every request of a
+    // busy start is answered, and rarely catches the race itself.)
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("device");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let (f, s) = (file.clone(), stop.clone());
+    std::thread::spawn(move || {
+        // Direct reads: each one is a request (attributes are cached).
+        let (mut buf, at) = aligned(4096, 0);
+        let mut seen = 0u32;
+        while !s.load(std::sync::atomic::Ordering::Relaxed) {
+            let Ok(f) = OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(&f)
+            else {
+                continue;
+            };
+            for _ in 0..64 {
+                if f.read_exact_at(&mut buf[at..at + 4096], 0).is_ok() {
+                    seen += 1;
+                }
+            }
+        }
+        let _ = done_tx.send(seen);
+    });
+    let backend = Memory {
+        bytes: Mutex::new(vec![0; 4 << 20]),
+        trims: Mutex::new(Vec::new()),
+    };
+    let m = Mounted {
+        mount: Some(Mount::start(backend, dir.path(), &Options::default()).unwrap()),
+        dir,
+    };
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    // A request lost in a ring entry leaves the reader blocked for good.
+    let seen = done_rx.recv_timeout(std::time::Duration::from_secs(30));
+    m.finish();
+    set_uring(old);
+    assert!(seen.expect("a request was never answered") > 0);
+}
