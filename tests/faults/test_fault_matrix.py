@@ -63,10 +63,35 @@ def recovered(s: dict) -> bool:
     return t["degraded"] == 0 and not t["rebuild"]["active"] and not t["drain"]["active"]
 
 
+_open_cells: list["Cell"] = []
+
+
+@pytest.fixture(autouse=True)
+def _rows_of_failed_cells(request):
+    """A cell that fails (or xfails) before its row still gets one, saying so."""
+    _open_cells.clear()
+    yield
+    rep = getattr(request.node, "rep_call", None)
+    for cell in _open_cells:
+        if not cell.appended:
+            if rep is not None and hasattr(rep, "wasxfail"):
+                cell.outcome = f"xfail: {rep.wasxfail}"
+            elif rep is not None and rep.failed:
+                cell.outcome = "FAIL: " + str(rep.longrepr.reprcrash.message if hasattr(
+                    rep.longrepr, "reprcrash") else rep.longrepr).splitlines()[0][:200]
+            else:
+                cell.outcome = "incomplete"
+            cell.row()
+    _open_cells.clear()
+
+
 class Cell:
     """One cell: the client, its workload and the times; `row()` at the end."""
 
     def __init__(self, fault: str, mode: str, client, workload="block"):
+        self.appended = False
+        self.outcome = "pass"
+        _open_cells.append(self)
         self.fault, self.mode, self.client, self.workload_kind = fault, mode, client, workload
         self.t_inject = self.detect_s = self.rebuild_s = None
         self.verified_bytes = 0
@@ -108,7 +133,8 @@ class Cell:
         self.lost_pages = len(res["lost"]) * BLOCK // PAGE
         self.lost_extents = st["lost_extents"]
         assert res["corrupt"] == [], (f"{when}: blocks came back with wrong data (not an error): "
-                                      f"{res['corrupt'][:20]}; in flight: {self.w.corrupt[:10]}")
+                                      f"{[self.w.diagnose(b) for b in res['corrupt'][:5]]}; "
+                                      f"in flight: {self.w.corrupt[:10]}")
         assert not self.w.corrupt, f"{when}: reads in flight returned wrong data: {self.w.corrupt[:10]}"
         if not allow_lost:
             assert res["lost"] == [] and st["lost"] == 0, (
@@ -129,12 +155,13 @@ class Cell:
                "lost_pages": self.lost_pages, "lost_extents": self.lost_extents,
                "detect_s": None if self.detect_s is None else round(self.detect_s, 2),
                "rebuild_s": None if self.rebuild_s is None else round(self.rebuild_s, 2),
-               "notes": "; ".join(self.notes)}
+               "notes": "; ".join(self.notes), "outcome": self.outcome}
         if w is not None:
             row.update(writes=w.writes, reads=w.reads, write_errors=w.write_errors,
                        read_errors=w.read_errors)
         row.update(extra)
         append_row(row)
+        self.appended = True
         return row
 
     def finish(self, allow_lost_after_fault: bool, allow_lost_after_recovery: bool | None = None,
@@ -269,15 +296,17 @@ def test_network_partition_drop(mode, teardown, donors, client):
 def test_second_failure_during_rebuild(mode, teardown, donors, client):
     ds = donors(5)
     cell = Cell("2nd donor kill during rebuild", mode, client)
-    cell.attach_block(teardown, ds)
+    # A larger device, so that the rebuild takes a while.
+    cell.attach_block(teardown, ds, size=3 * SIZE)
     first = busiest(client, ds)
+    second = busiest(client, ds, exclude=(first.name,))
     cell.inject()
     first.kill9()
-    cell.detected(lambda s: report(s, first.name)["failed"], f"{first.name} marked failed")
+    cell.detected(lambda s: report(s, first.name)["failed"], f"{first.name} marked failed",
+                  timeout=120)
+    second.kill9()
     st = client.status()["status"]
     during = st["totals"]["rebuild"]["active"] or st["totals"]["degraded"] > 0
-    second = busiest(client, ds, exclude=(first.name,))
-    second.kill9()
     cell.notes.append(f"second kill {'during' if during else 'after'} the rebuild "
                       f"(rebuild {st['totals']['rebuild']}, degraded {st['totals']['degraded']})")
     client.wait_status(lambda s: report(s, second.name)["failed"], 120, f"{second.name} marked failed")
@@ -297,13 +326,17 @@ def test_drain_target_dies_mid_drain(mode, teardown, donors, client):
     victim = busiest(client, ds)
     host, port = victim.status_addr
     held0 = report(client.status()["status"], victim.name)["extents_held"]
+    used0 = victim.status().used_bytes
     run_pagerctl(["donor-drain", f"{host}:{port}"])
     cell.inject()
-    st = cell.detected(lambda s: s["totals"]["drain"]["active"] or s["totals"]["drain"]["done"] > 0
-                       or report(s, victim.name)["extents_held"] < held0, "the drain to start")
-    left = report(st, victim.name)["extents_held"]
+    # The donor's own count, polled directly: the client's status file is
+    # rewritten once a second, too late for a drain of this size.
+    wait_for(lambda: victim.status().used_bytes < used0, 120, f"{victim.name} to start draining",
+             interval=0.01)
+    cell.detect_s = time.monotonic() - cell.t_inject
+    left = victim.status().used_bytes
     victim.kill9()
-    cell.notes.append(f"killed holding {left} of {held0} extents")
+    cell.notes.append(f"killed holding {left >> 10} of {used0 >> 10} KiB")
     client.wait_status(lambda s: report(s, victim.name)["failed"], 120, f"{victim.name} marked failed")
     cell.w.wait_ops(32)
     cell.finish(allow_lost_after_fault=(mode == "none"))
@@ -436,8 +469,9 @@ def test_two_clients_fill_the_same_donors(mode, teardown, donors, client, second
     writes that found no room, and nothing accepted is lost."""
     ds = donors(3, budget="40M")
     cell = Cell("2 clients fill donors (ENOSPC/fallback)", mode, client)
+    # The fallback holds the whole device with its redundancy.
     cell.attach_block(teardown, ds, extra=["--fallback", tmp_path / "fallback.img",
-                                           "--fallback-size", "64M"])
+                                           "--fallback-size", "192M"])
     dev2 = second_client.attach(ds, mode=mode, size="64M", extra=TIMEOUTS)
     cell.inject()
     w2 = start_block_workload(teardown, dev2, SIZE)
@@ -449,8 +483,15 @@ def test_two_clients_fill_the_same_donors(mode, teardown, donors, client, second
     st1 = client.status()["status"]["totals"]
     cell.w.stop()
     cell.check("client 1 (fallback)", False)
+    if mode == "parity" and cell.w.write_errors:
+        pytest.xfail(f"BUG parity (NoSpace, NoSpace) retry: client 1 has a fallback, yet "
+                     f"writes failed {cell.w.write_errors}: serve.log 'the parity update kept "
+                     "failing' (parity.rs write_parity_locked retries without moving a member)")
+    assert cell.w.write_errors == {}, f"client 1 has a fallback, yet writes failed: {cell.w.write_errors}"
     res2 = w2.verify_all()
-    assert res2["corrupt"] == [] and not w2.corrupt, (res2["corrupt"][:20], w2.corrupt[:10])
+    assert res2["corrupt"] == [] and not w2.corrupt, (
+        f"client 2: wrong data: {[w2.diagnose(b) for b in res2['corrupt'][:5]]}; "
+        f"in flight: {w2.corrupt[:10]}")
     assert res2["lost"] == [], f"client 2: blocks lost: {res2['lost'][:20]}"
     cell.verified_bytes += res2["ok"] * BLOCK
     st2 = second_client.status()["status"]["totals"]
