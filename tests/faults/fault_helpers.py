@@ -80,7 +80,7 @@ class BlockWorkload:
         self.lock = threading.Lock()
         self.stop_event = threading.Event()
         self.threads: list[threading.Thread] = []
-        self.writes = self.reads = 0
+        self.writes = self.reads = self.attempts = 0
         self.write_errors: dict[str, int] = {}
         self.read_errors: dict[str, int] = {}
         self.corrupt: list[str] = []
@@ -94,6 +94,7 @@ class BlockWorkload:
 
     def _write(self, buf: mmap.mmap, b: int, gen: int) -> bool:
         buf[:] = self.expected(b, gen)
+        self.attempts += 1
         try:
             os.pwrite(self.fd, buf, b * self.block)
         except OSError as e:
@@ -197,9 +198,10 @@ class BlockWorkload:
         return self
 
     def wait_ops(self, n: int, timeout: float = 60) -> None:
-        start = self.writes
-        wait_for(lambda: self.writes - start >= n or self.stop_event.is_set(), timeout,
-                 f"{n} writes on {self.device}")
+        """Waits for n more writes done or refused (a full device refuses them all)."""
+        start = self.attempts
+        wait_for(lambda: self.attempts - start >= n or self.stop_event.is_set(), timeout,
+                 f"{n} writes on {self.device} (done {self.writes}, refused {self.write_errors})")
 
     def stop(self) -> None:
         self.stop_event.set()
