@@ -13,7 +13,7 @@ export NETPAGER_ROOT := $(CURDIR)
 
 .PHONY: all deps build demo test test-unit test-server test-client test-prefetch \
         test-ansible test-security bench bench-server bench-client bench-prefetch \
-        fuzz soak clean
+        fuzz soak faults clean
 
 all: build
 
@@ -59,6 +59,14 @@ fuzz: deps
 
 soak: build
 	bash scripts/soak.sh
+
+# The whole fault matrix (tests/faults, every fault in every mode); the
+# table is printed and written to bench-results/faults.json. `make test`
+# runs one cell per fault kind (mode parity).
+faults: build
+	rm -f bench-results/faults-rows.jsonl
+	NETPAGER_FAULTS=full $(PYTEST) tests/faults; rc=$$?; \
+	/usr/bin/python3 scripts/faults_table.py; exit $$rc
 
 bench: bench-server bench-client bench-prefetch
 	$(CARGO) bench --workspace

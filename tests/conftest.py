@@ -11,6 +11,7 @@ import os
 import pytest
 
 from netpager_testkit import Cluster, Teardown, install_handlers, job, pb2, server_plugin
+from netpager_testkit.ci import skip_or_fail
 from netpager_testkit.procs import tail
 
 _TEARDOWN_KEY = pytest.StashKey[Teardown]()
@@ -49,9 +50,10 @@ def teardown(request):
 
 @pytest.fixture
 def root():
-    """Swap, loop devices, FUSE mounts and cgroups need root."""
+    """Swap, loop devices, FUSE mounts and cgroups need root (skipped without,
+    failed under CI=true)."""
     if os.geteuid() != 0:
-        pytest.skip("needs root (swapon, losetup, cgroups, FUSE)")
+        skip_or_fail("needs root (swapon, losetup, cgroups, FUSE)")
 
 
 @pytest.fixture

@@ -28,6 +28,7 @@ import pytest
 import yaml
 
 from netpager_testkit import MemoryCgroup, OwnedProcess, StatusClient, Teardown, swaps, wait_for
+from netpager_testkit.ci import skip_or_fail
 from netpager_testkit.paths import repo_root, target_dir
 from netpager_testkit.status import LabKey, StatusError
 from netpager_testkit.procs import tail
@@ -310,7 +311,7 @@ def test_readme_documents_every_knob():
 def test_systemd_units_pass_systemd_analyze(tmp_path):
     """The systemd service manager cannot run here; its units can be checked."""
     if not shutil.which("systemd-analyze"):
-        pytest.skip("systemd-analyze is not installed")
+        skip_or_fail("systemd-analyze is not installed (Debian package systemd)")
     out = tmp_path / "units"
     out.mkdir()
     (tmp_path / "data").mkdir()
@@ -347,7 +348,7 @@ def test_systemd_units_pass_systemd_analyze(tmp_path):
 @pytest.fixture(scope="module")
 def lab():
     if os.geteuid() != 0:
-        pytest.skip("needs root (users, swapon, losetup, FUSE)")
+        skip_or_fail("needs root (users, swapon, losetup, FUSE)")
     src = target_dir()
     missing = [b for b in BINARIES if not (src / b).exists()]
     if missing:

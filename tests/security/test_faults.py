@@ -165,8 +165,9 @@ def test_status_flood_leaves_nbd_io_correct(start_donors, keys):
     """Expected: 4 threads flooding the keyed status port with random bytes,
     huge length prefixes, requests signed with a wrong key and connections
     that close at once do not disturb NBD I/O running meanwhile (every
-    block reads back as written), and the donor answers signed status
-    queries afterwards."""
+    block reads back as written), the donor answers every signed status
+    query asked during the flood (each within 3 tries of 5 s), and it
+    answers afterwards."""
     (d,) = start_donors(1, psk=keys.lab_psk)
     host, port = d.status_addr
     wrong = LabKey.from_psk_file(keys.wrong_psk)
@@ -197,18 +198,36 @@ def test_status_flood_leaves_nbd_io_correct(start_donors, keys):
     for t in threads:
         t.start()
     block = 64 * 1024
+    asked = answered = 0
+
+    def ask_status() -> None:
+        nonlocal asked, answered
+        asked += 1
+        for _ in range(3):
+            try:
+                d.status_client(timeout=5).query()
+                answered += 1
+                return
+            except (OSError, StatusError):
+                continue
+
     try:
         with connect(d.uri("c1@16M")) as h:
             for rnd in range(3):
                 for b in range(16 * MIB // block):
                     h.pwrite(pattern(f"flood{rnd}", b * block, block), b * block)
+                    if b % 64 == 0:
+                        ask_status()
                 for b in range(16 * MIB // block):
                     assert h.pread(block, b * block) == pattern(f"flood{rnd}", b * block, block)
+                    if b % 64 == 0:
+                        ask_status()
     finally:
         stop.set()
         for t in threads:
             t.join(30)
     assert sum(sent) > 0
+    assert answered == asked, f"status unanswered during the flood: {answered} of {asked} answered"
     assert d.alive()
 
     def answers():
@@ -218,4 +237,5 @@ def test_status_flood_leaves_nbd_io_correct(start_donors, keys):
             return None
 
     assert wait_for(answers, 30, "the status endpoint after the flood").used_bytes == 16 * MIB
-    print(f"status flood: {sum(sent)} garbage connections during the I/O")
+    print(f"status flood: {sum(sent)} garbage connections during the I/O, "
+          f"{answered}/{asked} status queries answered meanwhile")

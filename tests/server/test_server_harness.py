@@ -123,3 +123,15 @@ def test_signal_midway_leaves_nothing_behind(root, teardown, tmp_path, sig):
     assert rc == -sig, f"child exited {rc}; log {log}:\n{log.read_text()}"
     assert _leftovers(info) == [], log.read_text()
     assert f"{signal.Signals(sig).name}: undoing everything" in log.read_text()
+
+
+def test_missing_requirements_fail_under_ci(monkeypatch):
+    """A test skipped for want of root or a tool fails when CI=true."""
+    from netpager_testkit.ci import skip_or_fail
+
+    monkeypatch.setenv("CI", "")
+    with pytest.raises(pytest.skip.Exception):
+        skip_or_fail("needs root")
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI=true"):
+        skip_or_fail("needs root")

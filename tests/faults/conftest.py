@@ -1,0 +1,75 @@
+"""Fixtures of the fault matrix (tests/faults): donors and clients as in
+tests/client (its helpers are reused), and the choice of cells.
+
+`pytest tests` (so `make test`) runs the fast subset: one cell per fault
+kind, in mode parity. The whole matrix (every fault in every mode) is
+marked `faults_full` and runs when NETPAGER_FAULTS=full (`make faults`) or
+when asked for with `-m faults_full`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client"))
+
+from client_helpers import PagerClient, client_plugin  # noqa: E402
+from netpager_testkit.paths import pagerctl  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "faults_full: a fault-matrix cell outside the fast "
+                            "subset (runs with NETPAGER_FAULTS=full or -m faults_full)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("NETPAGER_FAULTS") == "full" or config.option.markexpr:
+        return  # the whole matrix, or what -m selects
+    keep, drop = [], []
+    for item in items:
+        (drop if item.get_closest_marker("faults_full") else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keeps each phase's report on the item (a cell's row says how it ended)."""
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, f"rep_{rep.when}", rep)
+
+
+@pytest.fixture
+def client_built():
+    for path in (pagerctl(), client_plugin()):
+        if not path.exists():
+            pytest.fail(f"client not built: {path} missing (run `make build`, or set NETPAGER_TARGET_DIR)")
+
+
+@pytest.fixture
+def donors(cluster):
+    """Starts n more pager-server donors (busy-load out of reach: the machine's
+    own load must not turn a donor busy)."""
+
+    def start(n: int = 4, budget="256M", **params):
+        params.setdefault("busy_load", 1000)
+        params.setdefault("poll_ms", 100)
+        return cluster.start_donors(n, budgets=budget, size="1G", **params)
+
+    return start
+
+
+@pytest.fixture
+def client(root, client_built, teardown, tmp_path):
+    return PagerClient(teardown, tmp_path / "state")
+
+
+@pytest.fixture
+def second_client(root, client_built, teardown, tmp_path):
+    return PagerClient(teardown, tmp_path / "state2")
