@@ -17,6 +17,7 @@ pub mod slab;
 pub mod state;
 pub mod status;
 pub mod store;
+#[allow(unsafe_code)]
 pub mod sys;
 
 use std::net::TcpListener;

@@ -16,5 +16,6 @@ pub mod files;
 pub mod fs;
 pub mod plan;
 pub mod source;
+#[allow(unsafe_code)]
 pub mod sys;
 pub mod table;

@@ -8,6 +8,7 @@ mod procs;
 mod serve_cmd;
 mod simulate;
 mod status_cmd;
+#[allow(unsafe_code)]
 mod sys;
 
 use std::path::{Path, PathBuf};
