@@ -1,4 +1,5 @@
-//! prefetchd: the cooperative prefetch daemon (DESIGN.md §2.4).
+//! prefetchd: the cooperative prefetch daemon (docs/DESIGN.md "2.4 Prefetching
+//! with hints").
 //!
 //! [`plan`] is the pure policy (hint cursors, timing, Forestall, values,
 //! replacement, disk-to-global). The rest is the daemon around it:
