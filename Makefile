@@ -13,7 +13,7 @@ export NETPAGER_ROOT := $(CURDIR)
 
 .PHONY: all deps build demo test test-unit test-server test-client test-prefetch \
         test-ansible test-security bench bench-server bench-client bench-prefetch \
-        fuzz soak faults clean
+        fuzz soak faults clean lint
 
 all: build
 
@@ -23,6 +23,12 @@ deps:
 build: deps
 	$(CARGO) build --release --workspace --all-targets
 	$(MAKE) -C tests/jobs
+
+# Release profile: clippy then shares the dependency builds of `make build`.
+lint: deps
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --release --workspace --all-targets -- -D warnings
+	cd ansible && ansible-lint
 
 demo: build
 	bash scripts/demo.sh

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# PGMS's application benchmark (seed 004 §4.3, DESIGN.md §3) at reduced
-# scale, keeping its ratios: 8 KiB blocks, 250 us of compute between
-# accesses, local memory about 1/3 of the data touched, each donor as large
-# as local memory, one disk per node at ~13 ms per random 8 KiB read serving
-# one request at a time (nbdkit delay + noparallel; the busy node's disk is
-# attached through nbdfuse, each donor's replica is served by its own
+# PGMS's application benchmark (PGMS §4.3, docs/DESIGN.md "3 Reference
+# workloads") at reduced scale, keeping its ratios: 8 KiB blocks, 250 us of
+# compute between accesses, local memory about 1/3 of the data touched, each
+# donor as large as local memory, one disk per node at ~13 ms per random 8 KiB
+# read serving one request at a time (nbdkit delay + noparallel; the busy node's
+# disk is attached through nbdfuse, each donor's replica is served by its own
 # nbdkit), 0 to 4 donors.
 #
 # For render, hotcold, random and reverse it times the job with no

@@ -29,6 +29,14 @@ if ! command -v cargo >/dev/null 2>&1; then
   echo "deps: no cargo on PATH; installing Debian's cargo"
   apt-get install -y -qq cargo rustc
 fi
+# The workspace's rust-version (Cargo.toml): an older toolchain would fail
+# later with less helpful errors.
+need=$(sed -n 's/^rust-version = "\(.*\)"/\1/p' "$(dirname "$0")/../Cargo.toml")
+have=$(rustc --version | awk '{print $2}')
+if [ "$(printf '%s\n%s\n' "$need" "$have" | sort -V | head -n1)" != "$need" ]; then
+  echo "deps: $(cargo --version) with rustc $have is older than Rust $need, the workspace's rust-version (Cargo.toml); install Rust $need or newer (rustup update stable)" >&2
+  exit 1
+fi
 # cargo fuzz (crates.io) for the short fuzz run in `make test`; it needs the
 # nightly toolchain, which rustup installs beside stable on our machines.
 if ! cargo fuzz --version >/dev/null 2>&1; then

@@ -1,4 +1,5 @@
-//! The reference workloads of DESIGN.md §3 as data sets plus hint files.
+//! The reference workloads of docs/DESIGN.md "3 Reference workloads" as data
+//! sets plus hint files.
 //!
 //! [`Workload::generate`] is pure: it returns the files to create (name,
 //! size, content seed) and the job's accesses in order. [`write_dataset`]

@@ -1,9 +1,9 @@
 //! Application hint files: the blocks a job promises to read, in order.
 //!
-//! A hint file (PGMS's "hinted reference stream", DESIGN.md §2.4) names the
-//! file blocks a job will read, in the order it will read them. prefetchd
-//! follows a job through this stream. Two encodings exist, both specified in
-//! `hints/FORMAT.md`:
+//! A hint file (PGMS's "hinted reference stream", docs/DESIGN.md "2.4
+//! Prefetching with hints") names the file blocks a job will read, in the order
+//! it will read them. prefetchd follows a job through this stream. Two
+//! encodings exist, both specified in `hints/FORMAT.md`:
 //!
 //! - **text**, written by people: a `netpager-hints 1` line, a few header
 //!   lines (`job`, `block-size`, `repeat`, `file`), a `records` line, then one
@@ -29,10 +29,11 @@
 //! Recordings of real runs ([`Recorder`]) become hint files, which
 //! [`merge`] combines and [`distinct`] reduces to first uses.
 //!
-//! Besides reading and writing ([`HintWriter`]) the crate computes
-//! statistics ([`Stats`]), detects hints made stale by changed files
+//! Besides reading and writing ([`HintWriter`]) the crate computes statistics
+//! ([`Stats`]), detects hints made stale by changed files
 //! ([`HintReader::check_against`]) and generates the reference workloads of
-//! DESIGN.md §3 with verifiable file contents ([`gen`], [`content`]).
+//! docs/DESIGN.md "3 Reference workloads" with verifiable file contents
+//! ([`gen`], [`content`]).
 
 #![warn(missing_docs)]
 

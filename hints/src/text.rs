@@ -109,40 +109,20 @@ pub(crate) fn quote(s: &str) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
-/// A byte count: decimal digits, optionally followed by `K`, `M`, `G` or
-/// `T` (powers of 1024, either case).
+/// A byte count in netpager's size syntax (`8192`, `8K`, `8KiB`; see
+/// `netpager_util::parse_size`), its errors naming the field.
 pub(crate) fn parse_size(field: &'static str, text: &str) -> Result<u64, ErrorKind> {
-    let (digits, multiplier): (&str, u64) = match text.as_bytes().last() {
-        Some(b'K' | b'k') => (&text[..text.len() - 1], 1 << 10),
-        Some(b'M' | b'm') => (&text[..text.len() - 1], 1 << 20),
-        Some(b'G' | b'g') => (&text[..text.len() - 1], 1 << 30),
-        Some(b'T' | b't') => (&text[..text.len() - 1], 1 << 40),
-        _ => (text, 1),
-    };
-    let all_digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-    if let Some(rest) = digits.strip_prefix('-') {
-        if all_digits(rest) {
-            return Err(ErrorKind::Negative {
-                field,
-                text: text.into(),
-            });
+    use netpager_util::SizeError;
+    netpager_util::parse_size(text).map_err(|e| {
+        let text = text.into();
+        match e {
+            SizeError::Negative(_) => ErrorKind::Negative { field, text },
+            SizeError::Overflow(_) => ErrorKind::Overflow { field, text },
+            SizeError::Invalid(_) | SizeError::Unit { .. } => {
+                ErrorKind::InvalidNumber { field, text }
+            }
         }
-    }
-    if !all_digits(digits) {
-        return Err(ErrorKind::InvalidNumber {
-            field,
-            text: text.into(),
-        });
-    }
-    let overflow = || ErrorKind::Overflow {
-        field,
-        text: text.into(),
-    };
-    digits
-        .parse::<u64>()
-        .map_err(|_| overflow())?
-        .checked_mul(multiplier)
-        .ok_or_else(overflow)
+    })
 }
 
 /// Modification time: `[-]SECONDS[.FRACTION]` (up to 9 fraction digits)
@@ -512,6 +492,7 @@ mod tests {
         assert_eq!(parse_size("f", "3m").unwrap(), 3 << 20);
         assert_eq!(parse_size("f", "2G").unwrap(), 2 << 30);
         assert_eq!(parse_size("f", "1T").unwrap(), 1 << 40);
+        assert_eq!(parse_size("f", "1TiB").unwrap(), 1 << 40);
         assert_eq!(parse_size("f", "18446744073709551615").unwrap(), u64::MAX);
         assert!(matches!(
             parse_size("f", "12x"),

@@ -1,5 +1,5 @@
-//! Each reference workload has the shape DESIGN.md §3 describes, and the
-//! generated data matches the content function.
+//! Each reference workload has the shape docs/DESIGN.md "3 Reference workloads"
+//! describes, and the generated data matches the content function.
 
 use std::collections::HashSet;
 use std::fs;

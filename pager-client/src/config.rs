@@ -10,6 +10,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use netpager_util::HostPort;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::nbd::{Endpoint, Timeouts};
@@ -32,30 +33,6 @@ impl fmt::Display for ByteSize {
     }
 }
 
-/// Parses `4096`, `64K`, `64KiB`, `1M`, `2G`, `1T` (binary multiples).
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(digits);
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a size (expected e.g. 4096, 64M, 1GiB)"))?;
-    let shift = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 0,
-        "k" | "kib" | "kb" => 10,
-        "m" | "mib" | "mb" => 20,
-        "g" | "gib" | "gb" => 30,
-        "t" | "tib" | "tb" => 40,
-        _ => {
-            return Err(format!(
-                "{s:?} has an unknown size suffix {unit:?} (use K, M, G or T)"
-            ))
-        }
-    };
-    n.checked_mul(1u64 << shift)
-        .ok_or_else(|| format!("{s:?} is too large"))
-}
-
 impl Serialize for ByteSize {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_u64(self.0)
@@ -72,7 +49,7 @@ impl<'de> Deserialize<'de> for ByteSize {
         }
         match Raw::deserialize(d)? {
             Raw::Int(n) => Ok(ByteSize(n)),
-            Raw::Text(s) => parse_size(&s)
+            Raw::Text(s) => netpager_util::parse_size(&s)
                 .map(ByteSize)
                 .map_err(serde::de::Error::custom),
         }
@@ -368,16 +345,6 @@ pub enum ConfigError {
     Encode(String),
 }
 
-/// Splits `host:port` (`[v6]:port` too).
-pub fn split_host_port(addr: &str) -> Option<(String, u16)> {
-    let (host, port) = addr.rsplit_once(':')?;
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    if host.is_empty() {
-        return None;
-    }
-    Some((host.to_string(), port.parse().ok()?))
-}
-
 impl DeviceConfig {
     /// A configuration with defaults for everything but these and no donors.
     pub fn new(client_id: impl Into<String>, size: u64, mode: Mode) -> Self {
@@ -568,8 +535,8 @@ impl DeviceConfig {
             if self.donors[..i].iter().any(|o| o.name == d.name) {
                 return bad(&f("name"), format!("{:?} is used by two donors", d.name));
             }
-            if split_host_port(&d.address).is_none() {
-                return bad(&f("address"), format!("{:?} is not host:port", d.address));
+            if let Err(e) = HostPort::parse(&d.address) {
+                return bad(&f("address"), e.to_string());
             }
             if self.donors[..i]
                 .iter()
@@ -581,8 +548,8 @@ impl DeviceConfig {
                 );
             }
             if let Some(s) = &d.status {
-                if split_host_port(s).is_none() {
-                    return bad(&f("status"), format!("{s:?} is not host:port"));
+                if let Err(e) = HostPort::parse(s) {
+                    return bad(&f("status"), e.to_string());
                 }
             }
             if let Some(p) = d.tls_psk_file.as_deref().filter(|p| relative(p)) {
@@ -643,7 +610,10 @@ impl DeviceConfig {
 
     /// Where and how to connect to donor `d`.
     pub fn endpoint(&self, d: &DonorConfig) -> Endpoint {
-        let (host, port) = split_host_port(&d.address).unwrap_or_else(|| (d.address.clone(), 0));
+        let HostPort { host, port } = HostPort::parse(&d.address).unwrap_or_else(|_| HostPort {
+            host: d.address.clone(),
+            port: 0,
+        });
         Endpoint {
             host,
             port,
@@ -761,7 +731,7 @@ address = "127.0.0.2:10809"
 
         std::fs::write(&p, "client_id = \"x\"\nsize = \"12Q\"\n").unwrap();
         let e = DeviceConfig::load(&p).unwrap_err().to_string();
-        assert!(e.contains("device.toml") && e.contains("suffix"), "{e}");
+        assert!(e.contains("device.toml") && e.contains("\"12Q\""), "{e}");
     }
 
     #[test]
@@ -812,10 +782,14 @@ address = "127.0.0.2:10809"
     }
 
     #[test]
-    fn sizes_parse() {
-        assert_eq!(parse_size("4096").unwrap(), 4096);
-        assert_eq!(parse_size("64K").unwrap(), 64 << 10);
-        assert_eq!(parse_size("1GiB").unwrap(), 1 << 30);
-        assert!(parse_size("x").is_err());
+    fn sizes_in_toml() {
+        #[derive(Deserialize)]
+        struct T {
+            s: ByteSize,
+        }
+        let t: T = toml::from_str("s = \"1GiB\"").unwrap();
+        assert_eq!(t.s, ByteSize(1 << 30));
+        let e = toml::from_str::<T>("s = \"1Q\"").err().unwrap().to_string();
+        assert!(e.contains("\"1Q\""), "{e}");
     }
 }

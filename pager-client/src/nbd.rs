@@ -7,6 +7,7 @@
 //! the request timeout gets [`NbdError::Timeout`] and its connection is
 //! dropped, so a hung donor can never wedge a caller.
 
+#[allow(unsafe_code)]
 mod ffi;
 
 use std::path::PathBuf;

@@ -1,7 +1,7 @@
-//! The parity log's page table (DESIGN.md §2.2, parity logging): which
-//! device pages live in the log instead of at home in their parity group,
-//! and where. Pure bookkeeping; the device does the I/O and the extent map
-//! journals every change.
+//! The parity log's page table (docs/DESIGN.md "2.2 Keeping remote pages safe",
+//! parity logging): which device pages live in the log instead of at home in
+//! their parity group, and where. Pure bookkeeping; the device does the I/O and
+//! the extent map journals every change.
 //!
 //! The log is a run of log units after the home groups. A log unit is laid
 //! out like a parity group (`cols` data members plus one parity member, on

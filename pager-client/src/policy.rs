@@ -1,5 +1,6 @@
 //! Donor selection by weighted age and load: the load-balanced global
-//! replacement of seed 000 §3.6 (DESIGN.md §2.1).
+//! replacement of Voelker's thesis §3.6 (docs/DESIGN.md "2.1 Choosing a
+//! donor").
 //!
 //! Each epoch a client turns what donors report into selection frequencies
 //! with [`frequencies`], then a [`Selector`] spreads its page placements over
@@ -11,11 +12,11 @@
 //! - age weight `a_i = age_x(i) / Σ age_x(j)` (see [`DonorView::age_x_ms`]
 //!   for donors with free pages and for the all-zero case);
 //! - frequency `f_i = b·w_i + (1−b)·a_i`, b the load-balancing rate;
-//! - upper bound `f_i ≤ bound_i` (see [`Frequencies::bound`] for the
-//!   derivation and units). When bounds bind, the donors over their bound are
-//!   capped there, w and a are renormalised over the donors not capped, the
-//!   frequency still unassigned is shared among those by the same rule, and
-//!   this repeats until no new bound binds (seed 000 §3.6.1, last paragraph).
+//! - upper bound `f_i ≤ bound_i` (see [`Frequencies::bound`] for the derivation
+//!   and units). When bounds bind, the donors over their bound are capped
+//!   there, w and a are renormalised over the donors not capped, the frequency
+//!   still unassigned is shared among those by the same rule, and this repeats
+//!   until no new bound binds (Voelker's thesis §3.6.1, last paragraph).
 
 use thiserror::Error;
 
@@ -35,12 +36,12 @@ use thiserror::Error;
 /// | 0.9  | 4.1% / 1.24   | 4.2% / 1.71   | 1.3% / 1.15   | 1.3% / 1.35   |
 /// | 1    | 2.6% / 1.25   | 2.8% / 1.75   | 1.5% / 1.15   | 1.5% / 1.35   |
 ///
-/// 0.9 is the smallest b whose slowdown stays within 5% of b = 1's and
-/// whose age deviation stays below 5% (seed 000 §3.4.3: 30% costs ~9% more
-/// disk faults) in all four. Lower b sends everyone to a newly idle donor
-/// (peak skew 7.6 at b = 0), and the age estimate `age_x/Σ age_x` settles
-/// at ages ∝ √G on donors of unequal size; on such clusters b = 1 is
-/// better. `docs/choosing-b.md` has the full tables and reasoning.
+/// 0.9 is the smallest b whose slowdown stays within 5% of b = 1's and whose
+/// age deviation stays below 5% (Voelker's thesis §3.4.3: 30% costs ~9% more
+/// disk faults) in all four. Lower b sends everyone to a newly idle donor (peak
+/// skew 7.6 at b = 0), and the age estimate `age_x/Σ age_x` settles at ages ∝
+/// √G on donors of unequal size; on such clusters b = 1 is better.
+/// `docs/choosing-b.md` has the full tables and reasoning.
 pub const DEFAULT_B: f64 = 0.9;
 
 /// The `age_x_ms` a donor with at least x free pages should be given.
@@ -91,7 +92,7 @@ pub struct PolicyParams {
     pub interarrival_s: f64,
     /// N_g, the number of clients sharing the donors, this one included.
     pub n_clients: u32,
-    /// Add unused capacity U_e,i to the bounds (seed 000 §3.6.2).
+    /// Add unused capacity U_e,i to the bounds (Voelker's thesis §3.6.2).
     pub borrowing: bool,
 }
 
@@ -116,8 +117,9 @@ pub struct Frequencies {
     /// Borrowing (§3.6.2) raises the rate bound by the donor's unused
     /// capacity shared with the other N_g − 1 clients. The paper writes
     /// that term as `U_e,i / (N_g − 1)`, a utilisation; as a rate it is
-    /// `U_e,i / ((N_g − 1)·S)` (DESIGN.md §2.1), and as a frequency, after
-    /// the same multiplication by T_j, `T_j·U_e,i / ((N_g − 1)·S)`. So
+    /// `U_e,i / ((N_g − 1)·S)` (docs/DESIGN.md "2.1 Choosing a donor"), and
+    /// as a frequency, after the same multiplication by T_j,
+    /// `T_j·U_e,i / ((N_g − 1)·S)`. So
     ///
     /// `bound_i = T_j/S · (U*_i/N_g + U_e,i/(N_g − 1))`,
     ///

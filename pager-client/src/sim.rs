@@ -1,6 +1,6 @@
-//! A deterministic simulation of donor selection, to choose the
-//! load-balancing rate b (DESIGN.md §2.1) and to compare the weighted rule
-//! with the simpler placements other systems use.
+//! A deterministic simulation of donor selection, to choose the load-balancing
+//! rate b (docs/DESIGN.md "2.1 Choosing a donor") and to compare the weighted
+//! rule with the simpler placements other systems use.
 //!
 //! The model, per run (one row of the report):
 //!
@@ -23,7 +23,7 @@
 //! - At `idle_epoch` donor 0's owner leaves: the donor turns idle, its G
 //!   jumps to its whole capacity, half of the new pages are free and half
 //!   are the owner's pages, last used long ago and now the oldest in the
-//!   cluster (seed 000 §3.4.1: new idle memory concentrates requests).
+//!   cluster (Voelker's thesis §3.4.1: new idle memory concentrates requests).
 //!
 //! Measured per run:
 //!
@@ -71,7 +71,7 @@ pub struct SimConfig {
     pub epoch_s: f64,
     /// x of "age of the x-th oldest page".
     pub age_x: u64,
-    /// Borrowing unused capacity (seed 000 §3.6.2).
+    /// Borrowing unused capacity (Voelker's thesis §3.6.2).
     pub borrowing: bool,
     /// Epoch at whose start donor 0 turns idle; none if ≥ `epochs`.
     pub idle_epoch: u32,

@@ -6,6 +6,7 @@ use std::fmt::Write as _;
 use std::io::Write as _;
 use std::path::Path;
 
+use netpager_util::format_size;
 use serde::{Deserialize, Serialize};
 
 /// File name inside the state directory.
@@ -151,22 +152,6 @@ impl ClientStatus {
     }
 }
 
-/// Bytes in binary units, one decimal (tables of pagerctl and the device).
-pub fn human(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = bytes as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{bytes} B")
-    } else {
-        format!("{v:.1} {}", UNITS[u])
-    }
-}
-
 fn progress(p: &Progress) -> String {
     let mut s = if p.total == 0 && !p.active {
         "idle".to_string()
@@ -194,9 +179,9 @@ pub fn render_table(s: &ClientStatus) -> String {
         format!(
             "device {}: {} in {} extents of {}, mode {mode}, b = {}",
             s.client_id,
-            human(s.size_bytes),
+            format_size(s.size_bytes),
             s.size_bytes.div_ceil(s.extent_bytes.max(1)),
-            human(s.extent_bytes),
+            format_size(s.extent_bytes),
             s.b
         ),
     );
@@ -231,9 +216,9 @@ pub fn render_table(s: &ClientStatus) -> String {
             &mut out,
             format!(
                 "parity log: {} live in {} of units placed, {} room",
-                human(t.parity_log_live_bytes),
-                human(t.parity_log_used_bytes),
-                human(t.parity_log_bytes)
+                format_size(t.parity_log_live_bytes),
+                format_size(t.parity_log_used_bytes),
+                format_size(t.parity_log_bytes)
             ),
         );
     }
@@ -242,8 +227,8 @@ pub fn render_table(s: &ClientStatus) -> String {
             &mut out,
             format!(
                 "fallback {p}: {} of {} used",
-                human(t.fallback_used_bytes),
-                human(t.fallback_size_bytes)
+                format_size(t.fallback_used_bytes),
+                format_size(t.fallback_size_bytes)
             ),
         );
     }
@@ -258,7 +243,7 @@ pub fn render_table(s: &ClientStatus) -> String {
             &mut out,
             format!(
                 "write-through queue: {}",
-                human(t.writethrough_queued_bytes)
+                format_size(t.writethrough_queued_bytes)
             ),
         );
     }
@@ -297,7 +282,7 @@ pub fn render_table(s: &ClientStatus) -> String {
             d.name.clone(),
             d.address.clone(),
             state,
-            human(d.used_bytes),
+            format_size(d.used_bytes),
             d.extents_held.to_string(),
             d.slots_free.to_string(),
             format!("{:.3}", d.target_weight),
@@ -378,6 +363,6 @@ mod tests {
         assert!(t.contains("FAILED (unreachable)"), "{t}");
         assert!(t.contains("LOST extents: 3, 9"), "{t}");
         assert!(t.contains("d2: read timed out"), "{t}");
-        assert!(t.contains("64.0 MiB in 64 extents"), "{t}");
+        assert!(t.contains("64 MiB in 64 extents"), "{t}");
     }
 }

@@ -7,13 +7,13 @@ mod common;
 use std::time::Duration;
 
 use common::Nbdkit;
-use pager_client::config::split_host_port;
+use netpager_util::HostPort;
 use pager_client::nbd::{self, Connection, Endpoint, NbdError, Op, Pool, Timeouts};
 
 const T: Duration = Duration::from_secs(2);
 
 fn endpoint(addr: &str, export: &str) -> Endpoint {
-    let (host, port) = split_host_port(addr).unwrap();
+    let HostPort { host, port } = HostPort::parse(addr).unwrap();
     Endpoint {
         host,
         port,

@@ -131,7 +131,8 @@ impl Config {
             "reserve" => self.reserve = parse_amount(key, value)?,
             "mlock" => self.mlock = parse_bool(value).map_err(|why| bad(key, value, why))?,
             "status" => {
-                check_host_port(value).map_err(|why| bad(key, value, why))?;
+                netpager_util::HostPort::parse(value)
+                    .map_err(|e| bad(key, value, e.to_string()))?;
                 self.status = Some(value.to_string());
             }
             "node-id" => {
@@ -190,39 +191,22 @@ fn file_path(key: &str, value: &str) -> Result<PathBuf, ConfigError> {
     Ok(PathBuf::from(value))
 }
 
-/// Parses a size the way nbdkit does (`nbdkit_parse_size`): a decimal
-/// number optionally followed by one suffix letter, `b` (bytes), `s`
-/// (512-byte sectors) or `K M G T P E` (powers of 1024), in either case.
+/// Parses a size the way nbdkit does (`nbdkit_parse_size`): netpager's
+/// size syntax, plus `s` for 512-byte sectors, and at most 2^63-1 bytes.
 pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim_start();
-    let digits_end = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    if t.starts_with('-') {
-        return Err("size cannot be negative".into());
-    }
-    if digits_end == 0 {
-        return Err("expected a number, optionally followed by b, s, K, M, G, T, P or E".into());
-    }
-    let n: u64 = t[..digits_end]
-        .parse()
-        .map_err(|_| "number too large".to_string())?;
-    let scale: u64 = match &t[digits_end..] {
-        "" | "b" | "B" => 1,
-        "s" | "S" => 512,
-        "k" | "K" => 1 << 10,
-        "m" | "M" => 1 << 20,
-        "g" | "G" => 1 << 30,
-        "t" | "T" => 1 << 40,
-        "p" | "P" => 1 << 50,
-        "e" | "E" => 1 << 60,
-        other => {
-            return Err(format!(
-                "unknown size suffix {other:?} (use b, s, K, M, G, T, P or E)"
-            ))
-        }
+    let sectors = s
+        .trim()
+        .strip_suffix(['s', 'S'])
+        .filter(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+    let bytes = match sectors {
+        Some(n) => netpager_util::parse_size(n)
+            .map_err(|e| e.to_string())?
+            .checked_mul(512),
+        None => Some(netpager_util::parse_size(s).map_err(|e| e.to_string())?),
     };
-    n.checked_mul(scale)
+    bytes
         .filter(|v| *v <= i64::MAX as u64)
-        .ok_or_else(|| "size overflows 2^63-1 bytes".to_string())
+        .ok_or_else(|| format!("size {s:?} overflows 2^63-1 bytes"))
 }
 
 fn check_export_size(size: u64) -> Result<u64, String> {
@@ -276,17 +260,6 @@ pub fn parse_bool(s: &str) -> Result<bool, String> {
         "0" | "false" | "f" | "no" | "n" | "off" => Ok(false),
         _ => Err("expected true/false, yes/no, on/off or 1/0".into()),
     }
-}
-
-/// `ADDR:PORT` with a numeric port; `ADDR` may be `[v6]`, v4 or a host name.
-fn check_host_port(s: &str) -> Result<(), String> {
-    let (host, port) = s.rsplit_once(':').ok_or("expected ADDR:PORT")?;
-    if host.is_empty() || host == "[]" {
-        return Err("missing address before ':'".into());
-    }
-    port.parse::<u16>()
-        .map_err(|_| format!("port {port:?} is not a number from 0 to 65535"))?;
-    Ok(())
 }
 
 fn check_node_id(s: &str) -> Result<(), String> {
@@ -367,10 +340,14 @@ mod tests {
         assert_eq!(parse_size("1G"), Ok(1 << 30));
         assert_eq!(parse_size("2s"), Ok(1024));
         assert_eq!(parse_size("7b"), Ok(7));
-        assert_eq!(parse_size("8E"), Err("size overflows 2^63-1 bytes".into()));
+        assert_eq!(
+            parse_size("8E"),
+            Err("size \"8E\" overflows 2^63-1 bytes".into())
+        );
+        assert_eq!(parse_size("1MiB"), Ok(1 << 20));
         assert!(parse_size("").is_err());
         assert!(parse_size("-1").unwrap_err().contains("negative"));
-        assert!(parse_size("1MiB").unwrap_err().contains("\"MiB\""));
+        assert!(parse_size("1x").unwrap_err().contains("\"x\""));
         assert!(parse_size("G").is_err());
     }
 
@@ -421,14 +398,14 @@ mod tests {
         let mut c = Config::default();
         let cases = [
             ("size", "0", "at least 1 byte"),
-            ("size", "12X", "unknown size suffix"),
+            ("size", "12X", "unknown unit"),
             ("budget", "150%", "at most 100"),
             ("budget", "x%", "N% with N a number"),
             ("reserve", "-5M", "negative"),
             ("mlock", "maybe", "true/false"),
-            ("status", "10900", "ADDR:PORT"),
+            ("status", "10900", "HOST:PORT"),
             ("status", "127.0.0.1:http", "not a number"),
-            ("status", ":80", "missing address"),
+            ("status", ":80", "no host"),
             ("node-id", "a b", "spaces"),
             ("age-x", "0", "between 1"),
             ("u-star", "1.5", "between 0 and 1"),

@@ -10,10 +10,11 @@ use std::time::{Duration, Instant};
 
 use netpager_proto::v1::{reply, request, Reply, Request};
 use netpager_proto::{DonorState, DonorStatus, ExportUsage};
+use netpager_util::format_size;
 
 use crate::config::{whole_pages, Config};
 use crate::memwatch::MemInfo;
-use crate::state::{human, Assessment, Observation, Policy, StateMachine, UtilWindow};
+use crate::state::{Assessment, Observation, Policy, StateMachine, UtilWindow};
 use crate::store::{Pool, StoreError, PAGE_SIZE, TICK_MS};
 
 /// Exports one donor serves at most (each costs its shard table).
@@ -336,9 +337,9 @@ pub fn describe(s: &Settings) -> String {
     format!(
         "node {}: budget {}, reserve {}, default export size {}, mlock {}, status {}",
         s.node_id,
-        human(s.budget_bytes),
-        human(s.reserve_bytes),
-        human(s.default_size),
+        format_size(s.budget_bytes),
+        format_size(s.reserve_bytes),
+        format_size(s.default_size),
         s.mlock,
         s.status.as_deref().unwrap_or("off")
     )

@@ -17,6 +17,7 @@ pub mod slab;
 pub mod state;
 pub mod status;
 pub mod store;
+#[allow(unsafe_code)]
 pub mod sys;
 
 use std::net::TcpListener;
@@ -32,7 +33,8 @@ use config::Config;
 use donor::{describe, Donor, Logger, Op, Settings};
 use memwatch::{has_cap_ipc_lock, read_loadavg, read_meminfo};
 use netpager_proto::auth::load_export_secret;
-use state::{human, Observation};
+use netpager_util::format_size;
+use state::Observation;
 use store::{Export, StoreError};
 
 static CONFIG: Mutex<Option<Config>> = Mutex::new(None);
@@ -142,8 +144,8 @@ fn check_mlock(s: &Settings) -> Result<()> {
         Some(l) => Err(einval(format!(
             "mlock=true: RLIMIT_MEMLOCK is {} and the process lacks CAP_IPC_LOCK; locking a budget of {} \
              needs CAP_IPC_LOCK or an unlimited RLIMIT_MEMLOCK (ulimit -l unlimited), or set mlock=false",
-            human(l),
-            human(s.budget_bytes),
+            format_size(l),
+            format_size(s.budget_bytes),
         ))),
         None => Ok(()),
     }

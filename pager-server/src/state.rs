@@ -5,6 +5,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use netpager_proto::DonorState;
+use netpager_util::format_size;
 
 use crate::memwatch::MemInfo;
 
@@ -38,22 +39,6 @@ pub struct Assessment {
     pub reason: String,
 }
 
-/// Bytes as a short human figure ("180 MiB", "1.5 GiB").
-pub fn human(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["bytes", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = bytes as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 || v >= 100.0 || v.fract() == 0.0 {
-        format!("{v:.0} {}", UNITS[u])
-    } else {
-        format!("{v:.1} {}", UNITS[u])
-    }
-}
-
 /// Draining starts when MemAvailable < reserve or on an admin drain
 /// request; a memory drain ends once MemAvailable >= reserve +
 /// hysteresis, an admin drain only when lifted. Otherwise the node is busy
@@ -80,15 +65,15 @@ impl StateMachine {
         let mem_reason = if avail < policy.reserve {
             format!(
                 "MemAvailable {} below reserve {}",
-                human(avail),
-                human(policy.reserve)
+                format_size(avail),
+                format_size(policy.reserve)
             )
         } else {
             format!(
                 "MemAvailable {} not yet back above reserve {} + {} hysteresis",
-                human(avail),
-                human(policy.reserve),
-                human(policy.hysteresis())
+                format_size(avail),
+                format_size(policy.reserve),
+                format_size(policy.hysteresis())
             )
         };
         if self.admin_drain {
@@ -123,8 +108,8 @@ impl StateMachine {
                 reason: format!(
                     "{load}, within busy-load {:.2}; MemAvailable {} above reserve {}",
                     policy.busy_load,
-                    human(avail),
-                    human(policy.reserve)
+                    format_size(avail),
+                    format_size(policy.reserve)
                 ),
             }
         }
@@ -267,13 +252,6 @@ mod tests {
             "memory drain outlives the admin one"
         );
         assert_eq!(m.assess(&p, &obs(900, 0.0)).state, DonorState::Idle);
-    }
-
-    #[test]
-    fn human_sizes() {
-        assert_eq!(human(512), "512 bytes");
-        assert_eq!(human(180 * MIB), "180 MiB");
-        assert_eq!(human(1536 * MIB), "1.5 GiB");
     }
 
     #[test]

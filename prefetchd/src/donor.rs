@@ -29,6 +29,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use netpager_util::HostPort;
 use pager_client::nbd::{Connection, Endpoint, NbdError};
 
 use crate::disk::{Disk, Urgency};
@@ -44,17 +45,10 @@ pub struct DonorArg {
 
 fn parse_endpoint(s: &str, psk: &Option<PathBuf>, user: &Option<String>) -> Result<Endpoint> {
     let (addr, export) = s.split_once('/').unwrap_or((s, ""));
-    let (host, port) = addr
-        .rsplit_once(':')
+    let HostPort { host, port } = HostPort::parse(addr)
         .with_context(|| format!("donor address {s:?}: expected HOST:PORT[/EXPORT]"))?;
-    let port: u16 = port
-        .parse()
-        .with_context(|| format!("donor address {s:?}: bad port {port:?}"))?;
-    if host.is_empty() {
-        bail!("donor address {s:?}: empty host");
-    }
     Ok(Endpoint {
-        host: host.to_owned(),
+        host,
         port,
         export: export.to_owned(),
         tls_psk_file: psk.clone(),
@@ -465,5 +459,13 @@ mod tests {
         assert!("127.0.0.1".parse::<DonorArg>().is_err());
         assert!("127.0.0.1:1,color=red".parse::<DonorArg>().is_err());
         assert!("127.0.0.1:x".parse::<DonorArg>().is_err());
+    }
+
+    #[test]
+    fn ipv6_donors_lose_their_brackets() {
+        let d: DonorArg = "[::1]:10809/mem".parse().unwrap();
+        assert_eq!((d.memory.host.as_str(), d.memory.port), ("::1", 10809));
+        let e = format!("{:#}", "::1:10809".parse::<DonorArg>().unwrap_err());
+        assert!(e.contains("brackets"), "{e}");
     }
 }

@@ -1,4 +1,5 @@
-//! prefetchd: the cooperative prefetch daemon (DESIGN.md §2.4).
+//! prefetchd: the cooperative prefetch daemon (docs/DESIGN.md "2.4 Prefetching
+//! with hints").
 //!
 //! [`plan`] is the pure policy (hint cursors, timing, Forestall, values,
 //! replacement, disk-to-global). The rest is the daemon around it:
@@ -16,5 +17,6 @@ pub mod files;
 pub mod fs;
 pub mod plan;
 pub mod source;
+#[allow(unsafe_code)]
 pub mod sys;
 pub mod table;

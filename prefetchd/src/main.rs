@@ -82,7 +82,7 @@ struct ServeArgs {
     #[arg(long)]
     mount: PathBuf,
     /// Local cache size (K, M, G suffixes).
-    #[arg(long, default_value = "64M", value_parser = table::parse_size)]
+    #[arg(long, default_value = "64M", value_parser = netpager_util::parse_size)]
     local_cache: u64,
     /// Block size in bytes (a power of two).
     #[arg(long, default_value_t = 8192)]
@@ -114,13 +114,13 @@ struct ServeArgs {
     disk_depth: u32,
     /// Largest local disk request coalescing a job's hinted blocks
     /// (K, M suffixes; one block: no coalescing).
-    #[arg(long, default_value = "256K", value_parser = table::parse_size)]
+    #[arg(long, default_value = "256K", value_parser = netpager_util::parse_size)]
     coalesce: u64,
     /// Largest hole of unhinted blocks read inside a coalesced request.
-    #[arg(long, default_value = "32K", value_parser = table::parse_size)]
+    #[arg(long, default_value = "32K", value_parser = netpager_util::parse_size)]
     coalesce_gap: u64,
     /// Largest sequential readahead of readers without hints (0: none).
-    #[arg(long, default_value = "128K", value_parser = table::parse_size)]
+    #[arg(long, default_value = "128K", value_parser = netpager_util::parse_size)]
     readahead: u64,
     /// Do not lock memory (mlockall).
     #[arg(long)]

@@ -1,25 +1,6 @@
-//! `prefetchd status` as a table, and size arguments.
+//! `prefetchd status` as a table.
 
 use serde_json::Value;
-
-/// Parses `8192`, `64K`, `32M`, `1G` (also `KiB`, `MiB`, `GiB`; powers of 1024).
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(digits);
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("size {s:?}: expected a number with an optional K/M/G suffix"))?;
-    let mult: u64 = match unit.trim().to_ascii_uppercase().as_str() {
-        "" | "B" => 1,
-        "K" | "KB" | "KIB" => 1 << 10,
-        "M" | "MB" | "MIB" => 1 << 20,
-        "G" | "GB" | "GIB" => 1 << 30,
-        _ => return Err(format!("size {s:?}: unknown unit {unit:?} (K, M, G)")),
-    };
-    n.checked_mul(mult)
-        .ok_or_else(|| format!("size {s:?} is too large"))
-}
 
 fn triple(v: &Value) -> String {
     format!("{}/{}/{}", v["issued"], v["used"], v["wasted"])
@@ -130,16 +111,6 @@ pub fn status_table(st: &Value) -> String {
 mod tests {
     use super::*;
     use serde_json::json;
-
-    #[test]
-    fn sizes() {
-        assert_eq!(parse_size("8192"), Ok(8192));
-        assert_eq!(parse_size("64K"), Ok(65536));
-        assert_eq!(parse_size("32MiB"), Ok(32 << 20));
-        assert_eq!(parse_size("1g"), Ok(1 << 30));
-        assert!(parse_size("12X").is_err());
-        assert!(parse_size("M").is_err());
-    }
 
     #[test]
     fn table_shows_each_job_and_level() {

@@ -13,6 +13,7 @@
 pub mod abi;
 pub mod classic;
 pub mod session;
+#[allow(unsafe_code)]
 mod sys;
 pub mod uring;
 

@@ -2,6 +2,9 @@
 //! read and written through the kernel with O_DIRECT and through a loop
 //! device, and the fallback when io_uring is switched off.
 
+// Punching a hole (fallocate) has no safe std wrapper.
+#![allow(unsafe_code)]
+
 use std::fs::OpenOptions;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;

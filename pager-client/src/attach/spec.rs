@@ -9,6 +9,8 @@
 //! `HOST:PORT/EXPORT` with an export). The name must stay the same across
 //! re-attaches: placements are recorded by name.
 
+use netpager_util::HostPort;
+
 use super::AttachError;
 
 /// One `--donor` argument.
@@ -39,13 +41,13 @@ impl std::str::FromStr for DonorSpec {
             Some((a, e)) => (a, Some(e.to_string())),
             None => (head, None),
         };
-        check_host_port(addr).map_err(|r| bad(&format!("NBD address: {r}")))?;
+        HostPort::parse(addr).map_err(|r| bad(&format!("NBD address: {r}")))?;
         let mut status = None;
         let mut name = None;
         for opt in parts {
             match opt.split_once('=') {
                 Some(("status", v)) => {
-                    check_host_port(v).map_err(|r| bad(&format!("status address: {r}")))?;
+                    HostPort::parse(v).map_err(|r| bad(&format!("status address: {r}")))?;
                     if status.replace(v.to_string()).is_some() {
                         return Err(bad("status= given twice"));
                     }
@@ -72,23 +74,6 @@ impl std::str::FromStr for DonorSpec {
             status,
             name,
         })
-    }
-}
-
-/// Checks `HOST:PORT` (`[V6]:PORT` for IPv6 literals).
-fn check_host_port(s: &str) -> Result<(), String> {
-    let (host, port) = s
-        .rsplit_once(':')
-        .ok_or_else(|| format!("{s:?} has no :PORT"))?;
-    if host.is_empty() {
-        return Err(format!("{s:?} has no host"));
-    }
-    if host.contains(':') && !(host.starts_with('[') && host.ends_with(']')) {
-        return Err(format!("{s:?}: write IPv6 hosts in brackets, [ADDR]:PORT"));
-    }
-    match port.parse::<u16>() {
-        Ok(p) if p > 0 => Ok(()),
-        _ => Err(format!("{s:?}: port {port:?} is not a number in 1..65535")),
     }
 }
 

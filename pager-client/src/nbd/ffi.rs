@@ -239,9 +239,8 @@ impl Handle {
             (Err(e), _) | (_, Err(e)) => return Outcome::Failed(e),
         };
         // SAFETY: valid handle; libnbd copies both strings.
-        if let Err(e) =
-            check(unsafe { nbd_aio_connect_tcp(self.ptr(), host.as_ptr(), port.as_ptr()) })
-        {
+        let rc = unsafe { nbd_aio_connect_tcp(self.ptr(), host.as_ptr(), port.as_ptr()) };
+        if let Err(e) = check(rc) {
             return Outcome::Failed(e);
         }
         loop {

@@ -1,6 +1,6 @@
 //! `prefetch-job`: a self-verifying job that reads what a hint file says,
 //! in order, with a fixed compute time between reads (PGMS's synthetic
-//! benchmarks, seed 004 §4.3). It checks every byte against the data set's
+//! benchmarks, PGMS §4.3). It checks every byte against the data set's
 //! content function (`--manifest`) and/or a reference copy
 //! (`--reference`), and prints a JSON summary.
 //!

@@ -1,4 +1,5 @@
-//! The planner: PGMS's hybrid policy over three levels (DESIGN.md §2.4).
+//! The planner: PGMS's hybrid policy over three levels (docs/DESIGN.md "2.4
+//! Prefetching with hints").
 //!
 //! The [`Engine`] owns the *metadata* of local memory (which block is in
 //! which cache buffer) and of global memory (which block is in which donor

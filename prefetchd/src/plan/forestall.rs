@@ -1,4 +1,4 @@
-//! Forestall's local prefetch predicate, adapted to three levels (seed 004
+//! Forestall's local prefetch predicate, adapted to three levels (PGMS
 //! §2.2 "Computing the local prefetch predicate").
 //!
 //! With b[1..] the job's next *missing* blocks (not resident locally and not

@@ -1,5 +1,6 @@
 //! The pure planning library: PGMS's hybrid prefetching and caching policy
-//! (DESIGN.md §2.4, seed 004 §2-3) with no I/O and no clock of its own.
+//! (docs/DESIGN.md "2.4 Prefetching with hints", PGMS §2-3) with no I/O and no
+//! clock of its own.
 //!
 //! - [`cursor`]: follows one job through its hinted reference stream.
 //! - [`timing`]: time per reference and the fetch costs F_L, F_G, F_D.

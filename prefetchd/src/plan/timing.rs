@@ -1,7 +1,7 @@
 //! Timing estimates: a job's time per reference and the fetch costs.
 //!
 //! PGMS estimates the time until a hinted block is used as its distance in
-//! the hint stream times the job's recent inter-reference time (seed 004
+//! the hint stream times the job's recent inter-reference time (PGMS
 //! §3.3). Here the inter-reference time is the job's *compute* time between
 //! reads (end of one read to start of the next, divided over the blocks of
 //! the next read), so stalls do not inflate it, plus F_L, the cost of

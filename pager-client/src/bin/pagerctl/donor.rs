@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use netpager_proto::{DonorStatus, StatusClient};
 
-use pager_client::status::human;
+use netpager_util::format_size;
 
 /// A donor's status as a two-column table, then its exports.
 pub fn render(addr: &str, s: &DonorStatus) -> String {
@@ -20,12 +20,12 @@ pub fn render(addr: &str, s: &DonorStatus) -> String {
         ("donor", addr.to_string()),
         ("node", s.node_id.clone()),
         ("state", state),
-        ("budget", human(s.budget_bytes)),
-        ("used", human(s.used_bytes)),
-        ("free", human(s.free_bytes)),
-        ("reserve", human(s.reserve_bytes)),
-        ("MemAvailable", human(s.mem_available_bytes)),
-        ("page size", human(s.page_size)),
+        ("budget", format_size(s.budget_bytes)),
+        ("used", format_size(s.used_bytes)),
+        ("free", format_size(s.free_bytes)),
+        ("reserve", format_size(s.reserve_bytes)),
+        ("MemAvailable", format_size(s.mem_available_bytes)),
+        ("page size", format_size(s.page_size)),
         (
             "age of x-th oldest page",
             format!("x={}: {} ms", s.age_x, s.age_x_ms),
@@ -41,7 +41,11 @@ pub fn render(addr: &str, s: &DonorStatus) -> String {
         ("reads / writes", format!("{} / {}", s.reads, s.writes)),
         (
             "bytes read / written",
-            format!("{} / {}", human(s.bytes_read), human(s.bytes_written)),
+            format!(
+                "{} / {}",
+                format_size(s.bytes_read),
+                format_size(s.bytes_written)
+            ),
         ),
         ("trims / zeroes", format!("{} / {}", s.trims, s.zeroes)),
         ("ENOSPC refusals", s.enospc.to_string()),
@@ -63,8 +67,8 @@ pub fn render(addr: &str, s: &DonorStatus) -> String {
             out.push(format!(
                 "{:<nw$}  {:>12}  {:>12}",
                 e.name,
-                human(e.size_bytes),
-                human(e.used_bytes)
+                format_size(e.size_bytes),
+                format_size(e.used_bytes)
             ));
         }
     }
@@ -113,8 +117,8 @@ pub fn drain_progress(addr: &str, initial_used: u64, used: u64) -> String {
     };
     format!(
         "draining {addr}: {} still held, {} moved away ({pct:.0}%)",
-        human(used),
-        human(moved)
+        format_size(used),
+        format_size(moved)
     )
 }
 
@@ -138,7 +142,7 @@ pub fn drain(
         "donor {addr} ({}) is now {}, holding {}",
         s.node_id,
         s.state().word(),
-        human(s.used_bytes)
+        format_size(s.used_bytes)
     );
     if !wait {
         return Ok(());
@@ -152,7 +156,7 @@ pub fn drain(
         if start.elapsed() > wait_limit {
             bail!(
                 "donor {addr} still holds {} after waiting {wait_limit:?}",
-                human(used)
+                format_size(used)
             );
         }
         std::thread::sleep(Duration::from_millis(500));
@@ -183,14 +187,6 @@ mod tests {
     use netpager_proto::{DonorState, ExportUsage};
 
     #[test]
-    fn human_sizes() {
-        assert_eq!(human(0), "0 B");
-        assert_eq!(human(1023), "1023 B");
-        assert_eq!(human(64 << 20), "64.0 MiB");
-        assert_eq!(human(3 << 29), "1.5 GiB");
-    }
-
-    #[test]
     fn table_names_state_reason_and_exports() {
         let s = DonorStatus {
             node_id: "d1".into(),
@@ -208,12 +204,12 @@ mod tests {
         assert!(t.contains("draining (asked by 127.0.0.1)"), "{t}");
         assert!(
             t.lines()
-                .any(|l| l.starts_with("used") && l.ends_with("8.0 MiB")),
+                .any(|l| l.starts_with("used") && l.ends_with("8 MiB")),
             "{t}"
         );
         assert!(
             t.lines()
-                .any(|l| l.starts_with("alice") && l.contains("64.0 MiB")),
+                .any(|l| l.starts_with("alice") && l.contains("64 MiB")),
             "{t}"
         );
     }
@@ -222,7 +218,7 @@ mod tests {
     fn drain_progress_line() {
         assert_eq!(
             drain_progress("a:1", 4 << 20, 1 << 20),
-            "draining a:1: 1.0 MiB still held, 3.0 MiB moved away (75%)"
+            "draining a:1: 1 MiB still held, 3 MiB moved away (75%)"
         );
         assert!(drain_progress("a:1", 0, 0).ends_with("(100%)"));
     }

@@ -8,6 +8,7 @@ mod procs;
 mod serve_cmd;
 mod simulate;
 mod status_cmd;
+#[allow(unsafe_code)]
 mod sys;
 
 use std::path::{Path, PathBuf};
@@ -19,7 +20,7 @@ use pager_client::attach::record::StateLayout;
 use pager_client::attach::{
     self, AttachRecord, DeviceOptions, DonorSpec, Frontend, ModeChoice, Via,
 };
-use pager_client::config::{self, DeviceConfig};
+use pager_client::config::DeviceConfig;
 
 /// Remote memory as swap or a block device (netpager client).
 #[derive(Parser)]
@@ -51,10 +52,6 @@ enum Cmd {
     Simulate(simulate::Args),
 }
 
-fn parse_size(s: &str) -> Result<u64, String> {
-    config::parse_size(s)
-}
-
 fn parse_secs(s: &str) -> Result<Duration, String> {
     let v: f64 = s
         .parse()
@@ -71,7 +68,7 @@ struct AttachArgs {
     #[arg(long, value_name = "DIR")]
     state_dir: PathBuf,
     /// Device size (e.g. 256M, 4G). Required unless DIR already holds a device.
-    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
+    #[arg(long, value_parser = netpager_util::parse_size, value_name = "SIZE")]
     size: Option<u64>,
     /// How remote pages are kept safe: none, mirror, parity or disk.
     #[arg(long, value_parser = |s: &str| s.parse::<ModeChoice>().map_err(|e| e.to_string()))]
@@ -82,7 +79,7 @@ struct AttachArgs {
     /// Parity log size (mode parity; default the device size, 0 turns it
     /// off): small writes go there as whole new rows instead of
     /// read-modify-writing their group.
-    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
+    #[arg(long, value_parser = netpager_util::parse_size, value_name = "SIZE")]
     parity_log: Option<u64>,
     /// Write-through file of mode disk (default DIR/writethrough.img).
     #[arg(long, value_name = "PATH")]
@@ -92,7 +89,7 @@ struct AttachArgs {
     donors: Vec<DonorSpec>,
     /// Unit of placement (power of two, 4K..64M; default 1M, in parity mode
     /// the largest that keeps a full stripe within 1M).
-    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
+    #[arg(long, value_parser = netpager_util::parse_size, value_name = "SIZE")]
     extent_size: Option<u64>,
     /// Load-balancing rate b in [0, 1]: f = b*w + (1-b)*a.
     #[arg(long = "b", value_name = "F")]
@@ -104,7 +101,7 @@ struct AttachArgs {
     #[arg(long, value_name = "PATH", requires = "fallback_size")]
     fallback: Option<PathBuf>,
     /// How much of the fallback file to use (a multiple of the extent size).
-    #[arg(long, value_parser = parse_size, value_name = "SIZE", requires = "fallback")]
+    #[arg(long, value_parser = netpager_util::parse_size, value_name = "SIZE", requires = "fallback")]
     fallback_size: Option<u64>,
     /// TLS pre-shared key file for every donor (TLS becomes required).
     #[arg(long, value_name = "FILE")]

@@ -31,7 +31,7 @@ pub struct Args {
     /// Mean service time S of one request at a donor, microseconds.
     #[arg(long, default_value_t = 100.0)]
     pub service_us: f64,
-    /// Do not borrow donors' unused capacity (seed 000 §3.6.2).
+    /// Do not borrow donors' unused capacity (Voelker's thesis §3.6.2).
     #[arg(long)]
     pub no_borrowing: bool,
     /// Seed of the simulation's random choices.
