@@ -196,7 +196,7 @@ impl Handle {
     fn usable(&self) -> Result<(), LibError> {
         if self.poisoned {
             Err(LibError::new(
-                "connection abandoned after a request timed out",
+                "connection abandoned with a request libnbd had not retired (timed out or failed)",
             ))
         } else {
             Ok(())
@@ -367,6 +367,10 @@ pub struct InFlight<'a> {
     h: &'a mut Handle,
     cookie: u64,
     outcome: Option<Outcome>,
+    /// libnbd has retired the command and let go of its buffer. An outcome
+    /// alone does not mean that: a failed poll or socket gives one while
+    /// the command is still queued in libnbd.
+    retired: bool,
     _buf: PhantomData<&'a mut [u8]>,
 }
 
@@ -376,6 +380,7 @@ impl<'a> InFlight<'a> {
             h,
             cookie,
             outcome: None,
+            retired: false,
             _buf: PhantomData,
         }
     }
@@ -392,7 +397,10 @@ impl<'a> InFlight<'a> {
         // SAFETY: valid handle and a cookie it issued; retires the command
         // when it returns 1 or -1.
         match unsafe { nbd_aio_command_completed(self.h.ptr(), self.cookie) } {
-            1 => self.outcome = Some(Outcome::Done),
+            1 => {
+                self.retired = true;
+                self.outcome = Some(Outcome::Done);
+            }
             0 => {
                 // SAFETY: valid handle; state queries have no preconditions.
                 let dead = unsafe {
@@ -402,15 +410,20 @@ impl<'a> InFlight<'a> {
                     self.outcome = Some(Outcome::Failed(LibError::new("connection to donor lost")));
                 }
             }
-            _ => self.outcome = Some(Outcome::Failed(last_error())),
+            _ => {
+                self.retired = true;
+                self.outcome = Some(Outcome::Failed(last_error()));
+            }
         }
     }
 }
 
 impl Drop for InFlight<'_> {
+    /// A command libnbd has not retired may still be written into its
+    /// buffer, which the caller reuses once this borrow ends: the handle
+    /// is poisoned, so it is never driven again and is closed, not reused.
     fn drop(&mut self) {
-        let finished = matches!(self.outcome, Some(Outcome::Done) | Some(Outcome::Failed(_)));
-        if !finished {
+        if !self.retired {
             self.h.poisoned = true;
         }
     }
