@@ -352,7 +352,7 @@ memory_server() {
 # client: nbdfuse file, loop device with direct I/O and the same queue
 # depth, swap on it.
 fuse_swap() {
-  local pid lo
+  local pid
   mkdir -p "$WORK/memfuse"
   rm -f "$WORK/memfuse.pid"
   nbdfuse --pidfile "$WORK/memfuse.pid" "$WORK/memfuse/device" "$1" >"$WORK/memfuse.log" 2>&1 &
@@ -360,7 +360,14 @@ fuse_swap() {
   push_undo "fuse_stop $WORK/memfuse $pid; rm -f $WORK/memfuse.pid"
   wait_file "$WORK/memfuse.pid" "$pid" "nbdfuse"
   wait_file "$WORK/memfuse/device" "$pid" "nbdfuse's file"
-  lo="$(losetup --find --show --direct-io=on "$WORK/memfuse/device")"
+  loop_swap "$WORK/memfuse/device"
+}
+
+# loop_swap FILE: what pagerctl does over its FUSE file: a loop device with
+# direct I/O and the same queue depth, swap on it. Sets SWAPDEV.
+loop_swap() {
+  local lo
+  lo="$(losetup --find --show --direct-io=on "$1")"
   push_undo "losetup --detach $lo; while [ -e /sys/block/${lo#/dev/}/loop/backing_file ]; do sleep 0.1; done"
   local q="/sys/block/${lo#/dev/}/queue/nr_requests" depth
   depth="$(cat "$q")"
@@ -396,7 +403,7 @@ target_proxy() {
 # to swap on: loop charges the file's pages to the swapping job's cgroup,
 # which then swaps them to the same loop device, and swap-in deadlocks.
 target_floor() {
-  local pid lo uring=/sys/module/fuse/parameters/enable_uring
+  local pid uring=/sys/module/fuse/parameters/enable_uring
   # On, as pagerctl attach turns it on for the client (and detach back).
   if [ -e "$uring" ]; then
     push_undo "echo $(cat "$uring") > $uring"
@@ -407,14 +414,7 @@ target_floor() {
   pid=$!
   push_undo "umount $WORK/floor; wait $pid"
   wait_file "$WORK/floor/device" "$pid" "fuse-memory (log $WORK/floor.log)"
-  lo="$(losetup --find --show --direct-io=on "$WORK/floor/device")"
-  push_undo "losetup --detach $lo; while [ -e /sys/block/${lo#/dev/}/loop/backing_file ]; do sleep 0.1; done"
-  local q="/sys/block/${lo#/dev/}/queue/nr_requests" depth
-  depth="$(cat "$q")"
-  echo 16 >"$q"
-  push_undo "echo $depth > $q"
-  swap_on "$lo"
-  SWAPDEV="$lo"
+  loop_swap "$WORK/floor/device"
 }
 target_zram() {
   local z

@@ -168,21 +168,27 @@ fn enable_uring(layout: &StateLayout, record: &mut AttachRecord) -> Result<()> {
     push(layout, record, Step::UringSwitch { path, old })
 }
 
-/// Starts `pagerctl serve` (this same program) serving the device on its
-/// own FUSE mount, log in the state directory, and waits until it serves.
-fn start_server(plan: &Plan, record: &mut AttachRecord) -> Result<()> {
-    let layout = &plan.layout;
+/// The FUSE mount point (created) and its file, refused while something is
+/// still mounted there (an earlier `what`, undone with `unmount`).
+fn free_fuse_dir(layout: &StateLayout, what: &str, unmount: &str) -> Result<(PathBuf, PathBuf)> {
     let mountpoint = layout.fuse_dir();
-    let file = layout.fuse_file();
-    let info_path = layout.serve_json();
     std::fs::create_dir_all(&mountpoint)
         .with_context(|| format!("cannot create {}", mountpoint.display()))?;
     if is_mounted(&mountpoint) {
         bail!(
-            "{} is still mounted (an earlier server?): run pagerctl detach, or umount it",
+            "{} is still mounted (an earlier {what}?): run pagerctl detach, or {unmount} it",
             mountpoint.display()
         );
     }
+    Ok((mountpoint, layout.fuse_file()))
+}
+
+/// Starts `pagerctl serve` (this same program) serving the device on its
+/// own FUSE mount, log in the state directory, and waits until it serves.
+fn start_server(plan: &Plan, record: &mut AttachRecord) -> Result<()> {
+    let layout = &plan.layout;
+    let (mountpoint, file) = free_fuse_dir(layout, "server", "umount")?;
+    let info_path = layout.serve_json();
     let _ = std::fs::remove_file(&info_path);
     let me = std::env::current_exe().context("cannot find pagerctl's own path")?;
     let mut cmd = commands::serve_command(&me, &layout.dir, plan.frontend);
@@ -347,17 +353,8 @@ fn keeper_child(keeper: &mut std::process::Child, log: &Path) -> Result<u32> {
 /// `fuse/device`, and waits until the file is there.
 fn start_nbdfuse(plan: &Plan, record: &mut AttachRecord) -> Result<()> {
     let layout = &plan.layout;
-    let mountpoint = layout.fuse_dir();
-    let file = layout.fuse_file();
+    let (mountpoint, file) = free_fuse_dir(layout, "nbdfuse", "fusermount3 -u")?;
     let pidfile = layout.nbdfuse_pidfile();
-    std::fs::create_dir_all(&mountpoint)
-        .with_context(|| format!("cannot create {}", mountpoint.display()))?;
-    if is_mounted(&mountpoint) {
-        bail!(
-            "{} is still mounted (an earlier nbdfuse?): run pagerctl detach, or fusermount3 -u it",
-            mountpoint.display()
-        );
-    }
     let _ = std::fs::remove_file(&pidfile);
     let cmd = commands::nbdfuse_command(&file, &layout.socket(), &plan.export, &pidfile);
     let log = layout.nbdfuse_log();
