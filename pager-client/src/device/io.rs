@@ -78,19 +78,7 @@ impl Drop for Bufs<'_> {
     }
 }
 
-/// `dst ^= src`.
-pub(crate) fn xor_into(dst: &mut [u8], src: &[u8]) {
-    let mut d = dst.chunks_exact_mut(8);
-    let mut s = src.chunks_exact(8);
-    for (a, b) in (&mut d).zip(&mut s) {
-        let x = u64::from_ne_bytes(a[..].try_into().expect("8 bytes"))
-            ^ u64::from_ne_bytes(b.try_into().expect("8 bytes"));
-        a.copy_from_slice(&x.to_ne_bytes());
-    }
-    for (a, b) in d.into_remainder().iter_mut().zip(s.remainder()) {
-        *a ^= b;
-    }
-}
+pub(crate) use crate::erasure::xor_into;
 
 /// The local fallback file (or block device), in extent-sized slots.
 pub(crate) struct Fallback {
