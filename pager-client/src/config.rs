@@ -98,6 +98,10 @@ pub enum Mode {
         #[serde(default = "default_queue")]
         queue: ByteSize,
     },
+    /// Erasure-coded: groups of `data` data extents plus `parity`
+    /// Reed-Solomon parity extents on `data + parity` distinct donors; any
+    /// `parity` of them may be lost.
+    Ec { data: u32, parity: u32 },
 }
 
 impl Mode {
@@ -108,7 +112,13 @@ impl Mode {
             Mode::Mirror => "mirror",
             Mode::Parity { .. } => "parity",
             Mode::Disk { .. } => "disk",
+            Mode::Ec { .. } => "ec",
         }
+    }
+
+    /// Groups of data and parity extents (parity, ec).
+    pub fn striped(&self) -> bool {
+        matches!(self, Mode::Parity { .. } | Mode::Ec { .. })
     }
 
     /// Distinct donors an extent (or a parity group) needs.
@@ -117,6 +127,7 @@ impl Mode {
             Mode::None | Mode::Disk { .. } => 1,
             Mode::Mirror => 2,
             Mode::Parity { width } => *width as usize,
+            Mode::Ec { data, parity } => (data + parity) as usize,
         }
     }
 }
@@ -306,13 +317,16 @@ fn default_extent() -> ByteSize {
 /// width 3: 0.50x of mode none with 1 MiB extents, 0.83x with 512 KiB).
 pub fn default_extent_size(mode: &Mode) -> ByteSize {
     match mode {
-        Mode::Parity { width } => {
-            let per = STRIPE_DATA / u64::from(width.saturating_sub(1).max(1));
-            ByteSize((1u64 << per.ilog2()).max(MIN_PARITY_EXTENT))
-        }
+        Mode::Parity { width } => stripe_extent(width.saturating_sub(1)),
+        Mode::Ec { data, .. } => stripe_extent(*data),
         _ => default_extent(),
     }
 }
+fn stripe_extent(data: u32) -> ByteSize {
+    let per = STRIPE_DATA / u64::from(data.max(1));
+    ByteSize((1u64 << per.ilog2()).max(MIN_PARITY_EXTENT))
+}
+
 fn default_queue() -> ByteSize {
     ByteSize(16 << 20)
 }
@@ -538,6 +552,15 @@ impl DeviceConfig {
                     format!("{width} must be 3..={MAX_WIDTH} (N-1 data + 1 parity)"),
                 );
             }
+            Mode::Ec { data, parity } if *data < 1 || *parity < 1 || data + parity > MAX_WIDTH => {
+                return bad(
+                    "mode.data",
+                    format!(
+                        "{data}+{parity}: data and parity must each be at least 1, \
+                         at most {MAX_WIDTH} in all"
+                    ),
+                );
+            }
             Mode::Disk { path, .. } if relative(path) => {
                 return bad(
                     "mode.path",
@@ -550,8 +573,8 @@ impl DeviceConfig {
             _ => {}
         }
         if let Some(log) = self.parity_log {
-            if !matches!(self.mode, Mode::Parity { .. }) {
-                return bad("parity_log", "only applies to mode parity".into());
+            if !self.mode.striped() {
+                return bad("parity_log", "only applies to modes parity and ec".into());
             }
             if !log.0.is_multiple_of(4096) {
                 return bad(
@@ -607,6 +630,10 @@ impl DeviceConfig {
                 Mode::Parity { width } => {
                     format!("parity of width {width} needs at least {width} distinct donors")
                 }
+                Mode::Ec { data, parity } => format!(
+                    "ec {data}+{parity} needs at least {} distinct donors",
+                    data + parity
+                ),
                 _ => "at least one donor is needed".to_string(),
             };
             return bad("donors", format!("{what}, {} given", self.donors.len()));
@@ -617,7 +644,7 @@ impl DeviceConfig {
     /// Bytes of data the parity log may hold (0: no log).
     pub fn parity_log_bytes(&self) -> u64 {
         match self.mode {
-            Mode::Parity { .. } => self.parity_log.map_or(self.size.0, |b| b.0),
+            Mode::Parity { .. } | Mode::Ec { .. } => self.parity_log.map_or(self.size.0, |b| b.0),
             _ => 0,
         }
     }

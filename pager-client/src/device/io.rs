@@ -11,6 +11,7 @@ use std::sync::{Condvar, Mutex};
 use super::donor::Donor;
 use super::{DeviceError, Inner, Result};
 use crate::config::FallbackConfig;
+use crate::erasure::{CodeError, Codec};
 use crate::extent_map::{ExtentMap, Loc, SlotOwner};
 use crate::nbd::{self, Op};
 
@@ -79,6 +80,42 @@ impl Drop for Bufs<'_> {
 }
 
 pub(crate) use crate::erasure::xor_into;
+
+/// Codecs made once (Reed-Solomon's working memory is allocated when a
+/// codec is made), taken for one encode or decode at a time and never
+/// held across I/O, so a taker never waits for anything else.
+pub(crate) struct CodecPool {
+    free: Mutex<Vec<Codec>>,
+    cv: Condvar,
+}
+
+impl CodecPool {
+    pub fn new(n: usize, k: usize, r: usize, xor: bool) -> std::result::Result<Self, CodeError> {
+        let free = (0..n)
+            .map(|_| Codec::new(k, r, xor))
+            .collect::<std::result::Result<_, _>>()?;
+        Ok(CodecPool {
+            free: Mutex::new(free),
+            cv: Condvar::new(),
+        })
+    }
+
+    /// Runs `f` with a codec (waiting for one).
+    pub fn with<T>(&self, f: impl FnOnce(&mut Codec) -> T) -> T {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        let mut c = loop {
+            match free.pop() {
+                Some(c) => break c,
+                None => free = self.cv.wait(free).unwrap_or_else(|p| p.into_inner()),
+            }
+        };
+        drop(free);
+        let out = f(&mut c);
+        self.free.lock().unwrap_or_else(|p| p.into_inner()).push(c);
+        self.cv.notify_one();
+        out
+    }
+}
 
 /// The local fallback file (or block device), in extent-sized slots.
 pub(crate) struct Fallback {

@@ -73,13 +73,20 @@ struct AttachArgs {
     /// Device size (e.g. 256M, 4G). Required unless DIR already holds a device.
     #[arg(long, value_parser = parse_size, value_name = "SIZE")]
     size: Option<u64>,
-    /// How remote pages are kept safe: none, mirror, parity or disk.
+    /// How remote pages are kept safe: none, mirror, parity, ec or disk.
     #[arg(long, value_parser = |s: &str| s.parse::<ModeChoice>().map_err(|e| e.to_string()))]
     mode: Option<ModeChoice>,
     /// Donors per parity group (N-1 data + 1 parity), default 3.
     #[arg(long, value_name = "N")]
     parity_width: Option<u32>,
-    /// Parity log size (mode parity; default the device size, 0 turns it
+    /// Mode ec: data extents per stripe (K), default 4.
+    #[arg(long = "data", value_name = "K")]
+    ec_data: Option<u32>,
+    /// Mode ec: Reed-Solomon parity extents per stripe (R, the donor
+    /// failures a stripe survives), default 2.
+    #[arg(long = "parity", value_name = "R")]
+    ec_parity: Option<u32>,
+    /// Parity log size (modes parity and ec; default the device size, 0 turns it
     /// off): small writes go there as whole new rows instead of
     /// read-modify-writing their group.
     #[arg(long, value_parser = parse_size, value_name = "SIZE")]
@@ -164,6 +171,8 @@ impl AttachArgs {
             size: self.size,
             mode: self.mode,
             parity_width: self.parity_width,
+            ec_data: self.ec_data,
+            ec_parity: self.ec_parity,
             parity_log: self.parity_log,
             disk_file: self.disk_file.clone(),
             donors: self.donors.clone(),
