@@ -3,6 +3,7 @@
 
 mod attach_cmd;
 mod donor;
+mod durability;
 mod nbd_wire;
 mod procs;
 mod serve_cmd;
@@ -49,6 +50,9 @@ enum Cmd {
     DonorDrain(DonorDrainArgs),
     /// Compare donor-selection policies on a simulated cluster.
     Simulate(simulate::Args),
+    /// The chance of data loss per mode (none, mirror, parity, ec) from a
+    /// donor failure rate and a rebuild time.
+    Durability(durability::Args),
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -314,6 +318,7 @@ fn main() {
             .client()
             .and_then(|c| donor::drain(&a.addr, a.undo, a.wait, &c, a.wait_timeout)),
         Cmd::Simulate(a) => simulate::run(a),
+        Cmd::Durability(a) => durability::run(a),
     };
     if let Err(e) = result {
         eprintln!("pagerctl: {}", error_chain(&e));
