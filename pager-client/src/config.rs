@@ -287,7 +287,7 @@ pub struct DeviceConfig {
     pub timeouts: TimeoutConfig,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fallback: Option<FallbackConfig>,
-    /// Mode parity: how much data the parity log may hold (default: the
+    /// Modes parity and ec: how much data the parity log may hold (default: the
     /// device's size; 0 turns it off). Small writes go to the log as whole
     /// new stripes instead of read-modify-write of their group (DESIGN.md
     /// §2.2, parity logging).
@@ -296,8 +296,8 @@ pub struct DeviceConfig {
     pub donors: Vec<DonorConfig>,
 }
 
-/// Data one extent holds in replica modes, and one full parity stripe in
-/// parity mode.
+/// Data one extent holds in replica modes, and one full stripe's data in
+/// modes parity and ec.
 const STRIPE_DATA: u64 = 1 << 20;
 /// Below this, per-extent work outweighs what smaller stripes save.
 const MIN_PARITY_EXTENT: u64 = 64 << 10;
@@ -308,9 +308,9 @@ fn default_extent() -> ByteSize {
     ByteSize(STRIPE_DATA)
 }
 
-/// The extent size a new device of `mode` gets: 1 MiB; in parity mode the
-/// largest power of two that keeps a full stripe (`width - 1` data
-/// extents) within 1 MiB, but at least 64 KiB (widths over 17). A 1 MiB
+/// The extent size a new device of `mode` gets: 1 MiB; in modes parity and
+/// ec the largest power of two that keeps a full stripe (`width - 1`, or
+/// `data`, data extents) within 1 MiB (ec 4+2: 256 KiB), but at least 64 KiB (widths over 17). A 1 MiB
 /// aligned write is then one full-stripe write without reads whenever
 /// `width - 1` is a power of two; with 1 MiB extents a width-3 stripe is
 /// 2 MiB and every 1 MiB write is a read-modify-write (1 MiB writes at

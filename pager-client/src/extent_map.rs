@@ -1,8 +1,8 @@
 //! The device's address space cut into extents, and where each one lives.
 //!
 //! A *unit* is what gets placed at its first write: one extent in modes
-//! none, mirror and disk, a parity group of `width - 1` data extents in
-//! mode parity. A unit has *members* (copies, or the group's data and parity
+//! none, mirror and disk, a group of `k` data extents (and `r` parity
+//! extents) in modes parity and ec. A unit has *members* (copies, or the group's data and parity
 //! extents), each at a [`Loc`] (a slot of our export on a donor, or a slot
 //! of the local fallback file) with a [`CopyState`].
 //!
@@ -119,7 +119,7 @@ impl Layout {
         }
     }
 
-    /// Units holding the device's extents (parity groups in mode parity).
+    /// Units holding the device's extents (groups in modes parity and ec).
     pub fn home_units(&self) -> u64 {
         self.extents().div_ceil(self.data_per_unit())
     }

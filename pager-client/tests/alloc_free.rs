@@ -1,8 +1,9 @@
 //! Issue 12: once extents are placed and connections are open, a 4 KiB
 //! read or write through the device makes no heap allocation, in mode none
-//! and in modes parity and ec 4+2 with and without their parity log. A counting global
-//! allocator counts this thread's allocations only (the device's epoch and
-//! maintenance threads allocate as they please); real nbdkit donors.
+//! and in modes parity and ec 4+2 with and without their parity log. A
+//! counting global allocator counts this thread's allocations only (the
+//! device's epoch and maintenance threads allocate as they please); real
+//! nbdkit donors.
 
 mod common;
 

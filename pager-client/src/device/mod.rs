@@ -1,6 +1,6 @@
 //! The client device: a byte-addressed block device made of extents placed
 //! on several donors (and optionally a local fallback file), in one of the
-//! modes none, mirror, parity or disk (see [`crate::config::Mode`]).
+//! modes none, mirror, parity, ec or disk (see [`crate::config::Mode`]).
 //!
 //! Threading: every public method may be called from many threads at once
 //! (nbdkit's parallel thread model). Each unit (extent, or parity group) has
@@ -419,13 +419,11 @@ impl Inner {
     fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         self.check_range(offset, buf.len() as u64)?;
         self.requests.fetch_add(1, Ordering::Relaxed);
+        if self.layout.mode.striped() {
+            return self.read_striped(buf, offset);
+        }
         self.pieces(offset, buf.len() as u64, |e, in_off, at, n| {
-            let piece = &mut buf[at as usize..(at + n) as usize];
-            if self.layout.mode.striped() {
-                self.read_parity(e, in_off, piece)
-            } else {
-                self.read_replica(e, in_off, piece)
-            }
+            self.read_replica(e, in_off, &mut buf[at as usize..(at + n) as usize])
         })
     }
 

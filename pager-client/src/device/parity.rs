@@ -48,10 +48,76 @@ impl Inner {
         self.codecs.as_ref().expect("a striped mode").with(f)
     }
 
-    pub(crate) fn read_parity(&self, e: u64, in_off: u64, buf: &mut [u8]) -> Result<()> {
-        let (g, _) = self.layout.locate(e);
-        let guard = self.map.unit(g).read().unwrap_or_else(|p| p.into_inner());
-        self.read_parity_locked(e, in_off, buf, guard.as_ref())
+    /// Reads `buf` at device offset `offset` group by group. The extents a
+    /// read spans in one group, when all at home on live members, are read
+    /// at once (a request per extent, in parallel): a read across a stripe
+    /// then costs one round trip, not one per extent.
+    pub(crate) fn read_striped(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        let ext = self.layout.extent;
+        let group_bytes = self.layout.data_per_unit() * ext;
+        let mut done = 0usize;
+        while done < buf.len() {
+            let pos = offset + done as u64;
+            let g = pos / group_bytes;
+            let n = ((g + 1) * group_bytes - pos).min((buf.len() - done) as u64) as usize;
+            let guard = self.map.unit(g).read().unwrap_or_else(|p| p.into_inner());
+            let piece = &mut buf[done..done + n];
+            if !self.read_group_direct(pos, piece, guard.as_ref()) {
+                let mut at = 0usize;
+                while at < n {
+                    let p = pos + at as u64;
+                    let m = ((ext - p % ext) as usize).min(n - at);
+                    self.read_parity_locked(
+                        p / ext,
+                        p % ext,
+                        &mut piece[at..at + m],
+                        guard.as_ref(),
+                    )?;
+                    at += m;
+                }
+            }
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// Reads `buf` at `pos`, within one group placed as `unit` (locked), in
+    /// one batch if it spans several extents, none with pages in the parity
+    /// log and all on live members; false if it did not (or a read failed:
+    /// the caller reads extent by extent, rebuilding what it must).
+    fn read_group_direct(&self, pos: u64, buf: &mut [u8], unit: Option<&Unit>) -> bool {
+        let ext = self.layout.extent;
+        let end = pos + buf.len() as u64;
+        let Some(unit) = unit else { return false };
+        if pos / ext == (end - 1) / ext
+            || self
+                .map
+                .log_any_in(pos / PAGE, (end - 1) / PAGE - pos / PAGE + 1)
+        {
+            return false;
+        }
+        let mut reqs = batch();
+        let mut rest = buf;
+        let mut p = pos;
+        for req in reqs.iter_mut() {
+            if rest.is_empty() {
+                break;
+            }
+            let n = ((ext - p % ext) as usize).min(rest.len());
+            let (piece, tail) = std::mem::take(&mut rest).split_at_mut(n);
+            rest = tail;
+            let m = unit.members[self.layout.locate(p / ext).1];
+            if !self.usable(&m) {
+                return false;
+            }
+            *req = Some(IoReq {
+                loc: m.loc,
+                off: p % ext,
+                op: Op::Read(piece),
+            });
+            p += n as u64;
+        }
+        self.exec(&mut reqs).iter().flatten().all(|r| r.is_ok())
     }
 
     /// Reads extent `e`'s bytes with its group locked (`unit` is its

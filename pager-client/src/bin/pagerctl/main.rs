@@ -101,8 +101,8 @@ struct AttachArgs {
     /// A donor: HOST:PORT[/EXPORT][,status=HOST:PORT][,name=NAME]. Repeat.
     #[arg(long = "donor", value_name = "SPEC", value_parser = |s: &str| s.parse::<DonorSpec>().map_err(|e| e.to_string()))]
     donors: Vec<DonorSpec>,
-    /// Unit of placement (power of two, 4K..64M; default 1M, in parity mode
-    /// the largest that keeps a full stripe within 1M).
+    /// Unit of placement (power of two, 4K..64M; default 1M, in modes parity
+    /// and ec the largest that keeps a full stripe's data within 1M).
     #[arg(long, value_parser = parse_size, value_name = "SIZE")]
     extent_size: Option<u64>,
     /// Load-balancing rate b in [0, 1]: f = b*w + (1-b)*a.
