@@ -78,14 +78,6 @@ impl Codec {
         Ok(Codec { k, r, engine })
     }
 
-    pub fn data(&self) -> usize {
-        self.k
-    }
-
-    pub fn parity(&self) -> usize {
-        self.r
-    }
-
     fn check_len(&self, len: usize) -> Result<(), CodeError> {
         if matches!(self.engine, Engine::Rs { .. }) && !len.is_multiple_of(ALIGN) {
             return Err(CodeError::Shape {
