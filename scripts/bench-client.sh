@@ -6,9 +6,11 @@
 #      each behind nbdkit's rate filter emulating a 1 Gbit/s link
 #      (rate=1G: the filter counts bits per second). Target: 4 donors >= 3.5x
 #      one donor.
-#   2. modes: none / mirror / parity / parity without its log / disk side
-#      by side on 4 such donors, as ratios to none. Targets: parity reads
-#      >= 0.95x, writes >= 0.6x.
+#   2. modes: none / mirror / parity / parity without its log / disk / ec
+#      4+2 side by side on 4 such donors (ec on 6, the fewest it takes,
+#      compared with none on 6 as well), as ratios to none, with the donor
+#      memory held per byte fio wrote. Targets: parity reads >= 0.95x,
+#      writes >= 0.6x; ec reads >= 0.95x, writes >= 0.5x, memory 1.5x.
 #   3. swap: a job touching 3x its memory cgroup limit swapping through the
 #      client (3 donors, parity) on each front end (FRONTENDS: fuse-uring,
 #      fuse, nbd), through one `nbdkit memory` over TCP (a remote memory
@@ -60,7 +62,7 @@ LINK_RATE="${LINK_RATE:-1G}" # emulated link per donor, bits per second
 FIO_SIZE="${FIO_SIZE:-512M}" # region fio works on
 SWAP_MODE="${SWAP_MODE:-parity}" # the client's mode in the swap benchmark
 SWAP_SETTINGS="${SWAP_SETTINGS:-links loopback}" # see 3. above
-MODES="${MODES:-mirror parity parity-nolog disk}" # modes compared with none in 2.
+MODES="${MODES:-mirror parity parity-nolog disk ec}" # modes compared with none in 2.
 FRONTENDS="${FRONTENDS:-fuse-uring fuse nbd}" # the client's front ends in 3. and 4.
 PY=/usr/bin/python3
 export PATH=/usr/sbin:/usr/bin:/sbin:/bin:$PATH
@@ -182,6 +184,7 @@ mode_args() {
   case "$1" in
     disk) MODE_ARGS=(--disk-file "$WORK/writethrough.img") ;;
     parity-nolog) MODE_ARGS=(--parity-log 0) ;;
+    ec) MODE_ARGS=(--data 4 --parity 2) ;;
   esac
   case "$1" in
     parity*) [ -z "${2:-}" ] || MODE_ARGS+=(--parity-width "$2") ;;
@@ -246,7 +249,8 @@ bench_donors() {
   local n
   for n in 1 2 4; do
     start_donors "$n" "$LINK_RATE"
-    attach_client "$WORK/c-donors$n" none 1G
+    # fio's nbd engine needs the client's NBD socket: the nbd front end.
+    attach_client "$WORK/c-donors$n" none 1G --frontend nbd
     R[$n]="$(fio_suite "$(client_uri "$WORK/c-donors$n")")"
     undo_all
   done
@@ -266,29 +270,64 @@ bench_donors() {
 # ------------------------------------------------------------- 2. modes
 bench_modes() {
   echo "== 2. Modes side by side: 4 donors at $LINK_RATE bit/s each, fio through the client"
-  declare -A R
-  local mode modes=(none $MODES)
+  declare -A R MEM
+  local mode n modes=(none $MODES)
+  # ec 4+2 needs 6 donors; none on 6 is its baseline (more links, more
+  # bandwidth: comparing with none on 4 would flatter it).
+  [[ " $MODES " != *" ec "* ]] || modes=(none none@6 $MODES)
   for mode in "${modes[@]}"; do
-    start_donors 4 "$LINK_RATE"
-    mode_args "$mode"
-    attach_client "$WORK/c-$mode" "$MODE_WORD" 1G "${MODE_ARGS[@]}"
+    n="$(mode_donors "$mode")"
+    start_donors "$n" "$LINK_RATE"
+    mode_args "${mode%@*}"
+    attach_client "$WORK/c-$mode" "$MODE_WORD" 1G "${MODE_ARGS[@]}" --frontend nbd
     R[$mode]="$(fio_suite "$(client_uri "$WORK/c-$mode")")"
+    MEM[$mode]="$(memory_per_byte "$WORK/c-$mode")"
     undo_all
     rm -f "$WORK/writethrough.img"
   done
-  printf '%-17s %14s %14s %14s %14s\n' mode "4K randread" "4K randwrite" "1M read" "1M write"
-  printf '%-17s %14s %14s %14s %14s\n' "" IOPS IOPS MB/s MB/s
+  printf '%-17s %7s %14s %14s %14s %14s %9s\n' mode donors "4K randread" "4K randwrite" "1M read" "1M write" memory
+  printf '%-17s %7s %14s %14s %14s %14s %9s\n' "" "" IOPS IOPS MB/s MB/s "all/home"
   for mode in "${modes[@]}"; do
     read -r a b c d <<<"${R[$mode]}"
-    printf '%-17s %14s %14s %14s %14s\n' "$mode" "$a" "$b" "$c" "$d"
+    printf '%-17s %7s %14s %14s %14s %14s %9s\n' "$mode" "$(mode_donors "$mode")" "$a" "$b" "$c" "$d" "${MEM[$mode]}"
   done
-  local none=(${R[none]}) m k
+  local base m k
   for mode in "${modes[@]:1}"; do
+    [ "$mode" != none@6 ] || continue
+    base=none
+    [ "$(mode_donors "$mode")" != 6 ] || base=none@6
+    base=(${R[$base]})
     m=(${R[$mode]})
-    printf '%-17s' "$mode/none"; for k in 0 1 2 3; do printf ' %14s' "$(ratio "${m[k]}" "${none[k]}")"; done; echo
+    printf '%-17s' "$mode/none"; for k in 0 1 2 3; do printf ' %14s' "$(ratio "${m[k]}" "${base[k]}")"; done; echo
   done
-  echo "(targets: parity reads >= 0.95x none, parity writes >= 0.6x none)"
+  echo "(targets: parity reads >= 0.95x none, parity writes >= 0.6x none;"
+  echo " ec reads >= 0.95x none@6, ec writes >= 0.5x none@6, ec memory 1.5x per byte at home;"
+  echo " memory: donor bytes held per byte written, all / without the parity log)"
   echo
+}
+
+# mode_donors MODE: donors MODE runs on in 2.
+mode_donors() {
+  case "$1" in
+    ec | none@6) echo 6 ;;
+    *) echo 4 ;;
+  esac
+}
+
+# memory_per_byte STATE: donor memory the device holds (extent slots on
+# donors) per byte fio wrote ($FIO_SIZE): all of it, and without the parity
+# log's units (which random writes fill up to --parity-log, the device's
+# size by default), as "ALL/HOME".
+memory_per_byte() {
+  "$PAGERCTL" status --state-dir "$1" --json | "$PY" -c '
+import json, sys
+s = json.load(sys.stdin)["status"]
+held = sum(d["extents_held"] for d in s["donors"]) * s["extent_bytes"]
+log = s["totals"]["parity_log_used_bytes"] * s["memory_overhead"]
+units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+size = sys.argv[1]
+wrote = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+print(f"{held / wrote:.2f}/{(held - log) / wrote:.2f}")' "$FIO_SIZE"
 }
 
 # -------------------------------------------------------------- 3. swap

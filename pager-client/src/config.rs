@@ -75,6 +75,10 @@ pub enum Mode {
         #[serde(default = "default_queue")]
         queue: ByteSize,
     },
+    /// Erasure-coded: groups of `data` data extents plus `parity`
+    /// Reed-Solomon parity extents on `data + parity` distinct donors; any
+    /// `parity` of them may be lost.
+    Ec { data: u32, parity: u32 },
 }
 
 impl Mode {
@@ -85,7 +89,13 @@ impl Mode {
             Mode::Mirror => "mirror",
             Mode::Parity { .. } => "parity",
             Mode::Disk { .. } => "disk",
+            Mode::Ec { .. } => "ec",
         }
+    }
+
+    /// Groups of data and parity extents (parity, ec).
+    pub fn striped(&self) -> bool {
+        matches!(self, Mode::Parity { .. } | Mode::Ec { .. })
     }
 
     /// Distinct donors an extent (or a parity group) needs.
@@ -94,6 +104,7 @@ impl Mode {
             Mode::None | Mode::Disk { .. } => 1,
             Mode::Mirror => 2,
             Mode::Parity { width } => *width as usize,
+            Mode::Ec { data, parity } => (data + parity) as usize,
         }
     }
 }
@@ -253,7 +264,7 @@ pub struct DeviceConfig {
     pub timeouts: TimeoutConfig,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fallback: Option<FallbackConfig>,
-    /// Mode parity: how much data the parity log may hold (default: the
+    /// Modes parity and ec: how much data the parity log may hold (default: the
     /// device's size; 0 turns it off). Small writes go to the log as whole
     /// new stripes instead of read-modify-write of their group (DESIGN.md
     /// §2.2, parity logging).
@@ -262,8 +273,8 @@ pub struct DeviceConfig {
     pub donors: Vec<DonorConfig>,
 }
 
-/// Data one extent holds in replica modes, and one full parity stripe in
-/// parity mode.
+/// Data one extent holds in replica modes, and one full stripe's data in
+/// modes parity and ec.
 const STRIPE_DATA: u64 = 1 << 20;
 /// Below this, per-extent work outweighs what smaller stripes save.
 const MIN_PARITY_EXTENT: u64 = 64 << 10;
@@ -274,22 +285,25 @@ fn default_extent() -> ByteSize {
     ByteSize(STRIPE_DATA)
 }
 
-/// The extent size a new device of `mode` gets: 1 MiB; in parity mode the
-/// largest power of two that keeps a full stripe (`width - 1` data
-/// extents) within 1 MiB, but at least 64 KiB (widths over 17). A 1 MiB
+/// The extent size a new device of `mode` gets: 1 MiB; in modes parity and
+/// ec the largest power of two that keeps a full stripe (`width - 1`, or
+/// `data`, data extents) within 1 MiB (ec 4+2: 256 KiB), but at least 64 KiB (widths over 17). A 1 MiB
 /// aligned write is then one full-stripe write without reads whenever
 /// `width - 1` is a power of two; with 1 MiB extents a width-3 stripe is
 /// 2 MiB and every 1 MiB write is a read-modify-write (1 MiB writes at
 /// width 3: 0.50x of mode none with 1 MiB extents, 0.83x with 512 KiB).
 pub fn default_extent_size(mode: &Mode) -> ByteSize {
     match mode {
-        Mode::Parity { width } => {
-            let per = STRIPE_DATA / u64::from(width.saturating_sub(1).max(1));
-            ByteSize((1u64 << per.ilog2()).max(MIN_PARITY_EXTENT))
-        }
+        Mode::Parity { width } => stripe_extent(width.saturating_sub(1)),
+        Mode::Ec { data, .. } => stripe_extent(*data),
         _ => default_extent(),
     }
 }
+fn stripe_extent(data: u32) -> ByteSize {
+    let per = STRIPE_DATA / u64::from(data.max(1));
+    ByteSize((1u64 << per.ilog2()).max(MIN_PARITY_EXTENT))
+}
+
 fn default_queue() -> ByteSize {
     ByteSize(16 << 20)
 }
@@ -505,6 +519,15 @@ impl DeviceConfig {
                     format!("{width} must be 3..={MAX_WIDTH} (N-1 data + 1 parity)"),
                 );
             }
+            Mode::Ec { data, parity } if *data < 1 || *parity < 1 || data + parity > MAX_WIDTH => {
+                return bad(
+                    "mode.data",
+                    format!(
+                        "{data}+{parity}: data and parity must each be at least 1, \
+                         at most {MAX_WIDTH} in all"
+                    ),
+                );
+            }
             Mode::Disk { path, .. } if relative(path) => {
                 return bad(
                     "mode.path",
@@ -517,8 +540,8 @@ impl DeviceConfig {
             _ => {}
         }
         if let Some(log) = self.parity_log {
-            if !matches!(self.mode, Mode::Parity { .. }) {
-                return bad("parity_log", "only applies to mode parity".into());
+            if !self.mode.striped() {
+                return bad("parity_log", "only applies to modes parity and ec".into());
             }
             if !log.0.is_multiple_of(4096) {
                 return bad(
@@ -574,6 +597,10 @@ impl DeviceConfig {
                 Mode::Parity { width } => {
                     format!("parity of width {width} needs at least {width} distinct donors")
                 }
+                Mode::Ec { data, parity } => format!(
+                    "ec {data}+{parity} needs at least {} distinct donors",
+                    data + parity
+                ),
                 _ => "at least one donor is needed".to_string(),
             };
             return bad("donors", format!("{what}, {} given", self.donors.len()));
@@ -584,7 +611,7 @@ impl DeviceConfig {
     /// Bytes of data the parity log may hold (0: no log).
     pub fn parity_log_bytes(&self) -> u64 {
         match self.mode {
-            Mode::Parity { .. } => self.parity_log.map_or(self.size.0, |b| b.0),
+            Mode::Parity { .. } | Mode::Ec { .. } => self.parity_log.map_or(self.size.0, |b| b.0),
             _ => 0,
         }
     }

@@ -1,8 +1,8 @@
 //! The device's address space cut into extents, and where each one lives.
 //!
 //! A *unit* is what gets placed at its first write: one extent in modes
-//! none, mirror and disk, a parity group of `width - 1` data extents in
-//! mode parity. A unit has *members* (copies, or the group's data and parity
+//! none, mirror and disk, a group of `k` data extents (and `r` parity
+//! extents) in modes parity and ec. A unit has *members* (copies, or the group's data and parity
 //! extents), each at a [`Loc`] (a slot of our export on a donor, or a slot
 //! of the local fallback file) with a [`CopyState`].
 //!
@@ -36,8 +36,15 @@ pub const COMPACT_AFTER_BYTES: u64 = 4 << 20;
 pub enum Redundancy {
     None,
     Mirror,
-    Parity { width: u32 },
+    Parity {
+        width: u32,
+    },
     Disk,
+    /// Reed-Solomon stripes of `data` data and `parity` parity extents.
+    Ec {
+        data: u32,
+        parity: u32,
+    },
 }
 
 impl Redundancy {
@@ -47,6 +54,7 @@ impl Redundancy {
             Redundancy::Mirror => (1, 2),
             Redundancy::Parity { width } => (2, width),
             Redundancy::Disk => (3, 1),
+            Redundancy::Ec { data, parity } => (4, data | parity << 16),
         }
     }
 
@@ -56,7 +64,13 @@ impl Redundancy {
             Redundancy::Mirror => "mirror",
             Redundancy::Parity { .. } => "parity",
             Redundancy::Disk => "disk",
+            Redundancy::Ec { .. } => "ec",
         }
+    }
+
+    /// Striped into groups of data and parity extents (parity, ec).
+    pub fn striped(self) -> bool {
+        matches!(self, Redundancy::Parity { .. } | Redundancy::Ec { .. })
     }
 }
 
@@ -77,6 +91,7 @@ impl Layout {
             Mode::Mirror => Redundancy::Mirror,
             Mode::Parity { width } => Redundancy::Parity { width },
             Mode::Disk { .. } => Redundancy::Disk,
+            Mode::Ec { data, parity } => Redundancy::Ec { data, parity },
         };
         let mut layout = Layout {
             size: cfg.size.0,
@@ -85,7 +100,7 @@ impl Layout {
             log_units: 0,
         };
         let per_log_unit = layout.extent * layout.data_per_unit();
-        if let Redundancy::Parity { .. } = mode {
+        if mode.striped() {
             layout.log_units = cfg.parity_log_bytes().div_ceil(per_log_unit);
         }
         layout
@@ -99,11 +114,12 @@ impl Layout {
     pub fn data_per_unit(&self) -> u64 {
         match self.mode {
             Redundancy::Parity { width } => width as u64 - 1,
+            Redundancy::Ec { data, .. } => data as u64,
             _ => 1,
         }
     }
 
-    /// Units holding the device's extents (parity groups in mode parity).
+    /// Units holding the device's extents (groups in modes parity and ec).
     pub fn home_units(&self) -> u64 {
         self.extents().div_ceil(self.data_per_unit())
     }
@@ -133,41 +149,84 @@ impl Layout {
             Redundancy::None | Redundancy::Disk => 1,
             Redundancy::Mirror => 2,
             Redundancy::Parity { width } => width as usize,
+            Redundancy::Ec { data, parity } => (data + parity) as usize,
         }
     }
 
-    /// Position of the parity extent in parity group `unit` (RAID-5
-    /// rotation).
-    pub fn parity_member(&self, unit: u64) -> usize {
+    /// Parity extents per group (0 when not striped).
+    pub fn parity_count(&self) -> usize {
         match self.mode {
-            Redundancy::Parity { width } => (unit % width as u64) as usize,
-            _ => usize::MAX,
+            Redundancy::Parity { .. } => 1,
+            Redundancy::Ec { parity, .. } => parity as usize,
+            _ => 0,
         }
     }
 
-    /// The unit holding `extent` and, in parity mode, the member position of
+    /// Position of group `unit`'s first parity extent; the others follow
+    /// it, wrapping (RAID-5/6 rotation, so parity work spreads over the
+    /// donors).
+    pub fn parity_member(&self, unit: u64) -> usize {
+        if self.mode.striped() {
+            (unit % self.members() as u64) as usize
+        } else {
+            usize::MAX
+        }
+    }
+
+    /// The code's shard index of member `pos` of group `unit`: data
+    /// extents `0..k` in device order, then the parity extents `k..k + r`.
+    pub fn shard_of(&self, unit: u64, pos: usize) -> usize {
+        let (w, p) = (self.members(), self.parity_member(unit));
+        let after_p = (pos + w - p) % w;
+        let r = self.parity_count();
+        if after_p < r {
+            self.data_per_unit() as usize + after_p
+        } else if pos < p {
+            pos - (p + r).saturating_sub(w)
+        } else {
+            pos - r
+        }
+    }
+
+    /// The member position of shard `shard` of group `unit` (inverse of
+    /// [`Layout::shard_of`]).
+    pub fn member_of(&self, unit: u64, shard: usize) -> usize {
+        let (w, p) = (self.members(), self.parity_member(unit));
+        let (k, r) = (self.data_per_unit() as usize, self.parity_count());
+        if shard >= k {
+            return (p + shard - k) % w;
+        }
+        // Data fills the positions not taken by parity, in order: those
+        // before `p` (none wrapped there unless parity wraps), then after.
+        let wrapped = (p + r).saturating_sub(w);
+        let pos = wrapped + shard;
+        if pos < p {
+            pos
+        } else {
+            pos + r
+        }
+    }
+
+    /// The unit holding `extent` and, when striped, the member position of
     /// that extent in its group (0 otherwise).
     pub fn locate(&self, extent: u64) -> (u64, usize) {
         let d = self.data_per_unit();
         let unit = extent / d;
-        if let Redundancy::Parity { .. } = self.mode {
-            let k = (extent % d) as usize;
-            let p = self.parity_member(unit);
-            (unit, if k < p { k } else { k + 1 })
+        if self.mode.striped() {
+            (unit, self.member_of(unit, (extent % d) as usize))
         } else {
             (unit, 0)
         }
     }
 
-    /// The extent at member position `member` of parity group `unit`, or
-    /// `None` for the parity member or past the device's end.
+    /// The extent at member position `member` of group `unit`, or `None`
+    /// for a parity member or past the device's end.
     pub fn extent_of(&self, unit: u64, member: usize) -> Option<u64> {
-        let p = self.parity_member(unit);
-        if member == p {
+        let k = self.shard_of(unit, member);
+        if k >= self.data_per_unit() as usize {
             return None;
         }
-        let k = if member < p { member } else { member - 1 } as u64;
-        let e = unit * self.data_per_unit() + k;
+        let e = unit * self.data_per_unit() + k as u64;
         (unit < self.home_units() && e < self.extents()).then_some(e)
     }
 }
@@ -446,6 +505,10 @@ fn decode(payload: &[u8]) -> Result<Record, String> {
                 (1, _) => Redundancy::Mirror,
                 (2, width) => Redundancy::Parity { width },
                 (3, _) => Redundancy::Disk,
+                (4, w) => Redundancy::Ec {
+                    data: w & 0xffff,
+                    parity: w >> 16,
+                },
                 (m, _) => return Err(format!("unknown mode {m}")),
             };
             // Maps written before the parity log have no log units.
@@ -1404,6 +1467,48 @@ mod tests {
     #[test]
     fn crc_matches_the_standard_check_value() {
         assert_eq!(crc32(b"123456789"), 0xCBF4_3926);
+    }
+
+    #[test]
+    fn ec_layout_rotates_parity_and_maps_shards_both_ways() {
+        for (k, r) in [(4u32, 2u32), (2, 3), (1, 1), (6, 3)] {
+            let l = Layout {
+                size: 1 << 30,
+                extent: 1 << 20,
+                mode: Redundancy::Ec { data: k, parity: r },
+                log_units: 0,
+            };
+            let w = (k + r) as usize;
+            for u in 0..2 * w as u64 {
+                let mut seen = vec![false; w];
+                for pos in 0..w {
+                    let sh = l.shard_of(u, pos);
+                    assert!(!seen[sh], "{k}+{r} unit {u}: shard {sh} twice");
+                    seen[sh] = true;
+                    assert_eq!(l.member_of(u, sh), pos, "{k}+{r} unit {u} pos {pos}");
+                }
+                // Parity starts at the rotating position and runs on.
+                for i in 0..r as usize {
+                    assert_eq!(l.member_of(u, k as usize + i), (u as usize + i) % w);
+                }
+                for d in 0..k as u64 {
+                    let e = u * k as u64 + d;
+                    assert_eq!(l.extent_of(u, l.locate(e).1), Some(e));
+                }
+            }
+        }
+        // Mode parity keeps the placement older maps were written with.
+        let l = Layout {
+            size: 64 << 20,
+            extent: 1 << 20,
+            mode: Redundancy::Parity { width: 4 },
+            log_units: 0,
+        };
+        for e in 0..60 {
+            let (u, pos) = l.locate(e);
+            let (k, p) = ((e % 3) as usize, (u % 4) as usize);
+            assert_eq!(pos, if k < p { k } else { k + 1 });
+        }
     }
 
     #[test]

@@ -4,6 +4,8 @@
 pub mod attach;
 pub mod config;
 pub mod device;
+pub mod durability;
+pub mod erasure;
 pub mod extent_map;
 pub mod nbd;
 pub mod page_log;

@@ -110,6 +110,14 @@ pub struct Totals {
     /// Data room of the log units that hold a placement (live or garbage).
     #[serde(default)]
     pub parity_log_used_bytes: u64,
+    /// How many more donor failures every placed unit survives right now
+    /// (the minimum over units; lost units count as 0).
+    #[serde(default)]
+    pub can_lose: u32,
+    /// Placed units by how many more failures each survives: entry `i`
+    /// counts those that survive `i` more.
+    #[serde(default)]
+    pub can_lose_units: Vec<u64>,
 }
 
 /// Everything `status.json` holds.
@@ -119,6 +127,13 @@ pub struct ClientStatus {
     pub mode: String,
     /// Parity group width (mode parity), else 0.
     pub width: u32,
+    /// The code: `K+R` (data and parity extents of a group) in modes
+    /// parity and ec, the copies (`1+1`, `1+0`) otherwise.
+    #[serde(default)]
+    pub code: String,
+    /// Remote memory per byte stored: `(K + R) / K`.
+    #[serde(default)]
+    pub memory_overhead: f64,
     pub size_bytes: u64,
     pub extent_bytes: u64,
     /// Milliseconds since the Unix epoch when this was written.
@@ -167,10 +182,10 @@ fn progress(p: &Progress) -> String {
 /// A readable table of the status.
 pub fn render_table(s: &ClientStatus) -> String {
     let mut out = String::new();
-    let mode = if s.mode == "parity" {
-        format!("parity (width {})", s.width)
-    } else {
-        s.mode.clone()
+    let mode = match s.mode.as_str() {
+        "parity" => format!("parity (width {}, code {})", s.width, s.code),
+        "ec" => format!("ec (code {})", s.code),
+        _ => s.mode.clone(),
     };
     let t = &s.totals;
     let w = |out: &mut String, line: String| out.push_str(&(line + "\n"));
@@ -190,6 +205,26 @@ pub fn render_table(s: &ClientStatus) -> String {
         format!(
             "placed {}/{} units, degraded {}, lost {}, on fallback {}, requests {}",
             t.units_placed, t.units, t.degraded, t.lost, t.on_fallback, t.requests
+        ),
+    );
+    let levels: Vec<String> = t
+        .can_lose_units
+        .iter()
+        .enumerate()
+        .filter(|(_, &n)| n > 0)
+        .map(|(i, n)| format!("{n} can lose {i}"))
+        .collect();
+    w(
+        &mut out,
+        format!(
+            "memory {:.2}x per byte stored; failures survivable now: {} (units: {})",
+            s.memory_overhead,
+            t.can_lose,
+            if levels.is_empty() {
+                "none placed".to_string()
+            } else {
+                levels.join(", ")
+            }
         ),
     );
     w(

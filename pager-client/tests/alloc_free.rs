@@ -1,8 +1,9 @@
 //! Issue 12: once extents are placed and connections are open, a 4 KiB
 //! read or write through the device makes no heap allocation, in mode none
-//! and in mode parity with and without its parity log. A counting global
-//! allocator counts this thread's allocations only (the device's epoch and
-//! maintenance threads allocate as they please); real nbdkit donors.
+//! and in modes parity and ec 4+2 with and without their parity log. A
+//! counting global allocator counts this thread's allocations only (the
+//! device's epoch and maintenance threads allocate as they please); real
+//! nbdkit donors.
 
 // A counting global allocator is an `unsafe impl`.
 #![allow(unsafe_code)]
@@ -187,4 +188,14 @@ fn mode_parity_without_log() {
 #[test]
 fn mode_parity_with_log() {
     steady_state_io_allocates_nothing(Mode::Parity { width: 3 }, 3, None);
+}
+
+#[test]
+fn mode_ec_without_log() {
+    steady_state_io_allocates_nothing(Mode::Ec { data: 4, parity: 2 }, 6, Some(0));
+}
+
+#[test]
+fn mode_ec_with_log() {
+    steady_state_io_allocates_nothing(Mode::Ec { data: 4, parity: 2 }, 6, None);
 }

@@ -1,10 +1,12 @@
 """Donors failing under a running client: killed (-9) or hung (SIGSTOP) in
-mirror and parity mode while a swapping job runs, killed in mode none (lost
+mirror and parity mode while a swapping job runs, two killed at once in
+mode ec 4+2, killed in mode none (lost
 extents reported, the rest intact), and drained while the job runs."""
 
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 
@@ -66,6 +68,47 @@ def test_job_survives_a_failed_donor(mode, failure, teardown, donors, client, me
     assert gone["failed"] and gone["extents_held"] == 0, gone
     if failure == "hung":
         victim.sigcont()
+    client.detach()
+    assert client.leftovers() == []
+
+
+def test_ec_job_survives_two_donors_killed_at_once(teardown, donors, client, memhog, tmp_path):
+    """Mode ec 4+2 as swap on 8 donors: the two busiest are killed with -9 at
+    once mid-swap; the job completes with every page verified, the status
+    shows the device degraded, then rebuilt onto the 6 left."""
+    ds = donors(8)
+    device = client.attach(ds, mode="ec", size="256M", swap=True,
+                           extra=["--data", "4", "--parity", "2",
+                                  "--request-timeout", "2", "--connect-timeout", "2"])
+    job = start_swapping_job(teardown, memhog, tmp_path, device)
+    st = client.wait_status(lambda s: any(d["extents_held"] > 0 for d in s["donors"]), 30,
+                            "extents placed on donors")
+    assert (st["code"], st["memory_overhead"], st["totals"]["can_lose"]) == ("4+2", 1.5, 2), st
+    ranked = sorted(st["donors"], key=lambda d: d["extents_held"], reverse=True)
+    victims = [next(d for d in ds if d.name == r["name"]) for r in ranked[:2]]
+    # Both signalled before either is reaped: no rebuild comes between.
+    for v in victims:
+        v.proc.signal(signal.SIGKILL)
+    for v in victims:
+        v.kill9()
+
+    seen = client.wait_status(lambda s: all(report(s, v.name)["failed"] for v in victims), 120,
+                              "both killed donors marked failed")
+    t = seen["totals"]
+    assert t["degraded"] > 0 or t["rebuild"]["done"] > 0 or t["rebuild"]["active"], t
+    assert t["lost"] == 0, t
+
+    job.finish()
+    final = client.wait_status(
+        lambda s: s["totals"]["degraded"] == 0 and not s["totals"]["rebuild"]["active"], 300,
+        "rebuild to finish")
+    t = final["totals"]
+    assert t["lost"] == 0 and t["can_lose"] == 2 and t["rebuild"]["done"] > 0, t
+    for v in victims:
+        gone = report(final, v.name)
+        assert gone["failed"] and gone["extents_held"] == 0, gone
+    table = run_pagerctl(["status", "--state-dir", client.state_dir]).stdout
+    assert "ec (code 4+2)" in table and "1.50x" in table, table
     client.detach()
     assert client.leftovers() == []
 

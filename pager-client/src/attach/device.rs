@@ -14,6 +14,7 @@ pub enum ModeChoice {
     Mirror,
     Parity,
     Disk,
+    Ec,
 }
 
 impl std::str::FromStr for ModeChoice {
@@ -24,9 +25,10 @@ impl std::str::FromStr for ModeChoice {
             "mirror" => Ok(ModeChoice::Mirror),
             "parity" => Ok(ModeChoice::Parity),
             "disk" => Ok(ModeChoice::Disk),
+            "ec" => Ok(ModeChoice::Ec),
             _ => Err(AttachError::BadOption {
                 option: "--mode",
-                reason: format!("{s:?}: expected none, mirror, parity or disk"),
+                reason: format!("{s:?}: expected none, mirror, parity, ec or disk"),
             }),
         }
     }
@@ -35,6 +37,9 @@ impl std::str::FromStr for ModeChoice {
 /// Parity width when `--parity-width` is not given: the narrowest group,
 /// which leaves the most donors free to rebuild onto after a failure.
 pub const DEFAULT_PARITY_WIDTH: u32 = 3;
+/// Mode ec's code when `--data`/`--parity` are not given: Hydra's 4+2,
+/// two failures survived for 1.5x memory.
+pub const DEFAULT_EC: (u32, u32) = (4, 2);
 
 /// The options of `pagerctl attach` that shape the device. `None` (or no
 /// donors) means "not given": a new device takes the default, a re-attach
@@ -45,6 +50,9 @@ pub struct DeviceOptions {
     pub size: Option<u64>,
     pub mode: Option<ModeChoice>,
     pub parity_width: Option<u32>,
+    /// Mode ec: data and parity extents per stripe.
+    pub ec_data: Option<u32>,
+    pub ec_parity: Option<u32>,
     /// Bytes of parity log (mode parity; 0 turns it off).
     pub parity_log: Option<u64>,
     /// Write-through file of mode disk (default `STATE_DIR/writethrough.img`).
@@ -79,6 +87,7 @@ impl ModeChoice {
             Mode::Mirror => ModeChoice::Mirror,
             Mode::Parity { .. } => ModeChoice::Parity,
             Mode::Disk { .. } => ModeChoice::Disk,
+            Mode::Ec { .. } => ModeChoice::Ec,
         }
     }
 }
@@ -128,8 +137,8 @@ pub fn apply_options(
         Some(&old.mode),
         state_dir,
     )?;
-    if o.parity_log.is_some() && !matches!(c.mode, Mode::Parity { .. }) {
-        return Err(bad("--parity-log", "only applies to --mode parity"));
+    if o.parity_log.is_some() && !c.mode.striped() {
+        return Err(bad("--parity-log", "only applies to --mode parity or ec"));
     }
     if let Some(id) = &o.client_id {
         c.client_id = id.clone();
@@ -194,6 +203,9 @@ fn mode_of(
     if o.parity_width.is_some() && choice != ModeChoice::Parity {
         return Err(bad("--parity-width", "only applies to --mode parity"));
     }
+    if (o.ec_data.is_some() || o.ec_parity.is_some()) && choice != ModeChoice::Ec {
+        return Err(bad("--data/--parity", "only apply to --mode ec"));
+    }
     if o.disk_file.is_some() && choice != ModeChoice::Disk {
         return Err(bad("--disk-file", "only applies to --mode disk"));
     }
@@ -206,6 +218,16 @@ fn mode_of(
                 _ => DEFAULT_PARITY_WIDTH,
             }),
         },
+        (ModeChoice::Ec, old) => {
+            let (data, parity) = match old {
+                Some(Mode::Ec { data, parity }) => (*data, *parity),
+                _ => DEFAULT_EC,
+            };
+            Mode::Ec {
+                data: o.ec_data.unwrap_or(data),
+                parity: o.ec_parity.unwrap_or(parity),
+            }
+        }
         (ModeChoice::Disk, Some(Mode::Disk { path, queue })) => Mode::Disk {
             path: o.disk_file.clone().unwrap_or_else(|| path.clone()),
             queue: *queue,
@@ -414,6 +436,33 @@ mod tests {
         };
         assert_eq!(again(&key), ["donors"]);
         assert_eq!(again(&opts(ModeChoice::Mirror)), ["mode"]);
+    }
+
+    #[test]
+    fn ec_takes_its_code_and_a_reattach_with_another_is_refused() {
+        let st = Path::new("/st");
+        let mut o = opts(ModeChoice::Ec);
+        let e = build_config(&o, st).unwrap_err().to_string();
+        assert!(e.contains("ec 4+2 needs at least 6 distinct donors"), "{e}");
+        o.donors = (2..8)
+            .map(|i| format!("127.0.0.{i}:10809").parse().unwrap())
+            .collect();
+        let held = build_config(&o, st).unwrap();
+        assert_eq!(held.mode, Mode::Ec { data: 4, parity: 2 });
+        let again = |o: &DeviceOptions| differences(&held, &apply_options(&held, o, st).unwrap());
+        assert!(again(&DeviceOptions::default()).is_empty());
+        let code = DeviceOptions {
+            ec_parity: Some(3),
+            ..DeviceOptions::default()
+        };
+        assert_eq!(again(&code), ["mode"]);
+        let mut p = opts(ModeChoice::Parity);
+        p.ec_data = Some(3);
+        let e = build_config(&p, st).unwrap_err().to_string();
+        assert!(
+            e.starts_with("--data/--parity: only apply to --mode ec"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -11,6 +11,7 @@ use std::sync::{Condvar, Mutex};
 use super::donor::Donor;
 use super::{DeviceError, Inner, Result};
 use crate::config::FallbackConfig;
+use crate::erasure::{CodeError, Codec};
 use crate::extent_map::{ExtentMap, Loc, SlotOwner};
 use crate::nbd::{self, Op};
 
@@ -78,17 +79,41 @@ impl Drop for Bufs<'_> {
     }
 }
 
-/// `dst ^= src`.
-pub(crate) fn xor_into(dst: &mut [u8], src: &[u8]) {
-    let mut d = dst.chunks_exact_mut(8);
-    let mut s = src.chunks_exact(8);
-    for (a, b) in (&mut d).zip(&mut s) {
-        let x = u64::from_ne_bytes(a[..].try_into().expect("8 bytes"))
-            ^ u64::from_ne_bytes(b.try_into().expect("8 bytes"));
-        a.copy_from_slice(&x.to_ne_bytes());
+pub(crate) use crate::erasure::xor_into;
+
+/// Codecs made once (Reed-Solomon's working memory is allocated when a
+/// codec is made), taken for one encode or decode at a time and never
+/// held across I/O, so a taker never waits for anything else.
+pub(crate) struct CodecPool {
+    free: Mutex<Vec<Codec>>,
+    cv: Condvar,
+}
+
+impl CodecPool {
+    pub fn new(n: usize, k: usize, r: usize, xor: bool) -> std::result::Result<Self, CodeError> {
+        let free = (0..n)
+            .map(|_| Codec::new(k, r, xor))
+            .collect::<std::result::Result<_, _>>()?;
+        Ok(CodecPool {
+            free: Mutex::new(free),
+            cv: Condvar::new(),
+        })
     }
-    for (a, b) in d.into_remainder().iter_mut().zip(s.remainder()) {
-        *a ^= b;
+
+    /// Runs `f` with a codec (waiting for one).
+    pub fn with<T>(&self, f: impl FnOnce(&mut Codec) -> T) -> T {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        let mut c = loop {
+            match free.pop() {
+                Some(c) => break c,
+                None => free = self.cv.wait(free).unwrap_or_else(|p| p.into_inner()),
+            }
+        };
+        drop(free);
+        let out = f(&mut c);
+        self.free.lock().unwrap_or_else(|p| p.into_inner()).push(c);
+        self.cv.notify_one();
+        out
     }
 }
 

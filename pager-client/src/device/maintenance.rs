@@ -36,7 +36,7 @@ impl Inner {
     ) -> Result<()> {
         let usable = |m: &Member| m.state == CopyState::Ok && self.loc_available(m.loc);
         let me = unit.members[j];
-        if let Redundancy::Parity { .. } = self.layout.mode {
+        if self.layout.mode.striped() {
             let others_ok = unit
                 .members
                 .iter()

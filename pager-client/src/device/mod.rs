@@ -1,6 +1,6 @@
 //! The client device: a byte-addressed block device made of extents placed
 //! on several donors (and optionally a local fallback file), in one of the
-//! modes none, mirror, parity or disk (see [`crate::config::Mode`]).
+//! modes none, mirror, parity, ec or disk (see [`crate::config::Mode`]).
 //!
 //! Threading: every public method may be called from many threads at once
 //! (nbdkit's parallel thread model). Each unit (extent, or parity group) has
@@ -33,7 +33,7 @@ use crate::page_log::PAGE;
 use crate::status::ClientStatus;
 
 use donor::Donor;
-use io::{BufPool, Fallback};
+use io::{BufPool, CodecPool, Fallback};
 use parity_log::ParityLog;
 use placement::Placement;
 use writethrough::WriteThrough;
@@ -59,6 +59,12 @@ pub enum DeviceError {
     Map(#[from] MapError),
     #[error(transparent)]
     Config(#[from] ConfigError),
+    #[error("mode {mode}: {source}")]
+    Code {
+        mode: &'static str,
+        #[source]
+        source: crate::erasure::CodeError,
+    },
     #[error("donor {donor}: lab key for its status endpoint: {source}")]
     StatusKey {
         donor: String,
@@ -139,6 +145,8 @@ pub(crate) struct Inner {
     /// Mode parity with a parity log.
     pub(crate) plog: Option<ParityLog>,
     pub(crate) bufs: BufPool,
+    /// Codecs of a striped mode's groups.
+    pub(crate) codecs: Option<CodecPool>,
     pub(crate) placement: Mutex<Placement>,
     pub(crate) stop: AtomicBool,
     pub(crate) maint_wake: Wake,
@@ -222,11 +230,35 @@ impl Device {
                         .is_some()
                 })
                 .collect();
-            ParityLog::new(geo, &placed, cfg.connections_per_donor as usize)
+            ParityLog::new(
+                geo,
+                layout.members(),
+                &placed,
+                cfg.connections_per_donor as usize,
+            )
         });
+        let codecs = if layout.mode.striped() {
+            let (k, r) = (layout.data_per_unit() as usize, layout.parity_count());
+            // Log leaders, plus the threads that rebuild and read degraded.
+            let n = cfg.connections_per_donor as usize + 2;
+            let xor = matches!(layout.mode, Redundancy::Parity { .. });
+            Some(
+                CodecPool::new(n, k, r, xor).map_err(|source| DeviceError::Code {
+                    mode: cfg.mode.word(),
+                    source,
+                })?,
+            )
+        } else {
+            None
+        };
         let inner = Arc::new(Inner {
             plog,
-            bufs: BufPool::new(cfg.io_buffers as usize, layout.extent as usize),
+            // Room for a whole stripe's parity (full-stripe writes).
+            bufs: BufPool::new(
+                cfg.io_buffers as usize,
+                (layout.extent as usize) * layout.parity_count().max(1),
+            ),
+            codecs,
             placement: Mutex::new(Placement::new(cfg.donors.len())),
             cfg,
             state_dir: state_dir.to_path_buf(),
@@ -387,19 +419,18 @@ impl Inner {
     fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         self.check_range(offset, buf.len() as u64)?;
         self.requests.fetch_add(1, Ordering::Relaxed);
+        if self.layout.mode.striped() {
+            return self.read_striped(buf, offset);
+        }
         self.pieces(offset, buf.len() as u64, |e, in_off, at, n| {
-            let piece = &mut buf[at as usize..(at + n) as usize];
-            match self.layout.mode {
-                Redundancy::Parity { .. } => self.read_parity(e, in_off, piece),
-                _ => self.read_replica(e, in_off, piece),
-            }
+            self.read_replica(e, in_off, &mut buf[at as usize..(at + n) as usize])
         })
     }
 
     fn modify(&self, offset: u64, p: Payload<'_>) -> Result<()> {
         self.check_range(offset, p.len())?;
         self.requests.fetch_add(1, Ordering::Relaxed);
-        if let (Redundancy::Parity { .. }, Payload::Data(d)) = (self.layout.mode, p) {
+        if let (true, Payload::Data(d)) = (self.layout.mode.striped(), p) {
             return self.write_parity_range(offset, d);
         }
         self.pieces(offset, p.len(), |e, in_off, at, n| {
@@ -408,9 +439,10 @@ impl Inner {
                 Payload::Zero(_) => Payload::Zero(n),
                 Payload::Trim(_) => Payload::Trim(n),
             };
-            match self.layout.mode {
-                Redundancy::Parity { .. } => self.modify_parity(e, in_off, piece),
-                _ => self.modify_replica(e, in_off, piece),
+            if self.layout.mode.striped() {
+                self.modify_parity(e, in_off, piece)
+            } else {
+                self.modify_replica(e, in_off, piece)
             }
         })
     }

@@ -1,14 +1,20 @@
-//! Mode parity (RAID-5): a unit is a group of `width - 1` data extents and
-//! one parity extent on `width` distinct donors, the parity position
-//! rotating with the group number. The group's write lock is held for every
-//! write, so parity always matches the data. Writes smaller than a group go
-//! to the parity log when there is one (see `parity_log`).
+//! Striped modes: a unit is a group of `k` data extents and `r` parity
+//! extents on `k + r` distinct donors, the parity positions rotating with
+//! the group number (see [`Layout::shard_of`]). Mode parity is `k + 1` with
+//! XOR (RAID-5), mode ec `k + r` with Reed-Solomon (any `r` members may be
+//! lost); both go through [`crate::erasure::Codec`]. The group's write lock
+//! is held for every write, so parity always matches the data. Writes
+//! smaller than a group go to the parity log when there is one (see
+//! `parity_log`).
+//!
+//! [`Layout::shard_of`]: crate::extent_map::Layout::shard_of
 
 use std::sync::RwLockWriteGuard;
 
 use super::io::{batch, xor_into, IoFail, IoReq, ZEROS};
 use super::maintenance::MoveWhy;
 use super::{DeviceError, Inner, Payload, Result};
+use crate::erasure::{aligned, CodeError, ALIGN, MAX_SHARDS};
 use crate::extent_map::{CopyState, Loc, Member, Unit};
 use crate::nbd::Op;
 use crate::page_log::PAGE;
@@ -16,14 +22,102 @@ use crate::page_log::PAGE;
 type GroupGuard<'a> = RwLockWriteGuard<'a, Option<Unit>>;
 
 impl Inner {
-    fn usable(&self, m: &Member) -> bool {
+    pub(crate) fn usable(&self, m: &Member) -> bool {
         m.state == CopyState::Ok && self.loc_available(m.loc)
     }
 
-    pub(crate) fn read_parity(&self, e: u64, in_off: u64, buf: &mut [u8]) -> Result<()> {
-        let (g, _) = self.layout.locate(e);
-        let guard = self.map.unit(g).read().unwrap_or_else(|p| p.into_inner());
-        self.read_parity_locked(e, in_off, buf, guard.as_ref())
+    /// Bytes of one pooled buffer: an extent per parity member.
+    pub(crate) fn buf_bytes(&self) -> usize {
+        self.layout.extent as usize * self.layout.parity_count().max(1)
+    }
+
+    fn code_error(&self, e: u64, source: CodeError) -> DeviceError {
+        match source {
+            CodeError::TooFew { .. } => DeviceError::Lost {
+                extent: e,
+                reason: source.to_string(),
+            },
+            CodeError::Shape { .. } => DeviceError::Io {
+                extent: e,
+                reason: source.to_string(),
+            },
+        }
+    }
+
+    pub(crate) fn codec<T>(&self, f: impl FnOnce(&mut crate::erasure::Codec) -> T) -> T {
+        self.codecs.as_ref().expect("a striped mode").with(f)
+    }
+
+    /// Reads `buf` at device offset `offset` group by group. The extents a
+    /// read spans in one group, when all at home on live members, are read
+    /// at once (a request per extent, in parallel): a read across a stripe
+    /// then costs one round trip, not one per extent.
+    pub(crate) fn read_striped(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        let ext = self.layout.extent;
+        let group_bytes = self.layout.data_per_unit() * ext;
+        let mut done = 0usize;
+        while done < buf.len() {
+            let pos = offset + done as u64;
+            let g = pos / group_bytes;
+            let n = ((g + 1) * group_bytes - pos).min((buf.len() - done) as u64) as usize;
+            let guard = self.map.unit(g).read().unwrap_or_else(|p| p.into_inner());
+            let piece = &mut buf[done..done + n];
+            if !self.read_group_direct(pos, piece, guard.as_ref()) {
+                let mut at = 0usize;
+                while at < n {
+                    let p = pos + at as u64;
+                    let m = ((ext - p % ext) as usize).min(n - at);
+                    self.read_parity_locked(
+                        p / ext,
+                        p % ext,
+                        &mut piece[at..at + m],
+                        guard.as_ref(),
+                    )?;
+                    at += m;
+                }
+            }
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// Reads `buf` at `pos`, within one group placed as `unit` (locked), in
+    /// one batch if it spans several extents, none with pages in the parity
+    /// log and all on live members; false if it did not (or a read failed:
+    /// the caller reads extent by extent, rebuilding what it must).
+    fn read_group_direct(&self, pos: u64, buf: &mut [u8], unit: Option<&Unit>) -> bool {
+        let ext = self.layout.extent;
+        let end = pos + buf.len() as u64;
+        let Some(unit) = unit else { return false };
+        if pos / ext == (end - 1) / ext
+            || self
+                .map
+                .log_any_in(pos / PAGE, (end - 1) / PAGE - pos / PAGE + 1)
+        {
+            return false;
+        }
+        let mut reqs = batch();
+        let mut rest = buf;
+        let mut p = pos;
+        for req in reqs.iter_mut() {
+            if rest.is_empty() {
+                break;
+            }
+            let n = ((ext - p % ext) as usize).min(rest.len());
+            let (piece, tail) = std::mem::take(&mut rest).split_at_mut(n);
+            rest = tail;
+            let m = unit.members[self.layout.locate(p / ext).1];
+            if !self.usable(&m) {
+                return false;
+            }
+            *req = Some(IoReq {
+                loc: m.loc,
+                off: p % ext,
+                op: Op::Read(piece),
+            });
+            p += n as u64;
+        }
+        self.exec(&mut reqs).iter().flatten().all(|r| r.is_ok())
     }
 
     /// Reads extent `e`'s bytes with its group locked (`unit` is its
@@ -79,11 +173,13 @@ impl Inner {
             return Ok(());
         }
         let mut bufs = self.bufs.take(1);
-        self.reconstruct(e, unit, pos, in_off, buf, bufs.one(buf.len()))
+        self.reconstruct(e, unit, pos, in_off, buf, bufs.one(self.buf_bytes()))
     }
 
-    /// Member `pos`'s bytes `[in_off, in_off + out.len())` as the XOR of
-    /// every other member (degraded read, rebuild).
+    /// Member `pos`'s bytes `[in_off, in_off + out.len())` decoded from `k`
+    /// other members (degraded read, rebuild), read in parallel piece by
+    /// piece into `scratch` (any size from `(k + 1) * 64` bytes). A member
+    /// whose read fails is left out and another one read instead.
     pub(crate) fn reconstruct(
         &self,
         e: u64,
@@ -93,22 +189,74 @@ impl Inner {
         out: &mut [u8],
         scratch: &mut [u8],
     ) -> Result<()> {
-        let lost = |why: String| DeviceError::Lost {
-            extent: e,
-            reason: format!("parity group lost two members: {why}"),
-        };
-        let mut first = true;
-        for (k, m) in unit.members.iter().enumerate().filter(|(k, _)| *k != pos) {
-            if !self.usable(m) {
-                return Err(lost(self.lost_reason(unit)));
+        let l = &self.layout;
+        let g = e / l.data_per_unit();
+        let (k, r) = (l.data_per_unit() as usize, l.parity_count());
+        let want = l.shard_of(g, pos);
+        let mut gone = [false; MAX_SHARDS];
+        gone[pos] = true;
+        for (j, m) in unit.members.iter().enumerate() {
+            gone[j] |= !self.usable(m);
+        }
+        let mut why = String::new();
+        let (a_off, a_len) = aligned(in_off, out.len() as u64);
+        let piece = (scratch.len() / (k + 1) / ALIGN * ALIGN) as u64;
+        let mut at = a_off;
+        while at < a_off + a_len {
+            let n = piece.min(a_off + a_len - at) as usize;
+            let mut src = [0usize; MAX_SHARDS];
+            let mut found = 0;
+            for j in (0..unit.members.len()).filter(|&j| !gone[j]).take(k) {
+                src[found] = j;
+                found += 1;
             }
-            let target: &mut [u8] = if first { &mut *out } else { &mut *scratch };
-            self.exec1(m.loc, in_off, Op::Read(target))
-                .map_err(|f| lost(format!("member {k}: {}", f.reason())))?;
-            if !first {
-                xor_into(out, scratch);
+            if found < k {
+                let gone_n = gone[..unit.members.len()].iter().filter(|&&x| x).count();
+                return Err(DeviceError::Lost {
+                    extent: e,
+                    reason: format!(
+                        "{gone_n} of the group's {} members are gone and {k} are needed: {}{why}",
+                        k + r,
+                        self.lost_reason(unit)
+                    ),
+                });
             }
-            first = false;
+            let (pieces, rest) = scratch.split_at_mut(k * n);
+            let dec = &mut rest[..n];
+            let res = {
+                let mut reqs = batch();
+                for ((req, chunk), &j) in reqs.iter_mut().zip(pieces.chunks_mut(n)).zip(&src) {
+                    *req = Some(IoReq {
+                        loc: unit.members[j].loc,
+                        off: at,
+                        op: Op::Read(chunk),
+                    });
+                }
+                self.exec(&mut reqs)
+            };
+            let mut failed = false;
+            for (i, r) in res.iter().enumerate().take(k) {
+                if let Some(Err(f)) = r {
+                    gone[src[i]] = true;
+                    why = format!("; member {}: {}", src[i], f.reason());
+                    failed = true;
+                }
+            }
+            if failed {
+                continue;
+            }
+            let mut have: [Option<&[u8]>; MAX_SHARDS] = [None; MAX_SHARDS];
+            for (chunk, &j) in pieces.chunks(n).zip(&src) {
+                have[l.shard_of(g, j)] = Some(chunk);
+            }
+            self.codec(|c| c.recover(&have[..k + r], want, dec))
+                .map_err(|c| self.code_error(e, c))?;
+            // The part of this piece the caller asked for.
+            let from = at.max(in_off);
+            let to = (at + n as u64).min(in_off + out.len() as u64);
+            out[(from - in_off) as usize..(to - in_off) as usize]
+                .copy_from_slice(&dec[(from - at) as usize..(to - at) as usize]);
+            at += n as u64;
         }
         Ok(())
     }
@@ -225,37 +373,42 @@ impl Inner {
             // Every member is written in full below: no zeroing.
             self.place_group(first, g, &mut guard, false)?;
         }
-        let pp = self.layout.parity_member(g);
+        let (k, r) = (
+            self.layout.data_per_unit() as usize,
+            self.layout.parity_count(),
+        );
         let mut bufs = self.bufs.take(1);
-        let par = bufs.one(ext);
-        par.copy_from_slice(&data[..ext]);
-        for chunk in data[ext..].chunks(ext) {
-            xor_into(par, chunk);
+        let par = bufs.one(r * ext);
+        {
+            let mut d: [&[u8]; MAX_SHARDS] = [&[]; MAX_SHARDS];
+            for (d, chunk) in d.iter_mut().zip(data.chunks(ext)) {
+                *d = chunk;
+            }
+            let mut p: [&mut [u8]; MAX_SHARDS] = Default::default();
+            for (p, chunk) in p.iter_mut().zip(par.chunks_mut(ext)) {
+                *p = chunk;
+            }
+            self.codec(|c| c.encode(&d[..k], &mut p[..r]))
+                .map_err(|c| self.code_error(first, c))?;
         }
         let par: &[u8] = par;
-        let content = |k: usize| -> usize {
-            if k < pp {
-                k
-            } else {
-                k - 1
-            }
-        };
         let unit = guard.as_ref().expect("placed above");
         let mut reqs = batch();
-        for (k, (m, r)) in unit.members.iter().zip(&mut reqs).enumerate() {
-            let bytes = if k == pp {
-                par
+        for (j, (m, req)) in unit.members.iter().zip(&mut reqs).enumerate() {
+            let s = self.layout.shard_of(g, j);
+            let bytes = if s < k {
+                &data[s * ext..(s + 1) * ext]
             } else {
-                &data[content(k) * ext..(content(k) + 1) * ext]
+                &par[(s - k) * ext..(s - k + 1) * ext]
             };
-            *r = self.usable(m).then_some(IoReq {
+            *req = self.usable(m).then_some(IoReq {
                 loc: m.loc,
                 off: 0,
                 op: Op::Write(bytes),
             });
         }
         let missing = unit.members.len() - reqs.iter().flatten().count();
-        if missing >= 2 {
+        if missing > r {
             return Err(DeviceError::Lost {
                 extent: first,
                 reason: self.lost_reason(unit),
@@ -267,11 +420,11 @@ impl Inner {
             .iter()
             .filter(|r| matches!(r, Some(Err(IoFail::Failed(_)))))
             .count();
-        if missing + failed >= 2 {
+        if missing + failed > r {
             return Err(DeviceError::Io {
                 extent: first,
                 reason: format!(
-                    "full-stripe write lost two members of the group: {}",
+                    "full-stripe write lost more than {r} members of the group: {}",
                     self.lost_reason(unit)
                 ),
             });
@@ -330,6 +483,9 @@ impl Inner {
         let (g, pos) = self.layout.locate(e);
         if guard.is_none() {
             self.place_group(e, g, guard, true)?;
+        }
+        if self.layout.parity_count() > 1 {
+            return self.write_stripe_locked(e, in_off, data, guard);
         }
         let pp = self.layout.parity_member(g);
         let len = data.len();
@@ -413,6 +569,134 @@ impl Inner {
             extent: e,
             reason: "the parity update kept failing".into(),
         })
+    }
+
+    /// Mode ec's write at home (group placed and write-locked): the other
+    /// data members' bytes over the range are read (decoded where their
+    /// member is gone), the parity encoded afresh and the data and parity
+    /// members written. Parity's delta update reads two members whatever
+    /// the width; with several Reed-Solomon parities it would read `1 + r`,
+    /// no fewer than the `k - 1` read here at the usual 4+2, and would need
+    /// the code's coefficients.
+    fn write_stripe_locked(
+        &self,
+        e: u64,
+        in_off: u64,
+        data: &[u8],
+        guard: &mut GroupGuard<'_>,
+    ) -> Result<()> {
+        let l = self.layout;
+        let (g, pos) = l.locate(e);
+        let (k, r) = (l.data_per_unit() as usize, l.parity_count());
+        let me = l.shard_of(g, pos);
+        let end = in_off + data.len() as u64;
+        let (a_off, a_len) = aligned(in_off, data.len() as u64);
+        let mut bufs = self.bufs.take(2);
+        let (shards, scratch) = bufs.two(self.buf_bytes());
+        let piece = (shards.len() / (k + r) / ALIGN * ALIGN) as u64;
+        let mut moves = [false; MAX_SHARDS];
+        let mut at = a_off;
+        while at < a_off + a_len {
+            let n = piece.min(a_off + a_len - at) as usize;
+            let (dpart, ppart) = shards[..(k + r) * n].split_at_mut(k * n);
+            let unit = guard.as_ref().expect("placed by the caller");
+            // The data shards as they are: read in one batch, decoded
+            // where a member is gone or its read failed.
+            let covered = |i: usize| i == me && at >= in_off && at + n as u64 <= end;
+            let res = {
+                let mut reqs = batch();
+                for (i, (req, chunk)) in reqs.iter_mut().zip(dpart.chunks_mut(n)).enumerate() {
+                    let m = unit.members[l.member_of(g, i)];
+                    if !covered(i) && self.usable(&m) {
+                        *req = Some(IoReq {
+                            loc: m.loc,
+                            off: at,
+                            op: Op::Read(chunk),
+                        });
+                    }
+                }
+                self.exec(&mut reqs)
+            };
+            for (i, chunk) in dpart.chunks_mut(n).enumerate() {
+                if covered(i) || matches!(res[i], Some(Ok(()))) {
+                    continue;
+                }
+                let j = l.member_of(g, i);
+                let ei = l.extent_of(g, j).unwrap_or(e);
+                self.reconstruct(ei, unit, j, at, chunk, scratch)?;
+            }
+            // The new bytes over the target's shard.
+            let from = at.max(in_off);
+            let to = (at + n as u64).min(end);
+            let mine = &mut dpart[me * n..(me + 1) * n];
+            mine[(from - at) as usize..(to - at) as usize]
+                .copy_from_slice(&data[(from - in_off) as usize..(to - in_off) as usize]);
+            {
+                let mut d: [&[u8]; MAX_SHARDS] = [&[]; MAX_SHARDS];
+                for (d, chunk) in d.iter_mut().zip(dpart.chunks(n)) {
+                    *d = chunk;
+                }
+                let mut p: [&mut [u8]; MAX_SHARDS] = Default::default();
+                for (p, chunk) in p.iter_mut().zip(ppart.chunks_mut(n)) {
+                    *p = chunk;
+                }
+                self.codec(|c| c.encode(&d[..k], &mut p[..r]))
+                    .map_err(|c| self.code_error(e, c))?;
+            }
+            let (dpart, ppart) = (&*dpart, &*ppart);
+            let res = {
+                let mut reqs = batch();
+                for (j, req) in reqs.iter_mut().enumerate().take(k + r) {
+                    let s = l.shard_of(g, j);
+                    let m = unit.members[j];
+                    if (s == me || s >= k) && self.usable(&m) {
+                        let bytes = if s < k {
+                            &dpart[s * n..(s + 1) * n]
+                        } else {
+                            &ppart[(s - k) * n..(s - k + 1) * n]
+                        };
+                        *req = Some(IoReq {
+                            loc: m.loc,
+                            off: at,
+                            op: Op::Write(bytes),
+                        });
+                    }
+                }
+                self.exec(&mut reqs)
+            };
+            // Members that hold this piece of the new stripe: the data
+            // members not written, and the written ones that took it.
+            let mut current = 0;
+            for (j, m) in unit.members.iter().enumerate() {
+                let s = l.shard_of(g, j);
+                match &res[j] {
+                    Some(Ok(())) => current += 1,
+                    Some(Err(IoFail::NoSpace(_))) => {
+                        // Re-created elsewhere from the others below.
+                        moves[j] = true;
+                        current += 1;
+                    }
+                    Some(Err(IoFail::Failed(_))) => {}
+                    None => current += usize::from(s < k && s != me && self.usable(m)),
+                }
+            }
+            if current < k {
+                return Err(DeviceError::Io {
+                    extent: e,
+                    reason: format!(
+                        "write left {current} of the group's {} members current, {k} are needed: {}",
+                        k + r,
+                        self.lost_reason(unit)
+                    ),
+                });
+            }
+            at += n as u64;
+        }
+        drop(bufs);
+        for j in (0..k + r).filter(|&j| moves[j]) {
+            self.move_member(g, guard, j, MoveWhy::Full)?;
+        }
+        Ok(())
     }
 
     /// Read-modify-write of data member `dm` and parity member `pm` at

@@ -1,8 +1,8 @@
-//! Parity logging (DESIGN.md §2.2, RMP): in mode parity a write smaller
-//! than a whole group does not read-modify-write the group's parity (two
-//! reads, then two writes). Its pages join a queue; a leader thread takes
-//! the queued pages, from any writers, computes their parity and writes
-//! them as new rows of a log unit: `width - 1` pages per row, no reads, and
+//! Parity logging (DESIGN.md §2.2, RMP): in modes parity and ec a write
+//! smaller than a whole group does not read-modify-write the group's parity
+//! (reads, then writes). Its pages join a queue; a leader thread takes
+//! the queued pages, from any writers, encodes their parity and writes
+//! them as new rows of a log unit: `k` pages per row, no reads, and
 //! one request per member for up to [`MAX_ROWS`] consecutive rows. The page table (see
 //! [`crate::page_log`]) says which pages live in the log; their home copies
 //! are stale until the page is written home again.
@@ -21,8 +21,9 @@ use std::ops::RangeInclusive;
 use std::sync::{Mutex, MutexGuard};
 use std::thread::{self, Thread};
 
-use super::io::{batch, xor_into, IoReq, MAX_BATCH};
+use super::io::{batch, IoReq, MAX_BATCH};
 use super::{DeviceError, Inner, Result};
+use crate::erasure::MAX_SHARDS;
 use crate::extent_map::{CopyState, Unit};
 use crate::nbd::Op;
 use crate::page_log::{LogGeometry, Slot, PAGE};
@@ -93,11 +94,12 @@ pub(crate) struct ParityLog {
 }
 
 impl ParityLog {
-    /// `placed[lu]`: whether log unit `lu` holds a placement (from the map).
-    pub fn new(geo: LogGeometry, placed: &[bool], leaders: usize) -> ParityLog {
+    /// `placed[lu]`: whether log unit `lu` holds a placement (from the map);
+    /// a log unit has `members` members (data and parity).
+    pub fn new(geo: LogGeometry, members: usize, placed: &[bool], leaders: usize) -> ParityLog {
         let pages = (2 * geo.rows as usize).max(MAX_ROWS * geo.cols as usize * leaders);
         let page = || vec![0u8; PAGE as usize].into_boxed_slice();
-        let span = (geo.cols as usize + 1) * MAX_ROWS * PAGE as usize;
+        let span = members * MAX_ROWS * PAGE as usize;
         ParityLog {
             geo,
             max_leaders: leaders,
@@ -216,9 +218,7 @@ impl Inner {
     /// unit `lu`.
     fn log_member(&self, lu: u64, col: u32) -> (u64, usize) {
         let g = self.layout.log_unit(lu);
-        let pp = self.layout.parity_member(g);
-        let c = col as usize;
-        (g, if c < pp { c } else { c + 1 })
+        (g, self.layout.member_of(g, col as usize))
     }
 
     /// Writes whole device pages `pages` (their 4096 bytes each from
@@ -362,7 +362,6 @@ impl Inner {
         let cols = self.plog().geo.cols;
         let span = (rows as u64 * PAGE) as usize;
         let page = PAGE as usize;
-        let pp = self.layout.parity_member(g);
         let parts = &mut scratch[..unit.members.len() * span];
         // Columns no page fills stay zero, as the unit was placed.
         parts.fill(0);
@@ -370,8 +369,22 @@ impl Inner {
             let (r, c) = (i / cols as usize, i as u32 % cols);
             let at = self.log_member(lu, c).1 * span + r * page;
             parts[at..at + page].copy_from_slice(&e.buf);
-            let p = pp * span + r * page;
-            xor_into(&mut parts[p..p + page], &e.buf);
+        }
+        {
+            let k = cols as usize;
+            let mut d: [&[u8]; MAX_SHARDS] = [&[]; MAX_SHARDS];
+            let mut p: [&mut [u8]; MAX_SHARDS] = Default::default();
+            for (j, part) in parts.chunks_mut(span).enumerate() {
+                match self.layout.shard_of(g, j) {
+                    s if s < k => d[s] = part,
+                    s => p[s - k] = part,
+                }
+            }
+            let r = self.layout.parity_count();
+            if let Err(e) = self.codec(|c| c.encode(&d[..k], &mut p[..r])) {
+                tracing::error!("parity log unit {lu}: {e}");
+                return false;
+            }
         }
         let mut reqs = batch();
         for ((part, m), r) in parts.chunks(span).zip(&unit.members).zip(&mut reqs) {
@@ -423,9 +436,9 @@ impl Inner {
         {
             return Ok(());
         }
-        let mut scratch = [0u8; PAGE as usize];
         let e = g * self.layout.data_per_unit();
-        self.reconstruct(e, unit, pos, off, buf, &mut scratch[..buf.len()])
+        let mut bufs = self.bufs.take(1);
+        self.reconstruct(e, unit, pos, off, buf, bufs.one(self.buf_bytes()))
     }
 
     /// Frees closed log unit `lu` (no live page is left in it: a closed

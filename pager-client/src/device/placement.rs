@@ -5,7 +5,7 @@
 use std::sync::atomic::Ordering;
 
 use super::{DeviceError, Inner, Result};
-use crate::extent_map::{Loc, Redundancy, SlotOwner};
+use crate::extent_map::{Loc, SlotOwner};
 use crate::policy::{Frequencies, Selector};
 
 pub(crate) struct Placement {
@@ -84,7 +84,7 @@ impl Inner {
         // Each failed try rules out a donor (now full or failed).
         for _ in 0..self.donors.len() + 2 {
             let (picked, why) = self.pick_donors(k, exclude);
-            let replica = !matches!(self.layout.mode, Redundancy::Parity { .. });
+            let replica = !self.layout.mode.striped();
             let missing = k - picked.len();
             let n_fallback = if replica && picked.is_empty() {
                 1

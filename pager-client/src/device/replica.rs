@@ -21,11 +21,15 @@ impl Inner {
         m.state == CopyState::Ok && self.loc_available(m.loc)
     }
 
-    /// Why extent `e`'s data is gone, in words.
+    /// Why extent `e`'s data is gone, in words: every copy's donor; in a
+    /// group (modes parity, ec) the members that are gone, since the others
+    /// still hold their own extents.
     pub(crate) fn lost_reason(&self, unit: &Unit) -> String {
+        let striped = self.layout.mode.striped();
         let names: Vec<String> = unit
             .members
             .iter()
+            .filter(|m| !striped || !self.readable(m))
             .map(|m| match self.loc_donor(m.loc) {
                 Some(i) => {
                     let d = &self.donors[i];
@@ -39,7 +43,11 @@ impl Inner {
                 None => format!("{:?}", m.loc),
             })
             .collect();
-        format!("no copy left: {}", names.join("; "))
+        if striped {
+            format!("members gone: {}", names.join("; "))
+        } else {
+            format!("no copy left: {}", names.join("; "))
+        }
     }
 
     pub(crate) fn read_replica(&self, e: u64, in_off: u64, buf: &mut [u8]) -> Result<()> {

@@ -27,6 +27,15 @@ impl Inner {
         };
         let geo = self.map.log_geometry();
         let log_unit_bytes = geo.map_or(0, |g| (g.rows * g.cols) as u64 * crate::page_log::PAGE);
+        // Members a unit needs to be read: k of a group, one copy else.
+        let needed = if layout.mode.striped() {
+            layout.data_per_unit() as usize
+        } else {
+            1
+        };
+        let spare = layout.members() - needed;
+        let mut levels = vec![0u64; spare + 1];
+        let mut lost: Vec<u64> = Vec::new();
         for u in 0..layout.units() {
             let g = self.map.unit(u).read().unwrap_or_else(|p| p.into_inner());
             let Some(unit) = g.as_ref() else { continue };
@@ -46,39 +55,41 @@ impl Inner {
                     m.state != CopyState::Ok || !self.loc_available(m.loc)
                 })
                 .collect();
+            levels[spare.saturating_sub(bad.len())] += 1;
             if bad.is_empty() {
                 continue;
             }
-            let lost = |e: u64, t: &mut Totals| {
-                t.lost += 1;
-                if t.lost_extents.len() < LOST_LISTED {
-                    t.lost_extents.push(e);
-                }
-            };
             match layout.mode {
-                Redundancy::Parity { .. } if bad.len() >= 2 => {
-                    let mut extents: Vec<u64> = match log_unit {
-                        // The extents whose current pages were in the row.
-                        Some(lu) => self
-                            .map
+                // Past what the code survives, the extents on gone members
+                // are lost; those on live members still read directly.
+                m if m.striped() && bad.len() > spare => match (log_unit, geo) {
+                    // The extents whose current pages were on gone members.
+                    (Some(lu), Some(geo)) => lost.extend(
+                        self.map
                             .log_live_in(lu)
                             .iter()
-                            .map(|&(_, page)| page * crate::page_log::PAGE / layout.extent)
-                            .collect(),
-                        None => bad.iter().filter_map(|&k| layout.extent_of(u, k)).collect(),
-                    };
-                    extents.sort_unstable();
-                    extents.dedup();
-                    for e in extents {
-                        lost(e, &mut t);
-                    }
-                }
-                Redundancy::Parity { .. } => t.degraded += 1,
+                            .filter(|&&(slot, _)| {
+                                let col = geo.place(slot).2 as usize;
+                                bad.contains(&layout.member_of(u, col))
+                            })
+                            .map(|&(_, page)| page * crate::page_log::PAGE / layout.extent),
+                    ),
+                    _ => lost.extend(bad.iter().filter_map(|&k| layout.extent_of(u, k))),
+                },
+                m if m.striped() => t.degraded += 1,
                 Redundancy::Disk => t.degraded += 1,
-                _ if bad.len() == unit.members.len() => lost(u, &mut t),
+                _ if bad.len() == unit.members.len() => lost.push(u),
                 _ => t.degraded += 1,
             }
         }
+        // An extent may be lost both at home and in the parity log.
+        lost.sort_unstable();
+        lost.dedup();
+        t.lost = lost.len() as u64;
+        lost.truncate(LOST_LISTED);
+        t.lost_extents = lost;
+        t.can_lose = levels.iter().position(|&n| n > 0).unwrap_or(spare) as u32;
+        t.can_lose_units = levels;
         {
             let j = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
             t.rebuild = j.rebuild.clone();
@@ -163,6 +174,8 @@ impl Inner {
             client_id: self.cfg.client_id.clone(),
             mode: layout.mode.word().to_string(),
             width,
+            code: format!("{needed}+{spare}"),
+            memory_overhead: layout.members() as f64 / needed as f64,
             size_bytes: layout.size,
             extent_bytes: layout.extent,
             updated_unix_ms: std::time::SystemTime::now()

@@ -3,6 +3,7 @@
 
 mod attach_cmd;
 mod donor;
+mod durability;
 mod nbd_wire;
 mod procs;
 mod serve_cmd;
@@ -50,6 +51,9 @@ enum Cmd {
     DonorDrain(DonorDrainArgs),
     /// Compare donor-selection policies on a simulated cluster.
     Simulate(simulate::Args),
+    /// The chance of data loss per mode (none, mirror, parity, ec) from a
+    /// donor failure rate and a rebuild time.
+    Durability(durability::Args),
 }
 
 fn parse_secs(s: &str) -> Result<Duration, String> {
@@ -70,13 +74,20 @@ struct AttachArgs {
     /// Device size (e.g. 256M, 4G). Required unless DIR already holds a device.
     #[arg(long, value_parser = netpager_util::parse_size, value_name = "SIZE")]
     size: Option<u64>,
-    /// How remote pages are kept safe: none, mirror, parity or disk.
+    /// How remote pages are kept safe: none, mirror, parity, ec or disk.
     #[arg(long, value_parser = |s: &str| s.parse::<ModeChoice>().map_err(|e| e.to_string()))]
     mode: Option<ModeChoice>,
     /// Donors per parity group (N-1 data + 1 parity), default 3.
     #[arg(long, value_name = "N")]
     parity_width: Option<u32>,
-    /// Parity log size (mode parity; default the device size, 0 turns it
+    /// Mode ec: data extents per stripe (K), default 4.
+    #[arg(long = "data", value_name = "K")]
+    ec_data: Option<u32>,
+    /// Mode ec: Reed-Solomon parity extents per stripe (R, the donor
+    /// failures a stripe survives), default 2.
+    #[arg(long = "parity", value_name = "R")]
+    ec_parity: Option<u32>,
+    /// Parity log size (modes parity and ec; default the device size, 0 turns it
     /// off): small writes go there as whole new rows instead of
     /// read-modify-writing their group.
     #[arg(long, value_parser = netpager_util::parse_size, value_name = "SIZE")]
@@ -87,8 +98,8 @@ struct AttachArgs {
     /// A donor: HOST:PORT[/EXPORT][,status=HOST:PORT][,name=NAME]. Repeat.
     #[arg(long = "donor", value_name = "SPEC", value_parser = |s: &str| s.parse::<DonorSpec>().map_err(|e| e.to_string()))]
     donors: Vec<DonorSpec>,
-    /// Unit of placement (power of two, 4K..64M; default 1M, in parity mode
-    /// the largest that keeps a full stripe within 1M).
+    /// Unit of placement (power of two, 4K..64M; default 1M, in modes parity
+    /// and ec the largest that keeps a full stripe's data within 1M).
     #[arg(long, value_parser = netpager_util::parse_size, value_name = "SIZE")]
     extent_size: Option<u64>,
     /// Load-balancing rate b in [0, 1]: f = b*w + (1-b)*a.
@@ -161,6 +172,8 @@ impl AttachArgs {
             size: self.size,
             mode: self.mode,
             parity_width: self.parity_width,
+            ec_data: self.ec_data,
+            ec_parity: self.ec_parity,
             parity_log: self.parity_log,
             disk_file: self.disk_file.clone(),
             donors: self.donors.clone(),
@@ -302,6 +315,7 @@ fn main() {
             .client()
             .and_then(|c| donor::drain(&a.addr, a.undo, a.wait, &c, a.wait_timeout)),
         Cmd::Simulate(a) => simulate::run(a),
+        Cmd::Durability(a) => durability::run(a),
     };
     if let Err(e) = result {
         eprintln!("pagerctl: {}", error_chain(&e));
