@@ -202,6 +202,53 @@ fn budget_running_out_mid_extent_moves_it_to_the_fallback() {
 }
 
 #[test]
+fn parity_members_both_refused_move_to_the_fallback() {
+    // Mode parity without its log: a partial write updates the data member
+    // and the parity member in place. Once both donors refuse new pages,
+    // the write must move a member to the fallback, not fail.
+    let budget = (3 * EXTENT + 4096).to_string();
+    let Some(ds) = (0..3)
+        .map(|_| server(&budget))
+        .collect::<Option<Vec<Nbdkit>>>()
+    else {
+        return;
+    };
+    let refs: Vec<&Nbdkit> = ds.iter().collect();
+    let state = tempfile::tempdir().unwrap();
+    let fb = tempfile::tempdir().unwrap();
+    let size = 16 * EXTENT;
+    let mut cfg = config(Mode::Parity { width: 3 }, size, EXTENT, &refs);
+    cfg.parity_log = Some(ByteSize(0));
+    cfg.fallback = Some(FallbackConfig {
+        path: fb.path().join("fb.img"),
+        size: ByteSize(2 * size),
+    });
+    let dev = Device::open(cfg, state.path()).unwrap();
+    let mut model = Model::new(size);
+    let mut rng = Rng::new(43);
+    for e in 0..16 {
+        let mut b = vec![0u8; 4096];
+        rng.fill(&mut b);
+        dev.write(&b, e * EXTENT).unwrap();
+        model.data[(e * EXTENT) as usize..(e * EXTENT + 4096) as usize].copy_from_slice(&b);
+    }
+    // Half an extent at a time: never a full stripe, always read-modify-write.
+    for e in 0..16 {
+        let half = EXTENT / 2;
+        let mut b = vec![0u8; half as usize];
+        rng.fill(&mut b);
+        let at = e * EXTENT + half;
+        dev.write(&b, at)
+            .unwrap_or_else(|err| panic!("write at {at}: {err}\n{}", render_table(&dev.status())));
+        model.data[at as usize..(at + half) as usize].copy_from_slice(&b);
+    }
+    model.check_all(&dev, 256 << 10);
+    let s = dev.status();
+    assert!(s.totals.on_fallback > 0, "{}", render_table(&s));
+    assert_eq!(s.totals.lost, 0);
+}
+
+#[test]
 fn donors_filling_up_between_epochs_send_new_extents_to_the_fallback() {
     // Four donors that each hold two extents; their status says so only
     // once per epoch, so most refusals arrive as ENOSPC on first writes.

@@ -483,10 +483,6 @@ def test_two_clients_fill_the_same_donors(mode, teardown, donors, client, second
     st1 = client.status()["status"]["totals"]
     cell.w.stop()
     cell.check("client 1 (fallback)", False)
-    if mode == "parity" and cell.w.write_errors:
-        pytest.xfail(f"BUG parity (NoSpace, NoSpace) retry: client 1 has a fallback, yet "
-                     f"writes failed {cell.w.write_errors}: serve.log 'the parity update kept "
-                     "failing' (parity.rs write_parity_locked retries without moving a member)")
     assert cell.w.write_errors == {}, f"client 1 has a fallback, yet writes failed: {cell.w.write_errors}"
     res2 = w2.verify_all()
     assert res2["corrupt"] == [] and not w2.corrupt, (

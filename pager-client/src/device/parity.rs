@@ -519,6 +519,11 @@ impl Inner {
                         (Err(IoFail::Failed(_)), Ok(())) | (Ok(()), Err(IoFail::Failed(_))) => {
                             return Ok(())
                         }
+                        // Both refused, neither changed: move the data
+                        // member where there is room, then write again.
+                        (Err(IoFail::NoSpace(_)), Err(IoFail::NoSpace(_))) => {
+                            self.move_member(g, guard, pos, MoveWhy::Full)?
+                        }
                         _ => continue,
                     }
                 }
