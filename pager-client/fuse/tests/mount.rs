@@ -63,6 +63,25 @@ fn set_uring(on: bool) -> Option<bool> {
     Some(old)
 }
 
+/// Runs `test` with the io_uring switch `on` (root; the switch is
+/// machine-wide, so such tests take turns), then puts the switch back,
+/// also when `test` panics. Nothing to test where the kernel lacks it.
+fn with_uring_switch(on: bool, test: impl FnOnce()) {
+    if !root() {
+        panic!("needs root (mounts FUSE)");
+    }
+    let _turn = URING_SWITCH.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(old) = set_uring(on) else {
+        eprintln!("this kernel has no FUSE over io_uring ({ENABLE_URING}); nothing to test");
+        return;
+    };
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(test));
+    set_uring(old);
+    if let Err(p) = result {
+        std::panic::resume_unwind(p);
+    }
+}
+
 /// Aligned buffer for O_DIRECT.
 fn aligned(len: usize, seed: u8) -> (Vec<u8>, usize) {
     let v: Vec<u8> = (0..len + 4096)
@@ -182,108 +201,83 @@ fn classic_serves_reads_writes_and_holes() {
 
 #[test]
 fn uring_serves_reads_writes_and_holes() {
-    if !root() {
-        panic!("needs root (mounts FUSE)");
-    }
-    let _turn = URING_SWITCH.lock().unwrap_or_else(|p| p.into_inner());
-    let Some(old) = set_uring(true) else {
-        eprintln!("this kernel has no FUSE over io_uring ({ENABLE_URING}); nothing to test");
-        return;
-    };
-    let m = serve(Transport::Uring, 8 << 20);
-    let t = m.mount().transport();
-    let reason = m.mount().fallback_reason().map(str::to_string);
-    let result = std::panic::catch_unwind(|| exercise(m.dir.path(), 8 << 20));
-    let answered = m.mount().ring_answers();
-    m.finish();
-    set_uring(old);
-    if let Err(p) = result {
-        std::panic::resume_unwind(p);
-    }
-    assert_eq!(t, Transport::Uring, "fell back: {reason:?}");
-    // Every read and write of `exercise` at least (8 requests).
-    assert!(
-        answered >= 8,
-        "only {answered} requests came through the rings"
-    );
+    with_uring_switch(true, || {
+        let m = serve(Transport::Uring, 8 << 20);
+        let reason = m.mount().fallback_reason().map(str::to_string);
+        assert_eq!(
+            m.mount().transport(),
+            Transport::Uring,
+            "fell back: {reason:?}"
+        );
+        exercise(m.dir.path(), 8 << 20);
+        // Every read and write of `exercise` at least (8 requests).
+        let answered = m.mount().ring_answers();
+        assert!(
+            answered >= 8,
+            "only {answered} requests came through the rings"
+        );
+        m.finish();
+    });
 }
 
 #[test]
 fn uring_switched_off_falls_back_to_classic_and_says_why() {
-    if !root() {
-        panic!("needs root (mounts FUSE)");
-    }
-    let _turn = URING_SWITCH.lock().unwrap_or_else(|p| p.into_inner());
-    let Some(old) = set_uring(false) else {
-        eprintln!("this kernel has no FUSE over io_uring ({ENABLE_URING}); nothing to test");
-        return;
-    };
-    let m = serve(Transport::Uring, 4 << 20);
-    let t = m.mount().transport();
-    let reason = m.mount().fallback_reason().map(str::to_string);
-    let result = std::panic::catch_unwind(|| exercise(m.dir.path(), 4 << 20));
-    assert_eq!(m.mount().ring_answers(), 0);
-    m.finish();
-    set_uring(old);
-    if let Err(p) = result {
-        std::panic::resume_unwind(p);
-    }
-    assert_eq!(t, Transport::Classic);
-    assert!(reason.unwrap().contains("enable_uring"));
+    with_uring_switch(false, || {
+        let m = serve(Transport::Uring, 4 << 20);
+        assert_eq!(m.mount().transport(), Transport::Classic);
+        let reason = m.mount().fallback_reason().map(str::to_string);
+        assert!(reason.unwrap().contains("enable_uring"));
+        exercise(m.dir.path(), 4 << 20);
+        assert_eq!(m.mount().ring_answers(), 0);
+        m.finish();
+    });
 }
 
 #[test]
 fn requests_arriving_while_queues_register_are_answered() {
-    if !root() {
-        panic!("needs root (mounts FUSE)");
-    }
-    let _turn = URING_SWITCH.lock().unwrap_or_else(|p| p.into_inner());
-    let Some(old) = set_uring(true) else {
-        eprintln!("this kernel has no FUSE over io_uring ({ENABLE_URING}); nothing to test");
-        return;
-    };
-    // A reader that keeps asking from before the mount: some of its
-    // requests may reach ring entries the moment their queue registers.
-    // (The window is microseconds: this checks that every request of a
-    // busy start is answered, and rarely catches the race itself.)
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("device");
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let (done_tx, done_rx) = std::sync::mpsc::channel();
-    let (f, s) = (file.clone(), stop.clone());
-    std::thread::spawn(move || {
-        // Direct reads: each one is a request (attributes are cached).
-        let (mut buf, at) = aligned(4096, 0);
-        let mut seen = 0u32;
-        while !s.load(std::sync::atomic::Ordering::Relaxed) {
-            let Ok(f) = OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_DIRECT)
-                .open(&f)
-            else {
-                continue;
-            };
-            for _ in 0..64 {
-                if f.read_exact_at(&mut buf[at..at + 4096], 0).is_ok() {
-                    seen += 1;
+    with_uring_switch(true, || {
+        // A reader that keeps asking from before the mount: some of its
+        // requests may reach ring entries the moment their queue registers.
+        // (The window is microseconds: this checks that every request of a
+        // busy start is answered, and rarely catches the race itself.)
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("device");
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let (f, s) = (file.clone(), stop.clone());
+        std::thread::spawn(move || {
+            // Direct reads: each one is a request (attributes are cached).
+            let (mut buf, at) = aligned(4096, 0);
+            let mut seen = 0u32;
+            while !s.load(std::sync::atomic::Ordering::Relaxed) {
+                let Ok(f) = OpenOptions::new()
+                    .read(true)
+                    .custom_flags(libc::O_DIRECT)
+                    .open(&f)
+                else {
+                    continue;
+                };
+                for _ in 0..64 {
+                    if f.read_exact_at(&mut buf[at..at + 4096], 0).is_ok() {
+                        seen += 1;
+                    }
                 }
             }
-        }
-        let _ = done_tx.send(seen);
+            let _ = done_tx.send(seen);
+        });
+        let backend = Memory {
+            bytes: Mutex::new(vec![0; 4 << 20]),
+            trims: Mutex::new(Vec::new()),
+        };
+        let m = Mounted {
+            mount: Some(Mount::start(backend, dir.path(), &Options::default()).unwrap()),
+            dir,
+        };
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        // A request lost in a ring entry leaves the reader blocked for good.
+        let seen = done_rx.recv_timeout(std::time::Duration::from_secs(30));
+        m.finish();
+        assert!(seen.expect("a request was never answered") > 0);
     });
-    let backend = Memory {
-        bytes: Mutex::new(vec![0; 4 << 20]),
-        trims: Mutex::new(Vec::new()),
-    };
-    let m = Mounted {
-        mount: Some(Mount::start(backend, dir.path(), &Options::default()).unwrap()),
-        dir,
-    };
-    std::thread::sleep(std::time::Duration::from_millis(200));
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    // A request lost in a ring entry leaves the reader blocked for good.
-    let seen = done_rx.recv_timeout(std::time::Duration::from_secs(30));
-    m.finish();
-    set_uring(old);
-    assert!(seen.expect("a request was never answered") > 0);
 }

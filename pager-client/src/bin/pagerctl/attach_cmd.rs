@@ -194,15 +194,7 @@ fn start_server(plan: &Plan, record: &mut AttachRecord) -> Result<()> {
     let mut cmd = commands::serve_command(&me, &layout.dir, plan.frontend);
     cmd.extend(["--threads".into(), plan.serve_threads.to_string()]);
     let log = layout.serve_log();
-    let child = spawn_detached(&cmd, &log)?;
-    let pid = child.id();
-    let started = procs::start_ticks(pid).ok_or_else(|| {
-        anyhow!(
-            "pagerctl serve (pid {pid}) exited at once; log {}:\n{}",
-            log.display(),
-            procs::log_tail(&log, 20)
-        )
-    })?;
+    let (child, pid, started) = spawn_watched(&cmd, &log, "pagerctl serve")?;
     push(
         layout,
         record,
@@ -358,16 +350,8 @@ fn start_nbdfuse(plan: &Plan, record: &mut AttachRecord) -> Result<()> {
     let _ = std::fs::remove_file(&pidfile);
     let cmd = commands::nbdfuse_command(&file, &layout.socket(), &plan.export, &pidfile);
     let log = layout.nbdfuse_log();
-    let child = spawn_detached(&cmd, &log)?;
-    let pid = child.id();
+    let (child, pid, started) = spawn_watched(&cmd, &log, "nbdfuse")?;
     procs::protect_from_oom(pid, "nbdfuse");
-    let started = procs::start_ticks(pid).ok_or_else(|| {
-        anyhow!(
-            "nbdfuse (pid {pid}) exited at once; log {}:\n{}",
-            log.display(),
-            procs::log_tail(&log, 20)
-        )
-    })?;
     push(
         layout,
         record,
@@ -406,6 +390,25 @@ fn spawn_detached(cmd: &[String], log: &Path) -> Result<std::process::Child> {
         .process_group(0)
         .spawn()
         .with_context(|| format!("cannot start {}", cmd[0]))
+}
+
+/// [`spawn_detached`], plus the child's pid and start time (for a record
+/// step), failing with its log if it is gone at once.
+fn spawn_watched(
+    cmd: &[String],
+    log: &Path,
+    what: &str,
+) -> Result<(std::process::Child, u32, u64)> {
+    let child = spawn_detached(cmd, log)?;
+    let pid = child.id();
+    let started = procs::start_ticks(pid).ok_or_else(|| {
+        anyhow!(
+            "{what} (pid {pid}) exited at once; log {}:\n{}",
+            log.display(),
+            procs::log_tail(log, 20)
+        )
+    })?;
+    Ok((child, pid, started))
 }
 
 /// Polls `ready` until it holds; fails early, with the log, if the child exits.
