@@ -13,8 +13,8 @@ use std::time::Duration;
 use netpager_util::HostPort;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::nbd::{Endpoint, Timeouts};
 use crate::policy;
+use netpager_nbd::{Endpoint, Timeouts};
 
 /// File name of the configuration inside a state directory.
 pub const FILE_NAME: &str = "device.toml";
@@ -22,6 +22,8 @@ pub const FILE_NAME: &str = "device.toml";
 /// Widest parity group: bounds the members of a unit, so a request's
 /// per-member bookkeeping fits in fixed-size arrays.
 pub const MAX_WIDTH: u32 = 32;
+// A device batch (one request per member) must fit one NBD wait.
+const _: () = assert!(MAX_WIDTH as usize <= netpager_nbd::MAX_WAIT);
 
 /// A byte count; see the module documentation for its TOML forms.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
@@ -216,6 +218,12 @@ pub struct TimeoutConfig {
     /// One request; a donor not answering in time is marked failed.
     #[serde(default = "default_request_ms")]
     pub request_ms: u64,
+    /// How long a request's waiter looks for the donor's reply before it
+    /// sleeps, microseconds (0: sleep at once). A reply usually comes in
+    /// tens of microseconds, and waking a sleeping thread costs about as
+    /// much again; at most one thread spins at a time.
+    #[serde(default = "default_spin_us")]
+    pub spin_us: u64,
 }
 
 impl Default for TimeoutConfig {
@@ -223,6 +231,7 @@ impl Default for TimeoutConfig {
         TimeoutConfig {
             connect_ms: default_connect_ms(),
             request_ms: default_request_ms(),
+            spin_us: default_spin_us(),
         }
     }
 }
@@ -327,6 +336,9 @@ fn default_n_clients() -> u32 {
 }
 fn default_connect_ms() -> u64 {
     3000
+}
+fn default_spin_us() -> u64 {
+    50
 }
 fn default_request_ms() -> u64 {
     5000
@@ -658,6 +670,7 @@ impl DeviceConfig {
         Timeouts {
             connect: Duration::from_millis(self.timeouts.connect_ms),
             request: Duration::from_millis(self.timeouts.request_ms),
+            spin: Duration::from_micros(self.timeouts.spin_us),
         }
     }
 }

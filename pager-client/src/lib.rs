@@ -7,7 +7,6 @@ pub mod device;
 pub mod durability;
 pub mod erasure;
 pub mod extent_map;
-pub mod nbd;
 pub mod page_log;
 pub mod policy;
 pub mod sim;

@@ -16,7 +16,7 @@ use pager_client::status::render_table;
 const EXTENT: u64 = 64 << 10;
 
 fn server(budget: &str) -> Option<Nbdkit> {
-    Nbdkit::pager_server(&[
+    common::pager_server(&[
         "size=8M",
         &format!("budget={budget}"),
         "reserve=0",
@@ -61,7 +61,7 @@ fn memory_pressure_on_a_donor_empties_it_without_losing_a_page() {
     let path = dir.path().join("meminfo");
     std::fs::write(&path, meminfo(8_000_000)).unwrap();
     let watched = format!("meminfo={}", path.display());
-    let Some(d0) = Nbdkit::pager_server(&[
+    let Some(d0) = common::pager_server(&[
         "size=8M",
         "budget=16M",
         "reserve=1G",

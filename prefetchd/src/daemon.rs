@@ -38,7 +38,7 @@ pub struct Config {
     pub disk_depth: u32,
     /// Largest local disk request, in bytes (coalesced runs, readahead).
     pub max_request: usize,
-    pub timeouts: pager_client::nbd::Timeouts,
+    pub timeouts: netpager_nbd::Timeouts,
 }
 
 struct JobInfo {
@@ -768,10 +768,12 @@ fn answer(done: Finished) {
 
 /// Default NBD timeouts: generous for slow replica disks, short enough
 /// that a hung donor is dropped quickly.
-pub fn default_timeouts() -> pager_client::nbd::Timeouts {
-    pager_client::nbd::Timeouts {
+pub fn default_timeouts() -> netpager_nbd::Timeouts {
+    netpager_nbd::Timeouts {
         connect: Duration::from_secs(5),
         request: Duration::from_secs(10),
+        // prefetchd's reads are not on a faulting thread's path.
+        spin: Duration::ZERO,
     }
 }
 

@@ -29,8 +29,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use netpager_nbd::{Connection, Endpoint, NbdError};
 use netpager_util::HostPort;
-use pager_client::nbd::{Connection, Endpoint, NbdError};
 
 use crate::disk::{Disk, Urgency};
 
@@ -174,7 +174,7 @@ impl DonorLane {
         block_size: usize,
         replica_size: u64,
         disk: Arc<Disk>,
-        timeouts: pager_client::nbd::Timeouts,
+        timeouts: netpager_nbd::Timeouts,
     ) -> Result<Arc<DonorLane>> {
         let name = format!("{}/{}", arg.memory.addr(), arg.memory.export);
         let probe = Connection::connect(&arg.memory, timeouts.connect)
@@ -340,7 +340,7 @@ impl DonorLane {
         }
     }
 
-    fn connect(&self, ep: &Endpoint, t: pager_client::nbd::Timeouts) -> Option<Connection> {
+    fn connect(&self, ep: &Endpoint, t: netpager_nbd::Timeouts) -> Option<Connection> {
         match Connection::connect(ep, t.connect) {
             Ok(c) => Some(c),
             Err(e) => {
@@ -350,7 +350,7 @@ impl DonorLane {
         }
     }
 
-    fn memory_worker(&self, ep: &Endpoint, t: pager_client::nbd::Timeouts) {
+    fn memory_worker(&self, ep: &Endpoint, t: netpager_nbd::Timeouts) {
         let Some(mut conn) = self.connect(ep, t) else {
             return;
         };
@@ -377,7 +377,7 @@ impl DonorLane {
         ep: &Endpoint,
         replica: Option<&Endpoint>,
         disk: &Disk,
-        t: pager_client::nbd::Timeouts,
+        t: netpager_nbd::Timeouts,
     ) {
         let Some(mut conn) = self.connect(ep, t) else {
             return;

@@ -156,7 +156,7 @@ impl Server for PagerClient {
             .take()
             .ok_or_else(|| einval("configuration not loaded"))?;
         if cfg.mlock {
-            pager_client::nbd::lock_all_memory().map_err(|e| {
+            netpager_nbd::lock_all_memory().map_err(|e| {
                 Error::new(
                     e.raw_os_error().unwrap_or(libc::EPERM),
                     format!("mlockall: {e} (set mlock = false in device.toml to run unlocked)"),

@@ -65,6 +65,8 @@ pub struct DeviceOptions {
     pub psk: Option<PathBuf>,
     pub connect_timeout: Option<Duration>,
     pub request_timeout: Option<Duration>,
+    /// Microseconds a request's waiter spins for the donor's reply.
+    pub spin_us: Option<u64>,
 }
 
 impl DonorSpec {
@@ -163,6 +165,9 @@ pub fn apply_options(
     }
     if let Some(t) = o.request_timeout {
         c.timeouts.request_ms = t.as_millis() as u64;
+    }
+    if let Some(us) = o.spin_us {
+        c.timeouts.spin_us = us;
     }
     if let Some((path, size)) = &o.fallback {
         c.fallback = Some(FallbackConfig {

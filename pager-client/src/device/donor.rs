@@ -9,7 +9,7 @@ use netpager_proto::{DonorStatus, StatusClient};
 use super::{Inner, Result};
 use crate::config::DonorConfig;
 use crate::extent_map::{CopyState, SlotOwner};
-use crate::nbd::{Endpoint, Op, Pool, Timeouts};
+use netpager_nbd::{Endpoint, Op, Pool, Timeouts};
 
 /// Bytes at the start of slot 0 that name the incarnation of our export.
 pub(crate) const LABEL_BYTES: usize = 4096;
@@ -340,15 +340,15 @@ impl Inner {
 /// incarnation). False when the donor does not support trim: its slots are
 /// then zeroed one by one before partial use.
 fn clear_export(
-    lease: &mut crate::nbd::Lease<'_>,
+    lease: &mut netpager_nbd::Lease<'_>,
     size: u64,
-) -> std::result::Result<bool, crate::nbd::NbdError> {
+) -> std::result::Result<bool, netpager_nbd::NbdError> {
     let mut off = 0;
     while off < size {
         let n = (size - off).min(TRIM_CHUNK);
         match lease.run(off, Op::Trim(n)) {
             Ok(()) => {}
-            Err(crate::nbd::NbdError::Request { errno, .. })
+            Err(netpager_nbd::NbdError::Request { errno, .. })
                 if errno == libc::EINVAL || errno == libc::EOPNOTSUPP || errno == libc::ENOTSUP =>
             {
                 return Ok(false)

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use netpager_proto::DonorState;
 
 use super::Inner;
-use crate::nbd::{self, Op};
 use crate::policy::{self, DonorView, PolicyParams};
+use netpager_nbd::{self as nbd, Op};
 
 /// `give_pages` of a donor without a status endpoint: all such donors weigh
 /// the same (capacity unknown).

@@ -13,7 +13,7 @@ use super::{DeviceError, Inner, Result};
 use crate::config::FallbackConfig;
 use crate::erasure::{CodeError, Codec};
 use crate::extent_map::{ExtentMap, Loc, SlotOwner};
-use crate::nbd::{self, Op};
+use netpager_nbd::{self as nbd, Op};
 
 /// Zeros for zero-writes to local files and parity zeroing.
 pub(crate) static ZEROS: [u8; 64 << 10] = [0; 64 << 10];

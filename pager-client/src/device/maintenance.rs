@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use super::{DeviceError, Inner, Result};
 use crate::extent_map::{CopyState, Loc, Member, Redundancy, Unit};
-use crate::nbd::Op;
 use crate::status::Progress;
+use netpager_nbd::Op;
 
 /// Why a member moves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -16,8 +16,8 @@ use super::maintenance::MoveWhy;
 use super::{DeviceError, Inner, Payload, Result};
 use crate::erasure::{aligned, CodeError, ALIGN, MAX_SHARDS};
 use crate::extent_map::{CopyState, Loc, Member, Unit};
-use crate::nbd::Op;
 use crate::page_log::PAGE;
+use netpager_nbd::Op;
 
 type GroupGuard<'a> = RwLockWriteGuard<'a, Option<Unit>>;
 

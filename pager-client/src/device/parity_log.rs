@@ -25,8 +25,8 @@ use super::io::{batch, IoReq, MAX_BATCH};
 use super::{DeviceError, Inner, Result};
 use crate::erasure::MAX_SHARDS;
 use crate::extent_map::{CopyState, Unit};
-use crate::nbd::Op;
 use crate::page_log::{LogGeometry, Slot, PAGE};
+use netpager_nbd::Op;
 
 /// Tries a leader makes before giving its pages back to be written home.
 const ROW_TRIES: usize = 3;

@@ -6,7 +6,7 @@ use super::io::{batch, IoFail, IoReq};
 use super::maintenance::MoveWhy;
 use super::{DeviceError, Inner, Payload, Result};
 use crate::extent_map::{CopyState, Member, Unit};
-use crate::nbd::Op;
+use netpager_nbd::Op;
 
 fn op_of<'a>(p: &Payload<'a>) -> Op<'a> {
     match *p {

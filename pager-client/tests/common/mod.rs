@@ -4,183 +4,23 @@
 //! an in-memory model of the device's contents.
 #![allow(dead_code)] // each test binary uses its own part of the harness
 
-use std::net::TcpListener;
+mod nbdkit;
+pub use nbdkit::Nbdkit;
+
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use pager_client::config::{ByteSize, DeviceConfig, DonorConfig, Mode};
 use pager_client::device::Device;
 use pager_client::status::ClientStatus;
 
-static NEXT_IP: AtomicU32 = AtomicU32::new(0);
-
-/// A loopback address for the next donor (spread over 127.0.0.10-249).
-fn next_ip() -> String {
-    let n = NEXT_IP.fetch_add(1, Ordering::Relaxed) + std::process::id();
-    format!("127.0.0.{}", 10 + n % 240)
-}
-
-fn free_port(ip: &str) -> u16 {
-    TcpListener::bind((ip, 0))
-        .and_then(|l| l.local_addr())
-        .expect("bind a free port")
-        .port()
-}
-
-/// An nbdkit process started by a test; killed (by pid) when dropped.
-pub struct Nbdkit {
-    child: Child,
-    pub addr: String,
-    /// Status endpoint (pager-server donors).
-    pub status: Option<String>,
-    stopped: bool,
-    _dir: tempfile::TempDir,
-}
-
-impl Nbdkit {
-    fn start(plugin_args: &[String], status_port: bool) -> Nbdkit {
-        let ip = next_ip();
-        let port = free_port(&ip);
-        Nbdkit::start_at(&ip, port, plugin_args, status_port)
-    }
-
-    fn start_at(ip: &str, port: u16, plugin_args: &[String], status_port: bool) -> Nbdkit {
-        let ip = ip.to_string();
-        let dir = tempfile::tempdir().expect("temporary directory");
-        let pidfile = dir.path().join("nbdkit.pid");
-        let mut args: Vec<String> = vec![
-            "-f".into(),
-            "-i".into(),
-            ip.clone(),
-            "--port".into(),
-            port.to_string(),
-            "--pidfile".into(),
-        ];
-        args.push(pidfile.display().to_string());
-        let status = status_port.then(|| format!("{ip}:{}", free_port(&ip)));
-        args.extend(plugin_args.iter().cloned());
-        if let Some(s) = &status {
-            args.push(format!("status={s}"));
-        }
-        let child = Command::new("nbdkit")
-            .args(&args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start nbdkit");
-        let mut n = Nbdkit {
-            child,
-            addr: format!("{ip}:{port}"),
-            status,
-            stopped: false,
-            _dir: dir,
-        };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !pidfile.exists() {
-            if let Ok(Some(st)) = n.child.try_wait() {
-                panic!("nbdkit {args:?} exited at start: {st}");
-            }
-            assert!(Instant::now() < deadline, "nbdkit {args:?} did not start");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        n
-    }
-
-    /// `nbdkit memory SIZE`: a donor without a status endpoint.
-    pub fn memory(size: &str) -> Nbdkit {
-        Nbdkit::start(&["memory".into(), size.into()], false)
-    }
-
-    /// `nbdkit` with extra server options before the plugin (e.g. TLS).
-    pub fn with_args(args: &[&str]) -> Nbdkit {
-        Nbdkit::start(
-            &args.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
-            false,
-        )
-    }
-
-    /// A fresh, empty `nbdkit memory SIZE` at `addr` (a donor coming back).
-    pub fn memory_at(addr: &str, size: &str) -> Nbdkit {
-        let (ip, port) = addr.rsplit_once(':').expect("host:port");
-        Nbdkit::start_at(
-            ip,
-            port.parse().expect("port"),
-            &["memory".into(), size.into()],
-            false,
-        )
-    }
-
-    /// A pager-server donor with a status endpoint, or `None` (with a note
-    /// on stderr) when its plugin has not been built.
-    pub fn pager_server(params: &[&str]) -> Option<Nbdkit> {
-        let so = pager_server_so()?;
-        let mut args = vec![so.display().to_string(), "mlock=false".into()];
-        args.extend(params.iter().map(|s| s.to_string()));
-        Some(Nbdkit::start(&args, true))
-    }
-
-    pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    fn signal(&self, sig: &str) {
-        let st = Command::new("kill")
-            .args([sig, &self.pid().to_string()])
-            .status()
-            .expect("run kill");
-        assert!(st.success(), "kill {sig} {}", self.pid());
-    }
-
-    /// kill -9, as a crash.
-    pub fn kill9(&mut self) {
-        self.signal("-KILL");
-        let _ = self.child.wait();
-    }
-
-    /// SIGSTOP: the donor hangs without closing its connections. Returns
-    /// once the kernel shows the process stopped.
-    pub fn stop(&mut self) {
-        self.signal("-STOP");
-        self.stopped = true;
-        let tasks = format!("/proc/{}/task", self.pid());
-        let stopped = |stat: PathBuf| {
-            // The state follows the parenthesised command name.
-            std::fs::read_to_string(stat)
-                .unwrap_or_default()
-                .rsplit_once(") ")
-                .is_some_and(|(_, rest)| rest.starts_with('T'))
-        };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let all = std::fs::read_dir(&tasks)
-                .map(|d| d.flatten().all(|t| stopped(t.path().join("stat"))))
-                .unwrap_or(false);
-            if all {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "nbdkit {} did not stop",
-                self.pid()
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-}
-
-impl Drop for Nbdkit {
-    fn drop(&mut self) {
-        if self.stopped {
-            let _ = Command::new("kill")
-                .args(["-CONT", &self.pid().to_string()])
-                .status();
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// A pager-server donor with a status endpoint, or `None` (with a note
+/// on stderr) when its plugin has not been built.
+pub fn pager_server(params: &[&str]) -> Option<Nbdkit> {
+    let so = pager_server_so()?;
+    let mut args = vec![so.display().to_string(), "mlock=false".into()];
+    args.extend(params.iter().map(|s| s.to_string()));
+    Some(Nbdkit::start(&args, true))
 }
 
 /// The pager-server plugin: `$NETPAGER_TARGET_DIR`, then the usual target

@@ -13,7 +13,9 @@ use pager_client::attach::commands;
 use pager_client::attach::record::{ServeInfo, StateLayout};
 use pager_client::attach::{AttachRecord, Frontend, Step, Via};
 
-use crate::{nbd_wire, procs};
+use netpager_nbd::Connection;
+
+use crate::procs;
 
 /// What the attach needs beyond the device configuration.
 pub struct Plan {
@@ -309,7 +311,8 @@ fn start_nbdkit(plan: &Plan, record: &mut AttachRecord) -> Result<()> {
         },
     )?;
     wait_ready(keeper, "nbdkit", &log, plan.start_timeout, || {
-        procs::read_pidfile(&pidfile) == Some(pid) && nbd_wire::answers(&socket)
+        procs::read_pidfile(&pidfile) == Some(pid)
+            && Connection::probe_unix(&socket, Duration::from_secs(2)).is_ok()
     })
 }
 
@@ -661,7 +664,11 @@ fn undo(step: &Step, export: &str, grace: Duration) -> Result<()> {
             // writes already) reaches the donors and the map before nbdkit
             // goes. A failed flush is no reason to keep a dead attach.
             if procs::owned(*pid, *started) {
-                if let Err(e) = nbd_wire::flush(socket, export, grace) {
+                // The client plugin advertises multi-conn, so one
+                // connection's flush covers them all.
+                let flushed = Connection::connect_unix(socket, export, grace)
+                    .and_then(|mut c| c.flush(grace));
+                if let Err(e) = flushed {
                     tracing::warn!(
                         "flushing {} before stopping nbdkit: {e:#}",
                         socket.display()

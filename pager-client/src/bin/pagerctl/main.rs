@@ -4,7 +4,6 @@
 mod attach_cmd;
 mod donor;
 mod durability;
-mod nbd_wire;
 mod procs;
 mod serve_cmd;
 mod simulate;
@@ -126,6 +125,10 @@ struct AttachArgs {
     /// Donor request timeout: a donor that takes longer is marked failed.
     #[arg(long, value_parser = parse_secs, value_name = "SECS")]
     request_timeout: Option<Duration>,
+    /// Microseconds a request waits actively for a donor's reply before it
+    /// sleeps (0: sleep at once; default 50).
+    #[arg(long, value_name = "US")]
+    spin_us: Option<u64>,
     /// mkswap and swapon the device.
     #[arg(long)]
     swap: bool,
@@ -184,6 +187,7 @@ impl AttachArgs {
             psk: self.psk.clone(),
             connect_timeout: self.connect_timeout,
             request_timeout: self.request_timeout,
+            spin_us: self.spin_us,
         }
     }
 }

@@ -1,16 +1,18 @@
-//! The crate's only `unsafe` code: raw libnbd (Debian libnbd-dev 1.14)
-//! declarations, a safe owner of one `struct nbd_handle`, commands whose
-//! buffers stay borrowed until they complete, a multi-handle poll loop with a
-//! deadline, and `mlockall`.
+//! libnbd for TLS connections: raw libnbd (Debian libnbd-dev 1.14)
+//! declarations, a safe owner of one `struct nbd_handle`, and commands whose
+//! buffers stay borrowed until libnbd retires them.
 //!
-//! Why the aio API: every wait goes through `poll(2)` with a deadline, so a
-//! hung donor (SIGSTOPped, black-holed) can never wedge a thread inside a
-//! blocking libnbd call.
+//! Why the aio API: every wait goes through `poll(2)` with a deadline (the
+//! crate's one wait loop, shared with plain connections), so a hung donor
+//! (SIGSTOPped, black-holed) can never wedge a thread inside a blocking
+//! libnbd call.
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 use std::marker::PhantomData;
 use std::ptr::NonNull;
 use std::time::Instant;
+
+use crate::{LibError, Outcome};
 
 #[repr(C)]
 struct NbdHandle {
@@ -96,22 +98,6 @@ extern "C" {
     fn nbd_aio_command_completed(h: *mut NbdHandle, cookie: u64) -> c_int;
 }
 
-/// A libnbd failure: its errno (0 if libnbd gave none) and message.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LibError {
-    pub errno: i32,
-    pub message: String,
-}
-
-impl LibError {
-    fn new(message: impl Into<String>) -> Self {
-        LibError {
-            errno: libc::ENOTCONN,
-            message: message.into(),
-        }
-    }
-}
-
 /// Reads libnbd's thread-local error of the call that just failed.
 fn last_error() -> LibError {
     // SAFETY: both calls only read libnbd's thread-local error state; the
@@ -163,14 +149,6 @@ fn check(r: c_int) -> Result<(), LibError> {
     } else {
         Ok(())
     }
-}
-
-/// How a command or a connect attempt ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Outcome {
-    Done,
-    Failed(LibError),
-    TimedOut,
 }
 
 impl Handle {
@@ -257,14 +235,10 @@ impl Handle {
             if dead {
                 return Outcome::Failed(LibError::new("connection closed during negotiation"));
             }
-            let mut errs = [None];
-            match poll_handles(&mut [Some(&mut *self)], &mut errs, deadline) {
+            match self.poll_once(deadline) {
                 Ok(true) => {}
                 Ok(false) => return Outcome::TimedOut,
                 Err(e) => return Outcome::Failed(e),
-            }
-            if let [Some(e)] = errs {
-                return Outcome::Failed(e);
             }
         }
     }
@@ -390,7 +364,26 @@ impl<'a> InFlight<'a> {
         self.outcome.as_ref()
     }
 
-    fn poll_completion(&mut self) {
+    pub fn set_outcome(&mut self, o: Outcome) {
+        self.outcome = Some(o);
+    }
+
+    /// The socket and the events libnbd waits for.
+    pub fn poll_interest(&self) -> Result<(c_int, libc::c_short), LibError> {
+        self.h.interest()
+    }
+
+    /// Lets libnbd react to what poll(2) reported, then looks whether the
+    /// command is done.
+    pub fn ready(&mut self, revents: libc::c_short) {
+        let res = self.h.notify(revents);
+        self.poll_completion();
+        if let (Err(e), None) = (res, &self.outcome) {
+            self.outcome = Some(Outcome::Failed(e));
+        }
+    }
+
+    pub fn poll_completion(&mut self) {
         if self.outcome.is_some() {
             return;
         }
@@ -429,77 +422,19 @@ impl Drop for InFlight<'_> {
     }
 }
 
-/// Most commands one [`wait_all`] drives at once (one per member of the
-/// widest parity group): its bookkeeping lives on the stack, not the heap.
-pub const MAX_WAIT: usize = crate::config::MAX_WIDTH as usize;
-
-/// Drives every command until each has an outcome or `deadline` passes;
-/// commands still running then get `Outcome::TimedOut` (and their handles
-/// are poisoned when they are dropped). A broken socket fails only the
-/// command on that handle. `None` entries are skipped; at most
-/// [`MAX_WAIT`] entries.
-pub fn wait_all(cmds: &mut [Option<InFlight<'_>>], deadline: Instant) {
-    assert!(cmds.len() <= MAX_WAIT, "{} commands at once", cmds.len());
-    loop {
-        for c in cmds.iter_mut().flatten() {
-            c.poll_completion();
-        }
-        let mut errs: [Option<LibError>; MAX_WAIT] = std::array::from_fn(|_| None);
-        let polled = {
-            let mut pending: [Option<&mut Handle>; MAX_WAIT] = std::array::from_fn(|_| None);
-            let mut n = 0;
-            for c in cmds.iter_mut().flatten().filter(|c| c.outcome.is_none()) {
-                pending[n] = Some(&mut *c.h);
-                n += 1;
-            }
-            if n == 0 {
-                return;
-            }
-            poll_handles(&mut pending[..n], &mut errs[..n], deadline)
-        };
-        let fail_all = |cmds: &mut [Option<InFlight<'_>>], o: Outcome| {
-            for c in cmds.iter_mut().flatten().filter(|c| c.outcome.is_none()) {
-                c.outcome = Some(o.clone());
-            }
-        };
-        match polled {
-            Ok(true) => {}
-            Ok(false) => return fail_all(cmds, Outcome::TimedOut),
-            Err(e) => return fail_all(cmds, Outcome::Failed(e)),
-        }
-        let mut errs = errs.into_iter();
-        for c in cmds.iter_mut().flatten().filter(|c| c.outcome.is_none()) {
-            if let Some(Some(e)) = errs.next() {
-                c.poll_completion();
-                if c.outcome.is_none() {
-                    c.outcome = Some(Outcome::Failed(e));
-                }
-            }
-        }
-    }
-}
-
-/// One round of poll(2) over the handles' sockets, then lets libnbd react
-/// (the same logic as libnbd's own `nbd_poll`, lib/poll.c, for several
-/// handles). `Ok(false)` when the deadline passed with nothing to do; a
-/// handle whose socket or state machine failed gets its error in `errs`.
-/// At most [`MAX_WAIT`] handles, every entry `Some`.
-fn poll_handles(
-    hs: &mut [Option<&mut Handle>],
-    errs: &mut [Option<LibError>],
-    deadline: Instant,
-) -> Result<bool, LibError> {
-    let unused = libc::pollfd {
-        fd: -1,
-        events: 0,
-        revents: 0,
-    };
-    let mut all = [unused; MAX_WAIT];
-    let fds = &mut all[..hs.len()];
-    for ((h, err), pfd) in hs.iter().zip(errs.iter_mut()).zip(fds.iter_mut()) {
-        let h = h.as_ref().expect("a handle in every entry");
+impl Handle {
+    /// The socket and the events libnbd waits for.
+    fn interest(&self) -> Result<(c_int, libc::c_short), LibError> {
         // SAFETY: valid handle; queries only.
-        let (fd, dir) = unsafe { (nbd_aio_get_fd(h.ptr()), nbd_aio_get_direction(h.ptr())) };
+        let (fd, dir) = unsafe {
+            (
+                nbd_aio_get_fd(self.ptr()),
+                nbd_aio_get_direction(self.ptr()),
+            )
+        };
+        if fd < 0 {
+            return Err(last_error());
+        }
         let mut events = 0;
         if dir & LIBNBD_AIO_DIRECTION_READ != 0 {
             events |= libc::POLLIN;
@@ -507,76 +442,44 @@ fn poll_handles(
         if dir & LIBNBD_AIO_DIRECTION_WRITE != 0 {
             events |= libc::POLLOUT;
         }
-        if fd < 0 {
-            *err = Some(last_error());
-        }
-        // A negative fd is ignored by poll(2).
-        *pfd = libc::pollfd {
-            fd,
-            events,
-            revents: 0,
-        };
+        Ok((fd, events))
     }
-    if errs.iter().any(Option::is_some) {
-        return Ok(true);
-    }
-    let now = Instant::now();
-    if now >= deadline {
-        return Ok(false);
-    }
-    let ms = deadline
-        .duration_since(now)
-        .as_millis()
-        .clamp(1, i32::MAX as u128) as c_int;
-    // SAFETY: `fds` is a valid array of `fds.len()` pollfd structures.
-    let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
-    if r < 0 {
-        let e = std::io::Error::last_os_error();
-        if e.kind() == std::io::ErrorKind::Interrupted {
-            return Ok(true);
-        }
-        return Err(LibError {
-            errno: e.raw_os_error().unwrap_or(libc::EIO),
-            message: format!("poll: {e}"),
-        });
-    }
-    if r == 0 {
-        return Ok(Instant::now() < deadline);
-    }
-    for ((h, p), err) in hs.iter_mut().zip(fds.iter()).zip(errs.iter_mut()) {
-        let h = h.as_mut().expect("a handle in every entry");
+
+    /// Lets libnbd's state machine react to what poll(2) reported (the
+    /// same logic as libnbd's own `nbd_poll`, lib/poll.c).
+    fn notify(&mut self, revents: libc::c_short) -> Result<(), LibError> {
         // SAFETY: valid handle; notify calls run the state machine, whose
         // buffers are borrowed by live InFlight values (or by nothing).
         let res = unsafe {
-            if p.revents & (libc::POLLIN | libc::POLLHUP) != 0 {
-                nbd_aio_notify_read(h.ptr())
-            } else if p.revents & libc::POLLOUT != 0 {
-                nbd_aio_notify_write(h.ptr())
-            } else if p.revents & (libc::POLLERR | libc::POLLNVAL) != 0 {
-                -2
+            if revents & (libc::POLLIN | libc::POLLHUP) != 0 {
+                nbd_aio_notify_read(self.ptr())
+            } else if revents & libc::POLLOUT != 0 {
+                nbd_aio_notify_write(self.ptr())
+            } else if revents & (libc::POLLERR | libc::POLLNVAL) != 0 {
+                return Err(LibError::new("poll: socket error"));
             } else {
                 0
             }
         };
-        match res {
-            -1 => *err = Some(last_error()),
-            -2 => *err = Some(LibError::new("poll: socket error")),
-            _ => {}
-        }
+        check(res)
     }
-    Ok(true)
-}
 
-/// Locks the process's pages in RAM, so the swap path never waits for its
-/// own pages to be swapped in. MCL_ONFAULT: pages are locked once touched
-/// rather than populated up front, so nbdkit's many thread stacks do not
-/// each pin their full size (the device's buffers are touched when
-/// allocated, so they are resident and locked).
-pub fn lock_all_memory() -> std::io::Result<()> {
-    // SAFETY: mlockall has no memory-safety preconditions.
-    if unsafe { libc::mlockall(libc::MCL_CURRENT | libc::MCL_FUTURE | libc::MCL_ONFAULT) } == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
+    /// One wait for the handle's socket, then libnbd's reaction;
+    /// `Ok(false)` once `deadline` passed.
+    fn poll_once(&mut self, deadline: Instant) -> Result<bool, LibError> {
+        let (fd, events) = self.interest()?;
+        let mut fds = [libc::pollfd {
+            fd,
+            events,
+            revents: 0,
+        }];
+        match crate::sys::poll(&mut fds, deadline) {
+            Ok(true) => self.notify(fds[0].revents).map(|()| true),
+            Ok(false) => Ok(false),
+            Err(e) => Err(LibError {
+                errno: e.raw_os_error().unwrap_or(libc::EIO),
+                message: format!("poll: {e}"),
+            }),
+        }
     }
 }

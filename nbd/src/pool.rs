@@ -1,266 +1,13 @@
-//! NBD connections to donors through libnbd: one connection
-//! ([`Connection`]), a small pool of them per donor ([`Pool`], donors declare
-//! multi-conn) and batches of requests that run in parallel on several
-//! donors with one deadline ([`run`]).
-//!
-//! Every wait has a deadline: a donor that does not answer a request within
-//! the request timeout gets [`NbdError::Timeout`] and its connection is
-//! dropped, so a hung donor can never wedge a caller.
+//! A small pool of connections per donor export, and batches of requests
+//! that run in parallel on several donors with one deadline.
 
-#[allow(unsafe_code)]
-mod ffi;
-
-use std::path::PathBuf;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-pub use ffi::lock_all_memory;
-use ffi::{Handle, InFlight, LibError, Outcome};
-
-/// Where a donor's export is and how to authenticate to it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Endpoint {
-    pub host: String,
-    pub port: u16,
-    pub export: String,
-    /// TLS pre-shared key file (`nbdkit --tls-psk`); TLS is required when set.
-    pub tls_psk_file: Option<PathBuf>,
-    /// User name for the PSK (libnbd defaults to the login name).
-    pub tls_username: Option<String>,
-}
-
-impl Endpoint {
-    pub fn addr(&self) -> String {
-        format!("{}:{}", self.host, self.port)
-    }
-}
-
-/// Connect and per-request timeouts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Timeouts {
-    pub connect: Duration,
-    pub request: Duration,
-}
-
-/// Errors talking to one donor.
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum NbdError {
-    #[error("cannot connect to donor {addr} export {export:?}: {message}")]
-    Connect {
-        addr: String,
-        export: String,
-        message: String,
-    },
-    #[error("connecting to donor {addr} export {export:?} timed out after {ms} ms")]
-    ConnectTimeout {
-        addr: String,
-        export: String,
-        ms: u128,
-    },
-    #[error(
-        "{op} of {len} bytes at offset {offset} on donor {addr} failed: {message} (errno {errno})"
-    )]
-    Request {
-        addr: String,
-        op: &'static str,
-        offset: u64,
-        len: u64,
-        errno: i32,
-        message: String,
-    },
-    #[error("{op} of {len} bytes at offset {offset} on donor {addr} timed out after {ms} ms")]
-    Timeout {
-        addr: String,
-        op: &'static str,
-        offset: u64,
-        len: u64,
-        ms: u128,
-    },
-    #[error("donor {addr} is marked failed; no new connections")]
-    Unavailable { addr: String },
-}
-
-impl NbdError {
-    /// The donor refused for lack of space (budget reached, or draining).
-    pub fn is_no_space(&self) -> bool {
-        matches!(self, NbdError::Request { errno, .. } if *errno == libc::ENOSPC)
-    }
-}
-
-/// One NBD request.
-pub enum Op<'b> {
-    Read(&'b mut [u8]),
-    Write(&'b [u8]),
-    /// Write this many zero bytes (the donor may free the pages).
-    Zero(u64),
-    /// Discard this many bytes.
-    Trim(u64),
-    Flush,
-}
-
-impl Op<'_> {
-    fn name(&self) -> &'static str {
-        match self {
-            Op::Read(_) => "read",
-            Op::Write(_) => "write",
-            Op::Zero(_) => "zero",
-            Op::Trim(_) => "trim",
-            Op::Flush => "flush",
-        }
-    }
-
-    /// The same request, borrowing its buffer for a shorter time.
-    pub fn reborrow(&mut self) -> Op<'_> {
-        match self {
-            Op::Read(b) => Op::Read(b),
-            Op::Write(b) => Op::Write(b),
-            Op::Zero(n) => Op::Zero(*n),
-            Op::Trim(n) => Op::Trim(*n),
-            Op::Flush => Op::Flush,
-        }
-    }
-
-    fn len(&self) -> u64 {
-        match self {
-            Op::Read(b) => b.len() as u64,
-            Op::Write(b) => b.len() as u64,
-            Op::Zero(n) | Op::Trim(n) => *n,
-            Op::Flush => 0,
-        }
-    }
-}
-
-/// One connection to a donor export.
-pub struct Connection {
-    h: Handle,
-    size: u64,
-    addr: String,
-}
-
-impl Connection {
-    /// Connects and negotiates within `timeout`.
-    pub fn connect(ep: &Endpoint, timeout: Duration) -> Result<Connection, NbdError> {
-        let addr = ep.addr();
-        let fail = |e: LibError| NbdError::Connect {
-            addr: addr.clone(),
-            export: ep.export.clone(),
-            message: e.message,
-        };
-        let mut h = Handle::new(&format!("netpager {addr}/{}", ep.export)).map_err(fail)?;
-        h.set_export_name(&ep.export).map_err(fail)?;
-        if let Some(psk) = &ep.tls_psk_file {
-            h.set_tls_psk(&psk.to_string_lossy(), ep.tls_username.as_deref())
-                .map_err(fail)?;
-        }
-        match h.connect_tcp(&ep.host, &ep.port.to_string(), Instant::now() + timeout) {
-            Outcome::Done => {}
-            Outcome::TimedOut => {
-                return Err(NbdError::ConnectTimeout {
-                    addr: addr.clone(),
-                    export: ep.export.clone(),
-                    ms: timeout.as_millis(),
-                })
-            }
-            Outcome::Failed(e) => return Err(fail(e)),
-        }
-        let size = h.size().map_err(fail)?;
-        Ok(Connection { h, size, addr })
-    }
-
-    /// Size of the export in bytes.
-    pub fn size(&self) -> u64 {
-        self.size
-    }
-
-    /// Runs one request, waiting at most `timeout`.
-    pub fn run(&mut self, offset: u64, mut op: Op<'_>, timeout: Duration) -> Result<(), NbdError> {
-        let (name, len) = (op.name(), op.len());
-        let outcome = match start(&mut self.h, &mut op, offset) {
-            Err(e) => Outcome::Failed(e),
-            Ok(cmd) => {
-                let mut cmds = [Some(cmd)];
-                ffi::wait_all(&mut cmds, Instant::now() + timeout);
-                outcome_of(&cmds[0])
-            }
-        };
-        to_result(&self.addr, name, offset, len, timeout, outcome)
-    }
-
-    pub fn pread(
-        &mut self,
-        buf: &mut [u8],
-        offset: u64,
-        timeout: Duration,
-    ) -> Result<(), NbdError> {
-        self.run(offset, Op::Read(buf), timeout)
-    }
-
-    pub fn pwrite(&mut self, buf: &[u8], offset: u64, timeout: Duration) -> Result<(), NbdError> {
-        self.run(offset, Op::Write(buf), timeout)
-    }
-
-    pub fn zero(&mut self, len: u64, offset: u64, timeout: Duration) -> Result<(), NbdError> {
-        self.run(offset, Op::Zero(len), timeout)
-    }
-
-    pub fn trim(&mut self, len: u64, offset: u64, timeout: Duration) -> Result<(), NbdError> {
-        self.run(offset, Op::Trim(len), timeout)
-    }
-
-    pub fn flush(&mut self, timeout: Duration) -> Result<(), NbdError> {
-        self.run(0, Op::Flush, timeout)
-    }
-
-    /// False once the connection broke or a request on it was abandoned.
-    fn usable(&self) -> bool {
-        self.h.usable_and_alive()
-    }
-}
-
-fn start<'a>(h: &'a mut Handle, op: &'a mut Op<'_>, offset: u64) -> Result<InFlight<'a>, LibError> {
-    match op {
-        Op::Read(buf) => h.start_pread(buf, offset),
-        Op::Write(buf) => h.start_pwrite(buf, offset, false),
-        Op::Zero(n) => h.start_zero(*n, offset),
-        Op::Trim(n) => h.start_trim(*n, offset),
-        Op::Flush => h.start_flush(),
-    }
-}
-
-/// How a started command ended (`TimedOut` if it is still running).
-fn outcome_of(cmd: &Option<InFlight<'_>>) -> Outcome {
-    cmd.as_ref()
-        .and_then(|c| c.outcome().cloned())
-        .unwrap_or(Outcome::TimedOut)
-}
-
-fn to_result(
-    addr: &str,
-    op: &'static str,
-    offset: u64,
-    len: u64,
-    timeout: Duration,
-    o: Outcome,
-) -> Result<(), NbdError> {
-    match o {
-        Outcome::Done => Ok(()),
-        Outcome::TimedOut => Err(NbdError::Timeout {
-            addr: addr.to_string(),
-            op,
-            offset,
-            len,
-            ms: timeout.as_millis(),
-        }),
-        Outcome::Failed(e) => Err(NbdError::Request {
-            addr: addr.to_string(),
-            op,
-            offset,
-            len,
-            errno: e.errno,
-            message: e.message,
-        }),
-    }
-}
+use crate::{
+    outcome_of, to_result, wait_all, Cmd, Connection, Endpoint, NbdError, Op, Outcome, Timeouts,
+    MAX_WAIT,
+};
 
 /// A small pool of connections to one donor export, opened on demand.
 pub struct Pool {
@@ -389,10 +136,10 @@ impl Lease<'_> {
             .expect("lease holds a connection until dropped")
     }
 
-    /// Runs one request with the pool's request timeout.
+    /// Runs one request with the pool's timeouts.
     pub fn run(&mut self, offset: u64, op: Op<'_>) -> Result<(), NbdError> {
-        let t = self.pool.timeouts.request;
-        self.conn().run(offset, op, t)
+        let t = self.pool.timeouts;
+        self.conn().run_spinning(offset, op, t.request, t.spin)
     }
 }
 
@@ -441,7 +188,7 @@ pub fn run(reqs: &mut [Request<'_, '_>]) -> Vec<Result<(), NbdError>> {
 }
 
 /// Donors one wave of a batch talks to in parallel.
-const WAVE: usize = ffi::MAX_WAIT;
+const WAVE: usize = MAX_WAIT;
 
 /// One donor's part of a wave: a connection and the request running on it.
 struct Group<'p, 'b> {
@@ -527,13 +274,14 @@ fn run_wave<'b>(
     groups: &mut [Option<Group<'_, 'b>>],
 ) {
     loop {
-        let mut timeout = Duration::ZERO;
+        let (mut timeout, mut spin) = (Duration::ZERO, Duration::MAX);
         let mut any = false;
         for g in groups.iter_mut().flatten() {
             let Some(i) = g.next else { continue };
             let r = reqs[i].as_mut().expect("queued requests exist");
             g.op = Some(std::mem::replace(&mut r.op, Op::Flush));
             timeout = timeout.max(g.lease.pool.timeouts.request);
+            spin = spin.min(g.lease.pool.timeouts.spin);
             any = true;
         }
         if !any {
@@ -542,7 +290,7 @@ fn run_wave<'b>(
         let mut outcomes: [Option<Outcome>; WAVE] = std::array::from_fn(|_| None);
         let n = groups.len();
         {
-            let mut cmds: [Option<InFlight<'_>>; WAVE] = std::array::from_fn(|_| None);
+            let mut cmds: [Option<Cmd<'_>>; WAVE] = std::array::from_fn(|_| None);
             for ((g, cmd), out) in groups.iter_mut().zip(&mut cmds).zip(&mut outcomes) {
                 let Some(Group { lease, next, op }) = g else {
                     continue;
@@ -551,13 +299,13 @@ fn run_wave<'b>(
                     continue;
                 };
                 let offset = reqs[i].as_ref().expect("queued requests exist").offset;
-                let h = &mut lease.conn.as_mut().expect("leased").h;
-                match start(h, op, offset) {
+                let conn = lease.conn.as_mut().expect("leased");
+                match conn.start(op, offset) {
                     Ok(c) => *cmd = Some(c),
                     Err(e) => *out = Some(Outcome::Failed(e)),
                 }
             }
-            ffi::wait_all(&mut cmds[..n], Instant::now() + timeout);
+            wait_all(&mut cmds[..n], Instant::now() + timeout, spin);
             for (cmd, out) in cmds.iter().zip(&mut outcomes) {
                 if cmd.is_some() {
                     *out = Some(outcome_of(cmd));

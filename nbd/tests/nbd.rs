@@ -1,0 +1,347 @@
+//! The NBD client against real nbdkit servers: every request kind on both
+//! transports (plain and TLS with a pre-shared key), export names, parallel
+//! batches, and timeouts on a hung (SIGSTOPped) server.
+
+#[path = "../../pager-client/tests/common/nbdkit.rs"]
+mod nbdkit;
+
+use std::time::Duration;
+
+use nbdkit::Nbdkit;
+use netpager_nbd::{self as nbd, Connection, Endpoint, NbdError, Op, Pool, Timeouts};
+use netpager_util::HostPort;
+
+const T: Duration = Duration::from_secs(2);
+
+fn endpoint(addr: &str, export: &str) -> Endpoint {
+    let HostPort { host, port } = HostPort::parse(addr).unwrap();
+    Endpoint {
+        host,
+        port,
+        export: export.into(),
+        tls_psk_file: None,
+        tls_username: None,
+    }
+}
+
+#[test]
+fn requests_of_every_kind() {
+    let d = Nbdkit::memory("1M");
+    let mut c = Connection::connect(&endpoint(&d.addr, ""), T).unwrap();
+    assert_eq!(c.size(), 1 << 20);
+    let data: Vec<u8> = (0..10000u32).map(|i| (i % 251) as u8).collect();
+    c.pwrite(&data, 5000, T).unwrap();
+    let mut b = vec![0u8; 10000];
+    c.pread(&mut b, 5000, T).unwrap();
+    assert_eq!(b, data);
+    c.zero(100, 5000, T).unwrap();
+    c.trim(4096, 8192, T).unwrap();
+    c.flush(T).unwrap();
+    c.pread(&mut b, 5000, T).unwrap();
+    assert!(b[..100].iter().all(|&x| x == 0));
+    assert_eq!(b[100..3192], data[100..3192]);
+    let err = c.pread(&mut b, (1 << 20) - 10, T).unwrap_err();
+    assert!(matches!(err, NbdError::Request { .. }), "{err}");
+    assert!(err.to_string().contains(&d.addr), "{err}");
+}
+
+#[test]
+fn tls_with_a_pre_shared_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let psk = dir.path().join("keys.psk");
+    std::fs::write(
+        &psk,
+        "alice:00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff\n",
+    )
+    .unwrap();
+    let psk_arg = format!("--tls-psk={}", psk.display());
+    let d = Nbdkit::with_args(&["--tls=require", &psk_arg, "memory", "1M"]);
+    let mut ep = endpoint(&d.addr, "");
+    assert!(
+        Connection::connect(&ep, T).is_err(),
+        "plain NBD must be refused"
+    );
+    ep.tls_psk_file = Some(psk.clone());
+    ep.tls_username = Some("alice".into());
+    let mut c = Connection::connect(&ep, T).unwrap();
+    c.pwrite(&[7u8; 512], 0, T).unwrap();
+    let mut b = [0u8; 512];
+    c.pread(&mut b, 0, T).unwrap();
+    assert_eq!(b, [7u8; 512]);
+    ep.tls_username = Some("mallory".into());
+    assert!(
+        Connection::connect(&ep, T).is_err(),
+        "unknown PSK user must be refused"
+    );
+}
+
+#[test]
+fn a_hung_server_times_out_instead_of_blocking() {
+    let mut d = Nbdkit::memory("1M");
+    let mut c = Connection::connect(&endpoint(&d.addr, ""), T).unwrap();
+    d.stop();
+    let mut b = [0u8; 4096];
+    let err = c.pread(&mut b, 0, Duration::from_millis(300)).unwrap_err();
+    assert!(matches!(err, NbdError::Timeout { .. }), "{err}");
+    // The abandoned connection is never used again.
+    assert!(c.pread(&mut b, 0, T).is_err());
+    // Connecting to it times out too (the kernel accepts, nbdkit is stopped).
+    let err = Connection::connect(&endpoint(&d.addr, ""), Duration::from_millis(300))
+        .err()
+        .unwrap();
+    assert!(matches!(err, NbdError::ConnectTimeout { .. }), "{err}");
+}
+
+#[test]
+fn batches_run_on_several_donors_and_report_each_result() {
+    let a = Nbdkit::memory("1M");
+    let mut b = Nbdkit::memory("1M");
+    let t = Timeouts {
+        connect: T,
+        request: Duration::from_millis(500),
+        spin: Duration::from_micros(50),
+    };
+    let pa = Pool::new(0, endpoint(&a.addr, ""), t, 2);
+    let pb = Pool::new(1, endpoint(&b.addr, ""), t, 2);
+    let x = [1u8; 4096];
+    let y = [2u8; 4096];
+    let mut reqs = vec![
+        nbd::Request {
+            pool: &pa,
+            offset: 0,
+            op: Op::Write(&x),
+        },
+        nbd::Request {
+            pool: &pb,
+            offset: 0,
+            op: Op::Write(&y),
+        },
+        nbd::Request {
+            pool: &pa,
+            offset: 4096,
+            op: Op::Write(&y),
+        },
+    ];
+    assert!(nbd::run(&mut reqs).iter().all(|r| r.is_ok()));
+    let (mut ra, mut rb) = ([0u8; 8192], [0u8; 4096]);
+    let mut reqs = vec![
+        nbd::Request {
+            pool: &pa,
+            offset: 0,
+            op: Op::Read(&mut ra),
+        },
+        nbd::Request {
+            pool: &pb,
+            offset: 0,
+            op: Op::Read(&mut rb),
+        },
+    ];
+    assert!(nbd::run(&mut reqs).iter().all(|r| r.is_ok()));
+    assert_eq!(
+        (&ra[..4096], &ra[4096..], &rb[..]),
+        (&x[..], &y[..], &y[..])
+    );
+    // One donor hangs: only its request fails, by timeout.
+    b.stop();
+    let (mut ra, mut rb) = ([0u8; 4096], [0u8; 4096]);
+    let mut reqs = vec![
+        nbd::Request {
+            pool: &pa,
+            offset: 0,
+            op: Op::Read(&mut ra),
+        },
+        nbd::Request {
+            pool: &pb,
+            offset: 0,
+            op: Op::Read(&mut rb),
+        },
+    ];
+    let res = nbd::run(&mut reqs);
+    assert!(res[0].is_ok());
+    assert!(
+        matches!(res[1], Err(NbdError::Timeout { .. })),
+        "{:?}",
+        res[1]
+    );
+    pb.close();
+    assert!(matches!(
+        pb.checkout().err(),
+        Some(NbdError::Unavailable { .. })
+    ));
+}
+
+#[test]
+fn export_names_reach_the_server() {
+    // nbdkit's info plugin serves the export name it was asked for.
+    let d = Nbdkit::with_args(&["info", "mode=exportname"]);
+    let name = "client7@2M";
+    let mut c = Connection::connect(&endpoint(&d.addr, name), T).unwrap();
+    assert_eq!(c.size(), name.len() as u64);
+    let mut b = vec![0u8; name.len()];
+    c.pread(&mut b, 0, T).unwrap();
+    assert_eq!(b, name.as_bytes());
+}
+
+#[test]
+fn a_returned_lease_wakes_a_waiting_checkout() {
+    let a = Nbdkit::memory("1M");
+    let t = Timeouts {
+        connect: T,
+        request: T,
+        spin: Duration::ZERO,
+    };
+    let pool = Pool::new(0, endpoint(&a.addr, ""), t, 1);
+    let held = pool.checkout().unwrap();
+    std::thread::scope(|s| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let pool = &pool;
+        s.spawn(move || {
+            if let Ok(mut lease) = pool.checkout() {
+                lease.run(0, Op::Write(&[5u8; 4096])).unwrap();
+                tx.send(()).unwrap();
+            }
+        });
+        // The pool's only connection is leased: the waiter must still wait.
+        assert!(rx.recv_timeout(Duration::from_millis(300)).is_err());
+        drop(held);
+        let woken = rx.recv_timeout(Duration::from_secs(10));
+        if woken.is_err() {
+            // Frees the waiter, so that the test fails instead of hanging.
+            pool.close();
+        }
+        assert!(
+            woken.is_ok(),
+            "the waiting checkout never got the returned connection"
+        );
+    });
+}
+
+#[test]
+fn large_requests_cross_a_full_socket_buffer() {
+    // 8 MiB does not fit a loopback socket's buffer: the write is sent in
+    // parts as the server drains it, and the read arrives in parts.
+    let d = Nbdkit::memory("16M");
+    let mut c = Connection::connect(&endpoint(&d.addr, ""), T).unwrap();
+    let data: Vec<u8> = (0..8u32 << 20).map(|i| (i % 253) as u8).collect();
+    c.pwrite(&data, 4096, T).unwrap();
+    let mut b = vec![0u8; data.len()];
+    c.pread(&mut b, 4096, T).unwrap();
+    assert!(b == data, "8 MiB read back differs");
+}
+
+#[test]
+fn unix_sockets_connect_and_probe() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("nbd.sock");
+    let _d = Nbdkit::unix(&sock, &["memory", "1M"]);
+    Connection::probe_unix(&sock, T).unwrap();
+    let mut c = Connection::connect_unix(&sock, "", T).unwrap();
+    assert_eq!(c.size(), 1 << 20);
+    c.pwrite(&[9u8; 4096], 0, T).unwrap();
+    c.flush(T).unwrap();
+    let mut b = [0u8; 4096];
+    c.pread(&mut b, 0, T).unwrap();
+    assert_eq!(b, [9u8; 4096]);
+    let missing = dir.path().join("none.sock");
+    let err = Connection::probe_unix(&missing, T).unwrap_err();
+    assert!(err.to_string().contains("none.sock"), "{err}");
+}
+
+/// Builds a scripted server's reply to the request with this cookie.
+type Reply = fn(u64) -> Vec<u8>;
+
+/// A scripted NBD server on a unix socket: a correct handshake, then
+/// `reply(cookie)` to the first request, then it hangs up.
+fn scripted_server(
+    sock: &std::path::Path,
+    reply: fn(u64) -> Vec<u8>,
+) -> std::thread::JoinHandle<()> {
+    use std::io::{Read, Write};
+    let l = std::os::unix::net::UnixListener::bind(sock).unwrap();
+    std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let mut greeting = b"NBDMAGIC".to_vec();
+        greeting.extend_from_slice(&nbd::wire::IHAVEOPT.to_be_bytes());
+        greeting.extend_from_slice(&3u16.to_be_bytes());
+        s.write_all(&greeting).unwrap();
+        let mut hello = [0u8; 4 + 16];
+        s.read_exact(&mut hello).unwrap();
+        let len = u32::from_be_bytes(hello[16..20].try_into().unwrap());
+        let mut opt = vec![0u8; len as usize];
+        s.read_exact(&mut opt).unwrap();
+        let rep = |kind: u32, data: &[u8]| {
+            let mut m = nbd::wire::OPT_REPLY_MAGIC.to_be_bytes().to_vec();
+            m.extend_from_slice(&nbd::wire::OPT_GO.to_be_bytes());
+            m.extend_from_slice(&kind.to_be_bytes());
+            m.extend_from_slice(&(data.len() as u32).to_be_bytes());
+            m.extend_from_slice(data);
+            m
+        };
+        let mut info = vec![0u8, 0];
+        info.extend_from_slice(&(1u64 << 20).to_be_bytes());
+        info.extend_from_slice(&0x6du16.to_be_bytes());
+        s.write_all(&rep(nbd::wire::REP_INFO, &info)).unwrap();
+        s.write_all(&rep(nbd::wire::REP_ACK, &[])).unwrap();
+        let mut req = [0u8; nbd::wire::REQUEST_LEN];
+        s.read_exact(&mut req).unwrap();
+        let cookie = u64::from_be_bytes(req[8..16].try_into().unwrap());
+        s.write_all(&reply(cookie)).unwrap();
+    })
+}
+
+#[test]
+fn a_reply_out_of_step_fails_the_request_and_the_connection() {
+    let cases: [(&str, Reply); 3] = [
+        ("bad reply magic", |c| {
+            let mut r = vec![0u8; 8];
+            r.extend_from_slice(&c.to_be_bytes());
+            r
+        }),
+        ("for cookie", |c| {
+            let mut r = nbd::wire::SIMPLE_REPLY_MAGIC.to_be_bytes().to_vec();
+            r.extend_from_slice(&0u32.to_be_bytes());
+            r.extend_from_slice(&(c + 1).to_be_bytes());
+            r
+        }),
+        ("closed the connection", |c| {
+            // A read's reply header, then half its data, then the end.
+            let mut r = nbd::wire::SIMPLE_REPLY_MAGIC.to_be_bytes().to_vec();
+            r.extend_from_slice(&0u32.to_be_bytes());
+            r.extend_from_slice(&c.to_be_bytes());
+            r.extend_from_slice(&[1u8; 2048]);
+            r
+        }),
+    ];
+    for (i, (want, reply)) in cases.into_iter().enumerate() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join(format!("s{i}.sock"));
+        let server = scripted_server(&sock, reply);
+        let mut c = Connection::connect_unix(&sock, "", T).unwrap();
+        let mut b = [0u8; 4096];
+        let err = c.pread(&mut b, 0, T).unwrap_err();
+        assert!(err.to_string().contains(want), "{want}: {err}");
+        let again = c.pread(&mut b, 0, T).unwrap_err();
+        assert!(again.to_string().contains("abandoned"), "{again}");
+        drop(c);
+        server.join().unwrap();
+    }
+}
+
+#[test]
+fn an_error_reply_fails_only_that_request() {
+    let d = Nbdkit::with_args(&[
+        "--filter=error",
+        "memory",
+        "1M",
+        "error-pread=EIO",
+        "error-pread-rate=1",
+    ]);
+    let mut c = Connection::connect(&endpoint(&d.addr, ""), T).unwrap();
+    let mut b = [0u8; 4096];
+    match c.pread(&mut b, 0, T).unwrap_err() {
+        NbdError::Request { errno, .. } => assert_eq!(errno, libc::EIO),
+        e => panic!("{e}"),
+    }
+    // Writes still work on the same connection: it stayed in step.
+    c.pwrite(&[1u8; 4096], 0, T).unwrap();
+}

@@ -1,0 +1,186 @@
+//! Real nbdkit servers for integration tests, on 127.0.0.x loopback
+//! addresses with free ports, stopped by pid when the guard drops. Shared
+//! by the pager-client and netpager-nbd tests (included by path).
+#![allow(dead_code)] // each test binary uses its own part of the harness
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+static NEXT_IP: AtomicU32 = AtomicU32::new(0);
+
+/// A loopback address for the next donor (spread over 127.0.0.10-249).
+fn next_ip() -> String {
+    let n = NEXT_IP.fetch_add(1, Ordering::Relaxed) + std::process::id();
+    format!("127.0.0.{}", 10 + n % 240)
+}
+
+fn free_port(ip: &str) -> u16 {
+    TcpListener::bind((ip, 0))
+        .and_then(|l| l.local_addr())
+        .expect("bind a free port")
+        .port()
+}
+
+/// An nbdkit process started by a test; killed (by pid) when dropped.
+pub struct Nbdkit {
+    child: Child,
+    pub addr: String,
+    /// Status endpoint (pager-server donors).
+    pub status: Option<String>,
+    stopped: bool,
+    _dir: tempfile::TempDir,
+}
+
+impl Nbdkit {
+    pub fn start(plugin_args: &[String], status_port: bool) -> Nbdkit {
+        let ip = next_ip();
+        let port = free_port(&ip);
+        Nbdkit::start_at(&ip, port, plugin_args, status_port)
+    }
+
+    fn start_at(ip: &str, port: u16, plugin_args: &[String], status_port: bool) -> Nbdkit {
+        let listen = [
+            "-i".into(),
+            ip.to_string(),
+            "--port".into(),
+            port.to_string(),
+        ];
+        let status = status_port.then(|| format!("{ip}:{}", free_port(ip)));
+        Nbdkit::spawn(&listen, format!("{ip}:{port}"), plugin_args, status)
+    }
+
+    /// `nbdkit` on the unix socket `path` with `plugin_args`.
+    pub fn unix(path: &std::path::Path, plugin_args: &[&str]) -> Nbdkit {
+        let listen = ["-U".into(), path.display().to_string()];
+        let args: Vec<String> = plugin_args.iter().map(|s| s.to_string()).collect();
+        Nbdkit::spawn(&listen, path.display().to_string(), &args, None)
+    }
+
+    fn spawn(
+        listen: &[String],
+        addr: String,
+        plugin_args: &[String],
+        status: Option<String>,
+    ) -> Nbdkit {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let pidfile = dir.path().join("nbdkit.pid");
+        let mut args: Vec<String> = vec!["-f".into()];
+        args.extend(listen.iter().cloned());
+        args.push("--pidfile".into());
+        args.push(pidfile.display().to_string());
+        args.extend(plugin_args.iter().cloned());
+        if let Some(s) = &status {
+            args.push(format!("status={s}"));
+        }
+        let child = Command::new("nbdkit")
+            .args(&args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start nbdkit");
+        let mut n = Nbdkit {
+            child,
+            addr,
+            status,
+            stopped: false,
+            _dir: dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !pidfile.exists() {
+            if let Ok(Some(st)) = n.child.try_wait() {
+                panic!("nbdkit {args:?} exited at start: {st}");
+            }
+            assert!(Instant::now() < deadline, "nbdkit {args:?} did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        n
+    }
+
+    /// `nbdkit memory SIZE`: a donor without a status endpoint.
+    pub fn memory(size: &str) -> Nbdkit {
+        Nbdkit::start(&["memory".into(), size.into()], false)
+    }
+
+    /// `nbdkit` with extra server options before the plugin (e.g. TLS).
+    pub fn with_args(args: &[&str]) -> Nbdkit {
+        Nbdkit::start(
+            &args.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+            false,
+        )
+    }
+
+    /// A fresh, empty `nbdkit memory SIZE` at `addr` (a donor coming back).
+    pub fn memory_at(addr: &str, size: &str) -> Nbdkit {
+        let (ip, port) = addr.rsplit_once(':').expect("host:port");
+        Nbdkit::start_at(
+            ip,
+            port.parse().expect("port"),
+            &["memory".into(), size.into()],
+            false,
+        )
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn signal(&self, sig: &str) {
+        let st = Command::new("kill")
+            .args([sig, &self.pid().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(st.success(), "kill {sig} {}", self.pid());
+    }
+
+    /// kill -9, as a crash.
+    pub fn kill9(&mut self) {
+        self.signal("-KILL");
+        let _ = self.child.wait();
+    }
+
+    /// SIGSTOP: the donor hangs without closing its connections. Returns
+    /// once the kernel shows the process stopped.
+    pub fn stop(&mut self) {
+        self.signal("-STOP");
+        self.stopped = true;
+        let tasks = format!("/proc/{}/task", self.pid());
+        let stopped = |stat: PathBuf| {
+            // The state follows the parenthesised command name.
+            std::fs::read_to_string(stat)
+                .unwrap_or_default()
+                .rsplit_once(") ")
+                .is_some_and(|(_, rest)| rest.starts_with('T'))
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let all = std::fs::read_dir(&tasks)
+                .map(|d| d.flatten().all(|t| stopped(t.path().join("stat"))))
+                .unwrap_or(false);
+            if all {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "nbdkit {} did not stop",
+                self.pid()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+impl Drop for Nbdkit {
+    fn drop(&mut self) {
+        if self.stopped {
+            let _ = Command::new("kill")
+                .args(["-CONT", &self.pid().to_string()])
+                .status();
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
