@@ -50,7 +50,9 @@ use std::fmt::Write as _;
 use serde::Serialize;
 use thiserror::Error;
 
-use crate::policy::{self, DonorView, PolicyError, PolicyParams, Selector, FREE_PAGE_AGE_MS};
+use pager_client::policy::{
+    self, DonorView, PolicyError, PolicyParams, Selector, FREE_PAGE_AGE_MS,
+};
 
 /// Inputs of [`run`].
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -269,7 +271,7 @@ pub fn run(config: &SimConfig) -> Result<SimReport, SimError> {
 
 #[derive(Debug, Clone, Copy)]
 enum Placement {
-    /// The rule of [`crate::policy`] with this b.
+    /// The rule of [`pager_client::policy`] with this b.
     Weighted(f64),
     /// The Remote Memory Pager: donors in turn.
     RoundRobin,
