@@ -46,7 +46,7 @@ test-server: build
 	$(PYTEST) tests/server
 
 test-client: build
-	$(CARGO) test --release -p netpager-nbd -p pager-client
+	$(CARGO) test --release -p netpager-nbd -p pager-client -p pagerctl
 	$(PYTEST) tests/client
 
 test-prefetch: build

@@ -1,7 +1,6 @@
 //! netpager client library: donor selection, extent placement, reliability
-//! modes, failover and the attach machinery behind `pagerctl`.
+//! modes and failover. `pagerctl` (crate `pagerctl`) attaches it.
 
-pub mod attach;
 pub mod config;
 pub mod device;
 pub mod durability;
@@ -9,5 +8,4 @@ pub mod erasure;
 pub mod extent_map;
 pub mod page_log;
 pub mod policy;
-pub mod sim;
 pub mod status;

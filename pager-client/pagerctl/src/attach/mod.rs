@@ -33,7 +33,7 @@ pub enum AttachError {
     #[error("a new device needs {0}")]
     Missing(String),
     #[error(transparent)]
-    Config(#[from] crate::config::ConfigError),
+    Config(#[from] pager_client::config::ConfigError),
     #[error("reading attach record {path}: {source}")]
     ReadRecord {
         path: std::path::PathBuf,

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::{AttachError, DonorSpec};
-use crate::config::{ByteSize, DeviceConfig, DonorConfig, FallbackConfig, Mode};
+use pager_client::config::{ByteSize, DeviceConfig, DonorConfig, FallbackConfig, Mode};
 
 /// `--mode`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

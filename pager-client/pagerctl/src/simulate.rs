@@ -1,8 +1,8 @@
 //! `pagerctl simulate`: runs the donor-selection simulation of
-//! `pager_client::sim` and prints its table or JSON.
+//! `pagerctl::sim` and prints its table or JSON.
 
 use anyhow::Context as _;
-use pager_client::sim::{self, ClusterShape, SimConfig};
+use pagerctl::sim::{self, ClusterShape, SimConfig};
 
 /// Simulate donor selection: load skew and deviation from global LRU for
 /// the weighted rule at several load-balancing rates b, and for

@@ -5,9 +5,9 @@
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Result};
-use pager_client::attach::record::{ServeInfo, StateLayout};
-use pager_client::attach::{AttachRecord, Frontend};
 use pager_client::status::{render_table, ClientStatus};
+use pagerctl::attach::record::{ServeInfo, StateLayout};
+use pagerctl::attach::{AttachRecord, Frontend};
 
 use crate::procs;
 

@@ -1,5 +1,5 @@
 //! pagerctl: attach remote memory as a swap or block device, watch it, and
-//! talk to donors. See pagerctl(1) (`pager-client/pagerctl.1.md`).
+//! talk to donors. See pagerctl(1) (`pager-client/pagerctl/pagerctl.1.md`).
 
 mod attach_cmd;
 mod donor;
@@ -16,11 +16,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
-use pager_client::attach::record::StateLayout;
-use pager_client::attach::{
-    self, AttachRecord, DeviceOptions, DonorSpec, Frontend, ModeChoice, Via,
-};
 use pager_client::config::DeviceConfig;
+use pagerctl::attach::record::StateLayout;
+use pagerctl::attach::{self, AttachRecord, DeviceOptions, DonorSpec, Frontend, ModeChoice, Via};
 
 /// Remote memory as swap or a block device (netpager client).
 #[derive(Parser)]

@@ -10,10 +10,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use pager_client::attach::record::{ServeInfo, StateLayout};
 use pager_client::config::DeviceConfig;
 use pager_client::device::Device;
 use pager_fuse::{Backend, Mount, Options, Transport};
+use pagerctl::attach::record::{ServeInfo, StateLayout};
 
 use crate::{procs, sys};
 

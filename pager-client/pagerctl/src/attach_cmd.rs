@@ -1,5 +1,5 @@
 //! `pagerctl attach` and `pagerctl detach`: run the steps of
-//! `pager_client::attach`, record each in `attach.json` as it is done, and
+//! `pagerctl::attach`, record each in `attach.json` as it is done, and
 //! undo them in reverse (on detach, or when an attach fails half-way).
 
 use std::os::unix::fs::PermissionsExt;
@@ -9,9 +9,9 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
-use pager_client::attach::commands;
-use pager_client::attach::record::{ServeInfo, StateLayout};
-use pager_client::attach::{AttachRecord, Frontend, Step, Via};
+use pagerctl::attach::commands;
+use pagerctl::attach::record::{ServeInfo, StateLayout};
+use pagerctl::attach::{AttachRecord, Frontend, Step, Via};
 
 use netpager_nbd::Connection;
 

@@ -1,0 +1,396 @@
+//! The device's address space cut into extents, and where each one lives.
+//!
+//! A *unit* is what gets placed at its first write: one extent in modes
+//! none, mirror and disk, a group of `k` data extents (and `r` parity
+//! extents) in modes parity and ec. A unit has *members* (copies, or the group's data and parity
+//! extents), each at a [`Loc`] (a slot of our export on a donor, or a slot
+//! of the local fallback file) with a [`CopyState`].
+//!
+//! Crash safety: every placement change is appended to `map.journal` as a
+//! CRC-checked record; [`ExtentMap::compact`] writes the whole map to
+//! `map.snap.tmp`, fsyncs, renames it to `map.snap`, fsyncs the directory,
+//! then starts a new journal the same way. Both files carry a generation:
+//! a journal older than the snapshot was already folded into it. Recovery
+//! replays the snapshot and the journal's valid prefix; a torn tail is
+//! logged and cut off.
+//!
+//! The parts: `layout` (geometry: units, members, parity rotation),
+//! `record` (the records' encoding), `slots` (free and used slots per
+//! donor), `open` (replay at start-up); this file holds the map itself:
+//! commits, compaction, the parity log's table and the donor list.
+
+mod layout;
+mod open;
+mod record;
+mod slots;
+#[cfg(test)]
+mod tests;
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard, RwLock};
+
+use crate::page_log::{LogGeometry, PageTable, Slot};
+pub use layout::{CopyState, Layout, Loc, Member, Redundancy, Unit};
+use open::write_journal_header;
+pub use record::crc32;
+use record::{encode, encode_into, frame_into, log_row_payload, Record};
+pub use slots::SlotOwner;
+use slots::{SlotSet, Slots};
+
+pub const SNAPSHOT_FILE: &str = "map.snap";
+pub const JOURNAL_FILE: &str = "map.journal";
+/// Initial size of the journal's record buffer: a parity log leader's
+/// records (8 rows of up to 31 pages) fit.
+const JOURNAL_SCRATCH: usize = 4096;
+/// The journal is compacted into a snapshot once it grows past this.
+pub const COMPACT_AFTER_BYTES: u64 = 4 << 20;
+
+/// A donor as the map knows it: ids are stable across restarts and config
+/// changes, the label says which incarnation of our export holds our data
+/// (0: none).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DonorEntry {
+    pub name: String,
+    pub label: u128,
+}
+
+/// Errors of the extent map, naming the file and offset.
+#[derive(Debug, thiserror::Error)]
+pub enum MapError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{path}: corrupt record at byte {offset}: {reason}")]
+    Corrupt {
+        path: PathBuf,
+        offset: u64,
+        reason: String,
+    },
+    #[error("{path}: the map was made for {field} {stored}, the configuration says {configured}")]
+    Mismatch {
+        path: PathBuf,
+        field: &'static str,
+        stored: String,
+        configured: String,
+    },
+    #[error("too many donors in the map (at most 65535)")]
+    TooManyDonors,
+}
+
+/// The journal and what it has recorded, behind one lock.
+struct Persist {
+    journal: File,
+    journal_bytes: u64,
+    generation: u64,
+    mirror: Vec<Option<Unit>>,
+    donors: Vec<DonorEntry>,
+    /// Records being appended, kept so the parity log's journal records
+    /// (one per small write) are encoded without allocating.
+    scratch: Vec<u8>,
+}
+
+/// The extent map: in-memory placements behind per-unit locks, plus the
+/// journal and snapshot that keep them across restarts.
+pub struct ExtentMap {
+    layout: Layout,
+    dir: PathBuf,
+    units: Vec<RwLock<Option<Unit>>>,
+    persist: Mutex<Persist>,
+    slots: Mutex<Slots>,
+    /// The parity log's page table. Changes update it, release it, then
+    /// append to the journal; only compaction holds both (`persist` first).
+    log: Option<Mutex<PageTable>>,
+}
+
+fn io_err(path: &Path) -> impl Fn(io::Error) -> MapError + '_ {
+    move |source| MapError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn fsync_dir(dir: &Path) -> Result<(), MapError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io_err(dir))
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+impl ExtentMap {
+    /// The lock guarding unit `u`'s placement. Hold it (read) during I/O on
+    /// the unit and (write) while changing its placement.
+    pub fn unit(&self, u: u64) -> &RwLock<Option<Unit>> {
+        &self.units[u as usize]
+    }
+
+    /// Journals unit `u`'s new placement. Call with `u`'s write lock held,
+    /// after the data is where the placement says.
+    pub fn commit(&self, u: u64, unit: &Option<Unit>) -> Result<(), MapError> {
+        let rec = encode(&Record::Unit {
+            index: u as u32,
+            unit: unit.clone(),
+        });
+        let mut p = lock(&self.persist);
+        let path = self.dir.join(JOURNAL_FILE);
+        p.journal.write_all(&rec).map_err(io_err(&path))?;
+        p.journal_bytes += rec.len() as u64;
+        p.mirror[u as usize] = unit.clone();
+        Ok(())
+    }
+
+    /// Makes every committed change durable.
+    pub fn sync(&self) -> Result<(), MapError> {
+        let p = lock(&self.persist);
+        p.journal
+            .sync_data()
+            .map_err(io_err(&self.dir.join(JOURNAL_FILE)))
+    }
+
+    pub fn needs_compaction(&self) -> bool {
+        lock(&self.persist).journal_bytes > COMPACT_AFTER_BYTES
+    }
+
+    /// Folds the journal into a new snapshot and starts a new journal.
+    pub fn compact(&self) -> Result<(), MapError> {
+        // The table is copied with the journal held: a change made after
+        // the copy is appended to the new journal (replaying it twice is
+        // harmless), never to the old one.
+        let mut p = lock(&self.persist);
+        let table = self.log.as_ref().map(|t| lock(t).clone());
+        let g = p.generation + 1;
+        self.write_snapshot(&p, table.as_ref(), g)?;
+        write_journal_header(&self.dir, g, &self.layout)?;
+        let jpath = self.dir.join(JOURNAL_FILE);
+        p.journal = OpenOptions::new()
+            .append(true)
+            .open(&jpath)
+            .map_err(io_err(&jpath))?;
+        p.journal_bytes = p.journal.metadata().map_err(io_err(&jpath))?.len();
+        p.generation = g;
+        Ok(())
+    }
+
+    fn write_snapshot(
+        &self,
+        p: &Persist,
+        table: Option<&PageTable>,
+        generation: u64,
+    ) -> Result<(), MapError> {
+        let tmp = self.dir.join(format!("{SNAPSHOT_FILE}.tmp"));
+        let mut data = encode(&Record::Header {
+            generation,
+            layout: self.layout,
+        });
+        for (id, entry) in p.donors.iter().enumerate() {
+            data.extend(encode(&Record::Donor {
+                id: id as u16,
+                entry: entry.clone(),
+            }));
+        }
+        let mut n = 0u64;
+        for (i, u) in p.mirror.iter().enumerate().filter(|(_, u)| u.is_some()) {
+            data.extend(encode(&Record::Unit {
+                index: i as u32,
+                unit: u.clone(),
+            }));
+            n += 1;
+        }
+        if let Some(t) = table {
+            let geo = t.geometry();
+            for lu in 0..geo.units {
+                let mut row: Option<(u32, Vec<u64>)> = None;
+                for (slot, page) in t.live_in(lu) {
+                    let (_, r, col) = geo.place(slot);
+                    if row.as_ref().is_some_and(|(at, _)| *at != r) {
+                        let (at, pages) = row.take().expect("checked");
+                        data.extend(encode(&Record::LogRow {
+                            unit: lu as u32,
+                            row: at,
+                            pages,
+                        }));
+                    }
+                    row.get_or_insert_with(|| (r, vec![0; geo.cols as usize])).1[col as usize] =
+                        page + 1;
+                }
+                if let Some((at, pages)) = row {
+                    data.extend(encode(&Record::LogRow {
+                        unit: lu as u32,
+                        row: at,
+                        pages,
+                    }));
+                }
+            }
+        }
+        data.extend(encode(&Record::End { units: n }));
+        let mut f = File::create(&tmp).map_err(io_err(&tmp))?;
+        f.write_all(&data)
+            .and_then(|_| f.sync_all())
+            .map_err(io_err(&tmp))?;
+        fs::rename(&tmp, self.dir.join(SNAPSHOT_FILE)).map_err(io_err(&tmp))?;
+        fsync_dir(&self.dir)
+    }
+
+    // ---- parity log ----
+
+    fn table(&self) -> Option<MutexGuard<'_, PageTable>> {
+        self.log.as_ref().map(lock)
+    }
+
+    /// The parity log's shape, if the map has one.
+    pub fn log_geometry(&self) -> Option<LogGeometry> {
+        self.table().map(|t| t.geometry())
+    }
+
+    /// Where `page` lives in the log, if it does.
+    pub fn log_lookup(&self, page: u64) -> Option<Slot> {
+        self.table().and_then(|t| t.lookup(page))
+    }
+
+    /// Whether any page of `[first, first + count)` is in the log.
+    pub fn log_any_in(&self, first: u64, count: u64) -> bool {
+        self.table().is_some_and(|t| t.any_in(first, count))
+    }
+
+    /// Pages in the log, and live pages of each log unit.
+    pub fn log_census(&self) -> (u64, Vec<u32>) {
+        match self.table() {
+            Some(t) => (
+                t.logged(),
+                (0..t.geometry().units).map(|u| t.live(u)).collect(),
+            ),
+            None => (0, Vec::new()),
+        }
+    }
+
+    /// Live `(slot, page)` pairs of log unit `lu`.
+    pub fn log_live_in(&self, lu: u64) -> Vec<(Slot, u64)> {
+        self.table().map(|t| t.live_in(lu)).unwrap_or_default()
+    }
+
+    /// Journals that rows `row..` of log unit `lu` now hold `pages` (one
+    /// per data column, row after row; `None` for unused columns). Call
+    /// with the home groups of those pages write-locked, after the rows are
+    /// on the donors.
+    pub fn log_rows(&self, lu: u64, row: u32, pages: &[Option<u64>]) -> Result<(), MapError> {
+        let Some(t) = self.log.as_ref() else {
+            return Ok(());
+        };
+        let cols = {
+            let mut t = lock(t);
+            let geo = t.geometry();
+            for (r, cols) in (row..).zip(pages.chunks(geo.cols as usize)) {
+                for (col, p) in cols.iter().enumerate() {
+                    if let Some(p) = p {
+                        t.set(*p, geo.slot(lu, r, col as u32));
+                    }
+                }
+            }
+            geo.cols as usize
+        };
+        self.append_with(&mut lock(&self.persist), |out| {
+            for (r, cols) in (row..).zip(pages.chunks(cols)) {
+                frame_into(out, |p| {
+                    let pages = cols.iter().map(|p| p.map_or(0, |p| p + 1));
+                    log_row_payload(p, lu as u32, r, pages)
+                });
+            }
+        })
+    }
+
+    /// Journals that pages `[first, first + count)` are at home again (they
+    /// were just written there). Call with their home group write-locked.
+    pub fn log_drop(&self, first: u64, count: u64) -> Result<(), MapError> {
+        let Some(t) = self.log.as_ref() else {
+            return Ok(());
+        };
+        {
+            let mut t = lock(t);
+            if !t.any_in(first, count) {
+                return Ok(());
+            }
+            for p in first..first + count {
+                t.unset(p);
+            }
+        }
+        self.append(&mut lock(&self.persist), &Record::LogDrop { first, count })
+    }
+
+    // ---- donors ----
+
+    /// The map id of donor `name`, registering (and journaling) it if new.
+    pub fn donor_id(&self, name: &str) -> Result<u16, MapError> {
+        let mut p = lock(&self.persist);
+        if let Some(i) = p.donors.iter().position(|d| d.name == name) {
+            return Ok(i as u16);
+        }
+        let id = u16::try_from(p.donors.len()).map_err(|_| MapError::TooManyDonors)?;
+        let entry = DonorEntry {
+            name: name.to_string(),
+            label: 0,
+        };
+        self.append(
+            &mut p,
+            &Record::Donor {
+                id,
+                entry: entry.clone(),
+            },
+        )?;
+        p.donors.push(entry);
+        lock(&self.slots).donors.push(SlotSet::new(1));
+        Ok(id)
+    }
+
+    pub fn donor_label(&self, id: u16) -> u128 {
+        lock(&self.persist).donors[id as usize].label
+    }
+
+    /// Records which incarnation of donor `id`'s export holds our data.
+    pub fn set_donor_label(&self, id: u16, label: u128) -> Result<(), MapError> {
+        let mut p = lock(&self.persist);
+        let mut entry = p.donors[id as usize].clone();
+        entry.label = label;
+        self.append(
+            &mut p,
+            &Record::Donor {
+                id,
+                entry: entry.clone(),
+            },
+        )?;
+        p.donors[id as usize] = entry;
+        Ok(())
+    }
+
+    fn append(&self, p: &mut Persist, r: &Record) -> Result<(), MapError> {
+        self.append_with(p, |out| encode_into(r, out))
+    }
+
+    /// Appends the records `encode` writes, in one write, encoded in the
+    /// journal's reused buffer.
+    fn append_with(
+        &self,
+        p: &mut Persist,
+        encode: impl FnOnce(&mut Vec<u8>),
+    ) -> Result<(), MapError> {
+        let mut buf = std::mem::take(&mut p.scratch);
+        buf.clear();
+        encode(&mut buf);
+        // The path is built only for an error: this runs for every small
+        // write to the parity log.
+        let res = p
+            .journal
+            .write_all(&buf)
+            .map_err(|e| io_err(&self.dir.join(JOURNAL_FILE))(e));
+        if res.is_ok() {
+            p.journal_bytes += buf.len() as u64;
+        }
+        p.scratch = buf;
+        res
+    }
+}

@@ -1,0 +1,294 @@
+//! The map across restarts: journal replay, torn tails, compaction.
+
+use std::fs::{self, OpenOptions};
+use std::io::Write;
+
+use super::record::{encode, Record};
+use super::*;
+
+/// Mirror mode, 16 extents of 1 MiB.
+pub(super) fn layout() -> Layout {
+    Layout {
+        size: 16 << 20,
+        extent: 1 << 20,
+        mode: Redundancy::Mirror,
+        log_units: 0,
+    }
+}
+
+fn unit(d0: u16, s0: u32, d1: u16, s1: u32) -> Option<Unit> {
+    Some(Unit {
+        members: vec![
+            Member {
+                loc: Loc::Donor {
+                    donor: d0,
+                    slot: s0,
+                },
+                state: CopyState::Ok,
+            },
+            Member {
+                loc: Loc::Donor {
+                    donor: d1,
+                    slot: s1,
+                },
+                state: CopyState::Ok,
+            },
+        ],
+    })
+}
+
+fn get(m: &ExtentMap, u: u64) -> Option<Unit> {
+    m.unit(u).read().unwrap().clone()
+}
+
+#[test]
+fn journal_survives_reopen_and_rebuilds_slots() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let m = ExtentMap::open(dir.path(), layout()).unwrap();
+        let a = m.donor_id("a").unwrap();
+        let b = m.donor_id("b").unwrap();
+        m.set_capacity(SlotOwner::Donor(a), 8);
+        m.set_capacity(SlotOwner::Donor(b), 8);
+        assert_eq!(
+            m.alloc(SlotOwner::Donor(a)),
+            Some((Loc::Donor { donor: a, slot: 1 }, false))
+        );
+        m.commit(3, &unit(a, 1, b, 5)).unwrap();
+        m.set_donor_label(a, 77).unwrap();
+    }
+    let m = ExtentMap::open(dir.path(), layout()).unwrap();
+    assert_eq!(get(&m, 3), unit(0, 1, 1, 5));
+    assert_eq!(m.donor_label(0), 77);
+    assert_eq!(m.donor_id("b").unwrap(), 1);
+    m.set_capacity(SlotOwner::Donor(0), 8);
+    // slot 0 is the label, slot 1 is taken by unit 3.
+    assert_eq!(
+        m.alloc(SlotOwner::Donor(0)).unwrap().0,
+        Loc::Donor { donor: 0, slot: 2 }
+    );
+    assert_eq!(m.slot_usage(SlotOwner::Donor(1)).0, 1);
+}
+
+#[test]
+fn torn_journal_tail_is_discarded() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let m = ExtentMap::open(dir.path(), layout()).unwrap();
+        m.donor_id("a").unwrap();
+        m.donor_id("b").unwrap();
+        m.commit(1, &unit(0, 1, 1, 1)).unwrap();
+        m.commit(2, &unit(0, 2, 1, 2)).unwrap();
+    }
+    let jpath = dir.path().join(JOURNAL_FILE);
+    let len = fs::metadata(&jpath).unwrap().len();
+    // Tear the last record in half.
+    OpenOptions::new()
+        .write(true)
+        .open(&jpath)
+        .unwrap()
+        .set_len(len - 7)
+        .unwrap();
+    let m = ExtentMap::open(dir.path(), layout()).unwrap();
+    assert_eq!(get(&m, 1), unit(0, 1, 1, 1));
+    assert_eq!(get(&m, 2), None);
+    // The tail was cut, so new records follow the valid prefix.
+    m.commit(4, &unit(1, 3, 0, 3)).unwrap();
+    drop(m);
+    let m = ExtentMap::open(dir.path(), layout()).unwrap();
+    assert_eq!(get(&m, 4), unit(1, 3, 0, 3));
+    assert_eq!(get(&m, 1), unit(0, 1, 1, 1));
+}
+
+#[test]
+fn corrupt_record_in_the_middle_keeps_the_prefix() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let m = ExtentMap::open(dir.path(), layout()).unwrap();
+        m.donor_id("a").unwrap();
+        m.donor_id("b").unwrap();
+        m.commit(1, &unit(0, 1, 1, 1)).unwrap();
+        m.commit(2, &unit(0, 2, 1, 2)).unwrap();
+    }
+    let jpath = dir.path().join(JOURNAL_FILE);
+    let mut data = fs::read(&jpath).unwrap();
+    let n = data.len();
+    data[n - 3] ^= 0xff;
+    fs::write(&jpath, &data).unwrap();
+    let m = ExtentMap::open(dir.path(), layout()).unwrap();
+    assert_eq!(get(&m, 1), unit(0, 1, 1, 1));
+    assert_eq!(get(&m, 2), None);
+}
+
+#[test]
+fn compaction_and_a_crash_between_snapshot_and_journal_reset() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let m = ExtentMap::open(dir.path(), layout()).unwrap();
+        m.donor_id("a").unwrap();
+        m.donor_id("b").unwrap();
+        m.commit(1, &unit(0, 1, 1, 1)).unwrap();
+        m.compact().unwrap();
+        m.commit(2, &unit(0, 2, 1, 2)).unwrap();
+        m.commit(1, &None).unwrap();
+        // Crash in the middle of the next compaction: the new snapshot
+        // is in place, the old journal (already folded in) is not reset.
+        let p = lock(&m.persist);
+        m.write_snapshot(&p, None, p.generation + 1).unwrap();
+    }
+    let m = ExtentMap::open(dir.path(), layout()).unwrap();
+    assert_eq!(get(&m, 1), None);
+    assert_eq!(get(&m, 2), unit(0, 2, 1, 2));
+    // After recovery new records land in a journal of the new generation.
+    m.commit(5, &unit(1, 4, 0, 4)).unwrap();
+    drop(m);
+    let m = ExtentMap::open(dir.path(), layout()).unwrap();
+    assert_eq!(get(&m, 5), unit(1, 4, 0, 4));
+    assert_eq!(get(&m, 2), unit(0, 2, 1, 2));
+}
+
+/// Parity width 3, 1 MiB extents of 256 pages, 2 log units.
+fn log_layout() -> Layout {
+    Layout {
+        size: 8 << 20,
+        extent: 1 << 20,
+        mode: Redundancy::Parity { width: 3 },
+        log_units: 2,
+    }
+}
+
+fn parity_unit() -> Option<Unit> {
+    let m = |slot| Member {
+        loc: Loc::Donor { donor: 0, slot },
+        state: CopyState::Ok,
+    };
+    Some(Unit {
+        members: vec![m(1), m(2), m(3)],
+    })
+}
+
+#[test]
+fn parity_log_rows_and_drops_survive_reopen_and_compaction() {
+    let dir = tempfile::tempdir().unwrap();
+    let l = log_layout();
+    let geo = l.log_geometry().unwrap();
+    assert_eq!((geo.units, geo.rows, geo.cols), (2, 256, 2));
+    assert_eq!(l.units(), l.home_units() + 2);
+    {
+        let m = ExtentMap::open(dir.path(), l).unwrap();
+        m.donor_id("a").unwrap();
+        m.commit(l.log_unit(0), &parity_unit()).unwrap();
+        m.log_rows(0, 0, &[Some(10), Some(11)]).unwrap();
+        m.log_rows(0, 1, &[Some(12), None]).unwrap();
+        // Page 10 written again: its first copy is garbage.
+        m.log_rows(0, 2, &[Some(10), None]).unwrap();
+        m.log_drop(11, 1).unwrap();
+        m.compact().unwrap();
+        m.log_rows(0, 3, &[Some(2000), Some(13)]).unwrap();
+        // Two rows in one call.
+        m.log_rows(0, 4, &[Some(20), Some(21), Some(22), None])
+            .unwrap();
+    }
+    let m = ExtentMap::open(dir.path(), l).unwrap();
+    assert_eq!(m.log_lookup(10), Some(geo.slot(0, 2, 0)));
+    assert_eq!(m.log_lookup(11), None);
+    assert_eq!(m.log_lookup(12), Some(geo.slot(0, 1, 0)));
+    assert_eq!(m.log_lookup(2000), Some(geo.slot(0, 3, 0)));
+    assert_eq!(m.log_lookup(13), Some(geo.slot(0, 3, 1)));
+    assert_eq!(m.log_lookup(22), Some(geo.slot(0, 5, 0)));
+    assert_eq!(m.log_lookup(21), Some(geo.slot(0, 4, 1)));
+    assert_eq!(m.log_census(), (7, vec![7, 0]));
+    // Freeing a log unit sends whatever it still named home.
+    m.commit(l.log_unit(0), &None).unwrap();
+    drop(m);
+    let m = ExtentMap::open(dir.path(), l).unwrap();
+    assert_eq!(m.log_census(), (0, vec![0, 0]));
+}
+
+#[test]
+fn a_log_row_outside_the_log_is_refused_at_its_offset() {
+    let dir = tempfile::tempdir().unwrap();
+    let l = log_layout();
+    {
+        let m = ExtentMap::open(dir.path(), l).unwrap();
+        m.donor_id("a").unwrap();
+        m.log_rows(0, 0, &[Some(1), None]).unwrap();
+    }
+    let jpath = dir.path().join(JOURNAL_FILE);
+    let good = fs::metadata(&jpath).unwrap().len();
+    let mut f = OpenOptions::new().append(true).open(&jpath).unwrap();
+    f.write_all(&encode(&Record::LogRow {
+        unit: 5,
+        row: 0,
+        pages: vec![1, 0],
+    }))
+    .unwrap();
+    drop(f);
+    let e = ExtentMap::open(dir.path(), l).err().unwrap().to_string();
+    assert!(e.contains(&format!("corrupt record at byte {good}")), "{e}");
+    assert!(e.contains("log unit 5"), "{e}");
+}
+
+#[test]
+fn a_changed_parity_log_size_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    drop(ExtentMap::open(dir.path(), log_layout()).unwrap());
+    let e = ExtentMap::open(
+        dir.path(),
+        Layout {
+            log_units: 1,
+            ..log_layout()
+        },
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(e.contains("parity_log"), "{e}");
+}
+
+#[test]
+fn crash_after_journal_append_before_any_snapshot() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let m = ExtentMap::open(dir.path(), layout()).unwrap();
+        m.donor_id("a").unwrap();
+        m.donor_id("b").unwrap();
+        m.commit(7, &unit(1, 9, 0, 9)).unwrap();
+        // Dropped without sync or compaction: the records are in the file.
+    }
+    let m = ExtentMap::open(dir.path(), layout()).unwrap();
+    assert_eq!(get(&m, 7), unit(1, 9, 0, 9));
+    assert!(!dir.path().join(SNAPSHOT_FILE).exists());
+}
+
+#[test]
+fn rebuilding_copies_come_back_lost_and_free() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let m = ExtentMap::open(dir.path(), layout()).unwrap();
+        m.donor_id("a").unwrap();
+        m.donor_id("b").unwrap();
+        let mut u = unit(0, 1, 1, 1).unwrap();
+        u.members[1].state = CopyState::Rebuilding;
+        m.commit(0, &Some(u)).unwrap();
+    }
+    let m = ExtentMap::open(dir.path(), layout()).unwrap();
+    assert_eq!(get(&m, 0).unwrap().members[1].state, CopyState::Lost);
+    assert_eq!(m.slot_usage(SlotOwner::Donor(1)).0, 0);
+}
+
+#[test]
+fn layout_change_is_refused_naming_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    ExtentMap::open(dir.path(), layout()).unwrap();
+    let mut other = layout();
+    other.extent = 2 << 20;
+    let e = ExtentMap::open(dir.path(), other)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("extent_size") && e.contains("map.journal"),
+        "{e}"
+    );
+}
