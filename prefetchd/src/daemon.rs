@@ -18,10 +18,11 @@ use serde_json::{json, Value};
 use crate::disk::{Disk, Urgency};
 use crate::donor::{DonorArg, DonorLane, FillSource};
 use crate::files::{FileEntry, FileTable};
+use crate::lanes::Lanes;
 use crate::plan::engine::{
     Action, DonorSpec, Engine, EngineConfig, GlobalSource, LocalSource, RunId, Step,
 };
-use crate::plan::{BlockId, FileId, JobId, Nanos};
+use crate::plan::{BlockId, DonorId, FileId, JobId, Nanos};
 use crate::source::{open_hints, SourceReport};
 use hints::{FileDecl, Recorder};
 
@@ -38,6 +39,11 @@ pub struct Config {
     pub disk_depth: u32,
     /// Largest local disk request, in bytes (coalesced runs, readahead).
     pub max_request: usize,
+    /// Whether the mount lets the kernel cache file data (else every read
+    /// reaches the daemon: direct I/O).
+    pub page_cache: bool,
+    /// How often donors' status endpoints are polled.
+    pub status_poll: Duration,
     pub timeouts: pager_client::nbd::Timeouts,
 }
 
@@ -81,9 +87,11 @@ pub struct Daemon {
     state: Mutex<State>,
     files: Arc<FileTable>,
     disk: Arc<Disk>,
-    donors: Vec<Arc<DonorLane>>,
+    pub(crate) lanes: Lanes,
+    timeouts: pager_client::nbd::Timeouts,
     epoch: Instant,
     bs: usize,
+    page_cache: bool,
     started: Instant,
 }
 
@@ -153,15 +161,47 @@ impl Daemon {
                 }
             );
         }
-        Ok(Arc::new(Daemon {
+        let d = Arc::new(Daemon {
             state: Mutex::new(state),
             files,
             disk,
-            donors,
+            lanes: Lanes::new(cfg.donors, donors, cfg.status_poll),
+            timeouts: cfg.timeouts,
             epoch: Instant::now(),
             bs,
+            page_cache: cfg.page_cache,
             started: Instant::now(),
-        }))
+        });
+        if let Err(e) = d.start_pollers() {
+            d.stop();
+            return Err(e);
+        }
+        Ok(d)
+    }
+
+    pub(crate) fn disk(&self) -> &Arc<Disk> {
+        &self.disk
+    }
+
+    pub(crate) fn timeouts(&self) -> pager_client::nbd::Timeouts {
+        self.timeouts
+    }
+
+    /// Forgets everything donor `id` holds; it gets no more requests.
+    pub(crate) fn forget_donor(&self, id: DonorId) {
+        self.lock().engine.donor_failed(id);
+    }
+
+    /// Adds a fresh donor to the engine; `register` files its lane under
+    /// the new id before any request can be made of it.
+    pub(crate) fn add_donor(self: &Arc<Self>, spec: DonorSpec, register: impl FnOnce(DonorId)) {
+        let actions = {
+            let mut st = self.lock();
+            let id = st.engine.add_donor(spec);
+            register(id);
+            st.engine.plan(self.now())
+        };
+        self.execute(actions);
     }
 
     pub fn files(&self) -> &Arc<FileTable> {
@@ -170,6 +210,11 @@ impl Daemon {
 
     pub fn block_size(&self) -> usize {
         self.bs
+    }
+
+    /// Whether the kernel caches the mount's file data.
+    pub fn page_cache(&self) -> bool {
+        self.page_cache
     }
 
     fn now(&self) -> Nanos {
@@ -195,9 +240,7 @@ impl Daemon {
                 tracing::warn!("{e:#}");
             }
         }
-        for l in &self.donors {
-            l.stop();
-        }
+        self.lanes.stop();
         self.disk.stop();
         let pending: Vec<PendingRead> = {
             let mut st = self.lock();
@@ -357,10 +400,16 @@ impl Daemon {
             let mut actions = Vec::new();
             for index in first..=last {
                 let block = BlockId::new(file.id, index);
-                match st
+                let step = st
                     .engine
-                    .access_read(job, block, last + 1..file_blocks, now)
-                {
+                    .access_read(job, block, last + 1..file_blocks, now);
+                // The kernel keeps what it is given; a block it gets only
+                // part of is still read through the daemon.
+                let block_end = ((index + 1) * bs).min(file.size());
+                if self.page_cache && offset <= index * bs && end >= block_end {
+                    st.engine.page_cached(job, block);
+                }
+                match step {
                     Step::Hit { buf } => {
                         let b = buf as usize;
                         let bytes = &st.cache[b * self.bs..b * self.bs + st.cache_len[b] as usize];
@@ -507,7 +556,7 @@ impl Daemon {
                     tracing::debug!(
                         "block {block:?} from donor {donor}: {e}; reading it from disk"
                     );
-                    if self.donors[donor].failed() {
+                    if self.lanes.get(donor).failed() {
                         st.engine.donor_failed(donor);
                     }
                 } else {
@@ -551,7 +600,7 @@ impl Daemon {
                 Err(e) => {
                     tracing::debug!("disk-to-global fill of block {block:?} on donor {donor}: {e}");
                     st.engine.global_failed(block);
-                    if self.donors[donor].failed() {
+                    if self.lanes.get(donor).failed() {
                         st.engine.donor_failed(donor);
                     }
                 }
@@ -612,7 +661,7 @@ impl Daemon {
                     let from = LocalSource::Global { donor, slot };
                     let file_size = self.files.by_id(block.file).map_or(0, |f| f.size());
                     let valid = file_size.saturating_sub(block.index * bs).min(bs) as usize;
-                    self.donors[donor].read_slot(
+                    self.lanes.get(donor).read_slot(
                         slot,
                         Box::new(move |r, took| {
                             if r.is_ok() {
@@ -658,7 +707,7 @@ impl Daemon {
                         },
                     };
                     let (me, me2) = (self.clone(), self.clone());
-                    self.donors[donor].fill(
+                    self.lanes.get(donor).fill(
                         slot,
                         deadline,
                         source,
@@ -696,7 +745,10 @@ impl Daemon {
             .iter()
             .map(|d| {
                 let mut v = serde_json::to_value(d).expect("donor status serialises");
-                v["name"] = json!(self.donors[d.id].name);
+                let lane = self.lanes.describe(d.id, d.alive);
+                for (k, x) in lane.as_object().expect("an object") {
+                    v[k] = x.clone();
+                }
                 v
             })
             .collect();
@@ -705,6 +757,7 @@ impl Daemon {
             "block_size": self.bs,
             "uptime_s": self.started.elapsed().as_secs_f64(),
             "prefetch": st.engine.config().prefetch,
+            "page_cache": self.page_cache,
             "local": {
                 "blocks": es.local_blocks,
                 "resident": es.local_resident,

@@ -43,8 +43,12 @@ def prefetched_share(stats: dict) -> float:
     return (h["local"] + h["global"]) / stats["blocks"]
 
 
-def run_hinted(teardown, tmp_path, ds, data, donors, **kw):
-    pd = Prefetchd(teardown, tmp_path, data, donors=donors, local_cache="1M", **kw)
+def run_hinted(teardown, tmp_path, ds, data, donors, extra=()):
+    # Direct I/O: every read reaches prefetchd, so its counters are the
+    # job's whole read stream (the page cache would serve re-reads and,
+    # with no readahead, split each block into page-sized reads).
+    pd = Prefetchd(teardown, tmp_path, data, donors=donors, local_cache="1M",
+                   extra=["--direct-io", *extra])
     pd.add_job("random", ds["hints_path"])
     result = run_job(teardown, tmp_path, ds["hints_path"], pd.mount / "jobs" / "random",
                      manifest=ds["manifest_path"], compute_us=250)

@@ -238,6 +238,9 @@ pub struct JobStatus {
     pub missed: u64,
     pub demotions: u64,
     pub promotions: u64,
+    /// Hinted references served by the kernel's page cache (passed over
+    /// without a read reaching prefetchd).
+    pub page_cache_refs: u64,
     /// Estimated time per reference (compute + F_L).
     pub per_ref_ns: Nanos,
     pub stats: JobStats,
@@ -383,7 +386,7 @@ impl Engine {
             eviction_sample: cfg.eviction_sample.max(1),
             ..cfg
         };
-        Engine {
+        let mut e = Engine {
             cfg,
             costs: Costs::new(cfg.costs),
             jobs: BTreeMap::new(),
@@ -400,21 +403,15 @@ impl Engine {
             streams: HashMap::new(),
             queued: Vec::new(),
             global: HashMap::new(),
-            donors: donors
-                .iter()
-                .map(|&spec| Donor {
-                    spec,
-                    alive: true,
-                    slots: vec![None; spec.slots as usize],
-                    free: (0..spec.slots).rev().collect(),
-                    outstanding: 0,
-                    sweep: 0,
-                })
-                .collect(),
+            donors: Vec::new(),
             donor_rr: 0,
             last_global_plan: None,
             global_dirty: true,
+        };
+        for &spec in donors {
+            e.add_donor(spec);
         }
+        e
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -564,6 +561,16 @@ impl Engine {
         self.count_hit(job, level);
         let read_end = ends.start.max(block.index + 1);
         self.demand(block, job, read_end..ends.end.max(read_end), now)
+    }
+
+    /// A read by `job` returned all of `block` to the kernel, which keeps
+    /// it in its page cache: the job's later references to it are served
+    /// there, so they are no longer prefetched nor expected as reads, and
+    /// a copy in local memory is worth no more than one the job read last.
+    pub fn page_cached(&mut self, job: Option<JobId>, block: BlockId) {
+        if let Some(j) = job.and_then(|id| self.jobs.get_mut(&id)) {
+            j.cursor.mark_cached(block);
+        }
     }
 
     /// Whether `job`'s hints drive its disk requests.
@@ -995,6 +1002,16 @@ impl Engine {
         g.started = true;
         g.last_use = now;
         let (donor, from_local_disk) = (g.donor, !self.donors[g.donor].spec.replica);
+        if !self.donors[donor].alive {
+            // Landed in a donor that is gone or was let go meanwhile.
+            let g = self.global.remove(&block).expect("present");
+            let d = &mut self.donors[donor];
+            d.slots[g.slot as usize] = None;
+            d.free.push(g.slot);
+            if let Some(p) = g.prefetch {
+                self.credit(p, false);
+            }
+        }
         self.finish_global(donor, from_local_disk);
     }
 
@@ -1026,8 +1043,25 @@ impl Engine {
         self.global_dirty = true;
     }
 
-    /// A donor stopped answering: everything it held is gone and it gets
-    /// no more requests. Fills in flight report their own failure.
+    /// A donor comes (back): a fresh one, with every slot empty, under a
+    /// new id (requests decided for an earlier life of the same donor keep
+    /// the old id, so they can never touch the new one's slots).
+    pub fn add_donor(&mut self, spec: DonorSpec) -> DonorId {
+        self.donors.push(Donor {
+            spec,
+            alive: true,
+            slots: vec![None; spec.slots as usize],
+            free: (0..spec.slots).rev().collect(),
+            outstanding: 0,
+            sweep: 0,
+        });
+        self.global_dirty = true;
+        self.donors.len() - 1
+    }
+
+    /// A donor stopped answering, or is let go: everything it held is
+    /// forgotten and it gets no more requests. Fills in flight report their
+    /// own end.
     pub fn donor_failed(&mut self, donor: DonorId) {
         let Some(d) = self.donors.get_mut(donor) else {
             return;
@@ -1361,6 +1395,7 @@ impl Engine {
                         missed: c.missed,
                         demotions: c.demotions,
                         promotions: c.promotions,
+                        page_cache_refs: c.page_cache_refs,
                         per_ref_ns: self.per_ref(j),
                         stats: j.stats,
                     }
@@ -1495,6 +1530,35 @@ mod tests {
         }
         // Reading 4 evicted 3, the resident block needed last.
         assert!(e.is_local(b(1)) && e.is_local(b(2)) && !e.is_local(b(3)));
+    }
+
+    #[test]
+    fn a_block_in_the_page_cache_gives_up_its_buffer_first_and_is_not_prefetched() {
+        let mut e = Engine::new(
+            EngineConfig {
+                prefetch: false,
+                ..cfg(2)
+            },
+            &[],
+        );
+        let j = e.add_job("j", source(vec![1, 2, 1, 2, 3, 1]));
+        read_now(&mut e, Some(j), b(1), 0);
+        e.page_cached(Some(j), b(1));
+        // 2 was read only in part: the kernel does not hold all of it.
+        read_now(&mut e, Some(j), b(2), MS);
+        read_now(&mut e, Some(j), b(3), 2 * MS);
+        // Without the page cache 1 would be kept (used again soonest).
+        assert!(!e.is_local(b(1)) && e.is_local(b(2)) && e.is_local(b(3)));
+        let st = &e.status().jobs[0];
+        assert_eq!((st.page_cache_refs, st.missed), (2, 0), "{st:?}");
+        // One buffer: reading 2 evicts 1, which the page cache still holds.
+        let mut e = Engine::new(cfg(1), &[]);
+        let j = e.add_job("j", source(vec![1, 2, 1, 3]));
+        read_now(&mut e, Some(j), b(1), 0);
+        e.page_cached(Some(j), b(1));
+        read_now(&mut e, Some(j), b(2), MS);
+        let wanted: Vec<u64> = disk_runs(&e.plan(MS)).iter().map(|r| r.1).collect();
+        assert_eq!(wanted, vec![3], "1 comes from the page cache");
     }
 
     #[test]
@@ -1786,6 +1850,42 @@ mod tests {
             .iter()
             .all(|a| !matches!(a, Action::FillGlobal { .. })));
         assert!(!e.status().donors[0].alive);
+    }
+
+    #[test]
+    fn a_donor_let_go_and_back_is_a_fresh_one_under_a_new_id() {
+        let spec = DonorSpec {
+            slots: 8,
+            replica: true,
+        };
+        let mut e = Engine::new(
+            EngineConfig {
+                local_prefetch_depth: 0,
+                ..cfg(8)
+            },
+            &[spec],
+        );
+        e.add_job("j", source(vec![1, 2, 3]));
+        e.plan(0);
+        e.global_filled(b(1), MS);
+        e.donor_failed(0);
+        // A fill that lands after the donor was let go is not trusted.
+        e.global_filled(b(2), MS);
+        assert!(!e.is_global(b(1)) && !e.is_global(b(2)));
+        e.global_failed(b(3));
+        assert_eq!(e.add_donor(spec), 1);
+        let placed: Vec<(u64, DonorId)> = e
+            .plan(2 * MS)
+            .iter()
+            .filter_map(|a| match *a {
+                Action::FillGlobal { block, donor, .. } => Some((block.index, donor)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(placed, vec![(1, 1), (2, 1), (3, 1)]);
+        let st = e.status();
+        assert!(!st.donors[0].alive && st.donors[1].alive);
+        assert_eq!((st.donors[0].used, st.donors[0].outstanding), (0, 0));
     }
 
     #[test]
