@@ -22,7 +22,7 @@ impl SlotTable {
         }
     }
 
-    pub fn len(&self) -> usize {
+    pub fn capacity(&self) -> usize {
         self.slots.len()
     }
 

@@ -730,7 +730,7 @@ impl Engine {
         let mut seen = HashSet::new();
         j.cursor
             .upcoming()
-            .take(self.cfg.forestall_scan.min(self.bufs.len()))
+            .take(self.cfg.forestall_scan.min(self.bufs.capacity()))
             .filter(|(_, b)| {
                 b.file == file
                     && !self.local.contains_key(b)
