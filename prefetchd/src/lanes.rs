@@ -19,7 +19,7 @@ use crate::daemon::Daemon;
 use crate::donor::{DonorArg, DonorLane};
 use crate::plan::engine::DonorSpec;
 use crate::plan::DonorId;
-use crate::watch::{Decision, LaneWatch, Seen};
+use crate::watch::{Decision, LaneState, LaneWatch, Seen};
 
 /// One life of a donor.
 pub(crate) struct LaneRec {
@@ -74,9 +74,8 @@ impl Lanes {
         self.recs()[id].lane.clone()
     }
 
-    /// The current (latest) life of donor `donor`: its id, lane and whether
-    /// it is serving.
-    fn current(&self, donor: usize) -> (DonorId, Arc<DonorLane>, bool) {
+    /// The current (latest) life of donor `donor`: its id, lane and state.
+    fn current(&self, donor: usize) -> (DonorId, Arc<DonorLane>, LaneState) {
         let recs = self.recs();
         let (id, rec) = recs
             .iter()
@@ -84,11 +83,12 @@ impl Lanes {
             .rev()
             .find(|(_, r)| r.donor == donor)
             .expect("every donor has a lane");
-        (
-            id,
-            rec.lane.clone(),
-            rec.ended.is_none() && !rec.lane.failed(),
-        )
+        let state = match (rec.ended, rec.lane.failed()) {
+            (Some(_), _) => LaneState::LetGo,
+            (None, true) => LaneState::Failed,
+            (None, false) => LaneState::Serving,
+        };
+        (id, rec.lane.clone(), state)
     }
 
     /// Waits `d`, or less if stopping; true when stopping.
@@ -173,8 +173,8 @@ impl Daemon {
                     Seen::Unreachable
                 }
             };
-            let (id, lane, up) = self.lanes.current(donor);
-            match watch.observe(up, seen) {
+            let (id, lane, state) = self.lanes.current(donor);
+            match watch.observe(state, seen) {
                 Decision::Keep => {}
                 Decision::Stop => self.let_go(id, &lane, "draining", true),
                 Decision::Start => self.take_back(donor, &lane),

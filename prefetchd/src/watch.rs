@@ -32,6 +32,17 @@ pub enum Decision {
     Restart,
 }
 
+/// Where the donor's current lane is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LaneState {
+    Serving,
+    /// Failed by itself (an NBD error: the donor died, or refused a write
+    /// because it is draining).
+    Failed,
+    /// Stopped on purpose.
+    LetGo,
+}
+
 /// The last uptime seen, to notice restarts.
 #[derive(Debug, Default, Clone)]
 pub struct LaneWatch {
@@ -39,8 +50,8 @@ pub struct LaneWatch {
 }
 
 impl LaneWatch {
-    /// Decides what a poll means for a lane that is running (`up`) or not.
-    pub fn observe(&mut self, up: bool, seen: Seen) -> Decision {
+    /// Decides what a poll means for the donor's current lane.
+    pub fn observe(&mut self, lane: LaneState, seen: Seen) -> Decision {
         let Seen::Status {
             draining,
             uptime_ms,
@@ -50,10 +61,12 @@ impl LaneWatch {
         };
         let restarted = self.uptime_ms.is_some_and(|u| uptime_ms < u);
         self.uptime_ms = Some(uptime_ms);
-        match (up, draining) {
-            (true, true) => Decision::Stop,
-            (true, false) if restarted => Decision::Restart,
-            (false, false) => Decision::Start,
+        match (lane, draining) {
+            // A lane that failed on a draining donor is let go too: its
+            // export must still be trimmed.
+            (LaneState::Serving | LaneState::Failed, true) => Decision::Stop,
+            (LaneState::Serving, false) if restarted => Decision::Restart,
+            (LaneState::Failed | LaneState::LetGo, false) => Decision::Start,
             _ => Decision::Keep,
         }
     }
@@ -73,31 +86,69 @@ mod tests {
     #[test]
     fn draining_stops_and_recovery_starts_a_fresh_lane() {
         let mut w = LaneWatch::default();
-        assert_eq!(w.observe(true, st(false, 1000)), Decision::Keep);
-        assert_eq!(w.observe(true, st(true, 2000)), Decision::Stop);
-        assert_eq!(w.observe(false, st(true, 3000)), Decision::Keep);
-        assert_eq!(w.observe(false, st(false, 4000)), Decision::Start);
-        assert_eq!(w.observe(true, st(false, 5000)), Decision::Keep);
+        assert_eq!(
+            w.observe(LaneState::Serving, st(false, 1000)),
+            Decision::Keep
+        );
+        assert_eq!(
+            w.observe(LaneState::Serving, st(true, 2000)),
+            Decision::Stop
+        );
+        assert_eq!(w.observe(LaneState::LetGo, st(true, 3000)), Decision::Keep);
+        assert_eq!(
+            w.observe(LaneState::LetGo, st(false, 4000)),
+            Decision::Start
+        );
+        assert_eq!(
+            w.observe(LaneState::Serving, st(false, 5000)),
+            Decision::Keep
+        );
     }
 
     #[test]
     fn a_donor_that_died_comes_back_when_its_status_answers() {
         let mut w = LaneWatch::default();
-        assert_eq!(w.observe(true, st(false, 9000)), Decision::Keep);
+        assert_eq!(
+            w.observe(LaneState::Serving, st(false, 9000)),
+            Decision::Keep
+        );
         // The lane failed on an NBD error; the endpoint is gone too.
-        assert_eq!(w.observe(false, Seen::Unreachable), Decision::Keep);
-        assert_eq!(w.observe(false, Seen::Unreachable), Decision::Keep);
-        assert_eq!(w.observe(false, st(true, 100)), Decision::Keep);
-        assert_eq!(w.observe(false, st(false, 600)), Decision::Start);
+        assert_eq!(
+            w.observe(LaneState::Failed, Seen::Unreachable),
+            Decision::Keep
+        );
+        assert_eq!(
+            w.observe(LaneState::Failed, Seen::Unreachable),
+            Decision::Keep
+        );
+        assert_eq!(
+            w.observe(LaneState::Failed, st(false, 600)),
+            Decision::Start
+        );
+        // Failed on a draining donor (a refused write): let go, trimmed.
+        assert_eq!(w.observe(LaneState::Failed, st(true, 700)), Decision::Stop);
+        assert_eq!(w.observe(LaneState::LetGo, st(true, 800)), Decision::Keep);
     }
 
     #[test]
     fn a_restart_between_two_polls_replaces_the_running_lane() {
         let mut w = LaneWatch::default();
-        assert_eq!(w.observe(true, st(false, 9000)), Decision::Keep);
-        assert_eq!(w.observe(true, st(false, 50)), Decision::Restart);
-        assert_eq!(w.observe(true, st(false, 1050)), Decision::Keep);
+        assert_eq!(
+            w.observe(LaneState::Serving, st(false, 9000)),
+            Decision::Keep
+        );
+        assert_eq!(
+            w.observe(LaneState::Serving, st(false, 50)),
+            Decision::Restart
+        );
+        assert_eq!(
+            w.observe(LaneState::Serving, st(false, 1050)),
+            Decision::Keep
+        );
         // Unreachable for a while says nothing about a running lane.
-        assert_eq!(w.observe(true, Seen::Unreachable), Decision::Keep);
+        assert_eq!(
+            w.observe(LaneState::Serving, Seen::Unreachable),
+            Decision::Keep
+        );
     }
 }

@@ -6,19 +6,11 @@ verify throughout."""
 
 from __future__ import annotations
 
-import pytest
 
 from netpager_testkit import wait_for
-from prefetch_helpers import Prefetchd, donor_arg, finish_job, generate, missing_binaries, start_job
+from prefetch_helpers import Prefetchd, donor_arg, finish_job, generate, start_job
 
 SCALE = 0.025
-
-
-@pytest.fixture(autouse=True)
-def built(root):
-    missing = missing_binaries()
-    if missing:
-        pytest.skip(f"not built: {missing} (run `make build` or set NETPAGER_TARGET_DIR)")
 
 
 def lanes_of(pd: Prefetchd, donor: int) -> list[dict]:

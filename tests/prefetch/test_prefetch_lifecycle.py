@@ -11,14 +11,7 @@ import subprocess
 import pytest
 
 from netpager_testkit.attach import mounted
-from prefetch_helpers import Prefetchd, binary, generate, missing_binaries, run_job, unmount
-
-
-@pytest.fixture(autouse=True)
-def built(root):
-    missing = missing_binaries()
-    if missing:
-        pytest.skip(f"not built: {missing} (run `make build` or set NETPAGER_TARGET_DIR)")
+from prefetch_helpers import Prefetchd, binary, generate, run_job, unmount
 
 
 @pytest.fixture

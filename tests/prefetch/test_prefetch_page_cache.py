@@ -10,17 +10,10 @@ import os
 
 import pytest
 
-from prefetch_helpers import Prefetchd, missing_binaries, run_job, write_hints
+from prefetch_helpers import Prefetchd, run_job, write_hints
 
 BS = 8192
 BLOCKS = 16
-
-
-@pytest.fixture(autouse=True)
-def built(root):
-    missing = missing_binaries()
-    if missing:
-        pytest.skip(f"not built: {missing} (run `make build` or set NETPAGER_TARGET_DIR)")
 
 
 @pytest.fixture

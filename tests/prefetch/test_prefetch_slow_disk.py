@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefetch_helpers import (Prefetchd, Replica, SlowDisk, donor_arg, generate, missing_binaries, run_job,
+from prefetch_helpers import (Prefetchd, Replica, SlowDisk, donor_arg, generate, run_job,
                               without_file_declarations)
 
 SCALE = 0.02  # 256 blocks of 8 KiB
@@ -17,13 +17,6 @@ RDELAY = "4ms"
 # 2 MiB file takes the local disk about eight requests, leaving the donors
 # little to do.
 ONE_BLOCK = ["--coalesce", "8K"]
-
-
-@pytest.fixture(autouse=True)
-def built(root):
-    missing = missing_binaries()
-    if missing:
-        pytest.skip(f"not built: {missing} (run `make build` or set NETPAGER_TARGET_DIR)")
 
 
 @pytest.fixture
