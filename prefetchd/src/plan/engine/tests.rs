@@ -1,6 +1,9 @@
 //! The planner's unit tests, on a simulated clock.
 
 use super::*;
+use crate::plan::coalesce::CoalesceConfig;
+use crate::plan::cursor::CursorConfig;
+use crate::plan::timing::CostDefaults;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
