@@ -58,12 +58,21 @@ impl Daemon {
         from: LocalSource,
         result: Result<&[u8], String>,
     ) {
+        self.completing(|st, actions, done| {
+            self.block_arrived(st, block, from, result, actions, done);
+        });
+    }
+
+    /// Runs `f` under the lock, then plans: answers the reads `f` finished
+    /// and starts the I/O `f` and the plan decided, once the lock is
+    /// released.
+    fn completing(self: &Arc<Self>, f: impl FnOnce(&mut State, &mut Vec<Action>, &mut Finished)) {
         let mut done: Finished = Vec::new();
         let actions = {
             let mut guard = self.lock();
             let st = &mut *guard;
             let mut actions = Vec::new();
-            self.block_arrived(st, block, from, result, &mut actions, &mut done);
+            f(st, &mut actions, &mut done);
             actions.extend(st.engine.plan(self.now()));
             actions
         };
@@ -78,23 +87,15 @@ impl Daemon {
         first: u64,
         result: Result<&[u8], String>,
     ) {
-        let mut done: Finished = Vec::new();
-        let actions = {
-            let mut guard = self.lock();
-            let st = &mut *guard;
-            let mut actions = Vec::new();
+        self.completing(|st, actions, done| {
             for block in st.engine.run_done(run) {
                 let bytes = result.as_ref().map_err(Clone::clone).map(|b| {
                     let at = ((block.index - first) as usize * self.bs).min(b.len());
                     &b[at..(at + self.bs).min(b.len())]
                 });
-                self.block_arrived(st, block, LocalSource::Disk, bytes, &mut actions, &mut done);
+                self.block_arrived(st, block, LocalSource::Disk, bytes, actions, done);
             }
-            actions.extend(st.engine.plan(self.now()));
-            actions
-        };
-        answer(done);
-        self.execute(actions);
+        });
     }
 
     /// One block of a fill into local memory arrived (or failed to).
