@@ -41,6 +41,8 @@ pub struct DonorArg {
     pub replica: Option<Endpoint>,
     /// Use at most this many slots of the memory export.
     pub slots: Option<u32>,
+    /// The donor's status endpoint (`HOST:PORT`), polled to follow its life.
+    pub status: Option<String>,
 }
 
 fn parse_endpoint(s: &str, psk: &Option<PathBuf>, user: &Option<String>) -> Result<Endpoint> {
@@ -59,11 +61,12 @@ fn parse_endpoint(s: &str, psk: &Option<PathBuf>, user: &Option<String>) -> Resu
 impl FromStr for DonorArg {
     type Err = anyhow::Error;
 
-    /// `HOST:PORT[/EXPORT][,replica=HOST:PORT[/EXPORT]][,slots=N][,psk=FILE][,user=NAME]`
+    /// `HOST:PORT[/EXPORT][,replica=HOST:PORT[/EXPORT]][,slots=N][,status=HOST:PORT][,psk=FILE][,user=NAME]`
     fn from_str(s: &str) -> Result<DonorArg> {
         let mut parts = s.split(',');
         let memory = parts.next().unwrap_or_default();
-        let (mut replica, mut slots, mut psk, mut user) = (None, None, None, None);
+        let (mut replica, mut slots, mut status, mut psk, mut user) =
+            (None, None, None, None, None);
         for p in parts {
             let (k, v) = p
                 .split_once('=')
@@ -76,9 +79,15 @@ impl FromStr for DonorArg {
                             .with_context(|| format!("donor {s:?}: bad slots {v:?}"))?,
                     )
                 }
+                "status" => {
+                    let hp = HostPort::parse(v).with_context(|| {
+                        format!("donor {s:?}: status endpoint {v:?}: expected HOST:PORT")
+                    })?;
+                    status = Some(hp.to_string());
+                }
                 "psk" => psk = Some(PathBuf::from(v)),
                 "user" => user = Some(v.to_owned()),
-                _ => bail!("donor {s:?}: unknown option {k:?} (replica, slots, psk, user)"),
+                _ => bail!("donor {s:?}: unknown option {k:?} (replica, slots, status, psk, user)"),
             }
         }
         Ok(DonorArg {
@@ -87,6 +96,7 @@ impl FromStr for DonorArg {
                 .map(|r| parse_endpoint(&r, &psk, &user))
                 .transpose()?,
             slots,
+            status,
         })
     }
 }
@@ -153,6 +163,7 @@ struct Queues {
 /// One donor: its queues, workers and state.
 pub struct DonorLane {
     pub name: String,
+    memory: Endpoint,
     pub slots: u32,
     pub has_replica: bool,
     block_size: usize,
@@ -203,6 +214,7 @@ impl DonorLane {
         }
         let lane = Arc::new(DonorLane {
             name,
+            memory: arg.memory.clone(),
             slots,
             has_replica: arg.replica.is_some(),
             block_size,
@@ -340,6 +352,21 @@ impl DonorLane {
         }
     }
 
+    /// Trims the first `bytes` of the memory export on a connection of its
+    /// own, so the donor frees what this prefetchd stored there.
+    pub fn trim_all(&self, bytes: u64, t: netpager_nbd::Timeouts) -> Result<(), NbdError> {
+        // Well under NBD's 32-bit request length.
+        const CHUNK: u64 = 64 << 20;
+        let mut conn = Connection::connect(&self.memory, t.connect)?;
+        let mut at = 0;
+        while at < bytes {
+            let len = CHUNK.min(bytes - at);
+            conn.trim(len, at, t.request)?;
+            at += len;
+        }
+        Ok(())
+    }
+
     fn connect(&self, ep: &Endpoint, t: netpager_nbd::Timeouts) -> Option<Connection> {
         match Connection::connect(ep, t.connect) {
             Ok(c) => Some(c),
@@ -455,7 +482,10 @@ mod tests {
         );
         let r = d.replica.unwrap();
         assert_eq!((r.port, r.export.as_str()), (10810, ""));
-        assert_eq!(d.slots, Some(64));
+        assert_eq!((d.slots, d.status), (Some(64), None));
+        let d: DonorArg = "127.0.0.2:10809,status=[::1]:10900".parse().unwrap();
+        assert_eq!(d.status.as_deref(), Some("[::1]:10900"));
+        assert!("127.0.0.2:10809,status=10900".parse::<DonorArg>().is_err());
         assert!("127.0.0.1".parse::<DonorArg>().is_err());
         assert!("127.0.0.1:1,color=red".parse::<DonorArg>().is_err());
         assert!("127.0.0.1:x".parse::<DonorArg>().is_err());

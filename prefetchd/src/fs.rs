@@ -7,10 +7,17 @@
 //!
 //! A job reads through its own subtree, so every read is attributed to
 //! it without tracking processes: the subtree is the job's identity.
-//! Files are opened with direct I/O, so each read a job makes reaches
-//! prefetchd (the kernel page cache would otherwise be a fourth,
-//! unmanaged level). Only directories and regular files are shown.
-
+//! Only directories and regular files are shown.
+//!
+//! **The page cache.** By default the kernel caches what it read of a
+//! file (each view of a file is its own inode, so each job its own copy)
+//! and reads ahead sequentially (up to the daemon's `--readahead`): a
+//! re-read costs what it costs on any file, and only the *first* read of a
+//! block reaches the daemon. The cache is kept across opens while the file
+//! keeps its identity (device, inode, size, mtime); an open that finds the
+//! file changed drops it, and file attributes are never cached, so a
+//! changed file is never served stale. With `direct_io` every read
+//! reaches the daemon instead (the kernel neither caches nor reads ahead).
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::fs;
@@ -19,16 +26,21 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use fuser::consts::FOPEN_DIRECT_IO;
+use fuser::consts::{FOPEN_DIRECT_IO, FOPEN_KEEP_CACHE};
 use fuser::{
-    FileAttr, FileType, Filesystem, ReplyAttr, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry,
-    ReplyOpen, Request,
+    FileAttr, FileType, Filesystem, KernelConfig, ReplyAttr, ReplyData, ReplyDirectory, ReplyEmpty,
+    ReplyEntry, ReplyOpen, Request,
 };
 
 use crate::daemon::Daemon;
 use crate::files::FileEntry;
+use crate::plan::FileId;
 
+/// How long the kernel may keep a directory's attributes and entries.
 const TTL: Duration = Duration::from_secs(1);
+/// Regular files' attributes are asked for each time: the kernel then
+/// sees a changed size at once (it clamps cached reads to the size).
+const FILE_TTL: Duration = Duration::ZERO;
 const ROOT: u64 = 1;
 
 /// A node of the mount.
@@ -57,10 +69,16 @@ pub struct PrefetchFs {
     handles: HashMap<u64, Handle>,
     next_fh: u64,
     mounted_at: SystemTime,
+    /// The file version whose data the kernel may hold, per inode.
+    cached: HashMap<u64, FileId>,
+    /// Largest kernel readahead, in bytes (0: none).
+    readahead: u32,
 }
 
 impl PrefetchFs {
-    pub fn new(daemon: Arc<Daemon>) -> PrefetchFs {
+    /// The view of `daemon`'s data directory; with the page cache, the
+    /// kernel reads ahead at most `readahead` bytes.
+    pub fn new(daemon: Arc<Daemon>, readahead: u32) -> PrefetchFs {
         let mut fs = PrefetchFs {
             daemon,
             nodes: Vec::new(),
@@ -68,6 +86,8 @@ impl PrefetchFs {
             handles: HashMap::new(),
             next_fh: 1,
             mounted_at: SystemTime::now(),
+            cached: HashMap::new(),
+            readahead,
         };
         fs.ino(Node::Root);
         fs
@@ -226,7 +246,28 @@ fn join(rel: &str, name: &str) -> String {
     }
 }
 
+fn ttl(attr: &FileAttr) -> Duration {
+    match attr.kind {
+        FileType::RegularFile => FILE_TTL,
+        _ => TTL,
+    }
+}
+
 impl Filesystem for PrefetchFs {
+    fn init(&mut self, _req: &Request<'_>, config: &mut KernelConfig) -> Result<(), libc::c_int> {
+        let ra = if self.daemon.page_cache() {
+            self.readahead
+        } else {
+            0
+        };
+        // 0 is refused, 1 byte rounds down to no readahead; above the
+        // kernel's limit, its limit.
+        if let Err(nearest) = config.set_max_readahead(ra.max(1)) {
+            let _ = config.set_max_readahead(nearest);
+        }
+        Ok(())
+    }
+
     fn lookup(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEntry) {
         let Some(parent) = self.node(parent).cloned() else {
             return reply.error(libc::ENOENT);
@@ -260,14 +301,14 @@ impl Filesystem for PrefetchFs {
         };
         let ino = self.ino(child);
         match self.attr(ino) {
-            Some(a) => reply.entry(&TTL, &a, 0),
+            Some(a) => reply.entry(&ttl(&a), &a, 0),
             None => reply.error(libc::ENOENT),
         }
     }
 
     fn getattr(&mut self, _req: &Request<'_>, ino: u64, _fh: Option<u64>, reply: ReplyAttr) {
         match self.attr(ino) {
-            Some(a) => reply.attr(&TTL, &a),
+            Some(a) => reply.attr(&ttl(&a), &a),
             None => reply.error(libc::ENOENT),
         }
     }
@@ -315,8 +356,17 @@ impl Filesystem for PrefetchFs {
             Ok(file) => {
                 let fh = self.next_fh;
                 self.next_fh += 1;
+                let flags = if !self.daemon.page_cache() {
+                    FOPEN_DIRECT_IO
+                } else if self.cached.insert(ino, file.id) == Some(file.id) {
+                    FOPEN_KEEP_CACHE
+                } else {
+                    // A new file, or a changed one: without KEEP_CACHE the
+                    // kernel drops what it holds of the inode.
+                    0
+                };
                 self.handles.insert(fh, Handle { file, job });
-                reply.opened(fh, FOPEN_DIRECT_IO);
+                reply.opened(fh, flags);
             }
             Err(e) => {
                 tracing::debug!("open {rel}: {e}");

@@ -15,8 +15,10 @@ pub mod disk;
 pub mod donor;
 pub mod files;
 pub mod fs;
+mod lanes;
 pub mod plan;
 pub mod source;
 #[allow(unsafe_code)]
 pub mod sys;
 pub mod table;
+pub mod watch;

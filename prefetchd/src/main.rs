@@ -87,7 +87,7 @@ struct ServeArgs {
     /// Block size in bytes (a power of two).
     #[arg(long, default_value_t = 8192)]
     block_size: u32,
-    /// A donor: HOST:PORT[/EXPORT][,replica=HOST:PORT[/EXPORT]][,slots=N][,psk=FILE][,user=NAME].
+    /// A donor: HOST:PORT[/EXPORT][,replica=HOST:PORT[/EXPORT]][,slots=N][,status=HOST:PORT][,psk=FILE][,user=NAME].
     #[arg(long = "donor")]
     donors: Vec<DonorArg>,
     /// Register a job at start: NAME=HINTFILE.
@@ -122,6 +122,15 @@ struct ServeArgs {
     /// Largest sequential readahead of readers without hints (0: none).
     #[arg(long, default_value = "128K", value_parser = netpager_util::parse_size)]
     readahead: u64,
+    /// How often donors' status endpoints (`status=` in --donor) are
+    /// polled, in milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    status_poll_ms: u64,
+    /// Serve every read through the daemon: the kernel neither caches the
+    /// mount's file data nor reads ahead (local memory is then exactly
+    /// --local-cache; for experiments).
+    #[arg(long)]
+    direct_io: bool,
     /// Do not lock memory (mlockall).
     #[arg(long)]
     no_mlock: bool,
@@ -251,6 +260,8 @@ fn serve(args: ServeArgs, control_path: &Path) -> Result<()> {
         disk_depth: args.disk_depth,
         max_request: engine.coalesce.max_blocks.max(engine.readahead_blocks) as usize
             * args.block_size as usize,
+        page_cache: !args.direct_io,
+        status_poll: std::time::Duration::from_millis(args.status_poll_ms.max(10)),
         timeouts: daemon::default_timeouts(),
     };
     let d = Daemon::start(cfg)?;
@@ -281,7 +292,7 @@ fn serve_mounted(d: &std::sync::Arc<Daemon>, args: &ServeArgs, control_path: &Pa
         }
     }
     let mut session = fuser::Session::new(
-        PrefetchFs::new(d.clone()),
+        PrefetchFs::new(d.clone(), u32::try_from(args.readahead).unwrap_or(u32::MAX)),
         &args.mount,
         &pfs::mount_options(),
     )

@@ -5,7 +5,9 @@
 //! alignment). A slot is either free, or in flight: then only the kernel
 //! touches its buffer, and the file it reads is kept open by the slot. The
 //! single reaping thread hands the filled bytes to the slot's completion
-//! closure and frees the slot.
+//! closure and frees the slot. Dropping the ring cancels the reads still
+//! in flight and waits for each to complete before the buffers are freed:
+//! the kernel never writes into freed memory.
 
 use std::alloc::{self, Layout};
 use std::fs::File;
@@ -75,6 +77,8 @@ pub struct Ring {
 
 /// `user_data` of the no-op that wakes the reaper for shutdown.
 const WAKE: u64 = u64::MAX;
+/// `user_data` of the cancel requests made when the ring is dropped.
+const CANCEL: u64 = u64::MAX - 1;
 
 impl Ring {
     /// A ring of `depth` slots, each reading at most `buf_len` bytes.
@@ -170,32 +174,34 @@ impl Ring {
                 running = false;
                 continue;
             }
-            let idx = user_data as usize;
-            let (file, callback) = {
-                let mut slots = self.slots.lock().expect("ring slots lock");
-                let slot = &mut slots.table[idx];
-                (slot.file.take(), slot.done.take())
-            };
-            let result =
-                if res < 0 {
-                    Err(io::Error::from_raw_os_error(-res))
-                } else {
-                    // SAFETY: the kernel finished writing `res` bytes into this
-                    // slot's buffer; the slot is not free yet, so nobody else
-                    // reads or writes it.
-                    Ok(unsafe {
-                        std::slice::from_raw_parts(self.bufs[idx].ptr.as_ptr(), res as usize)
-                    })
-                };
-            if let Some(cb) = callback {
-                cb(result);
-            }
-            drop(file);
-            let mut slots = self.slots.lock().expect("ring slots lock");
-            slots.free.push(idx);
-            self.slot_freed.notify_one();
+            self.complete(user_data as usize, res);
         }
         running
+    }
+
+    /// Runs the completion of slot `idx`, whose read returned `res`, and
+    /// frees the slot.
+    fn complete(&self, idx: usize, res: i32) {
+        let (file, callback) = {
+            let mut slots = self.slots.lock().expect("ring slots lock");
+            let slot = &mut slots.table[idx];
+            (slot.file.take(), slot.done.take())
+        };
+        let result = if res < 0 {
+            Err(io::Error::from_raw_os_error(-res))
+        } else {
+            // SAFETY: the kernel finished writing `res` bytes into this
+            // slot's buffer; the slot is not free yet, so nobody else
+            // reads or writes it.
+            Ok(unsafe { std::slice::from_raw_parts(self.bufs[idx].ptr.as_ptr(), res as usize) })
+        };
+        if let Some(cb) = callback {
+            cb(result);
+        }
+        drop(file);
+        let mut slots = self.slots.lock().expect("ring slots lock");
+        slots.free.push(idx);
+        self.slot_freed.notify_one();
     }
 
     /// Makes [`Ring::reap`] return false soon; new reads are refused.
@@ -210,6 +216,55 @@ impl Ring {
         if pushed.is_ok() {
             if let Err(e) = self.ring.submit() {
                 tracing::warn!("io_uring wake-up submit failed: {e}");
+            }
+        }
+    }
+}
+
+impl Drop for Ring {
+    /// Cancels the reads still in flight and waits until the kernel has
+    /// completed every one of them (cancelled or not: a read already
+    /// running on a regular file completes anyway), running their
+    /// completions, so that no buffer is freed while the kernel may still
+    /// write into it.
+    fn drop(&mut self) {
+        let in_flight: Vec<usize> = {
+            let slots = self.slots.get_mut().unwrap_or_else(|p| p.into_inner());
+            slots.stopping = true;
+            (0..slots.table.len())
+                .filter(|i| !slots.free.contains(i))
+                .collect()
+        };
+        let mut left = in_flight.len();
+        for &idx in &in_flight {
+            let entry = opcode::AsyncCancel::new(idx as u64)
+                .build()
+                .user_data(CANCEL);
+            // SAFETY: `&mut self`: no other thread uses the ring; a cancel
+            // request references no memory. A full queue only loses the
+            // cancel, not the wait below.
+            let _ = unsafe { self.ring.submission().push(&entry) };
+        }
+        while left > 0 {
+            if let Err(e) = self.ring.submit_and_wait(1) {
+                if e.kind() != io::ErrorKind::Interrupted {
+                    // Freeing the buffers now could let the kernel write
+                    // into freed memory: leak them instead.
+                    tracing::error!("io_uring wait while dropping the ring failed: {e}");
+                    std::mem::forget(std::mem::take(&mut self.bufs));
+                    return;
+                }
+            }
+            let done: Vec<(u64, i32)> = self
+                .ring
+                .completion()
+                .map(|c| (c.user_data(), c.result()))
+                .collect();
+            for (user_data, res) in done {
+                if user_data < self.bufs.len() as u64 {
+                    self.complete(user_data as usize, res);
+                    left -= 1;
+                }
             }
         }
     }
@@ -315,5 +370,42 @@ mod tests {
         ring.wake();
         reaper.join().unwrap();
         assert!(ring.read(file, 0, 10, Box::new(|_| {})).is_err());
+    }
+
+    #[test]
+    fn dropping_the_ring_waits_for_reads_in_flight() {
+        // Reads of an empty pipe stay in flight until cancelled; nobody
+        // reaps them.
+        let mut fds = [0; 2];
+        // SAFETY: `fds` has room for the two descriptors.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        // SAFETY: both descriptors were just created and are owned here.
+        let (rd, wr) = unsafe {
+            use std::os::fd::FromRawFd;
+            (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1]))
+        };
+        let rd = Arc::new(rd);
+        let ring = Ring::new(4, 4096).unwrap();
+        let (tx, rx) = mpsc::channel();
+        for i in 0..3 {
+            let tx = tx.clone();
+            ring.read(
+                rd.clone(),
+                0,
+                4096,
+                Box::new(move |r| tx.send((i, r.map(|b| b.len()))).unwrap()),
+            )
+            .unwrap();
+        }
+        drop(ring);
+        // Every completion ran before the buffers were freed, with the
+        // cancellation's error: no read can still write into them.
+        let mut got: Vec<_> = rx.try_iter().collect();
+        got.sort_by_key(|g| g.0);
+        assert_eq!(got.len(), 3, "{got:?}");
+        assert!(got.iter().all(|(_, r)| r.is_err()), "{got:?}");
+        // The pipe's reader is no longer borrowed by the ring.
+        assert_eq!(Arc::strong_count(&rd), 1);
+        drop(wr);
     }
 }

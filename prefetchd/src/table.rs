@@ -71,9 +71,10 @@ pub fn status_table(st: &Value) -> String {
     ));
     for d in st["donors"].as_array().into_iter().flatten() {
         out.push_str(&format!(
-            "donor {} {}: {}/{} slots used, {} outstanding{}{}\n",
+            "donor {} {} (life {}): {}/{} slots used, {} outstanding{}, {}\n",
             d["id"],
             d["name"].as_str().unwrap_or("?"),
+            d["life"],
             d["used"],
             d["slots"],
             d["outstanding"],
@@ -82,11 +83,7 @@ pub fn status_table(st: &Value) -> String {
             } else {
                 ""
             },
-            if d["alive"].as_bool() == Some(true) {
-                ""
-            } else {
-                ", FAILED"
-            },
+            d["state"].as_str().unwrap_or("?"),
         ));
     }
     for j in st["jobs"].as_array().into_iter().flatten() {
@@ -124,7 +121,8 @@ mod tests {
             "unhinted": stats,
             "local": {"resident": 5, "blocks": 8, "filling": 1},
             "costs_ns": {"local": 20000, "global": 300000, "disk": 13000000},
-            "donors": [{"id": 0, "name": "127.0.0.2:10809/", "used": 3, "slots": 8, "outstanding": 1, "replica": true, "alive": false}],
+            "donors": [{"id": 0, "name": "127.0.0.2:10809/", "used": 3, "slots": 8, "outstanding": 1, "replica": true, "alive": false,
+                        "life": 2, "state": "let go (draining)"}],
         });
         let t = status_table(&st);
         let lines: Vec<&str> = t.lines().collect();
@@ -136,7 +134,7 @@ mod tests {
         );
         assert!(lines[1].ends_with("1.500"));
         assert!(
-            t.contains("donor 0 127.0.0.2:10809/: 3/8 slots used, 1 outstanding, replica, FAILED")
+            t.contains("donor 0 127.0.0.2:10809/ (life 2): 3/8 slots used, 1 outstanding, replica, let go (draining)")
         );
         assert!(t.contains("stale hints ignored: scene.db: size differs"));
     }

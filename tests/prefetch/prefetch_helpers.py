@@ -217,10 +217,10 @@ def donor_arg(donor, replica: Replica | None = None, export: str = "", slots: in
     return arg
 
 
-def run_job(td: Teardown, workdir: Path, hints: Path, root: Path, manifest: Path | None = None,
-            reference: Path | None = None, compute_us: int = 0, name: str = "job",
-            limit: int | None = None, timeout: float = 300.0) -> dict:
-    """Runs prefetch-job to the end; returns its JSON summary (fails on error)."""
+def start_job(td: Teardown, workdir: Path, hints: Path, root: Path, manifest: Path | None = None,
+              reference: Path | None = None, compute_us: int = 0, name: str = "job",
+              limit: int | None = None) -> OwnedProcess:
+    """Starts prefetch-job replaying `hints` under `root`; see `finish_job`."""
     argv = [binary("prefetch-job"), "--hints", hints, "--root", root, "--compute-us", str(compute_us)]
     if manifest is not None:
         argv += ["--manifest", manifest]
@@ -230,7 +230,20 @@ def run_job(td: Teardown, workdir: Path, hints: Path, root: Path, manifest: Path
         argv += ["--limit", str(limit)]
     log = Path(workdir) / f"{name}.log"
     log.unlink(missing_ok=True)
-    proc = OwnedProcess(argv, log, td, name)
+    return OwnedProcess(argv, log, td, name)
+
+
+def run_job(td: Teardown, workdir: Path, hints: Path, root: Path, manifest: Path | None = None,
+            reference: Path | None = None, compute_us: int = 0, name: str = "job",
+            limit: int | None = None, timeout: float = 300.0) -> dict:
+    """Runs prefetch-job to the end; returns its JSON summary (fails on error)."""
+    proc = start_job(td, workdir, hints, root, manifest, reference, compute_us, name, limit)
+    return finish_job(proc, name, timeout)
+
+
+def finish_job(proc: OwnedProcess, name: str = "job", timeout: float = 300.0) -> dict:
+    """Waits for a started prefetch-job; returns its JSON summary (fails on error)."""
+    log = proc.log_path
     rc = proc.wait(timeout)
     if rc is None:
         proc.kill9()

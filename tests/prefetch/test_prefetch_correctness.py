@@ -9,20 +9,13 @@ import random
 
 import pytest
 
-from prefetch_helpers import (Prefetchd, Replica, donor_arg, generate, missing_binaries, run_job,
+from prefetch_helpers import (Prefetchd, Replica, donor_arg, generate, run_job,
                               write_hints)
 
 WORKLOADS = ["render", "oo7", "hotcold", "random", "reverse", "cyclic-hotcold", "cyclic-random",
              "cyclic-reverse", "sequential", "hashjoin"]
 # ~2-3 MB per data set: a few hundred blocks, far more than the caches below.
 SCALE = 0.025
-
-
-@pytest.fixture(autouse=True)
-def built(root):
-    missing = missing_binaries()
-    if missing:
-        pytest.skip(f"not built: {missing} (run `make build` or set NETPAGER_TARGET_DIR)")
 
 
 def check_job(result: dict) -> None:

@@ -11,18 +11,16 @@ import subprocess
 
 import pytest
 
-from prefetch_helpers import Prefetchd, SlowDisk, binary, missing_binaries, scattered_db, sqlite_scan
+from netpager_testkit.ci import skip_or_fail
+from prefetch_helpers import Prefetchd, SlowDisk, binary, scattered_db, sqlite_scan
 
 RDELAY = "2ms"
 
 
 @pytest.fixture(autouse=True)
-def built(root):
-    missing = missing_binaries()
-    if missing:
-        pytest.skip(f"not built: {missing} (run `make build` or set NETPAGER_TARGET_DIR)")
+def sqlite3_installed():
     if shutil.which("sqlite3") is None:
-        pytest.skip("sqlite3 is not installed (scripts/deps.sh)")
+        skip_or_fail("sqlite3 is not installed (scripts/deps.sh)")
 
 
 def test_a_recorded_run_makes_the_next_run_hinted(teardown, tmp_path):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefetch_helpers import (Prefetchd, Replica, SlowDisk, donor_arg, generate, missing_binaries, run_job,
+from prefetch_helpers import (Prefetchd, Replica, SlowDisk, donor_arg, generate, run_job,
                               without_file_declarations)
 
 SCALE = 0.02  # 256 blocks of 8 KiB
@@ -17,13 +17,6 @@ RDELAY = "4ms"
 # 2 MiB file takes the local disk about eight requests, leaving the donors
 # little to do.
 ONE_BLOCK = ["--coalesce", "8K"]
-
-
-@pytest.fixture(autouse=True)
-def built(root):
-    missing = missing_binaries()
-    if missing:
-        pytest.skip(f"not built: {missing} (run `make build` or set NETPAGER_TARGET_DIR)")
 
 
 @pytest.fixture
@@ -43,8 +36,12 @@ def prefetched_share(stats: dict) -> float:
     return (h["local"] + h["global"]) / stats["blocks"]
 
 
-def run_hinted(teardown, tmp_path, ds, data, donors, **kw):
-    pd = Prefetchd(teardown, tmp_path, data, donors=donors, local_cache="1M", **kw)
+def run_hinted(teardown, tmp_path, ds, data, donors, extra=()):
+    # Direct I/O: every read reaches prefetchd, so its counters are the
+    # job's whole read stream (the page cache would serve re-reads and,
+    # with no readahead, split each block into page-sized reads).
+    pd = Prefetchd(teardown, tmp_path, data, donors=donors, local_cache="1M",
+                   extra=["--direct-io", *extra])
     pd.add_job("random", ds["hints_path"])
     result = run_job(teardown, tmp_path, ds["hints_path"], pd.mount / "jobs" / "random",
                      manifest=ds["manifest_path"], compute_us=250)

@@ -19,8 +19,18 @@
 //! to hinted. A job that skipped or deviated for a phase so benefits again
 //! once it is back on its hints, while one that never returns to them costs
 //! only the search.
+//!
+//! **Blocks in the page cache.** When the kernel caches what the job read
+//! ([`HintCursor::mark_cached`]), later references to those blocks are
+//! served by the kernel and never reach the cursor. They are passed over:
+//! matching looks `slack` references ahead among the others, cached
+//! references at the front are consumed as they come up (counted in
+//! [`CursorCounts::page_cache_refs`]), and neither [`HintCursor::upcoming`]
+//! nor [`HintCursor::next_use`] offers them for prefetching. A read of a
+//! cached block (the kernel dropped it, or had only part of it) is a
+//! [`Observation::Refetch`], neither match nor miss.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use super::BlockId;
 
@@ -85,6 +95,8 @@ pub enum Observation {
     Miss,
     /// A demoted job's read found further ahead in its stream.
     Resync,
+    /// A block the page cache was thought to hold, read again.
+    Refetch,
 }
 
 /// Counters of a cursor's life, for status.
@@ -94,6 +106,8 @@ pub struct CursorCounts {
     pub missed: u64,
     pub demotions: u64,
     pub promotions: u64,
+    /// References passed over because their block is in the page cache.
+    pub page_cache_refs: u64,
 }
 
 /// A job's position in its hint stream; see the module documentation.
@@ -108,6 +122,8 @@ pub struct HintCursor<S> {
     positions: HashMap<BlockId, VecDeque<u64>>,
     /// Recently jumped-over references, oldest first, at most `slack`.
     skipped: VecDeque<BlockId>,
+    /// Blocks the kernel's page cache holds for this job.
+    cached: HashSet<BlockId>,
     last: Option<BlockId>,
     misses: u32,
     streak: u32,
@@ -132,6 +148,7 @@ impl<S: Iterator<Item = BlockId>> HintCursor<S> {
             base: 0,
             positions: HashMap::new(),
             skipped: VecDeque::new(),
+            cached: HashSet::new(),
             last: None,
             misses: 0,
             streak: 0,
@@ -169,21 +186,63 @@ impl<S: Iterator<Item = BlockId>> HintCursor<S> {
     }
 
     /// How many references come before the next use of `block` (0: it is the
-    /// next expected read), if it is in the window.
+    /// next expected read), if it is in the window and not in the page cache.
     pub fn next_use(&self, block: BlockId) -> Option<u64> {
+        if self.cached.contains(&block) {
+            return None;
+        }
         self.positions
             .get(&block)
             .and_then(|p| p.front())
             .map(|&pos| pos - self.base)
     }
 
-    /// The expected references in order, with their distance (0 = next).
+    /// The expected references to blocks not in the page cache, in order,
+    /// with their distance (0 = next; cached references count in it, since
+    /// the job spends time on them too).
     pub fn upcoming(&self) -> impl Iterator<Item = (u64, BlockId)> + '_ {
-        self.window.iter().enumerate().map(|(i, &b)| (i as u64, b))
+        self.window
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| !self.cached.contains(b))
+            .map(|(i, &b)| (i as u64, b))
+    }
+
+    /// The kernel's page cache now holds `block` (the job read all of it):
+    /// its later references will not be read through the cursor.
+    pub fn mark_cached(&mut self, block: BlockId) {
+        self.cached.insert(block);
+        self.pass_cached();
+    }
+
+    /// Window positions of the first `n` references not in the page cache.
+    fn visible(&self, n: usize) -> impl Iterator<Item = (usize, BlockId)> + '_ {
+        self.window
+            .iter()
+            .copied()
+            .enumerate()
+            .filter(|(_, b)| !self.cached.contains(b))
+            .take(n)
+    }
+
+    /// Consumes the cached references at the front of the window.
+    fn pass_cached(&mut self) {
+        while self.window.front().is_some_and(|b| self.cached.contains(b)) {
+            self.pop_front();
+            self.counts.page_cache_refs += 1;
+            self.fill();
+        }
+        if self.window.is_empty() && self.exhausted {
+            self.state = CursorState::Finished;
+        }
     }
 
     /// Matches one block the job read against its hints.
     pub fn observe(&mut self, block: BlockId) -> Observation {
+        if self.cached.contains(&block) {
+            self.last = Some(block);
+            return Observation::Refetch;
+        }
         let obs = match self.state {
             CursorState::Finished => {
                 self.counts.missed += 1;
@@ -194,18 +253,15 @@ impl<S: Iterator<Item = BlockId>> HintCursor<S> {
         };
         self.last = Some(block);
         self.fill();
-        if self.window.is_empty() && self.exhausted {
-            self.state = CursorState::Finished;
-        }
+        self.pass_cached();
         obs
     }
 
     fn observe_following(&mut self, block: BlockId) -> Observation {
         let ahead = self
-            .window
-            .iter()
-            .take(self.cfg.slack)
-            .position(|&b| b == block);
+            .visible(self.cfg.slack)
+            .find(|&(_, b)| b == block)
+            .map(|(k, _)| k);
         if let Some(k) = ahead {
             if k > 0 && self.last == Some(block) {
                 // A split re-read of the block just read, not a jump ahead to
@@ -241,10 +297,9 @@ impl<S: Iterator<Item = BlockId>> HintCursor<S> {
             return Observation::Repeat;
         }
         let found = self
-            .window
-            .iter()
-            .take(self.cfg.resync_window)
-            .position(|&b| b == block);
+            .visible(self.cfg.resync_window)
+            .find(|&(_, b)| b == block)
+            .map(|(k, _)| k);
         match found {
             Some(k) => {
                 self.streak = if k < self.cfg.slack {
@@ -274,7 +329,7 @@ impl<S: Iterator<Item = BlockId>> HintCursor<S> {
     fn consume(&mut self, k: usize, remember: bool) {
         for _ in 0..k {
             let jumped = self.pop_front();
-            if remember {
+            if remember && !self.cached.contains(&jumped) {
                 if self.skipped.len() == self.cfg.slack {
                     self.skipped.pop_front();
                 }
@@ -433,6 +488,45 @@ mod tests {
         c.observe(b(600));
         c.observe(b(14));
         assert_eq!(c.state(), CursorState::Unhinted);
+    }
+
+    #[test]
+    fn references_to_page_cached_blocks_are_passed_over() {
+        // The job reads 1 and 2; their later references are served by the
+        // page cache and never reach the cursor.
+        let mut c = cursor(vec![1, 2, 1, 2, 1, 3, 2, 4, 5, 6], small());
+        c.observe(b(1));
+        c.mark_cached(b(1));
+        c.observe(b(2));
+        c.mark_cached(b(2));
+        // The three cached references before 3 were consumed.
+        assert_eq!(c.counts().page_cache_refs, 3);
+        assert_eq!(c.position(), 5);
+        assert_eq!(c.next_use(b(2)), None);
+        assert_eq!(c.next_use(b(4)), Some(2));
+        assert_eq!(
+            c.upcoming().collect::<Vec<_>>(),
+            vec![(0, b(3)), (2, b(4)), (3, b(5)), (4, b(6))]
+        );
+        // A cached reference does not use up the slack (3): 5 is the third
+        // reference that can reach the cursor.
+        assert_eq!(c.observe(b(5)), Observation::Matched { skipped: 3 });
+        assert_eq!(c.observe(b(6)), Observation::Matched { skipped: 0 });
+        assert_eq!(c.state(), CursorState::Finished);
+        assert_eq!(c.counts().missed, 0);
+    }
+
+    #[test]
+    fn a_read_of_a_cached_block_is_neither_match_nor_miss() {
+        let mut c = cursor(vec![1, 2, 3, 1, 4], small());
+        c.observe(b(1));
+        c.mark_cached(b(1));
+        for _ in 0..5 {
+            assert_eq!(c.observe(b(1)), Observation::Refetch);
+        }
+        assert_eq!(c.state(), CursorState::Following);
+        assert_eq!(c.counts().missed, 0);
+        assert_eq!(c.observe(b(2)), Observation::Matched { skipped: 0 });
     }
 
     #[test]

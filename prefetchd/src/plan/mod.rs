@@ -6,6 +6,8 @@
 //! - [`timing`]: time per reference and the fetch costs F_L, F_G, F_D.
 //! - [`forestall`]: the conservative local prefetch predicate.
 //! - [`coalesce`]: which blocks one disk request reads.
+//! - [`slots`]: a table of block slots and its victim search (local
+//!   memory's buffers and each donor's slots).
 //! - [`engine`]: the planner tying them together with the local cache,
 //!   the global-memory directory (donor slots), block values, replacement
 //!   and the aggressive disk-to-global policy.
@@ -17,6 +19,7 @@ pub mod coalesce;
 pub mod cursor;
 pub mod engine;
 pub mod forestall;
+pub mod slots;
 pub mod timing;
 
 /// Monotonic time or a duration, in nanoseconds.

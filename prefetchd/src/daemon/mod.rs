@@ -18,12 +18,15 @@ use serde_json::{json, Value};
 use crate::disk::{Disk, Urgency};
 use crate::donor::{DonorArg, DonorLane, FillSource};
 use crate::files::{FileEntry, FileTable};
+use crate::lanes::Lanes;
 use crate::plan::engine::{
     Action, DonorSpec, Engine, EngineConfig, GlobalSource, LocalSource, RunId, Step,
 };
-use crate::plan::{BlockId, FileId, JobId, Nanos};
+use crate::plan::{BlockId, DonorId, FileId, JobId, Nanos};
 use crate::source::{open_hints, SourceReport};
 use hints::{FileDecl, Recorder};
+
+mod fills;
 
 /// Answers a read: its bytes, or an errno.
 pub type Reply = Box<dyn FnOnce(Result<Vec<u8>, i32>) + Send>;
@@ -38,6 +41,11 @@ pub struct Config {
     pub disk_depth: u32,
     /// Largest local disk request, in bytes (coalesced runs, readahead).
     pub max_request: usize,
+    /// Whether the mount lets the kernel cache file data (else every read
+    /// reaches the daemon: direct I/O).
+    pub page_cache: bool,
+    /// How often donors' status endpoints are polled.
+    pub status_poll: Duration,
     pub timeouts: netpager_nbd::Timeouts,
 }
 
@@ -81,9 +89,11 @@ pub struct Daemon {
     state: Mutex<State>,
     files: Arc<FileTable>,
     disk: Arc<Disk>,
-    donors: Vec<Arc<DonorLane>>,
+    pub(crate) lanes: Lanes,
+    timeouts: netpager_nbd::Timeouts,
     epoch: Instant,
     bs: usize,
+    page_cache: bool,
     started: Instant,
 }
 
@@ -153,15 +163,47 @@ impl Daemon {
                 }
             );
         }
-        Ok(Arc::new(Daemon {
+        let d = Arc::new(Daemon {
             state: Mutex::new(state),
             files,
             disk,
-            donors,
+            lanes: Lanes::new(cfg.donors, donors, cfg.status_poll),
+            timeouts: cfg.timeouts,
             epoch: Instant::now(),
             bs,
+            page_cache: cfg.page_cache,
             started: Instant::now(),
-        }))
+        });
+        if let Err(e) = d.start_pollers() {
+            d.stop();
+            return Err(e);
+        }
+        Ok(d)
+    }
+
+    pub(crate) fn disk(&self) -> &Arc<Disk> {
+        &self.disk
+    }
+
+    pub(crate) fn timeouts(&self) -> netpager_nbd::Timeouts {
+        self.timeouts
+    }
+
+    /// Forgets everything donor `id` holds; it gets no more requests.
+    pub(crate) fn forget_donor(&self, id: DonorId) {
+        self.lock().engine.donor_failed(id);
+    }
+
+    /// Adds a fresh donor to the engine; `register` files its lane under
+    /// the new id before any request can be made of it.
+    pub(crate) fn add_donor(self: &Arc<Self>, spec: DonorSpec, register: impl FnOnce(DonorId)) {
+        let actions = {
+            let mut st = self.lock();
+            let id = st.engine.add_donor(spec);
+            register(id);
+            st.engine.plan(self.now())
+        };
+        self.execute(actions);
     }
 
     pub fn files(&self) -> &Arc<FileTable> {
@@ -170,6 +212,11 @@ impl Daemon {
 
     pub fn block_size(&self) -> usize {
         self.bs
+    }
+
+    /// Whether the kernel caches the mount's file data.
+    pub fn page_cache(&self) -> bool {
+        self.page_cache
     }
 
     fn now(&self) -> Nanos {
@@ -195,9 +242,7 @@ impl Daemon {
                 tracing::warn!("{e:#}");
             }
         }
-        for l in &self.donors {
-            l.stop();
-        }
+        self.lanes.stop();
         self.disk.stop();
         let pending: Vec<PendingRead> = {
             let mut st = self.lock();
@@ -357,10 +402,16 @@ impl Daemon {
             let mut actions = Vec::new();
             for index in first..=last {
                 let block = BlockId::new(file.id, index);
-                match st
+                let step = st
                     .engine
-                    .access_read(job, block, last + 1..file_blocks, now)
-                {
+                    .access_read(job, block, last + 1..file_blocks, now);
+                // The kernel keeps what it is given; a block it gets only
+                // part of is still read through the daemon.
+                let block_end = ((index + 1) * bs).min(file.size());
+                if self.page_cache && offset <= index * bs && end >= block_end {
+                    st.engine.page_cached(job, block);
+                }
+                match step {
                     Step::Hit { buf } => {
                         let b = buf as usize;
                         let bytes = &st.cache[b * self.bs..b * self.bs + st.cache_len[b] as usize];
@@ -406,270 +457,6 @@ impl Daemon {
         self.execute(actions);
     }
 
-    /// Gives `bytes` of `block` to every read waiting for it.
-    fn deliver(&self, st: &mut State, block: BlockId, bytes: &[u8], done: &mut Finished) {
-        let Some(ids) = st.waiters.remove(&block) else {
-            return;
-        };
-        let at = block.index * self.bs as u64;
-        for id in ids {
-            let Some(r) = st.reads.get_mut(&id) else {
-                continue;
-            };
-            debug_assert_eq!(r.file, block.file);
-            copy_block(bytes, at, r.offset, &mut r.data);
-            r.remaining -= 1;
-            if r.remaining == 0 {
-                let r = st.reads.remove(&id).expect("present");
-                let took = r.started.elapsed().as_nanos() as Nanos;
-                st.engine.read_done(r.job, self.now(), took, took, r.blocks);
-                done.push((r.reply, Ok(r.data)));
-            }
-        }
-    }
-
-    /// Fails every read waiting for `block` with `errno`.
-    fn fail_waiters(&self, st: &mut State, block: BlockId, errno: i32, done: &mut Finished) {
-        let Some(ids) = st.waiters.remove(&block) else {
-            return;
-        };
-        for id in ids {
-            if let Some(r) = st.reads.remove(&id) {
-                done.push((r.reply, Err(errno)));
-            }
-        }
-    }
-
-    /// A fill into local memory from a donor finished.
-    fn local_fill_done(
-        self: &Arc<Self>,
-        block: BlockId,
-        from: LocalSource,
-        result: Result<&[u8], String>,
-    ) {
-        let mut done: Finished = Vec::new();
-        let actions = {
-            let mut guard = self.lock();
-            let st = &mut *guard;
-            let mut actions = Vec::new();
-            self.block_arrived(st, block, from, result, &mut actions, &mut done);
-            actions.extend(st.engine.plan(self.now()));
-            actions
-        };
-        answer(done);
-        self.execute(actions);
-    }
-
-    /// Disk request `run`, reading from block `first` of its file, finished.
-    fn disk_run_done(self: &Arc<Self>, run: RunId, first: u64, result: Result<&[u8], String>) {
-        let mut done: Finished = Vec::new();
-        let actions = {
-            let mut guard = self.lock();
-            let st = &mut *guard;
-            let mut actions = Vec::new();
-            for block in st.engine.run_done(run) {
-                let bytes = result.as_ref().map_err(Clone::clone).map(|b| {
-                    let at = ((block.index - first) as usize * self.bs).min(b.len());
-                    &b[at..(at + self.bs).min(b.len())]
-                });
-                self.block_arrived(st, block, LocalSource::Disk, bytes, &mut actions, &mut done);
-            }
-            actions.extend(st.engine.plan(self.now()));
-            actions
-        };
-        answer(done);
-        self.execute(actions);
-    }
-
-    /// One block of a fill into local memory arrived (or failed to).
-    fn block_arrived(
-        &self,
-        st: &mut State,
-        block: BlockId,
-        from: LocalSource,
-        result: Result<&[u8], String>,
-        actions: &mut Vec<Action>,
-        done: &mut Finished,
-    ) {
-        match result {
-            Ok(bytes) => {
-                if let Some(buf) = st.engine.local_filled(block) {
-                    let b = buf as usize;
-                    let n = bytes.len().min(self.bs);
-                    st.cache[b * self.bs..b * self.bs + n].copy_from_slice(&bytes[..n]);
-                    st.cache_len[b] = n as u32;
-                }
-                self.deliver(st, block, bytes, done);
-            }
-            Err(e) => {
-                st.engine.local_failed(block);
-                if let LocalSource::Global { donor, .. } = from {
-                    tracing::debug!(
-                        "block {block:?} from donor {donor}: {e}; reading it from disk"
-                    );
-                    if self.donors[donor].failed() {
-                        st.engine.donor_failed(donor);
-                    }
-                } else {
-                    tracing::warn!(
-                        "disk read of block {} of file {}: {e}",
-                        block.index,
-                        block.file
-                    );
-                }
-                if st.waiters.contains_key(&block) {
-                    match (from, st.engine.retry(block, self.now())) {
-                        (LocalSource::Disk, _) => self.fail_waiters(st, block, libc::EIO, done),
-                        (_, Step::Fetch(a)) => actions.push(a),
-                        (_, Step::Hit { buf }) => {
-                            let b = buf as usize;
-                            let bytes = st.cache
-                                [b * self.bs..b * self.bs + st.cache_len[b] as usize]
-                                .to_vec();
-                            self.deliver(st, block, &bytes, done);
-                        }
-                        (_, Step::Wait) => {}
-                    }
-                }
-            }
-        }
-    }
-
-    /// A disk-to-global fill finished.
-    fn global_fill_done(
-        self: &Arc<Self>,
-        block: BlockId,
-        donor: usize,
-        result: Result<(), String>,
-    ) {
-        let actions = {
-            let mut guard = self.lock();
-            let st = &mut *guard;
-            let now = self.now();
-            match result {
-                Ok(()) => st.engine.global_filled(block, now),
-                Err(e) => {
-                    tracing::debug!("disk-to-global fill of block {block:?} on donor {donor}: {e}");
-                    st.engine.global_failed(block);
-                    if self.donors[donor].failed() {
-                        st.engine.donor_failed(donor);
-                    }
-                }
-            }
-            let mut actions = Vec::new();
-            if st.waiters.contains_key(&block) {
-                if let Step::Fetch(a) = st.engine.retry(block, now) {
-                    actions.push(a);
-                }
-            }
-            actions.extend(st.engine.plan(now));
-            actions
-        };
-        self.execute(actions);
-    }
-
-    /// Starts the I/O of `actions`; the lock must not be held.
-    fn execute(self: &Arc<Self>, actions: Vec<Action>) {
-        let bs = self.bs as u64;
-        for a in actions {
-            match a {
-                Action::ReadDisk {
-                    run,
-                    file,
-                    first,
-                    count,
-                    prefetch,
-                } => {
-                    let me = self.clone();
-                    let Some(entry) = self.files.by_id(file) else {
-                        self.disk_run_done(run, first, Err(format!("unknown file id {file}")));
-                        continue;
-                    };
-                    let submitted = self.now();
-                    let urgency = if prefetch {
-                        Urgency::Prefetch
-                    } else {
-                        Urgency::Demand
-                    };
-                    self.disk.read(
-                        entry.file.clone(),
-                        first * bs,
-                        count as usize * self.bs,
-                        urgency,
-                        Box::new(move |r| {
-                            if r.is_ok() {
-                                let now = me.now();
-                                me.lock().engine.disk_sample(submitted, now);
-                            }
-                            me.disk_run_done(run, first, r.map_err(|e| e.to_string()));
-                        }),
-                    );
-                }
-                Action::FillLocal {
-                    block, donor, slot, ..
-                } => {
-                    let me = self.clone();
-                    let from = LocalSource::Global { donor, slot };
-                    let file_size = self.files.by_id(block.file).map_or(0, |f| f.size());
-                    let valid = file_size.saturating_sub(block.index * bs).min(bs) as usize;
-                    self.donors[donor].read_slot(
-                        slot,
-                        Box::new(move |r, took| {
-                            if r.is_ok() {
-                                me.lock().engine.global_sample(took.as_nanos() as Nanos);
-                            }
-                            let r = r.map_err(|e| e.to_string());
-                            me.local_fill_done(
-                                block,
-                                from,
-                                r.as_ref()
-                                    .map(|b| &b[..valid.min(b.len())])
-                                    .map_err(|e| e.clone()),
-                            );
-                        }),
-                    );
-                }
-                Action::FillGlobal {
-                    block,
-                    donor,
-                    slot,
-                    from,
-                    deadline,
-                } => {
-                    let Some(file) = self.files.by_id(block.file) else {
-                        self.global_fill_done(
-                            block,
-                            donor,
-                            Err(format!("unknown file id {}", block.file)),
-                        );
-                        continue;
-                    };
-                    let at = block.index * bs;
-                    let len = file.size().saturating_sub(at).min(bs) as usize;
-                    let source = match (from, file.replica_offset) {
-                        (GlobalSource::Replica, Some(base)) => FillSource::Replica {
-                            offset: base + at,
-                            len,
-                        },
-                        _ => FillSource::LocalDisk {
-                            file: file.file.clone(),
-                            offset: at,
-                            len: self.bs,
-                        },
-                    };
-                    let (me, me2) = (self.clone(), self.clone());
-                    self.donors[donor].fill(
-                        slot,
-                        deadline,
-                        source,
-                        Box::new(move || me.lock().engine.global_started(block)),
-                        Box::new(move |r| me2.global_fill_done(block, donor, r)),
-                    );
-                }
-            }
-        }
-    }
-
     /// Status of every job and level, as JSON.
     pub fn status(&self) -> Value {
         let st = self.lock();
@@ -696,7 +483,10 @@ impl Daemon {
             .iter()
             .map(|d| {
                 let mut v = serde_json::to_value(d).expect("donor status serialises");
-                v["name"] = json!(self.donors[d.id].name);
+                let lane = self.lanes.describe(d.id, d.alive);
+                for (k, x) in lane.as_object().expect("an object") {
+                    v[k] = x.clone();
+                }
                 v
             })
             .collect();
@@ -705,6 +495,7 @@ impl Daemon {
             "block_size": self.bs,
             "uptime_s": self.started.elapsed().as_secs_f64(),
             "prefetch": st.engine.config().prefetch,
+            "page_cache": self.page_cache,
             "local": {
                 "blocks": es.local_blocks,
                 "resident": es.local_resident,

@@ -1,0 +1,254 @@
+//! Donors' lanes over their lives: one [`DonorLane`] per life of a donor,
+//! and a status poller per donor that has a status endpoint, following
+//! [`crate::watch`]'s decisions.
+//!
+//! Each life of a donor is a lane with its own id (the engine's donor id,
+//! its index here): a donor let go and taken back is a new lane with every
+//! slot empty, so nothing decided for an earlier life can touch it, and no
+//! page written in an earlier life is ever read.
+
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use netpager_proto::{auth::LabKey, DonorState, StatusClient};
+use serde_json::{json, Value};
+
+use crate::daemon::Daemon;
+use crate::donor::{DonorArg, DonorLane};
+use crate::plan::engine::DonorSpec;
+use crate::plan::DonorId;
+use crate::watch::{Decision, LaneState, LaneWatch, Seen};
+
+/// One life of a donor.
+pub(crate) struct LaneRec {
+    /// Index of the donor in `--donor` order.
+    donor: usize,
+    /// 1 for the lane started with the daemon, then 2, 3, ...
+    life: u32,
+    pub(crate) lane: Arc<DonorLane>,
+    /// Why the lane was stopped (None: it runs, or failed by itself).
+    ended: Option<&'static str>,
+}
+
+/// Every lane, and the pollers.
+pub(crate) struct Lanes {
+    args: Vec<DonorArg>,
+    recs: Mutex<Vec<LaneRec>>,
+    poll: Duration,
+    stopping: Mutex<bool>,
+    wake: Condvar,
+    pollers: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Lanes {
+    /// The lanes started with the daemon, one per `--donor` in order.
+    pub(crate) fn new(args: Vec<DonorArg>, first: Vec<Arc<DonorLane>>, poll: Duration) -> Lanes {
+        let recs = first
+            .into_iter()
+            .enumerate()
+            .map(|(donor, lane)| LaneRec {
+                donor,
+                life: 1,
+                lane,
+                ended: None,
+            })
+            .collect();
+        Lanes {
+            args,
+            recs: Mutex::new(recs),
+            poll,
+            stopping: Mutex::new(false),
+            wake: Condvar::new(),
+            pollers: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn recs(&self) -> std::sync::MutexGuard<'_, Vec<LaneRec>> {
+        self.recs.lock().expect("donor lanes lock")
+    }
+
+    /// The lane of engine donor `id`.
+    pub(crate) fn get(&self, id: DonorId) -> Arc<DonorLane> {
+        self.recs()[id].lane.clone()
+    }
+
+    /// The current (latest) life of donor `donor`: its id, lane and state.
+    fn current(&self, donor: usize) -> (DonorId, Arc<DonorLane>, LaneState) {
+        let recs = self.recs();
+        let (id, rec) = recs
+            .iter()
+            .enumerate()
+            .rev()
+            .find(|(_, r)| r.donor == donor)
+            .expect("every donor has a lane");
+        let state = match (rec.ended, rec.lane.failed()) {
+            (Some(_), _) => LaneState::LetGo,
+            (None, true) => LaneState::Failed,
+            (None, false) => LaneState::Serving,
+        };
+        (id, rec.lane.clone(), state)
+    }
+
+    /// Waits `d`, or less if stopping; true when stopping.
+    fn sleep(&self, d: Duration) -> bool {
+        let stop = self.stopping.lock().expect("poller lock");
+        let (stop, _) = self
+            .wake
+            .wait_timeout_while(stop, d, |s| !*s)
+            .expect("poller lock");
+        *stop
+    }
+
+    /// Stops the pollers, then every lane.
+    pub(crate) fn stop(&self) {
+        *self.stopping.lock().expect("poller lock") = true;
+        self.wake.notify_all();
+        for t in self.pollers.lock().expect("pollers lock").drain(..) {
+            let _ = t.join();
+        }
+        let lanes: Vec<Arc<DonorLane>> = self.recs().iter().map(|r| r.lane.clone()).collect();
+        for l in lanes {
+            l.stop();
+        }
+    }
+
+    /// Per-lane fields of the status: donor index, life, and state.
+    pub(crate) fn describe(&self, id: DonorId, alive: bool) -> Value {
+        let recs = self.recs();
+        let r = &recs[id];
+        let state = match (r.ended, alive) {
+            (Some(why), _) => format!("let go ({why})"),
+            (None, true) => "serving".to_owned(),
+            (None, false) => "failed".to_owned(),
+        };
+        json!({
+            "name": r.lane.name,
+            "donor": r.donor,
+            "life": r.life,
+            "state": state,
+            "status_endpoint": self.args[r.donor].status,
+        })
+    }
+}
+
+impl Daemon {
+    /// Starts a status poller for each donor that has a status endpoint.
+    pub(crate) fn start_pollers(self: &Arc<Self>) -> Result<()> {
+        for (donor, arg) in self.lanes.args.iter().enumerate() {
+            let Some(addr) = arg.status.clone() else {
+                continue;
+            };
+            let key = match &arg.memory.tls_psk_file {
+                Some(psk) => Some(
+                    LabKey::from_psk_file(psk, arg.memory.tls_username.as_deref())
+                        .with_context(|| format!("donor {addr}: lab key {}", psk.display()))?,
+                ),
+                None => None,
+            };
+            let client = StatusClient {
+                timeout: self.timeouts().connect,
+                key,
+            };
+            let me = self.clone();
+            let t = std::thread::Builder::new()
+                .name(format!("donor{donor}-status"))
+                .spawn(move || me.poll_donor(donor, &addr, &client))?;
+            self.lanes.pollers.lock().expect("pollers lock").push(t);
+        }
+        Ok(())
+    }
+
+    fn poll_donor(self: &Arc<Self>, donor: usize, addr: &str, client: &StatusClient) {
+        let mut watch = LaneWatch::default();
+        while !self.lanes.sleep(self.lanes.poll) {
+            let seen = match client.query(addr) {
+                Ok(s) => Seen::Status {
+                    draining: s.state() == DonorState::Draining,
+                    uptime_ms: s.uptime_ms,
+                },
+                Err(e) => {
+                    tracing::debug!("donor status {addr}: {e}");
+                    Seen::Unreachable
+                }
+            };
+            let (id, lane, state) = self.lanes.current(donor);
+            match watch.observe(state, seen) {
+                Decision::Keep => {}
+                Decision::Stop => self.let_go(id, &lane, "draining", true),
+                Decision::Start => self.take_back(donor, &lane),
+                Decision::Restart => {
+                    self.let_go(id, &lane, "restarted", false);
+                    self.take_back(donor, &lane);
+                }
+            }
+        }
+    }
+
+    /// Stops lane `id`: its blocks are forgotten, what is queued on it
+    /// fails (reads go to disk), and with `trim` its export is trimmed so
+    /// the donor gets its memory back.
+    fn let_go(&self, id: DonorId, lane: &DonorLane, why: &'static str, trim: bool) {
+        tracing::info!(
+            "donor {}: {why}; its lane stops and its blocks are dropped",
+            lane.name
+        );
+        self.forget_donor(id);
+        lane.stop();
+        self.lanes.recs()[id].ended = Some(why);
+        if trim {
+            let bytes = u64::from(lane.slots) * self.block_size() as u64;
+            if let Err(e) = lane.trim_all(bytes, self.timeouts()) {
+                tracing::warn!("donor {}: trimming its export: {e}", lane.name);
+            }
+        }
+    }
+
+    /// Starts a fresh lane for donor `donor`, whose last lane is `old`.
+    fn take_back(self: &Arc<Self>, donor: usize, old: &DonorLane) {
+        old.stop();
+        let arg = &self.lanes.args[donor];
+        let life = self
+            .lanes
+            .recs()
+            .iter()
+            .filter(|r| r.donor == donor)
+            .count() as u32
+            + 1;
+        let next = self.lanes.recs().len();
+        let lane = match DonorLane::start(
+            next,
+            arg,
+            self.block_size(),
+            self.files().replica_size(),
+            self.disk().clone(),
+            self.timeouts(),
+        ) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::info!("donor {}: not back yet: {e:#}", old.name);
+                return;
+            }
+        };
+        tracing::info!(
+            "donor {}: back, a fresh lane of {} empty slots (life {life})",
+            lane.name,
+            lane.slots
+        );
+        let spec = DonorSpec {
+            slots: lane.slots,
+            replica: lane.has_replica,
+        };
+        self.add_donor(spec, |id| {
+            let mut recs = self.lanes.recs();
+            debug_assert_eq!(recs.len(), id);
+            recs.push(LaneRec {
+                donor,
+                life,
+                lane,
+                ended: None,
+            });
+        });
+    }
+}
