@@ -36,6 +36,7 @@
 #   RUNTIME=10 ROUNDS=3 LIMIT=128M scripts/bench-client.sh swap
 #   SWAP_MODE=none scripts/bench-client.sh swap   # the client in another mode
 #   SWAP_SETTINGS=links scripts/bench-client.sh swap
+#   FRONTENDS="fuse-uring@0 fuse-uring@50" scripts/bench-client.sh latency  # spin or not
 #   MODES=parity scripts/bench-client.sh modes   # none and parity only
 #   FIO_ROUNDS=3 scripts/bench-client.sh modes   # best of 3 fio runs each
 #
@@ -63,7 +64,7 @@ FIO_SIZE="${FIO_SIZE:-512M}" # region fio works on
 SWAP_MODE="${SWAP_MODE:-parity}" # the client's mode in the swap benchmark
 SWAP_SETTINGS="${SWAP_SETTINGS:-links loopback}" # see 3. above
 MODES="${MODES:-mirror parity parity-nolog disk ec}" # modes compared with none in 2.
-FRONTENDS="${FRONTENDS:-fuse-uring fuse nbd}" # the client's front ends in 3. and 4.
+FRONTENDS="${FRONTENDS:-fuse-uring fuse nbd}" # the client's front ends in 3. and 4. (F@US: with --spin-us US)
 PY=/usr/bin/python3
 export PATH=/usr/sbin:/usr/bin:/sbin:/bin:$PATH
 
@@ -362,6 +363,15 @@ swap_on() {
   push_undo "swapoff $1"
 }
 
+# frontend_args F: pagerctl's options for a FRONTENDS entry, FRONTEND or
+# FRONTEND@US (US: --spin-us, the client's spin before sleeping on a reply).
+frontend_args() {
+  case "$1" in
+    *@*) echo "--frontend ${1%@*} --spin-us ${1#*@}" ;;
+    *) echo "--frontend $1" ;;
+  esac
+}
+
 # Targets: each sets SWAPDEV, pushing its own undo. The remote ones put
 # each server behind a link of SWAP_RATE bits/s ("" for loopback speed).
 SWAP_RATE=""
@@ -369,7 +379,7 @@ FRONTEND=fuse-uring
 target_client() {
   start_donors 3 "$SWAP_RATE"
   mode_args "$SWAP_MODE" 3
-  attach_client "$WORK/c-swap" "$MODE_WORD" 1G "${MODE_ARGS[@]}" --frontend "$FRONTEND" \
+  attach_client "$WORK/c-swap" "$MODE_WORD" 1G "${MODE_ARGS[@]}" $(frontend_args "$FRONTEND") \
     --swap --priority 32767
   SWAPDEV="$DEVICE"
 }
@@ -568,11 +578,11 @@ bench_latency() {
   local donor="${DONORS[1]%%,*}"
   for round in $(seq "$ROUNDS"); do
     for f in $FRONTENDS; do
-      attach_client "$WORK/c-lat-$f" none 256M --frontend "$f"
+      attach_client "$WORK/c-lat-$f" none 256M $(frontend_args "$f")
+      # The device is new: written once first, so reads find data on the
+      # donor and writes find their extents placed.
+      fio --name=fill --filename="$DEVICE" --rw=write --bs=1M --size=64M --direct=1 >/dev/null 2>&1
       for rw in randread randwrite; do
-        # The device is new: written once first, so reads find data.
-        [ "$round$rw" = 1randread ] && fio --name=fill --filename="$DEVICE" --rw=write --bs=1M \
-          --size=64M --direct=1 >/dev/null 2>&1
         L[$f/$rw]="${L[$f/$rw]:-} $(fio_lat "--filename=$DEVICE" "$rw" --ioengine=psync --direct=1)"
       done
       "$PAGERCTL" detach --state-dir "$WORK/c-lat-$f" >/dev/null 2>>"$WORK/pagerctl.log"

@@ -491,7 +491,8 @@ fn spin_until_done(cmds: &mut [Option<Cmd<'_>>], spin: Duration) {
     if SPINNERS.fetch_add(1, Ordering::AcqRel) < MAX_SPINNERS {
         let until = Instant::now() + spin;
         while cmds.iter().flatten().any(|c| c.outcome().is_none()) && Instant::now() < until {
-            std::hint::spin_loop();
+            // A donor on this machine may wait for this very CPU.
+            std::thread::yield_now();
             for c in cmds.iter_mut().flatten() {
                 c.progress();
             }
