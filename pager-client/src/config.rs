@@ -236,6 +236,21 @@ pub struct FallbackConfig {
     pub size: ByteSize,
 }
 
+/// Where the serving process publishes Prometheus metrics (`/metrics`
+/// over HTTP); the access rule is the donors' (pagerctl(1), Monitoring).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// `ADDR:PORT`.
+    pub listen: String,
+    /// The lab's TLS-PSK file: scrapes must carry its bearer token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub psk: Option<PathBuf>,
+    /// Serve a network address without a key.
+    #[serde(default)]
+    pub insecure: bool,
+}
+
 /// Everything the device needs; see `device.toml` in the state directory.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -270,6 +285,8 @@ pub struct DeviceConfig {
     /// §2.2, parity logging).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parity_log: Option<ByteSize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics: Option<MetricsConfig>,
     pub donors: Vec<DonorConfig>,
 }
 
@@ -374,6 +391,7 @@ impl DeviceConfig {
             timeouts: TimeoutConfig::default(),
             fallback: None,
             parity_log: None,
+            metrics: None,
             donors: Vec::new(),
         }
     }
@@ -439,6 +457,11 @@ impl DeviceConfig {
                     self.client_id
                 ),
             );
+        }
+        if let Some(m) = &self.metrics {
+            if let Err(e) = netpager_util::HostPort::parse(&m.listen) {
+                return bad("metrics.listen", e.to_string());
+            }
         }
         let e = self.extent_size.0;
         if e < 4096 || !e.is_power_of_two() || e > (64 << 20) {
@@ -674,6 +697,11 @@ mod tests {
         c.fallback = Some(FallbackConfig {
             path: "/var/tmp/fb".into(),
             size: ByteSize(16 << 20),
+        });
+        c.metrics = Some(MetricsConfig {
+            listen: "127.0.0.1:9102".into(),
+            psk: Some("/etc/psk".into()),
+            insecure: false,
         });
         c
     }

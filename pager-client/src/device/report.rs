@@ -1,10 +1,16 @@
 //! Building [`ClientStatus`] from the device's state.
 
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Instant;
 
+use netpager_proto::metrics::{Bound, EndpointConfig, Exposition};
+
 use super::Inner;
+use crate::attach::record::{AttachRecord, ServeInfo, StateLayout};
+use crate::config::MetricsConfig;
 use crate::extent_map::{CopyState, Loc, Redundancy, SlotOwner};
+use crate::metrics::{exposition, FrontendInfo};
 use crate::status::{ClientStatus, DonorReport, Progress, Totals};
 
 /// At most this many lost extents are listed by number.
@@ -16,6 +22,42 @@ pub(crate) struct Jobs {
     pub rebuild: Progress,
     pub drain: Progress,
     pub last_status: Option<Instant>,
+}
+
+/// Starts `/metrics` (`[metrics]` of device.toml). The endpoint holds the
+/// device weakly: once the device is dropped it answers with no families.
+pub(crate) fn serve_metrics(inner: &Arc<Inner>, m: &MetricsConfig) -> super::Result<()> {
+    let bound = Bound::new(&EndpointConfig {
+        param: "metrics.listen",
+        addr: m.listen.clone(),
+        key_file: m.psk.clone(),
+        insecure: m.insecure,
+    })?;
+    let weak = Arc::downgrade(inner);
+    bound
+        .spawn(move || match weak.upgrade() {
+            Some(i) => {
+                let fe = frontend_info(&i.state_dir);
+                exposition(&i.build_status(), &i.stats.snapshot(), &fe)
+            }
+            None => Exposition::new(),
+        })
+        .map_err(|source| super::DeviceError::File {
+            path: "<metrics thread>".into(),
+            source,
+        })
+}
+
+/// The front end as pagerctl recorded it (attach.json, serve.json).
+fn frontend_info(dir: &std::path::Path) -> FrontendInfo {
+    let layout = StateLayout::new(dir);
+    let record = AttachRecord::load(&layout.attach_json()).ok().flatten();
+    let serve = ServeInfo::load(&layout.serve_json());
+    FrontendInfo {
+        frontend: record.map(|r| r.frontend.to_string()).unwrap_or_default(),
+        transport: serve.as_ref().map(|s| s.transport.clone()),
+        fallback: serve.and_then(|s| s.fallback),
+    }
 }
 
 impl Inner {

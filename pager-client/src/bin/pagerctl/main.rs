@@ -117,6 +117,14 @@ struct AttachArgs {
     /// TLS pre-shared key file for every donor (TLS becomes required).
     #[arg(long, value_name = "FILE")]
     psk: Option<PathBuf>,
+    /// Serve Prometheus metrics at http://ADDR:PORT/metrics from the
+    /// serving process (keyed with --psk when given; a network address
+    /// needs --psk or --metrics-insecure).
+    #[arg(long, value_name = "ADDR:PORT")]
+    metrics: Option<String>,
+    /// Allow --metrics on a network address without a key.
+    #[arg(long, requires = "metrics")]
+    metrics_insecure: bool,
     /// This client's name on donors (default: the host name).
     #[arg(long, value_name = "ID")]
     client_id: Option<String>,
@@ -182,6 +190,8 @@ impl AttachArgs {
             epoch: self.epoch,
             fallback: self.fallback.clone().zip(self.fallback_size),
             psk: self.psk.clone(),
+            metrics: self.metrics.clone(),
+            metrics_insecure: self.metrics_insecure,
             connect_timeout: self.connect_timeout,
             request_timeout: self.request_timeout,
         }
