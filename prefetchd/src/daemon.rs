@@ -670,6 +670,16 @@ impl Daemon {
         }
     }
 
+    /// What `/metrics` shows (crate::metrics).
+    pub fn metrics_snapshot(&self) -> crate::metrics::Snapshot {
+        let st = self.lock();
+        crate::metrics::Snapshot {
+            engine: st.engine.status(),
+            stale: st.jobs.values().map(|j| (j.id, j.stale.len())).collect(),
+            donor_names: self.donors.iter().map(|d| d.name.clone()).collect(),
+        }
+    }
+
     /// Status of every job and level, as JSON.
     pub fn status(&self) -> Value {
         let st = self.lock();
