@@ -13,3 +13,4 @@ pub mod page_log;
 pub mod policy;
 pub mod sim;
 pub mod status;
+pub mod top;

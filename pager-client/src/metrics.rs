@@ -7,11 +7,10 @@
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
-use netpager_proto::metrics::{
-    labels, AtomicHistogram, BaseUnit, Exposition, HistogramSnapshot, Labels, Value,
-};
+use netpager_proto::metrics::{labels, AtomicHistogram, BaseUnit, Exposition, Labels, Value};
 
-use crate::status::{ClientStatus, Progress};
+use crate::attach::record::{AttachRecord, ServeInfo, StateLayout};
+use crate::status::{ClientStatus, Progress, RequestReport};
 
 /// Kinds of request the device serves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,14 +50,6 @@ pub struct RequestStats {
     errors: [AtomicU64; 5],
 }
 
-/// One kind's counters at one moment.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct KindSnapshot {
-    pub latency: HistogramSnapshot,
-    pub bytes: u64,
-    pub errors: u64,
-}
-
 impl RequestStats {
     /// Counts one finished request of `bytes` that took `took`.
     pub fn record(&self, kind: RequestKind, bytes: u64, took: Duration, ok: bool) {
@@ -71,17 +62,21 @@ impl RequestStats {
         }
     }
 
-    pub fn snapshot(&self) -> Vec<(RequestKind, KindSnapshot)> {
+    /// The counters as status.json keeps them.
+    pub fn reports(&self) -> Vec<RequestReport> {
         RequestKind::ALL
             .iter()
             .map(|&k| {
                 let i = k as usize;
-                let s = KindSnapshot {
-                    latency: self.latency[i].snapshot(),
+                let h = self.latency[i].snapshot();
+                RequestReport {
+                    op: k.word().to_string(),
+                    count: h.count,
                     bytes: self.bytes[i].load(Relaxed),
                     errors: self.errors[i].load(Relaxed),
-                };
-                (k, s)
+                    seconds: h.sum_seconds,
+                    buckets: h.buckets.iter().map(|(_, c)| *c).collect(),
+                }
             })
             .collect()
     }
@@ -98,6 +93,21 @@ pub struct FrontendInfo {
     pub fallback: Option<String>,
 }
 
+impl FrontendInfo {
+    /// The front end as pagerctl recorded it in the state directory
+    /// (attach.json, serve.json).
+    pub fn read(dir: &std::path::Path) -> FrontendInfo {
+        let layout = StateLayout::new(dir);
+        let record = AttachRecord::load(&layout.attach_json()).ok().flatten();
+        let serve = ServeInfo::load(&layout.serve_json());
+        FrontendInfo {
+            frontend: record.map(|r| r.frontend.to_string()).unwrap_or_default(),
+            transport: serve.as_ref().map(|s| s.transport.clone()),
+            fallback: serve.and_then(|s| s.fallback),
+        }
+    }
+}
+
 fn one(v: impl Into<Value>) -> Vec<(Labels, Value)> {
     vec![(vec![], v.into())]
 }
@@ -110,11 +120,7 @@ fn per_job(s: &ClientStatus, f: impl Fn(&Progress) -> Value) -> Vec<(Labels, Val
 }
 
 /// Every family of one scrape.
-pub fn exposition(
-    s: &ClientStatus,
-    requests: &[(RequestKind, KindSnapshot)],
-    fe: &FrontendInfo,
-) -> Exposition {
+pub fn exposition(s: &ClientStatus, fe: &FrontendInfo) -> Exposition {
     let mut e = Exposition::new();
     let b = Some(BaseUnit::Bytes);
     let t = &s.totals;
@@ -309,10 +315,10 @@ pub fn exposition(
         None,
         donor(&|d| d.writes.into()),
     );
-    let kind = |f: &dyn Fn(&KindSnapshot) -> Value| -> Vec<(Labels, Value)> {
-        requests
+    let kind = |f: &dyn Fn(&RequestReport) -> Value| -> Vec<(Labels, Value)> {
+        s.requests
             .iter()
-            .map(|(k, r)| (labels([("op", k.word())]), f(r)))
+            .map(|r| (labels([("op", &r.op)]), f(r)))
             .collect()
     };
     e.counter(
@@ -330,9 +336,9 @@ pub fn exposition(
     e.histogram(
         "client_request",
         "Time to serve one request of the kernel, by kind.",
-        requests
+        s.requests
             .iter()
-            .map(|(k, r)| (labels([("op", k.word())]), r.latency.clone()))
+            .map(|r| (labels([("op", &r.op)]), r.histogram()))
             .collect(),
     );
     e
@@ -373,12 +379,16 @@ mod tests {
         let stats = RequestStats::default();
         stats.record(RequestKind::Write, 4096, Duration::from_micros(50), true);
         stats.record(RequestKind::Write, 4096, Duration::from_micros(50), false);
+        let s = ClientStatus {
+            requests: stats.reports(),
+            ..s
+        };
         let fe = FrontendInfo {
             frontend: "fuse".into(),
             transport: Some("fuse".into()),
             fallback: Some("no io_uring".into()),
         };
-        let text = exposition(&s, &stats.snapshot(), &fe).prometheus_text();
+        let text = exposition(&s, &fe).prometheus_text();
         for want in [
             "netpager_client_info{client=\"c1\",mode=\"mirror\",code=\"1+1\"} 1\n",
             "netpager_client_frontend{frontend=\"fuse\",transport=\"fuse\"} 1\n",

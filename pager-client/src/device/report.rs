@@ -7,7 +7,6 @@ use std::time::Instant;
 use netpager_proto::metrics::{Bound, EndpointConfig, Exposition};
 
 use super::Inner;
-use crate::attach::record::{AttachRecord, ServeInfo, StateLayout};
 use crate::config::MetricsConfig;
 use crate::extent_map::{CopyState, Loc, Redundancy, SlotOwner};
 use crate::metrics::{exposition, FrontendInfo};
@@ -37,8 +36,8 @@ pub(crate) fn serve_metrics(inner: &Arc<Inner>, m: &MetricsConfig) -> super::Res
     bound
         .spawn(move || match weak.upgrade() {
             Some(i) => {
-                let fe = frontend_info(&i.state_dir);
-                exposition(&i.build_status(), &i.stats.snapshot(), &fe)
+                let fe = FrontendInfo::read(&i.state_dir);
+                exposition(&i.build_status(), &fe)
             }
             None => Exposition::new(),
         })
@@ -46,18 +45,6 @@ pub(crate) fn serve_metrics(inner: &Arc<Inner>, m: &MetricsConfig) -> super::Res
             path: "<metrics thread>".into(),
             source,
         })
-}
-
-/// The front end as pagerctl recorded it (attach.json, serve.json).
-fn frontend_info(dir: &std::path::Path) -> FrontendInfo {
-    let layout = StateLayout::new(dir);
-    let record = AttachRecord::load(&layout.attach_json()).ok().flatten();
-    let serve = ServeInfo::load(&layout.serve_json());
-    FrontendInfo {
-        frontend: record.map(|r| r.frontend.to_string()).unwrap_or_default(),
-        transport: serve.as_ref().map(|s| s.transport.clone()),
-        fallback: serve.and_then(|s| s.fallback),
-    }
 }
 
 impl Inner {
@@ -228,6 +215,7 @@ impl Inner {
             b,
             donors,
             totals: t,
+            requests: self.stats.reports(),
         }
     }
 }

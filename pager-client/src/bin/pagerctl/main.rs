@@ -11,6 +11,7 @@ mod simulate;
 mod status_cmd;
 #[allow(unsafe_code)]
 mod sys;
+mod top_cmd;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -45,6 +46,9 @@ enum Cmd {
     Serve(ServeArgs),
     /// Show the device's status (donors, placement, rebuild, drain).
     Status(StatusArgs),
+    /// A live view of the device (donors, rates, latency, rebuild and
+    /// drain), redrawn every interval; q quits.
+    Top(TopArgs),
     /// Show donors' status endpoints.
     DonorStatus(DonorStatusArgs),
     /// Ask a donor to drain (clients move their extents away), or stop.
@@ -229,6 +233,15 @@ fn parse_transport(s: &str) -> Result<pager_fuse::Transport, String> {
 }
 
 #[derive(clap::Args)]
+struct TopArgs {
+    #[arg(long, value_name = "DIR")]
+    state_dir: PathBuf,
+    /// Seconds between redraws.
+    #[arg(long, default_value = "1", value_parser = parse_secs, value_name = "SECS")]
+    interval: Duration,
+}
+
+#[derive(clap::Args)]
 struct StatusArgs {
     #[arg(long, value_name = "DIR")]
     state_dir: PathBuf,
@@ -316,6 +329,7 @@ fn main() {
             threads: a.threads,
         }),
         Cmd::Status(a) => status_cmd::run(&StateLayout::new(a.state_dir), a.json),
+        Cmd::Top(a) => top_cmd::run(&StateLayout::new(a.state_dir), a.interval),
         Cmd::DonorStatus(a) => a
             .endpoint
             .client()
