@@ -112,10 +112,12 @@ fn one(v: impl Into<Value>) -> Vec<(Labels, Value)> {
     vec![(vec![], v.into())]
 }
 
+/// Labelled `activity`, not `job`: Prometheus's own `job` label would
+/// rename ours to `exported_job`.
 fn per_job(s: &ClientStatus, f: impl Fn(&Progress) -> Value) -> Vec<(Labels, Value)> {
     [("rebuild", &s.totals.rebuild), ("drain", &s.totals.drain)]
         .into_iter()
-        .map(|(job, p)| (labels([("job", job)]), f(p)))
+        .map(|(activity, p)| (labels([("activity", activity)]), f(p)))
         .collect()
 }
 
@@ -217,25 +219,25 @@ pub fn exposition(s: &ClientStatus, fe: &FrontendInfo) -> Exposition {
         one(t.throttled),
     );
     e.gauge(
-        "client_job_active",
+        "client_background_active",
         "1 while the background job (rebuild or drain) has work left.",
         None,
         per_job(s, |p| p.active.into()),
     );
     e.gauge(
-        "client_job_stalled",
+        "client_background_stalled",
         "1 while the background job waits (e.g. no donor has room).",
         None,
         per_job(s, |p| p.stalled.is_some().into()),
     );
     e.gauge(
-        "client_job_members_done",
+        "client_background_members_done",
         "Extent copies the job has moved or re-created in this pass.",
         None,
         per_job(s, |p| p.done.into()),
     );
     e.gauge(
-        "client_job_members_needed",
+        "client_background_members_needed",
         "Extent copies that needed the job when the pass started.",
         None,
         per_job(s, |p| p.total.into()),
@@ -395,10 +397,10 @@ mod tests {
             "netpager_client_frontend_fallback 1\n",
             "netpager_client_degraded 1\n",
             "netpager_client_degraded_units 4\n",
-            "netpager_client_job_active{job=\"rebuild\"} 1\n",
-            "netpager_client_job_stalled{job=\"rebuild\"} 1\n",
-            "netpager_client_job_stalled{job=\"drain\"} 0\n",
-            "netpager_client_job_members_done{job=\"rebuild\"} 1\n",
+            "netpager_client_background_active{activity=\"rebuild\"} 1\n",
+            "netpager_client_background_stalled{activity=\"rebuild\"} 1\n",
+            "netpager_client_background_stalled{activity=\"drain\"} 0\n",
+            "netpager_client_background_members_done{activity=\"rebuild\"} 1\n",
             "netpager_client_donor_extents{donor=\"d1\"} 3\n",
             "netpager_client_donor_frequency{donor=\"d1\"} 0.5\n",
             "netpager_client_donor_failed{donor=\"d1\"} 1\n",

@@ -1,7 +1,9 @@
 //! prefetchd's `/metrics` (`serve --metrics ADDR:PORT`): per job, reads
 //! served per level, stall time, prefetches issued, used and wasted per
 //! kind, demotions and stale hints, from the counters `status` shows. The
-//! HTTP side is `netpager_proto::metrics`.
+//! HTTP side is `netpager_proto::metrics`. Jobs are labelled
+//! `prefetch_job`: Prometheus's own `job` label would rename a `job` label
+//! to `exported_job`.
 
 use netpager_proto::metrics::{labels, BaseUnit, Exposition, Labels, Value};
 
@@ -34,7 +36,7 @@ pub fn exposition(s: &Snapshot) -> Exposition {
     let per_job = |f: &dyn Fn(&JobStats) -> Value| -> Vec<(Labels, Value)> {
         stats
             .iter()
-            .map(|(job, st)| (labels([("job", job)]), f(st)))
+            .map(|(job, st)| (labels([("prefetch_job", job)]), f(st)))
             .collect()
     };
     e.counter(
@@ -50,7 +52,10 @@ pub fn exposition(s: &Snapshot) -> Exposition {
             ("global", st.hits.global),
             ("disk", st.hits.disk),
         ] {
-            hits.push((labels([("job", job), ("level", level)]), Value::Int(n)));
+            hits.push((
+                labels([("prefetch_job", job), ("level", level)]),
+                Value::Int(n),
+            ));
         }
     }
     e.counter(
@@ -73,7 +78,10 @@ pub fn exposition(s: &Snapshot) -> Exposition {
                 ("disk_to_local", &st.disk_to_local),
                 ("disk_to_global", &st.disk_to_global),
             ] {
-                v.push((labels([("job", job), ("kind", kind)]), Value::Int(f(c))));
+                v.push((
+                    labels([("prefetch_job", job), ("kind", kind)]),
+                    Value::Int(f(c)),
+                ));
             }
         }
         v
@@ -100,7 +108,7 @@ pub fn exposition(s: &Snapshot) -> Exposition {
         s.engine
             .jobs
             .iter()
-            .map(|j| (labels([("job", &j.name)]), f(j)))
+            .map(|j| (labels([("prefetch_job", &j.name)]), f(j)))
             .collect()
     };
     e.counter(
@@ -124,7 +132,7 @@ pub fn exposition(s: &Snapshot) -> Exposition {
             .iter()
             .map(|j| {
                 (
-                    labels([("job", &j.name), ("state", j.state)]),
+                    labels([("prefetch_job", &j.name), ("state", j.state)]),
                     Value::Int(1),
                 )
             })
@@ -143,7 +151,7 @@ pub fn exposition(s: &Snapshot) -> Exposition {
                     .iter()
                     .find(|(id, _)| *id == j.id)
                     .map_or(0, |x| x.1);
-                (labels([("job", &j.name)]), Value::Int(n as u64))
+                (labels([("prefetch_job", &j.name)]), Value::Int(n as u64))
             })
             .collect(),
     );
@@ -246,15 +254,15 @@ mod tests {
         };
         let text = exposition(&s).prometheus_text();
         for want in [
-            "netpager_prefetch_reads_total{job=\"render\"} 5\n",
-            "netpager_prefetch_reads_total{job=\"(unhinted)\"} 0\n",
-            "netpager_prefetch_block_hits_total{job=\"render\",level=\"global\"} 1\n",
-            "netpager_prefetch_stall_seconds_total{job=\"render\"} 1.5\n",
-            "netpager_prefetch_issued_total{job=\"render\",kind=\"disk_to_global\"} 4\n",
-            "netpager_prefetch_used_total{job=\"render\",kind=\"disk_to_global\"} 2\n",
-            "netpager_prefetch_demotions_total{job=\"render\"} 1\n",
-            "netpager_prefetch_job_state{job=\"render\",state=\"hinted\"} 1\n",
-            "netpager_prefetch_stale_hint_files{job=\"render\"} 1\n",
+            "netpager_prefetch_reads_total{prefetch_job=\"render\"} 5\n",
+            "netpager_prefetch_reads_total{prefetch_job=\"(unhinted)\"} 0\n",
+            "netpager_prefetch_block_hits_total{prefetch_job=\"render\",level=\"global\"} 1\n",
+            "netpager_prefetch_stall_seconds_total{prefetch_job=\"render\"} 1.5\n",
+            "netpager_prefetch_issued_total{prefetch_job=\"render\",kind=\"disk_to_global\"} 4\n",
+            "netpager_prefetch_used_total{prefetch_job=\"render\",kind=\"disk_to_global\"} 2\n",
+            "netpager_prefetch_demotions_total{prefetch_job=\"render\"} 1\n",
+            "netpager_prefetch_job_state{prefetch_job=\"render\",state=\"hinted\"} 1\n",
+            "netpager_prefetch_stale_hint_files{prefetch_job=\"render\"} 1\n",
             "netpager_prefetch_donor_used_slots{donor=\"d1\"} 3\n",
         ] {
             assert!(text.contains(want), "{want:?} missing from\n{text}");
