@@ -169,7 +169,7 @@ def test_prometheus_scrapes_every_endpoint_and_the_series_move(root, teardown, c
                     "the degraded alert is pending")
     status, body = http_get(prom.url + "/api/v1/rules")
     rules = [r for g in json.loads(body)["data"]["groups"] for r in g["rules"]]
-    assert len(rules) == 6 and all(r["health"] == "ok" for r in rules), rules
+    assert len(rules) == 7 and all(r["health"] == "ok" for r in rules), rules
     # The survivors' endpoints still pass promtool.
     for ep in [metrics[1], client_ep, pf_ep]:
         check_metrics(f"http://{ep}/metrics")
@@ -233,3 +233,18 @@ def test_top_shows_the_client_in_tmux(root, teardown, cluster, tmp_path):
     subprocess.run(tmux + ["send-keys", "-t", session, "q"], check=True, timeout=30)
     wait_for(lambda: subprocess.run(tmux + ["has-session", "-t", session], capture_output=True,
                                     timeout=30).returncode != 0, 10, "top quits on q")
+
+
+def test_the_nbd_front_end_serves_client_metrics_too(root, teardown, cluster, tmp_path):
+    """With --frontend nbd the device lives in the client's nbdkit, which
+    serves /metrics itself."""
+    need("promtool")
+    need_built("pagerctl", "libpager_client_plugin.so")
+    donors = cluster.start_donors(2, budgets="256M", size="1G", busy_load=1000, poll_ms=100)
+    ep = f"127.0.0.1:{free_ports('127.0.0.1', 1)[0]}"
+    client = PagerClient(teardown, tmp_path / "state")
+    client.attach(donors, mode="mirror", size="64M", frontend="nbd", extra=["--metrics", ep])
+    body = check_metrics(f"http://{ep}/metrics")
+    assert 'netpager_client_frontend{frontend="nbd",transport=""} 1' in body, body[:2000]
+    for d in ("d1", "d2"):
+        assert f'netpager_client_donor_failed{{donor="{d}"}} 0' in body, body[:2000]
