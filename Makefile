@@ -12,7 +12,7 @@ export PATH := /usr/sbin:/usr/bin:/sbin:/bin:$(PATH)
 export NETPAGER_ROOT := $(CURDIR)
 
 .PHONY: all deps build demo test test-unit test-server test-client test-prefetch \
-        test-ansible test-security bench bench-server bench-client bench-prefetch \
+        test-ansible test-security test-monitoring bench bench-server bench-client bench-prefetch \
         fuzz soak faults clean lint
 
 all: build
@@ -59,6 +59,9 @@ test-ansible: build
 test-security: build
 	bash scripts/fuzz.sh $(FUZZ_SHORT_SECONDS)
 	$(PYTEST) tests/security
+
+test-monitoring: build
+	$(PYTEST) tests/monitoring
 
 fuzz: deps
 	bash scripts/fuzz.sh $(FUZZ_SECONDS)

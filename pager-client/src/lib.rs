@@ -6,6 +6,7 @@ pub mod device;
 pub mod durability;
 pub mod erasure;
 pub mod extent_map;
+pub mod metrics;
 pub mod page_log;
 pub mod policy;
 pub mod status;

@@ -6,6 +6,7 @@ use std::fmt::Write as _;
 use std::io::Write as _;
 use std::path::Path;
 
+use netpager_proto::metrics::{HistogramSnapshot, BUCKET_BOUNDS_NS};
 use netpager_util::format_size;
 use serde::{Deserialize, Serialize};
 
@@ -120,6 +121,54 @@ pub struct Totals {
     pub can_lose_units: Vec<u64>,
 }
 
+/// Requests of one kind the device served since it started.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RequestReport {
+    /// read, write, zero, trim or flush.
+    pub op: String,
+    pub count: u64,
+    /// Bytes of the requests that succeeded.
+    pub bytes: u64,
+    pub errors: u64,
+    /// Time spent serving them.
+    pub seconds: f64,
+    /// Cumulative counts of requests served within each bound of
+    /// `netpager_proto::metrics::BUCKET_BOUNDS_NS`, then of all.
+    pub buckets: Vec<u64>,
+}
+
+impl RequestReport {
+    /// The latency histogram, as `/metrics` shows it.
+    pub fn histogram(&self) -> HistogramSnapshot {
+        let bounds = BUCKET_BOUNDS_NS
+            .iter()
+            .map(|&ns| ns as f64 / 1e9)
+            .chain(std::iter::once(f64::INFINITY));
+        HistogramSnapshot {
+            sum_seconds: self.seconds,
+            count: self.count,
+            buckets: bounds.zip(self.buckets.iter().copied()).collect(),
+        }
+    }
+
+    /// What happened between `before` and `self` (same kind, a later look).
+    pub fn since(&self, before: &RequestReport) -> RequestReport {
+        RequestReport {
+            op: self.op.clone(),
+            count: self.count.saturating_sub(before.count),
+            bytes: self.bytes.saturating_sub(before.bytes),
+            errors: self.errors.saturating_sub(before.errors),
+            seconds: (self.seconds - before.seconds).max(0.0),
+            buckets: self
+                .buckets
+                .iter()
+                .zip(before.buckets.iter().chain(std::iter::repeat(&0)))
+                .map(|(a, b)| a.saturating_sub(*b))
+                .collect(),
+        }
+    }
+}
+
 /// Everything `status.json` holds.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ClientStatus {
@@ -142,6 +191,9 @@ pub struct ClientStatus {
     pub b: f64,
     pub donors: Vec<DonorReport>,
     pub totals: Totals,
+    /// Requests served, by kind (files from before have none).
+    #[serde(default)]
+    pub requests: Vec<RequestReport>,
 }
 
 impl ClientStatus {

@@ -7,6 +7,7 @@
 use std::net::{IpAddr, SocketAddr};
 
 use netpager_proto::auth::{check_export_token, EXPORT_TOKEN_HEX};
+pub use netpager_proto::metrics::is_loopback;
 
 use crate::config::{parse_export_name, ConfigError, ExportSpec};
 
@@ -62,17 +63,6 @@ impl AccessError {
         match self {
             AccessError::Name(_) | AccessError::UnexpectedToken => libc::EINVAL,
             _ => libc::EACCES,
-        }
-    }
-}
-
-/// True for addresses of this machine's loopback interface, IPv4-mapped
-/// IPv6 (`::ffff:127.0.0.1`, as a dual-stack listener reports it) included.
-pub fn is_loopback(ip: IpAddr) -> bool {
-    match ip {
-        IpAddr::V4(v4) => v4.is_loopback(),
-        IpAddr::V6(v6) => {
-            v6.is_loopback() || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback())
         }
     }
 }

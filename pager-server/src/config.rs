@@ -62,6 +62,8 @@ pub struct Config {
     pub reserve: Amount,
     pub mlock: bool,
     pub status: Option<String>,
+    /// Where `/metrics` is served (Prometheus text over HTTP).
+    pub metrics: Option<String>,
     pub node_id: Option<String>,
     pub age_x: u64,
     pub u_star: f64,
@@ -86,6 +88,7 @@ impl Default for Config {
             reserve: Amount::PercentOfMemTotal(5.0),
             mlock: true,
             status: None,
+            metrics: None,
             node_id: None,
             age_x: 64,
             u_star: 0.5,
@@ -107,6 +110,7 @@ budget=SIZE|N%       Cap on donated bytes over all exports (default 50%).
 reserve=SIZE|N%      Free memory kept for the node; below it: draining (default 5%).
 mlock=BOOL           Lock the plugin's memory, donated pages included (default true).
 status=ADDR:PORT     Serve the status endpoint here (default: none).
+metrics=ADDR:PORT    Serve Prometheus metrics at http://ADDR:PORT/metrics (default: none).
 node-id=NAME         Donor name in status replies (default: hostname).
 age-x=N              Report the age of the N-th oldest page (default 64).
 u-star=F             Allowed utilisation by remote requests, 0..1 (default 0.5).
@@ -114,10 +118,11 @@ window=SECS          Utilisation window in seconds (default 10).
 busy-load=F          Busy when 1-min loadavg per CPU exceeds F (default 0.5).
 poll-ms=N            Memory and load watch interval (default 500).
 meminfo=PATH         Read MemTotal/MemAvailable here (default /proc/meminfo).
-psk=FILE             Lab TLS-PSK file: status requests must be signed with its key.
+psk=FILE             Lab TLS-PSK file: status requests must be signed with its key,
+                     metrics requests must carry its bearer token.
 export-secret=FILE   Hex key: export names must be CLIENT~TOKEN[@SIZE].
 insecure=BOOL        Allow plain text from non-loopback peers and an
-                     unauthenticated status endpoint on a network address.";
+                     unauthenticated status or metrics endpoint on a network address.";
 
 impl Config {
     /// Applies one `key=value` parameter.
@@ -130,10 +135,15 @@ impl Config {
             "budget" => self.budget = parse_amount(key, value)?,
             "reserve" => self.reserve = parse_amount(key, value)?,
             "mlock" => self.mlock = parse_bool(value).map_err(|why| bad(key, value, why))?,
-            "status" => {
+            "status" | "metrics" => {
                 netpager_util::HostPort::parse(value)
                     .map_err(|e| bad(key, value, e.to_string()))?;
-                self.status = Some(value.to_string());
+                let slot = if key == "status" {
+                    &mut self.status
+                } else {
+                    &mut self.metrics
+                };
+                *slot = Some(value.to_string());
             }
             "node-id" => {
                 check_node_id(value).map_err(|why| bad(key, value, why))?;
@@ -360,6 +370,7 @@ mod tests {
             ("reserve", "10%"),
             ("mlock", "off"),
             ("status", "127.0.0.2:10900"),
+            ("metrics", "127.0.0.2:10901"),
             ("node-id", "d1"),
             ("age-x", "8"),
             ("u-star", "0.25"),
@@ -378,6 +389,7 @@ mod tests {
         assert_eq!(c.reserve, Amount::PercentOfMemTotal(10.0));
         assert!(!c.mlock);
         assert_eq!(c.status.as_deref(), Some("127.0.0.2:10900"));
+        assert_eq!(c.metrics.as_deref(), Some("127.0.0.2:10901"));
         assert_eq!(c.node_id.as_deref(), Some("d1"));
         assert_eq!(c.age_x, 8);
         assert_eq!(c.u_star, 0.25);
@@ -406,6 +418,7 @@ mod tests {
             ("status", "10900", "HOST:PORT"),
             ("status", "127.0.0.1:http", "not a number"),
             ("status", ":80", "no host"),
+            ("metrics", "9100", "HOST:PORT"),
             ("node-id", "a b", "spaces"),
             ("age-x", "0", "between 1"),
             ("u-star", "1.5", "between 0 and 1"),

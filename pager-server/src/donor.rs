@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use netpager_proto::metrics::{AtomicHistogram, HistogramSnapshot};
 use netpager_proto::v1::{reply, request, Reply, Request};
 use netpager_proto::{DonorState, DonorStatus, ExportUsage};
 use netpager_util::format_size;
@@ -83,6 +84,20 @@ pub enum Op {
     Zero,
 }
 
+impl Op {
+    pub const ALL: [Op; 4] = [Op::Read, Op::Write, Op::Trim, Op::Zero];
+
+    /// The lower-case word used in metrics labels.
+    pub fn word(self) -> &'static str {
+        match self {
+            Op::Read => "read",
+            Op::Write => "write",
+            Op::Trim => "trim",
+            Op::Zero => "zero",
+        }
+    }
+}
+
 /// Running totals since the donor started.
 #[derive(Default)]
 pub struct Counters {
@@ -95,6 +110,8 @@ pub struct Counters {
     enospc: AtomicU64,
     busy_ns: AtomicU64,
     requests: AtomicU64,
+    /// Service time per kind of request, in [`Op::ALL`] order.
+    service: [AtomicHistogram; 4],
 }
 
 struct Watch {
@@ -162,6 +179,7 @@ impl Donor {
         let ns = took.as_nanos() as u64;
         c.busy_ns.fetch_add(ns, Relaxed);
         c.requests.fetch_add(1, Relaxed);
+        c.service[op as usize].observe(took);
         match op {
             Op::Read => {
                 c.reads.fetch_add(1, Relaxed);
@@ -294,6 +312,14 @@ impl Donor {
             mean_service_us: util.mean_service_us,
             state_reason: reason,
         }
+    }
+
+    /// Service-time histograms, one per kind of request.
+    pub fn service_times(&self) -> Vec<(Op, HistogramSnapshot)> {
+        Op::ALL
+            .iter()
+            .map(|&op| (op, self.counters.service[op as usize].snapshot()))
+            .collect()
     }
 
     /// Answers one status-endpoint request.

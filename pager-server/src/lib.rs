@@ -13,6 +13,7 @@ pub mod access;
 pub mod config;
 pub mod donor;
 pub mod memwatch;
+pub mod metrics;
 pub mod slab;
 pub mod state;
 pub mod status;
@@ -33,6 +34,7 @@ use config::Config;
 use donor::{describe, Donor, Logger, Op, Settings};
 use memwatch::{has_cap_ipc_lock, read_loadavg, read_meminfo};
 use netpager_proto::auth::load_export_secret;
+use netpager_proto::metrics::{Bound, EndpointConfig};
 use netpager_util::format_size;
 use state::Observation;
 use store::{Export, StoreError};
@@ -40,6 +42,7 @@ use store::{Export, StoreError};
 static CONFIG: Mutex<Option<Config>> = Mutex::new(None);
 static DONOR: OnceLock<Arc<Donor>> = OnceLock::new();
 static LISTENER: Mutex<Option<TcpListener>> = Mutex::new(None);
+static METRICS: Mutex<Option<Bound>> = Mutex::new(None);
 static GUARD: OnceLock<Guard> = OnceLock::new();
 
 /// The access rules' inputs, loaded at config_complete.
@@ -49,6 +52,8 @@ struct Guard {
     /// The key of `export-secret=`.
     export_secret: Option<Vec<u8>>,
     insecure: bool,
+    /// `metrics=`, with the lab key file that keys it (`psk=`).
+    metrics: Option<EndpointConfig>,
 }
 
 const NBDKIT_LOG: Logger = Logger {
@@ -100,10 +105,23 @@ fn load_guard(cfg: &Config) -> Result<Guard> {
         let sa = status::resolve(addr).map_err(|e| einval(e.to_string()))?;
         check_status_address(sa, status_auth.is_some(), cfg.insecure).map_err(refused)?;
     }
+    let metrics = cfg.metrics.as_ref().map(|addr| EndpointConfig {
+        param: "metrics",
+        addr: addr.clone(),
+        key_file: cfg.psk.clone(),
+        insecure: cfg.insecure,
+    });
+    if let Some(m) = &metrics {
+        let sa = netpager_proto::metrics::resolve(m.param, &m.addr)
+            .map_err(|e| einval(e.to_string()))?;
+        netpager_proto::metrics::check_address(m.param, sa, m.key_file.is_some(), m.insecure)
+            .map_err(|e| Error::new(libc::EACCES, e.to_string()))?;
+    }
     Ok(Guard {
         status_auth,
         export_secret,
         insecure: cfg.insecure,
+        metrics,
     })
 }
 
@@ -250,6 +268,10 @@ impl Server for PagerServer {
             let l = status::bind(addr).map_err(|e| einval(e.to_string()))?;
             *LISTENER.lock().unwrap_or_else(|e| e.into_inner()) = Some(l);
         }
+        if let Some(m) = &guard()?.metrics {
+            let b = Bound::new(m).map_err(|e| einval(e.to_string()))?;
+            *METRICS.lock().unwrap_or_else(|e| e.into_inner()) = Some(b);
+        }
         Ok(())
     }
 
@@ -279,6 +301,11 @@ impl Server for PagerServer {
         if let Some(l) = LISTENER.lock().unwrap_or_else(|e| e.into_inner()).take() {
             status::spawn(l, Arc::clone(d), guard()?.status_auth.clone())
                 .map_err(|e| einval(format!("cannot start the status thread: {e}")))?;
+        }
+        if let Some(b) = METRICS.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let d = Arc::clone(d);
+            b.spawn(move || metrics::exposition(&d.status(Instant::now()), &d.service_times()))
+                .map_err(|e| einval(format!("cannot start the metrics thread: {e}")))?;
         }
         Ok(())
     }

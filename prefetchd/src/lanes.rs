@@ -69,6 +69,11 @@ impl Lanes {
         self.recs.lock().expect("donor lanes lock")
     }
 
+    /// Each engine donor id's donor name (a donor has one id per life).
+    pub(crate) fn names(&self) -> Vec<String> {
+        self.recs().iter().map(|r| r.lane.name.clone()).collect()
+    }
+
     /// The lane of engine donor `id`.
     pub(crate) fn get(&self, id: DonorId) -> Arc<DonorLane> {
         self.recs()[id].lane.clone()

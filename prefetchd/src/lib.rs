@@ -6,7 +6,8 @@
 //! [`files`] (the data directory), [`source`] (hint files as block
 //! streams), [`disk`] (io_uring reads), [`donor`] (global memory over NBD),
 //! [`daemon`] (the planner driving them), [`fs`] (the FUSE view),
-//! [`control`] (the control socket) and [`table`] (status output).
+//! [`control`] (the control socket), [`table`] (status output) and
+//! [`metrics`] (the `/metrics` families).
 //! All `unsafe` is in [`sys`].
 
 pub mod control;
@@ -16,6 +17,7 @@ pub mod donor;
 pub mod files;
 pub mod fs;
 mod lanes;
+pub mod metrics;
 pub mod plan;
 pub mod source;
 #[allow(unsafe_code)]

@@ -8,6 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use serde_json::json;
 
+use netpager_proto::metrics::{Bound, EndpointConfig, Exposition};
 use prefetchd::control::{self, ControlServer};
 use prefetchd::daemon::{self, Config, Daemon};
 use prefetchd::donor::DonorArg;
@@ -16,6 +17,7 @@ use prefetchd::plan::coalesce::CoalesceConfig;
 use prefetchd::plan::cursor::CursorConfig;
 use prefetchd::plan::engine::EngineConfig;
 use prefetchd::{files, sys, table};
+use std::sync::Arc;
 
 const DEFAULT_CONTROL: &str = "/run/prefetchd.sock";
 
@@ -134,6 +136,16 @@ struct ServeArgs {
     /// Do not lock memory (mlockall).
     #[arg(long)]
     no_mlock: bool,
+    /// Serve Prometheus metrics at http://ADDR:PORT/metrics (a network
+    /// address needs --metrics-psk or --metrics-insecure).
+    #[arg(long, value_name = "ADDR:PORT")]
+    metrics: Option<String>,
+    /// The lab's TLS-PSK file: scrapes must carry its bearer token.
+    #[arg(long, value_name = "FILE", requires = "metrics")]
+    metrics_psk: Option<PathBuf>,
+    /// Allow --metrics on a network address without a key.
+    #[arg(long, requires = "metrics")]
+    metrics_insecure: bool,
 }
 
 fn main() -> ExitCode {
@@ -264,7 +276,29 @@ fn serve(args: ServeArgs, control_path: &Path) -> Result<()> {
         status_poll: std::time::Duration::from_millis(args.status_poll_ms.max(10)),
         timeouts: daemon::default_timeouts(),
     };
+    // Bound before the daemon starts, so that a taken port or a refused
+    // address fails the start.
+    let metrics = args
+        .metrics
+        .as_ref()
+        .map(|addr| {
+            Bound::new(&EndpointConfig {
+                param: "--metrics",
+                addr: addr.clone(),
+                key_file: args.metrics_psk.clone(),
+                insecure: args.metrics_insecure,
+            })
+        })
+        .transpose()?;
     let d = Daemon::start(cfg)?;
+    if let Some(b) = metrics {
+        let weak = Arc::downgrade(&d);
+        b.spawn(move || match weak.upgrade() {
+            Some(d) => prefetchd::metrics::exposition(&d.metrics_snapshot()),
+            None => Exposition::new(),
+        })
+        .context("starting the metrics thread")?;
+    }
     let window = args.window.unwrap_or_else(|| {
         let global = d.status()["donors"].as_array().map_or(0, |ds| {
             ds.iter()

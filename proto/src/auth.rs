@@ -27,6 +27,7 @@ type HmacSha256 = Hmac<Sha256>;
 
 const REQUEST_TAG: &[u8] = b"netpager-status-request-v1";
 const REPLY_TAG: &[u8] = b"netpager-status-reply-v1";
+const METRICS_TAG: &[u8] = b"netpager-metrics-bearer-v1";
 const EXPORT_TAG: &[u8] = b"netpager-export-v1";
 /// Hex characters of an export token (the first 16 bytes of the HMAC).
 pub const EXPORT_TOKEN_HEX: usize = 32;
@@ -181,6 +182,31 @@ impl LabKey {
             .to_vec();
     }
 
+    /// The bearer token that opens `/metrics` endpoints keyed with this
+    /// key: lower-case hex of HMAC-SHA256(key, "netpager-metrics-bearer-v1").
+    /// Prometheus presents it (`authorization: credentials_file`) without
+    /// holding the lab key itself, which also keys TLS and status requests.
+    pub fn metrics_token(&self) -> String {
+        let mut m = self.mac();
+        m.update(METRICS_TAG);
+        m.finalize()
+            .into_bytes()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
+    /// Whether `presented` is [`LabKey::metrics_token`], compared in
+    /// constant time.
+    pub fn check_metrics_token(&self, presented: &str) -> bool {
+        let Some(t) = decode_hex(presented) else {
+            return false;
+        };
+        let mut m = self.mac();
+        m.update(METRICS_TAG);
+        m.verify_slice(&t).is_ok()
+    }
+
     /// Checks a donor's reply to a request carrying `nonce`.
     pub fn verify_reply(&self, nonce: &[u8], reply: &v1::Reply) -> Result<(), AuthError> {
         self.reply_mac(nonce, reply)
@@ -325,6 +351,22 @@ mod tests {
             body: Some(v1::request::Body::Status(v1::StatusQuery {})),
             auth: None,
         }
+    }
+
+    #[test]
+    fn metrics_token_is_the_documented_hmac() {
+        let k = key("00112233445566778899aabbccddeeff");
+        // HMAC-SHA256(key, "netpager-metrics-bearer-v1"), as Python's hmac
+        // module computes it: what pager-server(1) tells admins to expect.
+        let want = "076efc5a5be79ec12a1b296862d25bf53f7e32d2826f65f3f8bfc282a4432f10";
+        assert_eq!(k.metrics_token(), want);
+        assert!(k.check_metrics_token(want));
+        assert!(!k.check_metrics_token(&want[..62]));
+        assert!(!k.check_metrics_token(&want.replace('0', "1")));
+        assert!(!k.check_metrics_token("zz"));
+        assert!(!k.check_metrics_token(""));
+        let other = key("ffeeddccbbaa99887766554433221100");
+        assert!(!other.check_metrics_token(want));
     }
 
     #[test]

@@ -12,6 +12,7 @@ use std::time::Duration;
 use prost::Message;
 
 pub mod auth;
+pub mod metrics;
 
 pub use auth::LabKey;
 

@@ -12,6 +12,8 @@ removes by pid and by path whatever is still there, whatever failed.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import re
@@ -34,7 +36,7 @@ from netpager_testkit.status import LabKey, StatusError
 from netpager_testkit.procs import tail
 
 ANSIBLE_DIR = repo_root() / "ansible"
-PLAYBOOKS = ["site.yml", "undeploy.yml"]
+PLAYBOOKS = ["site.yml", "undeploy.yml", "monitoring.yml"]
 BINARIES = ["libpager_server.so", "libpager_client_plugin.so", "pagerctl", "prefetchd", "pager-hints"]
 DONORS = ["d1", "d2", "d3"]
 CLIENT = "c1"
@@ -306,6 +308,67 @@ def test_readme_documents_every_knob():
     knobs = yaml.safe_load((ANSIBLE_DIR / "group_vars" / "all.yml").read_text())
     readme = (ANSIBLE_DIR / "README.md").read_text()
     assert knobs and [k for k in knobs if f"`{k}`" not in readme] == []
+
+
+def test_monitoring_writes_targets_token_rules_and_a_valid_config(tmp_path):
+    """monitoring.yml on an inventory of this machine (nothing is deployed):
+    file_sd targets from the inventory, the bearer token of the lab key
+    (HMAC-SHA256, as pager-server(1) documents it), rules and a
+    prometheus.yml that promtool accepts."""
+    token_tool = target_dir() / "netpager-token"
+    if not token_tool.exists():
+        pytest.skip(f"{token_tool} missing (run `make build`)")
+    if shutil.which("promtool") is None:
+        skip_or_fail("promtool missing (Debian package prometheus; scripts/deps.sh)")
+    inv = tmp_path / "inv"
+    (inv / "group_vars").mkdir(parents=True)
+    (tmp_path / "ansible-tmp").mkdir()
+    datasets = [{"name": n, "data_dir": "/d", "mount_point": "/m", "hint_dir": "/h"} for n in ("a", "b")]
+    datasets[1]["metrics_port"] = 9999
+    inventory = {"all": {
+        "vars": {"ansible_connection": "local", "ansible_python_interpreter": "/usr/bin/python3"},
+        "children": {
+            "donors": {"hosts": {"d1": {"netpager_donor_address": "127.0.0.2"},
+                                 "d2": {"netpager_donor_address": "127.0.0.3",
+                                        "netpager_donor_metrics_port": 9911}}},
+            "clients": {"hosts": {"c1": {"ansible_host": "127.0.0.4",
+                                         "netpager_prefetchd_datasets": datasets}}},
+        },
+    }}
+    (inv / "hosts.yml").write_text(json.dumps(inventory, indent=2) + "\n")
+    for group in ("donors", "clients"):
+        (inv / "group_vars" / f"{group}.yml").write_text(
+            json.dumps({"netpager_bin_src": str(target_dir()), "netpager_metrics": True}) + "\n")
+    key_hex = "00112233445566778899aabbccddeeff"
+    (inv / "netpager.psk").write_text(key_hex + "\n")
+    p = run_tool(["ansible-playbook", "-i", str(inv / "hosts.yml"), "monitoring.yml"],
+                 ANSIBLE_DIR, ansible_env(tmp_path))
+    assert p.returncode == 0, f"monitoring.yml:\n{p.stdout[-3000:]}{p.stderr[-3000:]}"
+    out = inv / "prometheus"
+    targets = json.loads((out / "netpager-targets.json").read_text())
+    assert targets == [
+        {"targets": ["127.0.0.2:10811"], "labels": {"netpager_role": "donor", "node": "d1"}},
+        {"targets": ["127.0.0.3:9911"], "labels": {"netpager_role": "donor", "node": "d2"}},
+        {"targets": ["127.0.0.4:10812"], "labels": {"netpager_role": "client", "node": "c1"}},
+        {"targets": ["127.0.0.4:10813"],
+         "labels": {"netpager_role": "prefetchd", "node": "c1", "dataset": "a"}},
+        {"targets": ["127.0.0.4:9999"],
+         "labels": {"netpager_role": "prefetchd", "node": "c1", "dataset": "b"}},
+    ]
+    want = hmac.new(bytes.fromhex(key_hex), b"netpager-metrics-bearer-v1", hashlib.sha256).hexdigest()
+    assert (out / "netpager-metrics.token").read_text().strip() == want
+    assert (out / "netpager-metrics.token").stat().st_mode & 0o077 == 0
+    for argv in (["promtool", "check", "rules", str(out / "netpager-alerts.yml")],
+                 ["promtool", "check", "config", str(out / "prometheus.yml")]):
+        c = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert c.returncode == 0, f"{' '.join(argv)}:\n{c.stdout}{c.stderr}"
+    config = yaml.safe_load((out / "prometheus.yml").read_text())
+    job = config["scrape_configs"][0]
+    assert job["authorization"]["credentials_file"] == str(out / "netpager-metrics.token")
+    assert job["file_sd_configs"][0]["files"] == [str(out / "netpager-targets.json")]
+    dashboard = json.loads((ANSIBLE_DIR / "roles/monitoring/files/netpager-dashboard.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    assert any("netpager_donor_used_bytes" in e for e in exprs), exprs
 
 
 def test_systemd_units_pass_systemd_analyze(tmp_path):

@@ -1,5 +1,7 @@
-//! The attach machinery and the donor-selection simulator behind `pagerctl`;
-//! the device itself is the `pager-client` library.
+//! The attach machinery, the donor-selection simulator and the drawing of
+//! `pagerctl top` behind `pagerctl`; the device itself is the
+//! `pager-client` library.
 
 pub mod attach;
 pub mod sim;
+pub mod top;

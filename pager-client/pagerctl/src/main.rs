@@ -10,6 +10,7 @@ mod simulate;
 mod status_cmd;
 #[allow(unsafe_code)]
 mod sys;
+mod top_cmd;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -42,6 +43,9 @@ enum Cmd {
     Serve(ServeArgs),
     /// Show the device's status (donors, placement, rebuild, drain).
     Status(StatusArgs),
+    /// A live view of the device (donors, rates, latency, rebuild and
+    /// drain), redrawn every interval; q quits.
+    Top(TopArgs),
     /// Show donors' status endpoints.
     DonorStatus(DonorStatusArgs),
     /// Ask a donor to drain (clients move their extents away), or stop.
@@ -114,6 +118,14 @@ struct AttachArgs {
     /// TLS pre-shared key file for every donor (TLS becomes required).
     #[arg(long, value_name = "FILE")]
     psk: Option<PathBuf>,
+    /// Serve Prometheus metrics at http://ADDR:PORT/metrics from the
+    /// serving process (keyed with --psk when given; a network address
+    /// needs --psk or --metrics-insecure).
+    #[arg(long, value_name = "ADDR:PORT")]
+    metrics: Option<String>,
+    /// Allow --metrics on a network address without a key.
+    #[arg(long, requires = "metrics")]
+    metrics_insecure: bool,
     /// This client's name on donors (default: the host name).
     #[arg(long, value_name = "ID")]
     client_id: Option<String>,
@@ -183,6 +195,8 @@ impl AttachArgs {
             epoch: self.epoch,
             fallback: self.fallback.clone().zip(self.fallback_size),
             psk: self.psk.clone(),
+            metrics: self.metrics.clone(),
+            metrics_insecure: self.metrics_insecure,
             connect_timeout: self.connect_timeout,
             request_timeout: self.request_timeout,
             spin_us: self.spin_us,
@@ -218,6 +232,15 @@ fn parse_transport(s: &str) -> Result<pager_fuse::Transport, String> {
         "fuse" => Ok(pager_fuse::Transport::Classic),
         _ => Err(format!("{s:?}: expected fuse-uring or fuse")),
     }
+}
+
+#[derive(clap::Args)]
+struct TopArgs {
+    #[arg(long, value_name = "DIR")]
+    state_dir: PathBuf,
+    /// Seconds between redraws.
+    #[arg(long, default_value = "1", value_parser = parse_secs, value_name = "SECS")]
+    interval: Duration,
 }
 
 #[derive(clap::Args)]
@@ -308,6 +331,7 @@ fn main() {
             threads: a.threads,
         }),
         Cmd::Status(a) => status_cmd::run(&StateLayout::new(a.state_dir), a.json),
+        Cmd::Top(a) => top_cmd::run(&StateLayout::new(a.state_dir), a.interval),
         Cmd::DonorStatus(a) => a
             .endpoint
             .client()

@@ -13,7 +13,7 @@ use anyhow::{Context, Result};
 use pager_client::config::DeviceConfig;
 use pager_client::device::Device;
 use pager_fuse::{Backend, Mount, Options, Transport};
-use pagerctl::attach::record::{ServeInfo, StateLayout};
+use pagerctl::attach::record::{frontend_info, ServeInfo, StateLayout};
 
 use crate::{procs, sys};
 
@@ -104,6 +104,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         fallback: mount.fallback_reason().map(str::to_string),
     };
     info.save(&layout.serve_json())?;
+    device.set_frontend(frontend_info(&layout));
     let stopper = mountpoint.clone();
     std::thread::Builder::new()
         .name("signals".into())

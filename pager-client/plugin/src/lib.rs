@@ -169,6 +169,12 @@ impl Server for PagerClient {
                 format!("opening the device in {}: {e}", dir.display()),
             )
         })?;
+        // This plugin is the nbd front end (kernel nbd, nbdfuse or any NBD
+        // client on its socket).
+        device.set_frontend(pager_client::metrics::FrontendInfo {
+            frontend: "nbd".into(),
+            ..Default::default()
+        });
         DEVICE
             .set(device)
             .map_err(|_| einval("the device was already opened"))?;

@@ -29,6 +29,11 @@ impl DeviceConfig {
                 ),
             );
         }
+        if let Some(m) = &self.metrics {
+            if let Err(e) = netpager_util::HostPort::parse(&m.listen) {
+                return bad("metrics.listen", e.to_string());
+            }
+        }
         let e = self.extent_size.0;
         if e < 4096 || !e.is_power_of_two() || e > (64 << 20) {
             return bad(

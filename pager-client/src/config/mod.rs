@@ -250,6 +250,21 @@ pub struct FallbackConfig {
     pub size: ByteSize,
 }
 
+/// Where the serving process publishes Prometheus metrics (`/metrics`
+/// over HTTP); the access rule is the donors' (pagerctl(1), Monitoring).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// `ADDR:PORT`.
+    pub listen: String,
+    /// The lab's TLS-PSK file: scrapes must carry its bearer token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub psk: Option<PathBuf>,
+    /// Serve a network address without a key.
+    #[serde(default)]
+    pub insecure: bool,
+}
+
 /// Everything the device needs; see `device.toml` in the state directory.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -284,6 +299,8 @@ pub struct DeviceConfig {
     /// §2.2, parity logging).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parity_log: Option<ByteSize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics: Option<MetricsConfig>,
     pub donors: Vec<DonorConfig>,
 }
 
@@ -391,6 +408,7 @@ impl DeviceConfig {
             timeouts: TimeoutConfig::default(),
             fallback: None,
             parity_log: None,
+            metrics: None,
             donors: Vec::new(),
         }
     }

@@ -11,6 +11,11 @@ fn sample() -> DeviceConfig {
         path: "/var/tmp/fb".into(),
         size: ByteSize(16 << 20),
     });
+    c.metrics = Some(MetricsConfig {
+        listen: "127.0.0.1:9102".into(),
+        psk: Some("/etc/psk".into()),
+        insecure: false,
+    });
     c
 }
 

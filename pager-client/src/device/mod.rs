@@ -25,10 +25,11 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::config::{ConfigError, DeviceConfig, Mode};
 use crate::extent_map::{ExtentMap, Layout, MapError, Redundancy};
+use crate::metrics::{FrontendInfo, RequestKind, RequestStats};
 use crate::page_log::PAGE;
 use crate::status::ClientStatus;
 
@@ -65,6 +66,8 @@ pub enum DeviceError {
         #[source]
         source: crate::erasure::CodeError,
     },
+    #[error(transparent)]
+    Metrics(#[from] netpager_proto::metrics::EndpointError),
     #[error("donor {donor}: lab key for its status endpoint: {source}")]
     StatusKey {
         donor: String,
@@ -158,6 +161,10 @@ pub(crate) struct Inner {
     /// Alternates mirror reads between copies.
     pub(crate) read_turn: AtomicUsize,
     pub(crate) jobs: Mutex<report::Jobs>,
+    /// Requests served, by kind, for `/metrics`.
+    pub(crate) stats: RequestStats,
+    /// How the kernel reaches the device, for `/metrics`.
+    pub(crate) frontend: Mutex<FrontendInfo>,
 }
 
 /// A running device. Dropping it stops its threads and syncs its map.
@@ -275,6 +282,8 @@ impl Device {
             requests_total: AtomicU64::new(0),
             read_turn: AtomicUsize::new(0),
             jobs: Mutex::new(report::Jobs::default()),
+            stats: RequestStats::default(),
+            frontend: Mutex::new(FrontendInfo::default()),
         });
         inner.forget_unconfigured_donors()?;
         for d in &inner.donors {
@@ -307,6 +316,9 @@ impl Device {
             )?);
         }
         inner.write_status();
+        if let Some(m) = &inner.cfg.metrics {
+            report::serve_metrics(&inner, m)?;
+        }
         Ok(Device { inner, threads })
     }
 
@@ -318,31 +330,50 @@ impl Device {
         &self.inner.cfg
     }
 
+    /// Counts a finished request for `/metrics`: atomics only, so the
+    /// request path stays free of locks and allocations.
+    fn timed(&self, kind: RequestKind, bytes: u64, t0: Instant, r: Result<()>) -> Result<()> {
+        self.inner
+            .stats
+            .record(kind, bytes, t0.elapsed(), r.is_ok());
+        r
+    }
+
     /// Reads `buf.len()` bytes at `offset` (any alignment).
     pub fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        self.inner.read(buf, offset)
+        let t0 = Instant::now();
+        let r = self.inner.read(buf, offset);
+        self.timed(RequestKind::Read, buf.len() as u64, t0, r)
     }
 
     /// Writes `data` at `offset` (any alignment).
     pub fn write(&self, data: &[u8], offset: u64) -> Result<()> {
-        self.inner.modify(offset, Payload::Data(data))
+        let t0 = Instant::now();
+        let r = self.inner.modify(offset, Payload::Data(data));
+        self.timed(RequestKind::Write, data.len() as u64, t0, r)
     }
 
     /// Writes `len` zero bytes at `offset`; whole extents are freed.
     pub fn zero(&self, len: u64, offset: u64) -> Result<()> {
-        self.inner.modify(offset, Payload::Zero(len))
+        let t0 = Instant::now();
+        let r = self.inner.modify(offset, Payload::Zero(len));
+        self.timed(RequestKind::Zero, len, t0, r)
     }
 
     /// Discards `len` bytes at `offset`; whole extents are freed, partial
     /// ones are passed to the donors (parity: ignored, trim is advisory).
     pub fn trim(&self, len: u64, offset: u64) -> Result<()> {
-        self.inner.modify(offset, Payload::Trim(len))
+        let t0 = Instant::now();
+        let r = self.inner.modify(offset, Payload::Trim(len));
+        self.timed(RequestKind::Trim, len, t0, r)
     }
 
     /// Makes everything written so far durable: donors flushed, write-through
     /// queue written and synced, fallback and map journal synced.
     pub fn flush(&self) -> Result<()> {
-        self.inner.flush()
+        let t0 = Instant::now();
+        let r = self.inner.flush();
+        self.timed(RequestKind::Flush, 0, t0, r)
     }
 
     /// For each unit-sized piece of `[offset, offset+len)`: whether it was
@@ -358,6 +389,15 @@ impl Device {
 
     /// Runs one epoch now (status poll, heartbeats, reconnects, frequencies)
     /// instead of waiting for the next one.
+    /// Records how the kernel reaches the device (shown by `/metrics`).
+    pub fn set_frontend(&self, fe: FrontendInfo) {
+        *self
+            .inner
+            .frontend
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = fe;
+    }
+
     pub fn poll_donors_now(&self) {
         self.inner.epoch_wake.notify();
     }

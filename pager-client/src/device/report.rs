@@ -1,10 +1,15 @@
 //! Building [`ClientStatus`] from the device's state.
 
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Instant;
 
+use netpager_proto::metrics::{Bound, EndpointConfig, Exposition};
+
 use super::Inner;
+use crate::config::MetricsConfig;
 use crate::extent_map::{CopyState, Loc, Redundancy, SlotOwner};
+use crate::metrics::exposition;
 use crate::status::{ClientStatus, DonorReport, Progress, Totals};
 
 /// At most this many lost extents are listed by number.
@@ -16,6 +21,30 @@ pub(crate) struct Jobs {
     pub rebuild: Progress,
     pub drain: Progress,
     pub last_status: Option<Instant>,
+}
+
+/// Starts `/metrics` (`[metrics]` of device.toml). The endpoint holds the
+/// device weakly: once the device is dropped it answers with no families.
+pub(crate) fn serve_metrics(inner: &Arc<Inner>, m: &MetricsConfig) -> super::Result<()> {
+    let bound = Bound::new(&EndpointConfig {
+        param: "metrics.listen",
+        addr: m.listen.clone(),
+        key_file: m.psk.clone(),
+        insecure: m.insecure,
+    })?;
+    let weak = Arc::downgrade(inner);
+    bound
+        .spawn(move || match weak.upgrade() {
+            Some(i) => {
+                let fe = i.frontend.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                exposition(&i.build_status(), &fe)
+            }
+            None => Exposition::new(),
+        })
+        .map_err(|source| super::DeviceError::File {
+            path: "<metrics thread>".into(),
+            source,
+        })
 }
 
 impl Inner {
@@ -186,6 +215,7 @@ impl Inner {
             b,
             donors,
             totals: t,
+            requests: self.stats.reports(),
         }
     }
 }

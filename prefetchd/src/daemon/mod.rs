@@ -458,6 +458,16 @@ impl Daemon {
     }
 
     /// Status of every job and level, as JSON.
+    /// What `/metrics` shows (crate::metrics).
+    pub fn metrics_snapshot(&self) -> crate::metrics::Snapshot {
+        let st = self.lock();
+        crate::metrics::Snapshot {
+            engine: st.engine.status(),
+            stale: st.jobs.values().map(|j| (j.id, j.stale.len())).collect(),
+            donor_names: self.lanes.names(),
+        }
+    }
+
     pub fn status(&self) -> Value {
         let st = self.lock();
         let es = st.engine.status();

@@ -5,7 +5,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::{AttachError, DonorSpec};
-use pager_client::config::{ByteSize, DeviceConfig, DonorConfig, FallbackConfig, Mode};
+use pager_client::config::{
+    ByteSize, DeviceConfig, DonorConfig, FallbackConfig, MetricsConfig, Mode,
+};
 
 /// `--mode`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,6 +65,9 @@ pub struct DeviceOptions {
     pub epoch: Option<Duration>,
     pub fallback: Option<(PathBuf, u64)>,
     pub psk: Option<PathBuf>,
+    /// `ADDR:PORT` of the metrics endpoint, keyed with `psk` when given.
+    pub metrics: Option<String>,
+    pub metrics_insecure: bool,
     pub connect_timeout: Option<Duration>,
     pub request_timeout: Option<Duration>,
     /// Microseconds a request's waiter spins for the donor's reply.
@@ -173,6 +178,13 @@ pub fn apply_options(
         c.fallback = Some(FallbackConfig {
             path: path.clone(),
             size: ByteSize(*size),
+        });
+    }
+    if let Some(listen) = &o.metrics {
+        c.metrics = Some(MetricsConfig {
+            listen: listen.clone(),
+            psk: o.psk.clone(),
+            insecure: o.metrics_insecure,
         });
     }
     // A key given alone applies to the donors held; donors given alone keep

@@ -300,6 +300,18 @@ impl AttachRecord {
     }
 }
 
+/// How the kernel reaches the device in `dir`, as attach.json and
+/// serve.json record it.
+pub fn frontend_info(layout: &StateLayout) -> pager_client::metrics::FrontendInfo {
+    let record = AttachRecord::load(&layout.attach_json()).ok().flatten();
+    let serve = ServeInfo::load(&layout.serve_json());
+    pager_client::metrics::FrontendInfo {
+        frontend: record.map(|r| r.frontend.to_string()).unwrap_or_default(),
+        transport: serve.as_ref().map(|s| s.transport.clone()),
+        fallback: serve.and_then(|s| s.fallback),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
