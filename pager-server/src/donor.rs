@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use netpager_proto::v1::{reply, request, Reply, Request};
 use netpager_proto::{DonorState, DonorStatus, ExportUsage};
-use netpager_util::format_size;
+use netpager_util::{format_size, LockExt};
 
 use crate::config::{whole_pages, Config};
 use crate::memwatch::MemInfo;
@@ -190,7 +190,7 @@ impl Donor {
     }
 
     fn lock_watch(&self) -> std::sync::MutexGuard<'_, Watch> {
-        self.watch.lock().unwrap_or_else(|e| e.into_inner())
+        self.watch.lock_or_recover()
     }
 
     fn reassess(&self, w: &mut Watch) {

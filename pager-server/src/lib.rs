@@ -33,7 +33,7 @@ use config::Config;
 use donor::{describe, Donor, Logger, Op, Settings};
 use memwatch::{has_cap_ipc_lock, read_loadavg, read_meminfo};
 use netpager_proto::auth::load_export_secret;
-use netpager_util::format_size;
+use netpager_util::{format_size, LockExt};
 use state::Observation;
 use store::{Export, StoreError};
 
@@ -179,18 +179,14 @@ impl Server for PagerServer {
     }
 
     fn config(key: &str, value: &str) -> Result<()> {
-        let mut c = CONFIG.lock().unwrap_or_else(|e| e.into_inner());
+        let mut c = CONFIG.lock_or_recover();
         c.get_or_insert_with(Config::default)
             .set(key, value)
             .map_err(|e| einval(e.to_string()))
     }
 
     fn config_complete() -> Result<()> {
-        let cfg = CONFIG
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .unwrap_or_default();
+        let cfg = CONFIG.lock_or_recover().take().unwrap_or_default();
         let mem = read_meminfo(&cfg.meminfo).map_err(|e| einval(e.to_string()))?;
         let load1 = read_loadavg().map_err(|e| einval(e.to_string()))?;
         let host = match &cfg.node_id {
@@ -248,7 +244,7 @@ impl Server for PagerServer {
         // Bound before nbdkit forks so that a taken port fails the start.
         if let Some(addr) = &donor()?.settings().status {
             let l = status::bind(addr).map_err(|e| einval(e.to_string()))?;
-            *LISTENER.lock().unwrap_or_else(|e| e.into_inner()) = Some(l);
+            *LISTENER.lock_or_recover() = Some(l);
         }
         Ok(())
     }
@@ -276,7 +272,7 @@ impl Server for PagerServer {
         }
         memwatch::spawn(Arc::clone(d))
             .map_err(|e| einval(format!("cannot start the memory watch thread: {e}")))?;
-        if let Some(l) = LISTENER.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        if let Some(l) = LISTENER.lock_or_recover().take() {
             status::spawn(l, Arc::clone(d), guard()?.status_auth.clone())
                 .map_err(|e| einval(format!("cannot start the status thread: {e}")))?;
         }

@@ -25,6 +25,8 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+use netpager_util::RwLockExt;
+
 use crate::config::ExportSpec;
 use crate::slab::Slabs;
 use crate::sys::Page;
@@ -367,15 +369,11 @@ impl Export {
     fn read_shard(&self, page: u64) -> RwLockReadGuard<'_, PageMap> {
         // A panic while holding a shard cannot leave a page half-linked:
         // the map is only changed by complete insert/remove calls.
-        self.shards[shard_of(page)]
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
+        self.shards[shard_of(page)].read_or_recover()
     }
 
     fn write_shard(&self, shard: usize) -> RwLockWriteGuard<'_, PageMap> {
-        self.shards[shard]
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
+        self.shards[shard].write_or_recover()
     }
 
     fn check_range(&self, offset: u64, len: u64) -> Result<(), StoreError> {
@@ -623,7 +621,7 @@ impl Export {
     /// Pushes this export's page stamps into `heap`, keeping the `x` smallest.
     fn oldest_stamps(&self, heap: &mut BinaryHeap<u32>, x: usize) {
         for shard in self.shards.iter() {
-            let map = shard.read().unwrap_or_else(|e| e.into_inner());
+            let map = shard.read_or_recover();
             for s in map.stamps() {
                 if heap.len() < x {
                     heap.push(s);
@@ -688,15 +686,10 @@ impl Pool {
             }),
             _ => Ok(Arc::clone(e)),
         };
-        if let Some(e) = self
-            .exports
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&spec.name)
-        {
+        if let Some(e) = self.exports.read_or_recover().get(&spec.name) {
             return check(e);
         }
-        let mut all = self.exports.write().unwrap_or_else(|e| e.into_inner());
+        let mut all = self.exports.write_or_recover();
         if let Some(e) = all.get(&spec.name) {
             return check(e);
         }
@@ -717,7 +710,7 @@ impl Pool {
     }
 
     pub fn usage(&self) -> Vec<Usage> {
-        let all = self.exports.read().unwrap_or_else(|e| e.into_inner());
+        let all = self.exports.read_or_recover();
         all.values()
             .map(|e| Usage {
                 name: e.name.clone(),
@@ -733,13 +726,7 @@ impl Pool {
     pub fn xth_oldest_stamp(&self, x: u64) -> Option<u32> {
         let x = usize::try_from(x).unwrap_or(usize::MAX).max(1);
         let mut heap = BinaryHeap::new();
-        let exports: Vec<Arc<Export>> = self
-            .exports
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .cloned()
-            .collect();
+        let exports: Vec<Arc<Export>> = self.exports.read_or_recover().values().cloned().collect();
         for e in exports {
             e.oldest_stamps(&mut heap, x);
         }

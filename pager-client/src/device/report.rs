@@ -3,6 +3,8 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+use netpager_util::{LockExt, RwLockExt};
+
 use super::Inner;
 use crate::extent_map::{CopyState, Loc, Redundancy, SlotOwner};
 use crate::status::{ClientStatus, DonorReport, Progress, Totals};
@@ -37,7 +39,7 @@ impl Inner {
         let mut levels = vec![0u64; spare + 1];
         let mut lost: Vec<u64> = Vec::new();
         for u in 0..layout.units() {
-            let g = self.map.unit(u).read().unwrap_or_else(|p| p.into_inner());
+            let g = self.map.unit(u).read_or_recover();
             let Some(unit) = g.as_ref() else { continue };
             let log_unit = u.checked_sub(layout.home_units());
             match log_unit {
@@ -91,11 +93,11 @@ impl Inner {
         t.can_lose = levels.iter().position(|&n| n > 0).unwrap_or(spare) as u32;
         t.can_lose_units = levels;
         {
-            let j = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
+            let j = self.jobs.lock_or_recover();
             t.rebuild = j.rebuild.clone();
             t.drain = j.drain.clone();
         }
-        let pl = self.placement.lock().unwrap_or_else(|p| p.into_inner());
+        let pl = self.placement.lock_or_recover();
         t.all_capped = pl.freqs.all_capped;
         t.throttled = pl.throttle.is_some();
         t.throttle_reason = pl.throttle.clone();
