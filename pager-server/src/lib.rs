@@ -8,6 +8,23 @@
 //! status), [`status`] (the TCP endpoint), [`access`] (who may reach
 //! pages and status). This file is the thin nbdkit shell around them;
 //! [`sys`] holds every `unsafe`.
+//!
+//! The modules form layers; each uses only those below it, so there is no
+//! import cycle:
+//!
+//! 1. [`config`] (parameters, export names, the page size) and
+//!    [`memwatch`] (meminfo, load average) use nothing of the crate;
+//! 2. [`access`] uses `config`; [`state`] uses `memwatch`;
+//! 3. [`sys`] (FFI: pages, slabs, the peer's address) uses `access` and
+//!    `config`; [`slab`] uses `sys`; [`store`] uses `slab`, `sys` and
+//!    `config`;
+//! 4. [`donor`] (the whole donor, and the thread that feeds it meminfo)
+//!    uses `store`, `state`, `memwatch` and `config`;
+//! 5. [`status`] uses `donor`; this file uses them all.
+//!
+//! The one edge upward is nbdkit's entry point, `sys::plugin_init`, which
+//! registers [`PagerServer`] from this file: it must be `#[no_mangle]`,
+//! which only `sys` may be.
 
 pub mod access;
 pub mod config;
@@ -270,7 +287,7 @@ impl Server for PagerServer {
                 )
             })?;
         }
-        memwatch::spawn(Arc::clone(d))
+        donor::spawn_watch(Arc::clone(d))
             .map_err(|e| einval(format!("cannot start the memory watch thread: {e}")))?;
         if let Some(l) = LISTENER.lock_or_recover().take() {
             status::spawn(l, Arc::clone(d), guard()?.status_auth.clone())

@@ -23,7 +23,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use netpager_util::LockExt;
 
-use crate::store::PAGE_SIZE;
+use crate::config::PAGE_SIZE;
 use crate::sys::{Page, Slab};
 
 /// Pages of one slab: 2 MiB, one transparent huge page.

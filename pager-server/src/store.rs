@@ -27,12 +27,10 @@ use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use netpager_util::RwLockExt;
 
-use crate::config::ExportSpec;
+use crate::config::{ExportSpec, PAGE_SIZE};
 use crate::slab::Slabs;
 use crate::sys::Page;
 
-/// Bytes per page: the unit of allocation, budget and age.
-pub const PAGE_SIZE: usize = 4096;
 const PAGE: u64 = PAGE_SIZE as u64;
 /// Pages of one group: a group lives in one shard.
 const GROUP_PAGES: u64 = 16;
