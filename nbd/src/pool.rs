@@ -8,6 +8,7 @@ use crate::{
     outcome_of, to_result, wait_all, Cmd, Connection, Endpoint, NbdError, Op, Outcome, Timeouts,
     MAX_WAIT,
 };
+use netpager_util::{CondvarExt, LockExt};
 
 /// A small pool of connections to one donor export, opened on demand.
 pub struct Pool {
@@ -57,7 +58,7 @@ impl Pool {
     }
 
     fn lock(&self) -> MutexGuard<'_, PoolState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.lock_or_recover()
     }
 
     /// Takes an idle connection, opens a new one if fewer than the maximum
@@ -100,7 +101,7 @@ impl Pool {
                 };
             }
             st.waiting += 1;
-            st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+            st = self.cv.wait_or_recover(st);
             st.waiting -= 1;
         }
     }

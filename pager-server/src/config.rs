@@ -4,8 +4,9 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::store::PAGE_SIZE;
-
+/// Bytes per page: the unit the store keeps, budgets are counted in and
+/// nbdkit is told to prefer.
+pub const PAGE_SIZE: usize = 4096;
 /// Largest export size accepted: nbdkit reports sizes as `i64`.
 pub const MAX_EXPORT_SIZE: u64 = i64::MAX as u64;
 /// Longest export name (without the `@SIZE` suffix).

@@ -5,18 +5,18 @@
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use netpager_proto::metrics::{AtomicHistogram, HistogramSnapshot};
 use netpager_proto::v1::{reply, request, Reply, Request};
 use netpager_proto::{DonorState, DonorStatus, ExportUsage};
-use netpager_util::format_size;
+use netpager_util::{format_size, LockExt};
 
-use crate::config::{whole_pages, Config};
-use crate::memwatch::MemInfo;
+use crate::config::{whole_pages, Config, PAGE_SIZE};
+use crate::memwatch::{read_loadavg, read_meminfo, MemInfo};
 use crate::state::{Assessment, Observation, Policy, StateMachine, UtilWindow};
-use crate::store::{Pool, StoreError, PAGE_SIZE, TICK_MS};
+use crate::store::{Pool, StoreError, TICK_MS};
 
 /// Exports one donor serves at most (each costs its shard table).
 pub const MAX_EXPORTS: usize = 1024;
@@ -208,7 +208,7 @@ impl Donor {
     }
 
     fn lock_watch(&self) -> std::sync::MutexGuard<'_, Watch> {
-        self.watch.lock().unwrap_or_else(|e| e.into_inner())
+        self.watch.lock_or_recover()
     }
 
     fn reassess(&self, w: &mut Watch) {
@@ -369,6 +369,39 @@ pub fn describe(s: &Settings) -> String {
         s.mlock,
         s.status.as_deref().unwrap_or("off")
     )
+}
+
+/// Starts the watch thread: every poll it re-reads meminfo and the load
+/// average and hands them to the donor. A file that cannot be read or
+/// parsed (a test rewriting it, say) keeps the previous values and is
+/// logged once until it reads well again.
+pub fn spawn_watch(donor: Arc<Donor>) -> std::io::Result<()> {
+    std::thread::Builder::new()
+        .name("pager-memwatch".into())
+        .spawn(move || {
+            let mut failing = false;
+            loop {
+                std::thread::sleep(donor.settings().poll);
+                let sample =
+                    read_meminfo(&donor.settings().meminfo).and_then(|m| Ok((m, read_loadavg()?)));
+                match sample {
+                    Ok((mem, load)) => {
+                        failing = false;
+                        donor.observe(mem, load, Instant::now());
+                    }
+                    Err(e) => {
+                        if !failing {
+                            (donor.log().error)(&format!(
+                                "memory watch: {e}; keeping the last values"
+                            ));
+                        }
+                        failing = true;
+                        donor.sample_utilisation(Instant::now());
+                    }
+                }
+            }
+        })?;
+    Ok(())
 }
 
 #[cfg(test)]

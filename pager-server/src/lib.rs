@@ -8,6 +8,23 @@
 //! status), [`status`] (the TCP endpoint), [`access`] (who may reach
 //! pages and status). This file is the thin nbdkit shell around them;
 //! [`sys`] holds every `unsafe`.
+//!
+//! The modules form layers; each uses only those below it, so there is no
+//! import cycle:
+//!
+//! 1. [`config`] (parameters, export names, the page size) and
+//!    [`memwatch`] (meminfo, load average) use nothing of the crate;
+//! 2. [`access`] uses `config`; [`state`] uses `memwatch`;
+//! 3. [`sys`] (FFI: pages, slabs, the peer's address) uses `access` and
+//!    `config`; [`slab`] uses `sys`; [`store`] uses `slab`, `sys` and
+//!    `config`;
+//! 4. [`donor`] (the whole donor, and the thread that feeds it meminfo)
+//!    uses `store`, `state`, `memwatch` and `config`;
+//! 5. [`status`] uses `donor`; this file uses them all.
+//!
+//! The one edge upward is nbdkit's entry point, `sys::plugin_init`, which
+//! registers [`PagerServer`] from this file: it must be `#[no_mangle]`,
+//! which only `sys` may be.
 
 pub mod access;
 pub mod config;
@@ -35,7 +52,7 @@ use donor::{describe, Donor, Logger, Op, Settings};
 use memwatch::{has_cap_ipc_lock, read_loadavg, read_meminfo};
 use netpager_proto::auth::load_export_secret;
 use netpager_proto::metrics::{Bound, EndpointConfig};
-use netpager_util::format_size;
+use netpager_util::{format_size, LockExt};
 use state::Observation;
 use store::{Export, StoreError};
 
@@ -197,18 +214,14 @@ impl Server for PagerServer {
     }
 
     fn config(key: &str, value: &str) -> Result<()> {
-        let mut c = CONFIG.lock().unwrap_or_else(|e| e.into_inner());
+        let mut c = CONFIG.lock_or_recover();
         c.get_or_insert_with(Config::default)
             .set(key, value)
             .map_err(|e| einval(e.to_string()))
     }
 
     fn config_complete() -> Result<()> {
-        let cfg = CONFIG
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .unwrap_or_default();
+        let cfg = CONFIG.lock_or_recover().take().unwrap_or_default();
         let mem = read_meminfo(&cfg.meminfo).map_err(|e| einval(e.to_string()))?;
         let load1 = read_loadavg().map_err(|e| einval(e.to_string()))?;
         let host = match &cfg.node_id {
@@ -266,11 +279,11 @@ impl Server for PagerServer {
         // Bound before nbdkit forks so that a taken port fails the start.
         if let Some(addr) = &donor()?.settings().status {
             let l = status::bind(addr).map_err(|e| einval(e.to_string()))?;
-            *LISTENER.lock().unwrap_or_else(|e| e.into_inner()) = Some(l);
+            *LISTENER.lock_or_recover() = Some(l);
         }
         if let Some(m) = &guard()?.metrics {
             let b = Bound::new(m).map_err(|e| einval(e.to_string()))?;
-            *METRICS.lock().unwrap_or_else(|e| e.into_inner()) = Some(b);
+            *METRICS.lock_or_recover() = Some(b);
         }
         Ok(())
     }
@@ -296,13 +309,13 @@ impl Server for PagerServer {
                 )
             })?;
         }
-        memwatch::spawn(Arc::clone(d))
+        donor::spawn_watch(Arc::clone(d))
             .map_err(|e| einval(format!("cannot start the memory watch thread: {e}")))?;
-        if let Some(l) = LISTENER.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        if let Some(l) = LISTENER.lock_or_recover().take() {
             status::spawn(l, Arc::clone(d), guard()?.status_auth.clone())
                 .map_err(|e| einval(format!("cannot start the status thread: {e}")))?;
         }
-        if let Some(b) = METRICS.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        if let Some(b) = METRICS.lock_or_recover().take() {
             let d = Arc::clone(d);
             b.spawn(move || metrics::exposition(&d.status(Instant::now()), &d.service_times()))
                 .map_err(|e| einval(format!("cannot start the metrics thread: {e}")))?;

@@ -1,13 +1,10 @@
 //! What the donor watches on its own node: MemTotal/MemAvailable
 //! (`/proc/meminfo` or the `meminfo=` test file), the 1-minute load
-//! average, and whether the process may lock memory without limit. Pure
-//! parsers plus the thread that feeds them to the donor every `poll-ms`.
+//! average, and whether the process may lock memory without limit: pure
+//! parsers and readers (the thread that feeds them to the donor is
+//! `donor::spawn_watch`).
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::Instant;
-
-use crate::donor::Donor;
 
 /// The two meminfo fields the donor uses, in bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -128,39 +125,6 @@ pub fn has_cap_ipc_lock() -> bool {
         .ok()
         .and_then(|t| parse_cap_eff(&t, CAP_IPC_LOCK))
         .unwrap_or(false)
-}
-
-/// Starts the watch thread: every poll it re-reads meminfo and the load
-/// average and hands them to the donor. A file that cannot be read or
-/// parsed (a test rewriting it, say) keeps the previous values and is
-/// logged once until it reads well again.
-pub fn spawn(donor: Arc<Donor>) -> std::io::Result<()> {
-    std::thread::Builder::new()
-        .name("pager-memwatch".into())
-        .spawn(move || {
-            let mut failing = false;
-            loop {
-                std::thread::sleep(donor.settings().poll);
-                let sample =
-                    read_meminfo(&donor.settings().meminfo).and_then(|m| Ok((m, read_loadavg()?)));
-                match sample {
-                    Ok((mem, load)) => {
-                        failing = false;
-                        donor.observe(mem, load, Instant::now());
-                    }
-                    Err(e) => {
-                        if !failing {
-                            (donor.log().error)(&format!(
-                                "memory watch: {e}; keeping the last values"
-                            ));
-                        }
-                        failing = true;
-                        donor.sample_utilisation(Instant::now());
-                    }
-                }
-            }
-        })?;
-    Ok(())
 }
 
 #[cfg(test)]

@@ -21,7 +21,9 @@ use std::collections::BTreeSet;
 use std::io;
 use std::sync::{Mutex, MutexGuard};
 
-use crate::store::PAGE_SIZE;
+use netpager_util::LockExt;
+
+use crate::config::PAGE_SIZE;
 use crate::sys::{Page, Slab};
 
 /// Pages of one slab: 2 MiB, one transparent huge page.
@@ -65,7 +67,7 @@ impl Slabs {
     pub fn lock(&self) -> Alloc<'_> {
         Alloc {
             // A panic inside the allocator leaves at worst a leaked page.
-            inner: self.inner.lock().unwrap_or_else(|e| e.into_inner()),
+            inner: self.inner.lock_or_recover(),
             slab_pages: self.slab_pages,
         }
     }
@@ -73,7 +75,7 @@ impl Slabs {
     /// Bytes of the slabs mapped now: an upper bound of the memory that
     /// pages hold, spare included.
     pub fn mapped_bytes(&self) -> u64 {
-        let n = self.inner.lock().unwrap_or_else(|e| e.into_inner()).mapped;
+        let n = self.inner.lock_or_recover().mapped;
         n as u64 * u64::from(self.slab_pages) * PAGE_SIZE as u64
     }
 }

@@ -25,6 +25,7 @@ use std::time::{Duration, Instant, SystemTime};
 use netpager_proto::auth::{AuthError, LabKey, Verifier};
 use netpager_proto::v1::{reply, Reply, Request};
 use netpager_proto::{read_message, write_message, ProtoError};
+use netpager_util::LockExt;
 
 use crate::donor::Donor;
 
@@ -104,7 +105,7 @@ impl Auth {
     /// old key in force and is reported once per change. Returns the key,
     /// for signing the reply, and the verdict.
     fn verify(&self, req: &Request, donor: &Donor) -> (LabKey, Result<Vec<u8>, AuthError>) {
-        let mut k = self.current.lock().unwrap_or_else(|e| e.into_inner());
+        let mut k = self.current.lock_or_recover();
         let now = stamp(&self.path);
         if now != k.stamp {
             k.stamp = now;

@@ -21,7 +21,7 @@ use std::os::raw::{c_char, c_int, c_void};
 use std::ptr::NonNull;
 
 use crate::access::Peer;
-use crate::store::PAGE_SIZE;
+use crate::config::PAGE_SIZE;
 
 extern "C" {
     fn nbdkit_debug(fmt: *const c_char, ...);
@@ -296,7 +296,7 @@ const _: () = assert!(size_of::<nbdkit::Plugin>() == 344 && size_of::<PluginV2>(
 /// without read-modify-write (preferred 4096), and nbdkit itself refuses
 /// data requests above 64 MiB (maximum).
 pub const BLOCK_MIN: u32 = 1;
-pub const BLOCK_PREFERRED: u32 = crate::store::PAGE_SIZE as u32;
+pub const BLOCK_PREFERRED: u32 = PAGE_SIZE as u32;
 pub const BLOCK_MAX: u32 = 64 << 20;
 
 extern "C" fn block_size(

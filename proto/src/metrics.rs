@@ -27,6 +27,7 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Metric, Registry, Unit};
 
 use crate::auth::{AuthError, LabKey};
+use netpager_util::LockExt;
 
 /// The base units families are in; each appends its name (`_bytes`...).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -425,7 +426,7 @@ struct KeyFile {
 
 impl KeyFile {
     fn current(&self) -> LabKey {
-        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        let mut last = self.last.lock_or_recover();
         match LabKey::from_psk_file(&self.path, None) {
             Ok(k) => *last = k,
             Err(e) => tracing::warn!("metrics: {e}; keeping the key loaded before"),

@@ -1,7 +1,12 @@
 //! The small things every netpager binary and plugin parses or prints the
 //! same way: byte sizes (`64K`, `1GiB`) and `HOST:PORT` addresses
 //! (`[::1]:10809` too). One implementation, so a size or address accepted
-//! by one command is accepted by all of them.
+//! by one command is accepted by all of them. Also the one lock-poisoning
+//! policy ([`LockExt`] and its kin): recover, never propagate.
+
+mod sync;
+
+pub use sync::{CondvarExt, LockExt, RwLockExt};
 
 use std::fmt;
 use std::net::Ipv6Addr;

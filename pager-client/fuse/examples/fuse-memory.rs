@@ -9,6 +9,7 @@
 
 use std::sync::Mutex;
 
+use netpager_util::LockExt;
 use pager_fuse::{Backend, Mount, Options, Transport};
 
 /// Bytes per lock: requests of different chunks never wait on each other.
@@ -34,7 +35,7 @@ impl Memory {
             let pos = offset as usize + done;
             let (c, at) = (pos / CHUNK, pos % CHUNK);
             let n = (CHUNK - at).min(len - done);
-            let mut chunk = self.0[c].lock().unwrap_or_else(|p| p.into_inner());
+            let mut chunk = self.0[c].lock_or_recover();
             f(&mut chunk, at, done, n);
             done += n;
         }

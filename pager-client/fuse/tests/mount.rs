@@ -10,6 +10,7 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 use std::sync::Mutex;
 
+use netpager_util::LockExt;
 use pager_fuse::{Backend, Mount, Options, Transport, ENABLE_URING};
 
 /// The sysfs switch is machine-wide: tests that depend on it take turns.
@@ -70,7 +71,7 @@ fn with_uring_switch(on: bool, test: impl FnOnce()) {
     if !root() {
         panic!("needs root (mounts FUSE)");
     }
-    let _turn = URING_SWITCH.lock().unwrap_or_else(|p| p.into_inner());
+    let _turn = URING_SWITCH.lock_or_recover();
     let Some(old) = set_uring(on) else {
         eprintln!("this kernel has no FUSE over io_uring ({ENABLE_URING}); nothing to test");
         return;

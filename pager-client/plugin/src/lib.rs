@@ -14,6 +14,7 @@ use nbdkit::{
     plugin, CacheFlags, Error, ExtentHandle, ExtentType, Flags, FuaFlags, Result, Server,
     ThreadModel,
 };
+use netpager_util::LockExt;
 use pager_client::config::DeviceConfig;
 use pager_client::device::{Device, DeviceError};
 
@@ -105,7 +106,7 @@ impl Server for PagerClient {
                 // Absolute now: nbdkit changes directory to / when it forks.
                 let dir = std::path::absolute(value)
                     .map_err(|e| einval(format!("state={value}: {e}")))?;
-                *STATE_DIR.lock().unwrap_or_else(|p| p.into_inner()) = Some(dir);
+                *STATE_DIR.lock_or_recover() = Some(dir);
                 Ok(())
             }
             _ => Err(einval(format!(
@@ -118,12 +119,11 @@ impl Server for PagerClient {
     /// forks.
     fn config_complete() -> Result<()> {
         let dir = STATE_DIR
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .lock_or_recover()
             .clone()
             .ok_or_else(|| einval("state=DIR is required"))?;
         let cfg = DeviceConfig::load_from_state_dir(&dir).map_err(|e| einval(e.to_string()))?;
-        *CONFIG.lock().unwrap_or_else(|p| p.into_inner()) = Some(cfg);
+        *CONFIG.lock_or_recover() = Some(cfg);
         Ok(())
     }
 
@@ -146,13 +146,11 @@ impl Server for PagerClient {
             )
             .try_init();
         let dir = STATE_DIR
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .lock_or_recover()
             .clone()
             .ok_or_else(|| einval("state=DIR is required"))?;
         let cfg = CONFIG
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .lock_or_recover()
             .take()
             .ok_or_else(|| einval("configuration not loaded"))?;
         if cfg.mlock {

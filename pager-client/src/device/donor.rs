@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use netpager_proto::{DonorStatus, StatusClient};
+use netpager_util::{LockExt, RwLockExt};
 
 use super::{Inner, Result};
 use crate::config::DonorConfig;
@@ -94,11 +95,11 @@ impl Donor {
     }
 
     pub fn health(&self) -> std::sync::MutexGuard<'_, Health> {
-        self.health.lock().unwrap_or_else(|p| p.into_inner())
+        self.health.lock_or_recover()
     }
 
     pub fn remote(&self) -> std::sync::MutexGuard<'_, Remote> {
-        self.remote.lock().unwrap_or_else(|p| p.into_inner())
+        self.remote.lock_or_recover()
     }
 }
 
@@ -254,7 +255,7 @@ impl Inner {
         {
             let mut marked = 0u64;
             for u in 0..self.layout.units() {
-                let mut g = self.map.unit(u).write().unwrap_or_else(|p| p.into_inner());
+                let mut g = self.map.unit(u).write_or_recover();
                 let Some(unit) = g.as_mut() else { continue };
                 let mut changed = false;
                 for m in unit.members.iter_mut() {
@@ -291,7 +292,7 @@ impl Inner {
         if self.map.donor_label(d.id) != 0 {
             return Ok(());
         }
-        let _g = d.label_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let _g = d.label_lock.lock_or_recover();
         if self.map.donor_label(d.id) != 0 {
             return Ok(());
         }
@@ -320,7 +321,7 @@ impl Inner {
     /// Removes the label of a donor that holds nothing of ours any more
     /// (so a drained donor ends empty).
     pub(crate) fn drop_label(&self, d: &Donor) -> Result<()> {
-        let _g = d.label_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let _g = d.label_lock.lock_or_recover();
         if self.map.donor_label(d.id) == 0 {
             return Ok(());
         }

@@ -7,6 +7,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use netpager_proto::DonorState;
+use netpager_util::LockExt;
 
 use super::Inner;
 use crate::policy::{self, DonorView, PolicyParams};
@@ -200,7 +201,7 @@ impl Inner {
                 params.n_clients
             )
         });
-        let mut pl = self.placement.lock().unwrap_or_else(|p| p.into_inner());
+        let mut pl = self.placement.lock_or_recover();
         if throttle.is_some() && pl.throttle.is_none() {
             tracing::warn!("{}", throttle.as_deref().unwrap_or_default());
         }

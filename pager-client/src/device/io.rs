@@ -14,6 +14,7 @@ use crate::config::FallbackConfig;
 use crate::erasure::{CodeError, Codec};
 use crate::extent_map::{ExtentMap, Loc, SlotOwner};
 use netpager_nbd::{self as nbd, Op};
+use netpager_util::{CondvarExt, LockExt};
 
 /// Zeros for zero-writes to local files and parity zeroing.
 pub(crate) static ZEROS: [u8; 64 << 10] = [0; 64 << 10];
@@ -41,9 +42,9 @@ impl BufPool {
     /// takers can never each hold part of what the other needs.
     pub fn take(&self, n: usize) -> Bufs<'_> {
         assert!((1..=2).contains(&n), "{n} buffers at once");
-        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        let mut free = self.free.lock_or_recover();
         while free.len() < n {
-            free = self.cv.wait(free).unwrap_or_else(|p| p.into_inner());
+            free = self.cv.wait_or_recover(free);
         }
         let bufs = [free.pop(), if n == 2 { free.pop() } else { None }];
         Bufs { pool: self, bufs }
@@ -73,7 +74,7 @@ impl Bufs<'_> {
 
 impl Drop for Bufs<'_> {
     fn drop(&mut self) {
-        let mut free = self.pool.free.lock().unwrap_or_else(|p| p.into_inner());
+        let mut free = self.pool.free.lock_or_recover();
         free.extend(self.bufs.iter_mut().filter_map(Option::take));
         self.pool.cv.notify_all();
     }
@@ -102,16 +103,16 @@ impl CodecPool {
 
     /// Runs `f` with a codec (waiting for one).
     pub fn with<T>(&self, f: impl FnOnce(&mut Codec) -> T) -> T {
-        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        let mut free = self.free.lock_or_recover();
         let mut c = loop {
             match free.pop() {
                 Some(c) => break c,
-                None => free = self.cv.wait(free).unwrap_or_else(|p| p.into_inner()),
+                None => free = self.cv.wait_or_recover(free),
             }
         };
         drop(free);
         let out = f(&mut c);
-        self.free.lock().unwrap_or_else(|p| p.into_inner()).push(c);
+        self.free.lock_or_recover().push(c);
         self.cv.notify_one();
         out
     }

@@ -6,6 +6,8 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use netpager_util::{LockExt, RwLockExt};
+
 use super::{DeviceError, Inner, Result};
 use crate::extent_map::{CopyState, Loc, Member, Redundancy, Unit};
 use crate::status::Progress;
@@ -153,7 +155,7 @@ impl Inner {
     /// At open: copies on donors no longer in the configuration are lost.
     pub(crate) fn forget_unconfigured_donors(&self) -> Result<()> {
         for u in 0..self.layout.units() {
-            let mut g = self.map.unit(u).write().unwrap_or_else(|p| p.into_inner());
+            let mut g = self.map.unit(u).write_or_recover();
             let Some(unit) = g.as_mut() else { continue };
             let mut changed = false;
             for m in unit.members.iter_mut() {
@@ -173,7 +175,7 @@ impl Inner {
     }
 
     fn set_job(&self, drain: bool, f: impl FnOnce(&mut Progress)) {
-        let mut j = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
+        let mut j = self.jobs.lock_or_recover();
         f(if drain { &mut j.drain } else { &mut j.rebuild });
     }
 
@@ -181,7 +183,7 @@ impl Inner {
     fn scan(&self, want: impl Fn(&Member) -> bool) -> Vec<(u64, usize)> {
         let mut out = Vec::new();
         for u in 0..self.layout.units() {
-            let g = self.map.unit(u).read().unwrap_or_else(|p| p.into_inner());
+            let g = self.map.unit(u).read_or_recover();
             if let Some(unit) = g.as_ref() {
                 out.extend(
                     unit.members
@@ -207,7 +209,7 @@ impl Inner {
             if self.stop.load(Ordering::Relaxed) {
                 return Some("device stopping".into());
             }
-            let mut g = self.map.unit(u).write().unwrap_or_else(|p| p.into_inner());
+            let mut g = self.map.unit(u).write_or_recover();
             if !g
                 .as_ref()
                 .and_then(|unit| unit.members.get(j))
@@ -312,7 +314,7 @@ impl Inner {
     /// Writes `status.json` if the last write is more than a second old.
     pub(crate) fn maybe_write_status(&self) {
         let due = {
-            let j = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
+            let j = self.jobs.lock_or_recover();
             j.last_status
                 .is_none_or(|t| t.elapsed() >= Duration::from_secs(1))
         };
@@ -323,10 +325,7 @@ impl Inner {
 
     pub(crate) fn write_status(&self) {
         let s = self.build_status();
-        self.jobs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .last_status = Some(Instant::now());
+        self.jobs.lock_or_recover().last_status = Some(Instant::now());
         if let Err(e) = s.write_atomic(&self.state_dir) {
             tracing::warn!("writing {}/status.json: {e}", self.state_dir.display());
         }

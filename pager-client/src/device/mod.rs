@@ -35,6 +35,7 @@ use crate::status::ClientStatus;
 
 use donor::Donor;
 use io::{BufPool, CodecPool, Fallback};
+use netpager_util::{CondvarExt, LockExt, RwLockExt};
 use parity_log::ParityLog;
 use placement::Placement;
 use writethrough::WriteThrough;
@@ -115,19 +116,15 @@ pub(crate) struct Wake {
 
 impl Wake {
     pub(crate) fn notify(&self) {
-        *self.pending.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        *self.pending.lock_or_recover() = true;
         self.cv.notify_all();
     }
 
     /// Waits until notified or `timeout`; false if the device is stopping.
     pub(crate) fn wait(&self, timeout: Duration, stop: &AtomicBool) -> bool {
-        let mut p = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        let mut p = self.pending.lock_or_recover();
         if !*p && !stop.load(Ordering::Relaxed) {
-            p = self
-                .cv
-                .wait_timeout(p, timeout)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            p = self.cv.wait_timeout_or_recover(p, timeout).0;
         }
         *p = false;
         !stop.load(Ordering::Relaxed)
@@ -230,12 +227,7 @@ impl Device {
         };
         let plog = map.log_geometry().map(|geo| {
             let placed: Vec<bool> = (0..geo.units)
-                .map(|lu| {
-                    map.unit(layout.log_unit(lu))
-                        .read()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .is_some()
-                })
+                .map(|lu| map.unit(layout.log_unit(lu)).read_or_recover().is_some())
                 .collect();
             ParityLog::new(
                 geo,
@@ -391,11 +383,7 @@ impl Device {
     /// instead of waiting for the next one.
     /// Records how the kernel reaches the device (shown by `/metrics`).
     pub fn set_frontend(&self, fe: FrontendInfo) {
-        *self
-            .inner
-            .frontend
-            .lock()
-            .unwrap_or_else(|p| p.into_inner()) = fe;
+        *self.inner.frontend.lock_or_recover() = fe;
     }
 
     pub fn poll_donors_now(&self) {
@@ -511,12 +499,7 @@ impl Inner {
             let n = ((e + 1) * self.layout.extent).min(end) - pos;
             let (u, _) = self.layout.locate(e);
             let (first_page, pages) = (pos / PAGE, (n + pos % PAGE).div_ceil(PAGE));
-            let placed = self
-                .map
-                .unit(u)
-                .read()
-                .unwrap_or_else(|p| p.into_inner())
-                .is_some()
+            let placed = self.map.unit(u).read_or_recover().is_some()
                 || self.map.log_any_in(first_page, pages);
             match out.last_mut() {
                 Some(last) if last.2 == placed && last.0 + last.1 == pos => last.1 += n,

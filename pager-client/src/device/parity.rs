@@ -18,6 +18,7 @@ use crate::erasure::{aligned, CodeError, ALIGN, MAX_SHARDS};
 use crate::extent_map::{CopyState, Loc, Member, Unit};
 use crate::page_log::PAGE;
 use netpager_nbd::Op;
+use netpager_util::RwLockExt;
 
 type GroupGuard<'a> = RwLockWriteGuard<'a, Option<Unit>>;
 
@@ -60,7 +61,7 @@ impl Inner {
             let pos = offset + done as u64;
             let g = pos / group_bytes;
             let n = ((g + 1) * group_bytes - pos).min((buf.len() - done) as u64) as usize;
-            let guard = self.map.unit(g).read().unwrap_or_else(|p| p.into_inner());
+            let guard = self.map.unit(g).read_or_recover();
             let piece = &mut buf[done..done + n];
             if !self.read_group_direct(pos, piece, guard.as_ref()) {
                 let mut at = 0usize;
@@ -290,7 +291,7 @@ impl Inner {
     /// Writes `data` within extent `e`, less than its whole group.
     fn write_small(&self, e: u64, in_off: u64, data: &[u8]) -> Result<()> {
         let (g, _) = self.layout.locate(e);
-        let mut guard = self.map.unit(g).write().unwrap_or_else(|p| p.into_inner());
+        let mut guard = self.map.unit(g).write_or_recover();
         self.write_pages_locked(e, in_off, data, &mut guard, true)
     }
 
@@ -368,7 +369,7 @@ impl Inner {
     fn write_full_group(&self, g: u64, data: &[u8]) -> Result<()> {
         let ext = self.layout.extent as usize;
         let first = g * self.layout.data_per_unit();
-        let mut guard = self.map.unit(g).write().unwrap_or_else(|p| p.into_inner());
+        let mut guard = self.map.unit(g).write_or_recover();
         if guard.is_none() {
             // Every member is written in full below: no zeroing.
             self.place_group(first, g, &mut guard, false)?;
@@ -451,12 +452,7 @@ impl Inner {
                 let (g, _) = self.layout.locate(e);
                 let at = e * self.layout.extent + in_off;
                 let (first, last) = (at / PAGE, (at + n - 1) / PAGE);
-                let placed = self
-                    .map
-                    .unit(g)
-                    .read()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .is_some();
+                let placed = self.map.unit(g).read_or_recover().is_some();
                 // Never written: reads as zeros already.
                 if !placed && !self.map.log_any_in(first, last - first + 1) {
                     return Ok(());

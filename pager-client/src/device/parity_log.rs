@@ -21,6 +21,8 @@ use std::ops::RangeInclusive;
 use std::sync::{Mutex, MutexGuard};
 use std::thread::{self, Thread};
 
+use netpager_util::{LockExt, RwLockExt};
+
 use super::io::{batch, IoReq, MAX_BATCH};
 use super::{DeviceError, Inner, Result};
 use crate::erasure::MAX_SHARDS;
@@ -127,7 +129,7 @@ impl ParityLog {
     }
 
     fn lock(&self) -> MutexGuard<'_, LogState> {
-        self.st.lock().unwrap_or_else(|p| p.into_inner())
+        self.st.lock_or_recover()
     }
 
     /// Sleeps until unparked (or spuriously: callers check again).
@@ -346,7 +348,7 @@ impl Inner {
         scratch: &mut [u8],
     ) -> bool {
         let (g, _) = self.log_member(lu, 0);
-        let guard = self.map.unit(g).read().unwrap_or_else(|p| p.into_inner());
+        let guard = self.map.unit(g).read_or_recover();
         let Some(unit) = guard.as_ref() else {
             return false;
         };
@@ -413,7 +415,7 @@ impl Inner {
 
     fn place_log_unit(&self, lu: u64) -> Result<()> {
         let g = self.layout.log_unit(lu);
-        let mut guard = self.map.unit(g).write().unwrap_or_else(|p| p.into_inner());
+        let mut guard = self.map.unit(g).write_or_recover();
         // Unused rows must read as zeros so every row's parity holds.
         self.place_group(g * self.layout.data_per_unit(), g, &mut guard, true)
     }
@@ -423,7 +425,7 @@ impl Inner {
     pub(crate) fn read_log_slot(&self, slot: Slot, in_page: u64, buf: &mut [u8]) -> Result<()> {
         let (lu, row, col) = self.plog().geo.place(slot);
         let (g, pos) = self.log_member(lu, col);
-        let guard = self.map.unit(g).read().unwrap_or_else(|p| p.into_inner());
+        let guard = self.map.unit(g).read_or_recover();
         let unit: &Unit = guard.as_ref().ok_or_else(|| DeviceError::Io {
             extent: g * self.layout.data_per_unit(),
             reason: format!("parity log unit {lu} holds live pages but has no placement"),
@@ -448,7 +450,7 @@ impl Inner {
             return Ok(());
         }
         let g = self.layout.log_unit(lu);
-        let mut guard = self.map.unit(g).write().unwrap_or_else(|p| p.into_inner());
+        let mut guard = self.map.unit(g).write_or_recover();
         if let Some(unit) = guard.take() {
             for m in unit.members.iter().filter(|m| m.state == CopyState::Ok) {
                 if self.loc_available(m.loc) {
@@ -473,7 +475,7 @@ impl Inner {
         let at = page * PAGE;
         let (e, in_off) = (at / self.layout.extent, at % self.layout.extent);
         let (g, _) = self.layout.locate(e);
-        let mut guard = self.map.unit(g).write().unwrap_or_else(|p| p.into_inner());
+        let mut guard = self.map.unit(g).write_or_recover();
         if self.map.log_lookup(page) != Some(slot) {
             return Ok(());
         }

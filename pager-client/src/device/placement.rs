@@ -4,6 +4,8 @@
 
 use std::sync::atomic::Ordering;
 
+use netpager_util::LockExt;
+
 use super::{DeviceError, Inner, Result};
 use crate::extent_map::{Loc, SlotOwner};
 use crate::policy::{Frequencies, Selector};
@@ -156,7 +158,7 @@ impl Inner {
     /// fewer qualify (all of them then, or none if everything is capped and
     /// a fallback exists). Also says why donors were left out.
     fn pick_donors(&self, k: usize, exclude: &[u16]) -> (Vec<usize>, String) {
-        let mut pl = self.placement.lock().unwrap_or_else(|p| p.into_inner());
+        let mut pl = self.placement.lock_or_recover();
         let n = self.donors.len();
         let f: Vec<f64> = if pl.freqs.f.len() == n && pl.freqs.f.iter().any(|&x| x > 0.0) {
             pl.freqs.f.clone()
@@ -186,7 +188,7 @@ impl Inner {
     /// Records (and logs, once per change of kind) why a placement left
     /// the donors.
     fn note_placement(&self, kind: &'static str, note: String) {
-        let mut pl = self.placement.lock().unwrap_or_else(|p| p.into_inner());
+        let mut pl = self.placement.lock_or_recover();
         if pl.note_kind != kind {
             tracing::warn!("{note}");
             pl.note_kind = kind;

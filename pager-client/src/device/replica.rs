@@ -2,6 +2,8 @@
 
 use std::sync::atomic::Ordering;
 
+use netpager_util::RwLockExt;
+
 use super::io::{batch, IoFail, IoReq};
 use super::maintenance::MoveWhy;
 use super::{DeviceError, Inner, Payload, Result};
@@ -51,7 +53,7 @@ impl Inner {
     }
 
     pub(crate) fn read_replica(&self, e: u64, in_off: u64, buf: &mut [u8]) -> Result<()> {
-        let g = self.map.unit(e).read().unwrap_or_else(|p| p.into_inner());
+        let g = self.map.unit(e).read_or_recover();
         let Some(unit) = g.as_ref() else {
             buf.fill(0);
             return Ok(());
@@ -93,7 +95,7 @@ impl Inner {
         for _ in 0..8 {
             let mut relocate = Vec::new();
             {
-                let g = self.map.unit(e).read().unwrap_or_else(|p| p.into_inner());
+                let g = self.map.unit(e).read_or_recover();
                 match g.as_ref() {
                     None if !matches!(p, Payload::Data(_)) => return Ok(()),
                     None => {}
@@ -145,7 +147,7 @@ impl Inner {
                     }
                 }
             }
-            let mut g = self.map.unit(e).write().unwrap_or_else(|p| p.into_inner());
+            let mut g = self.map.unit(e).write_or_recover();
             let none_left = g
                 .as_ref()
                 .is_some_and(|u| !u.members.iter().any(|m| self.readable(m)));
@@ -268,7 +270,7 @@ impl Inner {
 
     /// Whole-extent zero or trim: the extent becomes unwritten again.
     pub(crate) fn free_unit(&self, u: u64) -> Result<()> {
-        let mut g = self.map.unit(u).write().unwrap_or_else(|p| p.into_inner());
+        let mut g = self.map.unit(u).write_or_recover();
         if let Some(wt) = &self.wt {
             // Parity never gets here; in disk mode a unit is one extent.
             wt.enqueue_zero(u * self.layout.extent, self.extent_len(u));

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use netpager_proto::metrics::{Bound, EndpointConfig, Exposition};
+use netpager_util::{LockExt, RwLockExt};
 
 use super::Inner;
 use crate::config::MetricsConfig;
@@ -36,7 +37,7 @@ pub(crate) fn serve_metrics(inner: &Arc<Inner>, m: &MetricsConfig) -> super::Res
     bound
         .spawn(move || match weak.upgrade() {
             Some(i) => {
-                let fe = i.frontend.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                let fe = i.frontend.lock_or_recover().clone();
                 exposition(&i.build_status(), &fe)
             }
             None => Exposition::new(),
@@ -66,7 +67,7 @@ impl Inner {
         let mut levels = vec![0u64; spare + 1];
         let mut lost: Vec<u64> = Vec::new();
         for u in 0..layout.units() {
-            let g = self.map.unit(u).read().unwrap_or_else(|p| p.into_inner());
+            let g = self.map.unit(u).read_or_recover();
             let Some(unit) = g.as_ref() else { continue };
             let log_unit = u.checked_sub(layout.home_units());
             match log_unit {
@@ -120,11 +121,11 @@ impl Inner {
         t.can_lose = levels.iter().position(|&n| n > 0).unwrap_or(spare) as u32;
         t.can_lose_units = levels;
         {
-            let j = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
+            let j = self.jobs.lock_or_recover();
             t.rebuild = j.rebuild.clone();
             t.drain = j.drain.clone();
         }
-        let pl = self.placement.lock().unwrap_or_else(|p| p.into_inner());
+        let pl = self.placement.lock_or_recover();
         t.all_capped = pl.freqs.all_capped;
         t.throttled = pl.throttle.is_some();
         t.throttle_reason = pl.throttle.clone();

@@ -8,6 +8,8 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Condvar, Mutex, MutexGuard};
 
+use netpager_util::{CondvarExt, LockExt};
+
 use super::io::ZEROS;
 use super::{DeviceError, Result};
 
@@ -79,7 +81,7 @@ impl WriteThrough {
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.st.lock().unwrap_or_else(|p| p.into_inner())
+        self.st.lock_or_recover()
     }
 
     /// Queues a copy of `data` for offset `off`, waiting for queue room.
@@ -87,7 +89,7 @@ impl WriteThrough {
         while !data.is_empty() {
             let mut st = self.lock();
             while st.free.is_empty() && st.error.is_none() && !st.stop {
-                st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+                st = self.cv.wait_or_recover(st);
             }
             if st.error.is_some() || st.stop {
                 return;
@@ -116,7 +118,7 @@ impl WriteThrough {
         loop {
             let mut st = self.lock();
             while st.queue.is_empty() && !st.stop {
-                st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+                st = self.cv.wait_or_recover(st);
             }
             let Some(entry) = st.queue.pop_front() else {
                 return;
@@ -167,7 +169,7 @@ impl WriteThrough {
     fn drain(&self) -> std::result::Result<(), String> {
         let mut st = self.lock();
         while (!st.queue.is_empty() || st.writing) && st.error.is_none() {
-            st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+            st = self.cv.wait_or_recover(st);
         }
         st.error.clone().map_or(Ok(()), Err)
     }

@@ -31,6 +31,8 @@ use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, RwLock};
 
+use netpager_util::LockExt;
+
 use crate::page_log::{LogGeometry, PageTable, Slot};
 pub use layout::{CopyState, Layout, Loc, Member, Redundancy, Unit};
 use open::write_journal_header;
@@ -120,9 +122,6 @@ fn fsync_dir(dir: &Path) -> Result<(), MapError> {
         .map_err(io_err(dir))
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 impl ExtentMap {
     /// The lock guarding unit `u`'s placement. Hold it (read) during I/O on
     /// the unit and (write) while changing its placement.
@@ -137,7 +136,7 @@ impl ExtentMap {
             index: u as u32,
             unit: unit.clone(),
         });
-        let mut p = lock(&self.persist);
+        let mut p = self.persist.lock_or_recover();
         let path = self.dir.join(JOURNAL_FILE);
         p.journal.write_all(&rec).map_err(io_err(&path))?;
         p.journal_bytes += rec.len() as u64;
@@ -147,14 +146,14 @@ impl ExtentMap {
 
     /// Makes every committed change durable.
     pub fn sync(&self) -> Result<(), MapError> {
-        let p = lock(&self.persist);
+        let p = self.persist.lock_or_recover();
         p.journal
             .sync_data()
             .map_err(io_err(&self.dir.join(JOURNAL_FILE)))
     }
 
     pub fn needs_compaction(&self) -> bool {
-        lock(&self.persist).journal_bytes > COMPACT_AFTER_BYTES
+        self.persist.lock_or_recover().journal_bytes > COMPACT_AFTER_BYTES
     }
 
     /// Folds the journal into a new snapshot and starts a new journal.
@@ -162,8 +161,8 @@ impl ExtentMap {
         // The table is copied with the journal held: a change made after
         // the copy is appended to the new journal (replaying it twice is
         // harmless), never to the old one.
-        let mut p = lock(&self.persist);
-        let table = self.log.as_ref().map(|t| lock(t).clone());
+        let mut p = self.persist.lock_or_recover();
+        let table = self.log.as_ref().map(|t| t.lock_or_recover().clone());
         let g = p.generation + 1;
         self.write_snapshot(&p, table.as_ref(), g)?;
         write_journal_header(&self.dir, g, &self.layout)?;
@@ -240,7 +239,7 @@ impl ExtentMap {
     // ---- parity log ----
 
     fn table(&self) -> Option<MutexGuard<'_, PageTable>> {
-        self.log.as_ref().map(lock)
+        self.log.as_ref().map(|t| t.lock_or_recover())
     }
 
     /// The parity log's shape, if the map has one.
@@ -283,7 +282,7 @@ impl ExtentMap {
             return Ok(());
         };
         let cols = {
-            let mut t = lock(t);
+            let mut t = t.lock_or_recover();
             let geo = t.geometry();
             for (r, cols) in (row..).zip(pages.chunks(geo.cols as usize)) {
                 for (col, p) in cols.iter().enumerate() {
@@ -294,7 +293,7 @@ impl ExtentMap {
             }
             geo.cols as usize
         };
-        self.append_with(&mut lock(&self.persist), |out| {
+        self.append_with(&mut self.persist.lock_or_recover(), |out| {
             for (r, cols) in (row..).zip(pages.chunks(cols)) {
                 frame_into(out, |p| {
                     let pages = cols.iter().map(|p| p.map_or(0, |p| p + 1));
@@ -311,7 +310,7 @@ impl ExtentMap {
             return Ok(());
         };
         {
-            let mut t = lock(t);
+            let mut t = t.lock_or_recover();
             if !t.any_in(first, count) {
                 return Ok(());
             }
@@ -319,14 +318,17 @@ impl ExtentMap {
                 t.unset(p);
             }
         }
-        self.append(&mut lock(&self.persist), &Record::LogDrop { first, count })
+        self.append(
+            &mut self.persist.lock_or_recover(),
+            &Record::LogDrop { first, count },
+        )
     }
 
     // ---- donors ----
 
     /// The map id of donor `name`, registering (and journaling) it if new.
     pub fn donor_id(&self, name: &str) -> Result<u16, MapError> {
-        let mut p = lock(&self.persist);
+        let mut p = self.persist.lock_or_recover();
         if let Some(i) = p.donors.iter().position(|d| d.name == name) {
             return Ok(i as u16);
         }
@@ -343,17 +345,17 @@ impl ExtentMap {
             },
         )?;
         p.donors.push(entry);
-        lock(&self.slots).donors.push(SlotSet::new(1));
+        self.slots.lock_or_recover().donors.push(SlotSet::new(1));
         Ok(id)
     }
 
     pub fn donor_label(&self, id: u16) -> u128 {
-        lock(&self.persist).donors[id as usize].label
+        self.persist.lock_or_recover().donors[id as usize].label
     }
 
     /// Records which incarnation of donor `id`'s export holds our data.
     pub fn set_donor_label(&self, id: u16, label: u128) -> Result<(), MapError> {
-        let mut p = lock(&self.persist);
+        let mut p = self.persist.lock_or_recover();
         let mut entry = p.donors[id as usize].clone();
         entry.label = label;
         self.append(

@@ -1,7 +1,9 @@
 //! Which slots of each donor export (and of the fallback file) hold a
 //! member, and which are free.
 
-use super::{lock, ExtentMap, Loc};
+use netpager_util::LockExt;
+
+use super::{ExtentMap, Loc};
 
 /// Used slots of one export (or of the fallback file).
 #[derive(Debug, Clone, Default)]
@@ -109,7 +111,7 @@ impl ExtentMap {
     /// Sets how many extent slots donor `id`'s export (or, with `None`, the
     /// fallback file) has.
     pub fn set_capacity(&self, owner: SlotOwner, slots: u32) {
-        let mut s = lock(&self.slots);
+        let mut s = self.slots.lock_or_recover();
         match owner {
             SlotOwner::Donor(id) => s.donors[id as usize].capacity = slots,
             SlotOwner::Fallback => s.fallback.capacity = slots,
@@ -119,7 +121,7 @@ impl ExtentMap {
     /// Takes a free slot, or `None` when the export or file is full; the
     /// flag says whether the slot is known to read as zeros.
     pub fn alloc(&self, owner: SlotOwner) -> Option<(Loc, bool)> {
-        let mut s = lock(&self.slots);
+        let mut s = self.slots.lock_or_recover();
         match owner {
             SlotOwner::Donor(donor) => s.donors[donor as usize]
                 .alloc()
@@ -134,7 +136,7 @@ impl ExtentMap {
     /// Declares every free slot of `owner` clean: its export (or file) was
     /// just cleared.
     pub fn mark_free_slots_clean(&self, owner: SlotOwner) {
-        let mut s = lock(&self.slots);
+        let mut s = self.slots.lock_or_recover();
         match owner {
             SlotOwner::Donor(id) => s.donors[id as usize].mark_free_clean(),
             SlotOwner::Fallback => s.fallback.mark_free_clean(),
@@ -144,7 +146,7 @@ impl ExtentMap {
     /// Returns a slot (its old contents must be zeroed or trimmed before
     /// partial reuse; the device zeroes at allocation).
     pub fn free(&self, loc: Loc) {
-        let mut s = lock(&self.slots);
+        let mut s = self.slots.lock_or_recover();
         match loc {
             Loc::Donor { donor, slot } => s.donors[donor as usize].free(slot),
             Loc::Fallback { slot } => s.fallback.free(slot),
@@ -154,12 +156,12 @@ impl ExtentMap {
     /// Forgets every slot of donor `id` (it died: all its members are Lost,
     /// and if it comes back it is a new donor).
     pub fn forget_donor_slots(&self, id: u16) {
-        lock(&self.slots).donors[id as usize].clear();
+        self.slots.lock_or_recover().donors[id as usize].clear();
     }
 
     /// Slots in use and slots still free.
     pub fn slot_usage(&self, owner: SlotOwner) -> (u32, u32) {
-        let s = lock(&self.slots);
+        let s = self.slots.lock_or_recover();
         let set = match owner {
             SlotOwner::Donor(id) => &s.donors[id as usize],
             SlotOwner::Fallback => &s.fallback,

@@ -133,7 +133,7 @@ fn compaction_and_a_crash_between_snapshot_and_journal_reset() {
         m.commit(1, &None).unwrap();
         // Crash in the middle of the next compaction: the new snapshot
         // is in place, the old journal (already folded in) is not reset.
-        let p = lock(&m.persist);
+        let p = m.persist.lock_or_recover();
         m.write_snapshot(&p, None, p.generation + 1).unwrap();
     }
     let m = ExtentMap::open(dir.path(), layout()).unwrap();
