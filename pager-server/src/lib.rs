@@ -256,6 +256,17 @@ impl Server for PagerServer {
                 "refused"
             },
         ));
+        if let Some(m) = &guard.metrics {
+            sys::log_debug(&format!(
+                "metrics at http://{}/metrics, {}",
+                m.addr,
+                if m.key_file.is_some() {
+                    "scrapes need the lab key's bearer token"
+                } else {
+                    "open to whoever reaches the address"
+                }
+            ));
+        }
         if GUARD.set(guard).is_err() {
             return Err(einval("pager-server: configured twice"));
         }

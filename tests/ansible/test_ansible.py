@@ -24,6 +24,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -149,6 +151,10 @@ class Lab:
         self.addr = {d: f"127.0.0.{171 + i}" for i, d in enumerate(DONORS)}
         self.port = {d: free_port(self.addr[d]) for d in DONORS}
         self.sport = {d: free_port(self.addr[d]) for d in DONORS}
+        self.mport = {d: free_port(self.addr[d]) for d in DONORS}
+        # The client's and prefetchd's metrics, on loopback in this lab.
+        self.client_mport = free_port("127.0.0.1")
+        self.pf_mport = free_port("127.0.0.1")
         self.bin_src = bin_src
         self.data = root / "data"
         self.mount = root / "mnt" / "ds1"
@@ -168,7 +174,8 @@ class Lab:
         hosts = {}
         for d in DONORS:
             h = {"netpager_donor_address": self.addr[d], "netpager_donor_port": self.port[d],
-                 "netpager_donor_status_port": self.sport[d]}
+                 "netpager_donor_status_port": self.sport[d],
+                 "netpager_donor_metrics_port": self.mport[d]}
             if d == "d3":
                 h["netpager_donor_budget_percent"] = self.d3_percent
             else:
@@ -200,6 +207,10 @@ class Lab:
             "netpager_donor_mlock": False,
             "netpager_donor_u_star": u_star,
             "netpager_client_size": f"{CLIENT_SIZE_MIB}M",
+            "netpager_metrics": True,
+            "netpager_metrics_address": "127.0.0.1",
+            "netpager_client_metrics_port": self.client_mport,
+            "netpager_prefetchd_metrics_port": self.pf_mport,
             "netpager_client_mode": "mirror",
             "netpager_client_swap_priority": SWAP_PRIORITY,
             "netpager_start_timeout": 60,
@@ -472,6 +483,21 @@ def test_rollout_serves_donors_and_swaps_on_the_client(lab):
     # never see a donor draining.
     wait_for(lambda: all(d["state"] in ("idle", "busy") for d in lab.client_status()["status"]["donors"]),
              60, "the client to read every donor's status")
+
+    # Every donor, the client and prefetchd serve /metrics, keyed with the
+    # lab key's bearer token.
+    token = hmac.new(bytes.fromhex(key), b"netpager-metrics-bearer-v1", hashlib.sha256).hexdigest()
+    endpoints = [f"{lab.addr[d]}:{lab.mport[d]}" for d in DONORS]
+    endpoints += [f"127.0.0.1:{lab.client_mport}", f"127.0.0.1:{lab.pf_mport}"]
+    for ep, family in zip(endpoints, ["netpager_donor_info"] * 3
+                          + ["netpager_client_info", "netpager_prefetch_local_blocks"]):
+        url = f"http://{ep}/metrics"
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(url, timeout=10)
+        assert refused.value.code == 401, ep
+        req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert family in r.read().decode(), ep
 
     # prefetchd serves the data set through its FUSE view.
     assert str(lab.mount) in mounts_under(lab.root)
