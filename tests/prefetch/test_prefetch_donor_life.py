@@ -17,7 +17,10 @@ def lanes_of(pd: Prefetchd, donor: int) -> list[dict]:
     return [d for d in pd.status()["donors"] if d["donor"] == donor]
 
 
-def test_a_draining_donor_is_let_go_and_taken_back_fresh(teardown, tmp_path, cluster):
+def hinted_job_on_watched_donors(teardown, tmp_path, cluster):
+    """Two pager-server donors whose status prefetchd polls, and a hinted
+    job running (slowly) once prefetchd has placed blocks in the first:
+    (donors, prefetchd, job process)."""
     ds = generate("cyclic-random", tmp_path / "ds", SCALE)
     donors = cluster.start_donors(2, size="4M", poll_ms=100)
     args = [donor_arg(d, export="prefetchd@2M") + f",status={d.params['status']}" for d in donors]
@@ -28,6 +31,11 @@ def test_a_draining_donor_is_let_go_and_taken_back_fresh(teardown, tmp_path, clu
                     manifest=ds["manifest_path"], compute_us=4000)
     wait_for(lambda: pd.status()["donors"][0]["used"] > 0 or not job.alive(), 60,
              "prefetchd to place blocks in donor d1")
+    return donors, pd, job
+
+
+def test_a_draining_donor_is_let_go_and_taken_back_fresh(teardown, tmp_path, cluster):
+    donors, pd, job = hinted_job_on_watched_donors(teardown, tmp_path, cluster)
     assert job.alive(), "the job ended before the drain: make it longer"
     assert donors[0].status().used_bytes > 0
     donors[0].status_client().drain(True)
@@ -57,16 +65,7 @@ def test_a_draining_donor_is_let_go_and_taken_back_fresh(teardown, tmp_path, clu
 
 
 def test_a_donor_killed_and_restarted_mid_job_comes_back_empty(teardown, tmp_path, cluster):
-    ds = generate("cyclic-random", tmp_path / "ds", SCALE)
-    donors = cluster.start_donors(2, size="4M", poll_ms=100)
-    args = [donor_arg(d, export="prefetchd@2M") + f",status={d.params['status']}" for d in donors]
-    pd = Prefetchd(teardown, tmp_path, ds["data"], donors=args, local_cache="256K",
-                   extra=["--status-poll-ms", "100"])
-    pd.add_job("j", ds["hints_path"])
-    job = start_job(teardown, tmp_path, ds["hints_path"], pd.mount / "jobs" / "j",
-                    manifest=ds["manifest_path"], compute_us=4000)
-    wait_for(lambda: pd.status()["donors"][0]["used"] > 0 or not job.alive(), 60,
-             "prefetchd to place blocks in donor d1")
+    donors, pd, job = hinted_job_on_watched_donors(teardown, tmp_path, cluster)
     donors[0].kill9()
     donors[0].start()
     fresh = wait_for(lambda: next((d for d in lanes_of(pd, 0) if d["life"] == 2), None), 30,
