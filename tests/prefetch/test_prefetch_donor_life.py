@@ -17,7 +17,10 @@ def lanes_of(pd: Prefetchd, donor: int) -> list[dict]:
     return [d for d in pd.status()["donors"] if d["donor"] == donor]
 
 
-def test_a_draining_donor_is_let_go_and_taken_back_fresh(teardown, tmp_path, cluster):
+def hinted_job_on_watched_donors(teardown, tmp_path, cluster):
+    """Two pager-server donors whose status prefetchd polls, and a hinted
+    job running (slowly) once prefetchd has placed blocks in the first:
+    (donors, prefetchd, job process)."""
     ds = generate("cyclic-random", tmp_path / "ds", SCALE)
     donors = cluster.start_donors(2, size="4M", poll_ms=100)
     args = [donor_arg(d, export="prefetchd@2M") + f",status={d.params['status']}" for d in donors]
@@ -28,6 +31,11 @@ def test_a_draining_donor_is_let_go_and_taken_back_fresh(teardown, tmp_path, clu
                     manifest=ds["manifest_path"], compute_us=4000)
     wait_for(lambda: pd.status()["donors"][0]["used"] > 0 or not job.alive(), 60,
              "prefetchd to place blocks in donor d1")
+    return donors, pd, job
+
+
+def test_a_draining_donor_is_let_go_and_taken_back_fresh(teardown, tmp_path, cluster):
+    donors, pd, job = hinted_job_on_watched_donors(teardown, tmp_path, cluster)
     assert job.alive(), "the job ended before the drain: make it longer"
     assert donors[0].status().used_bytes > 0
     donors[0].status_client().drain(True)
@@ -53,4 +61,20 @@ def test_a_draining_donor_is_let_go_and_taken_back_fresh(teardown, tmp_path, clu
     assert [(d["donor"], d["life"], d["alive"]) for d in st["donors"]] == \
         [(0, 1, False), (1, 1, True), (0, 2, True)], st["donors"]
     assert "let go (draining)" in pd.cli("status").stdout
+    assert pd.stop() == 0
+
+
+def test_a_donor_killed_and_restarted_mid_job_comes_back_empty(teardown, tmp_path, cluster):
+    donors, pd, job = hinted_job_on_watched_donors(teardown, tmp_path, cluster)
+    donors[0].kill9()
+    donors[0].start()
+    fresh = wait_for(lambda: next((d for d in lanes_of(pd, 0) if d["life"] == 2), None), 30,
+                     "a fresh lane for the restarted donor d1")
+    assert fresh["state"] == "serving", fresh
+    old = next(d for d in lanes_of(pd, 0) if d["life"] == 1)
+    # The first life's blocks died with it: none is counted, none is read.
+    assert not old["alive"] and old["used"] == 0, old
+    assert job.alive(), "the job ended before the donor came back: make it longer"
+    result = finish_job(job)
+    assert result["mismatches"] == 0 and result["records"] > 0, result
     assert pd.stop() == 0
