@@ -32,6 +32,7 @@ import pytest
 from client_helpers import MIB, Job, run_pagerctl
 from fault_helpers import (BLOCK, PAGE, MemoryHog, Partition, StatusFlood, append_row,
                            extent_size, mem_available, start_block_workload)
+from netlab import LinkDown, SlowLink
 from netpager_testkit import wait_for
 from netpager_testkit.attach import mounted
 
@@ -290,7 +291,55 @@ def test_network_partition_drop(mode, teardown, donors, client):
     assert row
 
 
-# --- a second failure during a rebuild -----------------------------------
+# --- link faults on the lab (tests/lab): donors on hosts in namespaces ----
+
+@pytest.mark.parametrize("mode", modes(("mirror", "parity")))
+def test_link_down_while_swapping(mode, teardown, lab_donors, client, memhog, tmp_path):
+    """A donor host's link taken down (ip link set ... down) while a job
+    swaps: packets vanish, nobody sends a RST; the request timeout finds it."""
+    ds = lab_donors(4)
+    cell = Cell("link down (lab)", mode, client, workload="swap")
+    device = client.attach(ds, mode=mode, size="256M", swap=True,
+                           extra=TIMEOUTS + ["--psk", lab_donors.psk])
+    limit = 32 * MIB
+    job = Job(teardown, [memhog, str(3 * limit), "--passes", "1"], limit, tmp_path / "memhog.log", device)
+    wait_for(lambda: job.swapped() >= 16 * MIB or not job.alive(), 300, "16 MiB swapped out")
+    assert job.alive(), f"the job ended before it swapped enough: {job.proc.log_tail()}"
+    victim = busiest(client, ds)
+    cell.inject()
+    link = LinkDown(teardown, lab_donors.lab, victim.name)
+    cell.detected(lambda s: report(s, victim.name)["failed"], f"{victim.name} marked failed")
+    out = job.finish()
+    link.heal()
+    pages = int(out.split("pages=")[1].split()[0]) if "pages=" in out else 0
+    cell.verified_bytes = pages * PAGE * 2  # every page verified twice (--passes 1 + final)
+    st = cell.wait_recovered()
+    assert st["totals"]["lost"] == 0, st["totals"]
+    cell.lost_extents = st["totals"]["lost_extents"]
+    cell.row(verified_pages=pages)
+    client.detach()
+    assert client.leftovers() == []
+
+
+@pytest.mark.parametrize("mode", modes(("mirror", "parity")))
+@pytest.mark.faults_full
+def test_slow_link(mode, teardown, lab_donors, client):
+    """A donor host's link slowed by a token-bucket filter (4 Mbit/s each way)
+    while block I/O runs: requests that outlast the timeout fail the donor
+    over; nothing is lost either way."""
+    ds = lab_donors(4)
+    cell = Cell("slow link (lab, tbf)", mode, client)
+    cell.attach_block(teardown, ds, extra=["--psk", lab_donors.psk])
+    victim = busiest(client, ds)
+    cell.inject()
+    slow = SlowLink(teardown, lab_donors.lab, victim.name)
+    cell.w.wait_ops(64)
+    slow.heal()
+    failed = report(client.status()["status"], victim.name)["failed"]
+    cell.notes.append(f"{victim.name} {'failed over' if failed else 'kept'} under the slow link")
+    cell.finish(allow_lost_after_fault=False)
+
+
 
 @pytest.mark.parametrize("mode", modes())
 def test_second_failure_during_rebuild(mode, teardown, donors, client):

@@ -194,9 +194,8 @@ def test_rolling_update_over_ssh_keeps_every_page(rollout):
 
 def test_undeploy_over_ssh_leaves_nothing(rollout):
     ro, lab = rollout, rollout.lab
-    devices = [ro.client_status(c)["device"] for c in CLIENTS]
     ro.ansible("undeploy.yml")
-    assert [d for d in devices if d in swaps()] == []
+    # (by backing file: other tests may reuse the loop devices' numbers)
     assert netlab.loops_under(lab.workdir) == []
     for h in HOSTS:
         # Nothing but the host's sshd (and its session for this check) runs there.
