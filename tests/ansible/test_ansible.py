@@ -35,7 +35,8 @@ from netpager_testkit.procs import tail
 
 ANSIBLE_DIR = repo_root() / "ansible"
 PLAYBOOKS = ["site.yml", "undeploy.yml"]
-BINARIES = ["libpager_server.so", "libpager_client_plugin.so", "pagerctl", "prefetchd", "pager-hints"]
+BINARIES = ["libpager_server.so", "libpager_client_plugin.so", "pagerctl", "prefetchd", "pager-hints",
+            "netpager-token"]
 DONORS = ["d1", "d2", "d3"]
 CLIENT = "c1"
 MIB = 1 << 20
@@ -319,7 +320,8 @@ def test_systemd_units_pass_systemd_analyze(tmp_path):
     common = {"ansible_connection": "local", "ansible_python_interpreter": "/usr/bin/python3",
               # Binaries that exist, so that verify checks the command lines.
               "netpager_bin_dir": str(target_dir()), "netpager_units_out": str(out)}
-    d1 = dict(common, netpager_donor_address="10.0.0.11", netpager_donor_budget="1G")
+    # d1 is a namespace of a shared machine (as on the lab, tests/lab).
+    d1 = dict(common, netpager_donor_address="10.0.0.11", netpager_donor_budget="1G", netpager_netns="nplab-d1")
     c1 = dict(common, netpager_prefetchd_datasets=[{
         "name": "ds1", "data_dir": str(tmp_path / "data"), "mount_point": str(tmp_path / "mnt"),
         "hint_dir": str(tmp_path / "hints")}])
@@ -340,6 +342,8 @@ def test_systemd_units_pass_systemd_analyze(tmp_path):
     # so a network address needs no insecure=true; systemd needs % doubled.
     assert "psk=/etc/netpager/netpager.psk" in donor and "insecure" not in donor, donor
     assert "reserve=5%%" in donor, donor
+    assert "NetworkNamespacePath=/run/netns/nplab-d1" in donor, donor
+    assert "NetworkNamespacePath" not in (out / "netpager-client-c1.service").read_text()
     v = subprocess.run(["systemd-analyze", "verify", "--man=no", *map(str, units)],
                        capture_output=True, text=True, timeout=120)
     assert v.returncode == 0 and not (v.stdout + v.stderr).strip(), v.stdout + v.stderr
@@ -376,8 +380,11 @@ def test_rollout_serves_donors_and_swaps_on_the_client(lab):
         assert st.node_id == d
         assert st.budget_bytes == lab.expected_budget_mib(d) * MIB, (d, st)
         assert st.u_star == pytest.approx(0.5)
-        # The NBD port requires TLS with the lab's key.
-        uri = f"nbds://netpager@{lab.addr[d]}:{lab.port[d]}/probe?tls-psk-file={lab.etc}/netpager.psk"
+        # The NBD port requires TLS with the lab's key, and a client's token
+        # in the export name (export tokens are on by default).
+        probe = subprocess.run([str(lab.bin_src / "netpager-token"), str(lab.inv / "netpager-export.secret"), "probe"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+        uri = f"nbds://netpager@{lab.addr[d]}:{lab.port[d]}/{probe}@1M?tls-psk-file={lab.etc}/netpager.psk"
         info = subprocess.run(["nbdinfo", "--size", uri], capture_output=True, text=True, timeout=30)
         assert info.returncode == 0, info.stderr
         plain = subprocess.run(["nbdinfo", "--size", f"nbd://{lab.addr[d]}:{lab.port[d]}/probe"],
