@@ -83,6 +83,24 @@ def events(output: str) -> list[tuple[str, str, str]]:
     return seq
 
 
+class AnsibleFailed(AssertionError):
+    """ansible-playbook exited non-zero; the message has its last lines."""
+
+
+def run_playbook(root: Path, inventory: Path, env: dict, playbook: str,
+                 check: bool = True) -> subprocess.CompletedProcess:
+    """ansible-playbook PLAYBOOK (from ansible/) against `inventory`; its
+    output goes to a log in `root`. With `check`, a failure raises."""
+    log = root / f"ansible-{playbook}-{secrets.token_hex(2)}.log"
+    p = subprocess.run(["ansible-playbook", "-i", str(inventory), playbook], cwd=ANSIBLE_DIR, env=env,
+                       capture_output=True, text=True, timeout=ANSIBLE_TIMEOUT, stdin=subprocess.DEVNULL)
+    log.write_text(p.stdout + p.stderr)
+    if check and p.returncode != 0:
+        raise AnsibleFailed(f"ansible-playbook {playbook} failed ({p.returncode}); output in {log}:\n"
+                            + "\n".join((p.stdout + p.stderr).splitlines()[-60:]))
+    return p
+
+
 def free_port(addr: str) -> int:
     with socket.socket() as s:
         s.bind((addr, 0))
@@ -216,15 +234,7 @@ class Lab:
             (self.inv / "group_vars" / f"{group}.yml").write_text(json.dumps(common, indent=2) + "\n")
 
     def ansible(self, playbook: str, check: bool = True) -> subprocess.CompletedProcess:
-        log = self.root / f"ansible-{playbook}-{secrets.token_hex(2)}.log"
-        p = subprocess.run(
-            ["ansible-playbook", "-i", str(self.inv / "hosts.yml"), playbook],
-            cwd=ANSIBLE_DIR, env=self.env, capture_output=True, text=True, timeout=ANSIBLE_TIMEOUT)
-        log.write_text(p.stdout + p.stderr)
-        if check and p.returncode != 0:
-            pytest.fail(f"ansible-playbook {playbook} failed ({p.returncode}); output in {log}:\n"
-                        + "\n".join((p.stdout + p.stderr).splitlines()[-60:]))
-        return p
+        return run_playbook(self.root, self.inv / "hosts.yml", self.env, playbook, check)
 
     def pagerctl(self, *args: str) -> str:
         return subprocess.run([str(self.prefix / "bin" / "pagerctl"), *args], capture_output=True,

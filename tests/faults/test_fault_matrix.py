@@ -6,7 +6,10 @@ Workloads: `block` is BlockWorkload (fault_helpers): two threads writing
 and read-verifying generations of a pattern with O_DIRECT on the device
 (the loop device over `pagerctl serve`'s FUSE file); `swap` is
 tests/jobs/memhog swapping through the device (it verifies every page);
-`fs` is a filesystem with a checksum tree (the client crash).
+`fs` is a filesystem with a checksum tree (the client crash). The link
+faults (a host's link down, a slow link) put their donors on the lab's
+hosts (tests/lab: network namespaces on one bridge) and the client on the
+machine.
 
 Every cell reads every byte back after the fault and again after recovery
 (rebuild finished, drain done, donor back), fails on any corrupt byte, and
@@ -201,24 +204,36 @@ def test_donor_kill9_while_swapping(mode, teardown, donors, client, memhog, tmp_
     """The same fault under tests/jobs/memhog swapping through the device."""
     ds = donors(4)
     cell = Cell("donor kill -9", mode, client, workload="swap")
-    device = client.attach(ds, mode=mode, size="256M", swap=True, extra=TIMEOUTS)
-    limit = 64 * MIB
-    job = Job(teardown, [memhog, str(3 * limit), "--passes", "1"], limit, tmp_path / "memhog.log", device)
-    wait_for(lambda: job.swapped() >= 32 * MIB or not job.alive(), 300, "32 MiB swapped out")
-    assert job.alive(), f"the job ended before it swapped enough: {job.proc.log_tail()}"
+    job = start_swapping(cell, teardown, ds, memhog, tmp_path, 64 * MIB)
     victim = busiest(client, ds)
     cell.inject()
     victim.kill9()
     cell.detected(lambda s: report(s, victim.name)["failed"], f"{victim.name} marked failed")
-    out = job.finish()
+    finish_swapping(cell, job.finish())
+
+
+def start_swapping(cell, teardown, ds, memhog, tmp_path, limit: int, extra=()):
+    """Attaches the cell's client as swap and starts memhog touching 3x
+    `limit` (one verify pass) in a cgroup of `limit`; returns the job once
+    half its limit is out in the device."""
+    device = cell.client.attach(ds, mode=cell.mode, size="256M", swap=True, extra=TIMEOUTS + list(extra))
+    job = Job(teardown, [memhog, str(3 * limit), "--passes", "1"], limit, tmp_path / "memhog.log", device)
+    wait_for(lambda: job.swapped() >= limit // 2 or not job.alive(), 300, f"{limit // 2 >> 20} MiB swapped out")
+    assert job.alive(), f"the job ended before it swapped enough: {job.proc.log_tail()}"
+    return job
+
+
+def finish_swapping(cell, out: str) -> None:
+    """After the job (its output `out`) passed: waits for recovery, nothing
+    lost, the row, detach."""
     pages = int(out.split("pages=")[1].split()[0]) if "pages=" in out else 0
     cell.verified_bytes = pages * PAGE * 2  # every page verified twice (--passes 1 + final)
     st = cell.wait_recovered()
     assert st["totals"]["lost"] == 0, st["totals"]
     cell.lost_extents = st["totals"]["lost_extents"]
     cell.row(verified_pages=pages)
-    client.detach()
-    assert client.leftovers() == []
+    cell.client.detach()
+    assert cell.client.leftovers() == []
 
 
 @pytest.mark.parametrize("mode", modes())
@@ -299,26 +314,14 @@ def test_link_down_while_swapping(mode, teardown, lab_donors, client, memhog, tm
     swaps: packets vanish, nobody sends a RST; the request timeout finds it."""
     ds = lab_donors(4)
     cell = Cell("link down (lab)", mode, client, workload="swap")
-    device = client.attach(ds, mode=mode, size="256M", swap=True,
-                           extra=TIMEOUTS + ["--psk", lab_donors.psk])
-    limit = 32 * MIB
-    job = Job(teardown, [memhog, str(3 * limit), "--passes", "1"], limit, tmp_path / "memhog.log", device)
-    wait_for(lambda: job.swapped() >= 16 * MIB or not job.alive(), 300, "16 MiB swapped out")
-    assert job.alive(), f"the job ended before it swapped enough: {job.proc.log_tail()}"
+    job = start_swapping(cell, teardown, ds, memhog, tmp_path, 32 * MIB, extra=["--psk", lab_donors.psk])
     victim = busiest(client, ds)
     cell.inject()
     link = LinkDown(teardown, lab_donors.lab, victim.name)
     cell.detected(lambda s: report(s, victim.name)["failed"], f"{victim.name} marked failed")
     out = job.finish()
     link.heal()
-    pages = int(out.split("pages=")[1].split()[0]) if "pages=" in out else 0
-    cell.verified_bytes = pages * PAGE * 2  # every page verified twice (--passes 1 + final)
-    st = cell.wait_recovered()
-    assert st["totals"]["lost"] == 0, st["totals"]
-    cell.lost_extents = st["totals"]["lost_extents"]
-    cell.row(verified_pages=pages)
-    client.detach()
-    assert client.leftovers() == []
+    finish_swapping(cell, out)
 
 
 @pytest.mark.parametrize("mode", modes(("mirror", "parity")))

@@ -22,13 +22,12 @@ from pathlib import Path
 
 import netlab
 from netpager_testkit import Teardown
-from netpager_testkit.paths import repo_root, target_dir
+from netpager_testkit.paths import target_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ansible"))
 
-from test_ansible import ansible_env, recap  # noqa: E402
+from test_ansible import AnsibleFailed, ansible_env, recap, run_playbook  # noqa: E402
 
-ANSIBLE_DIR = repo_root() / "ansible"
 DONORS = ["idle1", "idle2", "idle3"]
 CLIENTS = ["busy1", "busy2"]
 HOSTS = DONORS + CLIENTS
@@ -40,11 +39,6 @@ CLIENT_SIZE_MIB = 64
 SWAP_PRIORITY = {"busy1": 32767, "busy2": 32766}
 NBD_PORT = 10809
 STATUS_PORT = 10810
-ANSIBLE_TIMEOUT = 900
-
-
-class AnsibleFailed(RuntimeError):
-    """ansible-playbook exited non-zero; the message has its last lines."""
 
 
 class LabRollout:
@@ -129,15 +123,7 @@ class LabRollout:
             (self.inv / "group_vars" / f"{group}.yml").write_text(json.dumps(common, indent=2) + "\n")
 
     def ansible(self, playbook: str, check: bool = True) -> subprocess.CompletedProcess:
-        log = self.root / f"ansible-{playbook}-{secrets.token_hex(2)}.log"
-        p = subprocess.run(["ansible-playbook", "-i", str(self.inv / "hosts.yml"), playbook],
-                           cwd=ANSIBLE_DIR, env=self.env, capture_output=True, text=True,
-                           timeout=ANSIBLE_TIMEOUT, stdin=subprocess.DEVNULL)
-        log.write_text(p.stdout + p.stderr)
-        if check and p.returncode != 0:
-            raise AnsibleFailed(f"ansible-playbook {playbook} failed ({p.returncode}); output in {log}:\n"
-                                + "\n".join((p.stdout + p.stderr).splitlines()[-60:]))
-        return p
+        return run_playbook(self.root, self.inv / "hosts.yml", self.env, playbook, check)
 
     def undeploy_quietly(self) -> None:
         """Teardown: undeploy whatever is there; the lab's own teardown then
@@ -179,7 +165,7 @@ class LabRollout:
         """Each host's role and status, one line each (for the demo)."""
         from netpager_testkit.status import LabKey, StatusClient, state_word
 
-        key = LabKey.from_psk_file(self.lab_key())
+        key = LabKey.from_psk_file(self.psk_file(DONORS[0]))
         rows = [f"{'host':<7} {'address':<14} {'role':<7} status"]
         for h in DONORS:
             st = StatusClient(self.lab[h].addr, STATUS_PORT, key=key).query()

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 import netlab
-from lab_ansible import (BINARIES, CLIENT_SIZE_MIB, CLIENTS, DONORS, HOSTS, NBD_PORT, STATUS_PORT,
-                         SWAP_PRIORITY, LabRollout, recap, ssh_masters)
+from lab_ansible import (BINARIES, CLIENTS, DONORS, HOSTS, NBD_PORT, STATUS_PORT, LabRollout, recap,
+                         ssh_masters)
 from netpager_testkit import MemoryCgroup, OwnedProcess, StatusClient, Teardown, swaps, wait_for
 from netpager_testkit.ci import skip_or_fail
 from netpager_testkit.paths import target_dir
@@ -54,13 +54,20 @@ def rollout():
     assert not errors, errors
 
 
-def hold_pages_on(td: Teardown, lab: netlab.Lab, host: str, cg: MemoryCgroup, ready: Path, log: Path):
-    """tests/ansible/hold_pages.py (48 MiB) in `cg`, on `host`. It joins the
-    cgroup before entering the namespace: `ip netns exec` mounts a /sys of
-    the namespace's own, without the cgroup hierarchy."""
-    return OwnedProcess(["sh", "-c", 'echo $$ > "$0" && exec "$@"', cg.procs_file,
-                         *lab[host].netns_argv([sys.executable, HOLD_PAGES, "48", ready])],
-                        log, td, f"hold_pages on {host}")
+def hold_pages_on(td: Teardown, lab: netlab.Lab, host: str, device: str, tag: str) -> OwnedProcess:
+    """tests/ansible/hold_pages.py filling 48 MiB in a 32 MiB memory cgroup
+    on `host`; returns once it is full and some of it is in `device`. It
+    joins the cgroup before entering the namespace: `ip netns exec` mounts
+    a /sys of the namespace's own, without the cgroup hierarchy."""
+    cg = MemoryCgroup(td, 32 * MIB)
+    ready = lab.workdir / f"{tag}.ready"
+    holder = OwnedProcess(["sh", "-c", 'echo $$ > "$0" && exec "$@"', cg.procs_file,
+                           *lab[host].netns_argv([sys.executable, HOLD_PAGES, "48", ready])],
+                          lab.workdir / f"{tag}.log", td, f"hold_pages on {host}")
+    wait_for(lambda: ready.exists() or not holder.alive(), 300, "the job to fill its memory")
+    assert ready.exists(), holder.log_tail()
+    assert swaps().get(device, 0) > 0, f"nothing in {device}: {swaps()}"
+    return holder
 
 
 def comm(pid: int) -> str:
@@ -114,12 +121,7 @@ def test_rollout_over_ssh_serves_the_clients_across_the_bridge(rollout):
     device = ro.client_status("busy1")["device"]
     td = Teardown("swap job")
     try:
-        cg = MemoryCgroup(td, 32 * MIB)
-        ready = lab.workdir / "holder.ready"
-        holder = hold_pages_on(td, lab, "busy1", cg, ready, lab.workdir / "holder.log")
-        wait_for(lambda: ready.exists() or not holder.alive(), 300, "the job to fill its memory")
-        assert ready.exists(), holder.log_tail()
-        assert swaps().get(device, 0) > 0, f"nothing in {device} (priority {SWAP_PRIORITY['busy1']}): {swaps()}"
+        holder = hold_pages_on(td, lab, "busy1", device, "holder")
         held = wait_for(lambda: sum(d["extents_held"] for d in ro.client_status("busy1")["status"]["donors"]),
                         30, "busy1's extents on the donors")
         assert held > 0
@@ -168,12 +170,7 @@ def test_rolling_update_over_ssh_keeps_every_page(rollout):
     device = ro.client_status("busy1")["device"]
     td = Teardown("rolling update job")
     try:
-        cg = MemoryCgroup(td, 32 * MIB)
-        ready = lab.workdir / "holder2.ready"
-        holder = hold_pages_on(td, lab, "busy1", cg, ready, lab.workdir / "holder2.log")
-        wait_for(lambda: ready.exists() or not holder.alive(), 300, "the job to fill its memory")
-        assert ready.exists(), holder.log_tail()
-        assert swaps().get(device, 0) > 0
+        holder = hold_pages_on(td, lab, "busy1", device, "holder2")
         before = {d: ro.donor_pid(d) for d in DONORS}
         ro.write_inventory(u_star=0.6)
         out = ro.ansible("site.yml").stdout
