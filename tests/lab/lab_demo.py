@@ -7,7 +7,7 @@ Ansible doing the rollout over SSH, then a clean teardown.
    each with its own sshd and keys the lab generates
 2. ansible/site.yml over SSH: donors on idle1..idle3, clients on busy1 and
    busy2 (mode mirror, swap), TLS and export tokens on
-3. each host's role and status
+3. each host's role and status (again after the job)
 4. a job: memhog in a memory cgroup touching FACTOR x its limit, so most of
    its pages go to busy1's device (the highest swap priority) and from
    there across the bridge to the donors; it verifies every page
@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         st = ro.client_status("busy1")["status"]
         held = {d["name"]: d["extents_held"] for d in st["donors"]}
         print(f"  busy1's extents on the donors: {held}; lost {st['totals']['lost']}")
+        print(ro.roles_table())
         ok = result.returncode == 0 and result.swap_device_peak_bytes[device] > 0 and st["totals"]["lost"] == 0
 
         heading(5, "Undeploy: ansible-playbook undeploy.yml over SSH")

@@ -245,6 +245,8 @@ class Lab:
         self._bridge()
         for h in self.hosts.values():
             self._host(h)
+        # Before any host's processes are stopped: the devices they serve.
+        self.td.add(f"swap and loop devices under {self.workdir}", lambda: release_devices(self.workdir))
         if ssh:
             self._keys()
             for h in self.hosts.values():
@@ -289,8 +291,6 @@ class Lab:
         h.dir.mkdir(parents=True, exist_ok=True)
         run(["ip", "netns", "add", h.ns])
         self.td.add(f"namespace {h.ns}", lambda: remove_netns(h.ns))
-        # Before anything in the host is stopped: the devices it serves.
-        self.td.add(f"swap and loop devices under {self.workdir}", lambda: release_devices(self.workdir))
         run(["ip", "link", "add", h.veth, "type", "veth", "peer", "name", "eth0", "netns", h.ns])
         run(["ip", "link", "set", "dev", h.veth, "master", BRIDGE, "up"])
         run(["ip", "-n", h.ns, "addr", "add", f"{h.addr}/{SUBNET.prefixlen}", "dev", "eth0"])
