@@ -87,18 +87,40 @@ class AnsibleFailed(AssertionError):
     """ansible-playbook exited non-zero; the message has its last lines."""
 
 
-def run_playbook(root: Path, inventory: Path, env: dict, playbook: str,
-                 check: bool = True) -> subprocess.CompletedProcess:
+def run_playbook(root: Path, inventory: Path, env: dict, playbook: str, check: bool = True,
+                 teardown: Teardown | None = None) -> subprocess.CompletedProcess:
     """ansible-playbook PLAYBOOK (from ansible/) against `inventory`; its
-    output goes to a log in `root`. With `check`, a failure raises."""
+    output (stdout and stderr, in order) goes to a log in `root` and comes
+    back as stdout. With `check`, a failure raises. With `teardown`, the run
+    is a process that teardown stops: an interrupted test must not leave it
+    running against hosts that are being removed."""
     log = root / f"ansible-{playbook}-{secrets.token_hex(2)}.log"
-    p = subprocess.run(["ansible-playbook", "-i", str(inventory), playbook], cwd=ANSIBLE_DIR, env=env,
-                       capture_output=True, text=True, timeout=ANSIBLE_TIMEOUT, stdin=subprocess.DEVNULL)
-    log.write_text(p.stdout + p.stderr)
-    if check and p.returncode != 0:
-        raise AnsibleFailed(f"ansible-playbook {playbook} failed ({p.returncode}); output in {log}:\n"
-                            + "\n".join((p.stdout + p.stderr).splitlines()[-60:]))
-    return p
+    argv = ["ansible-playbook", "-i", str(inventory), str(ANSIBLE_DIR / playbook)]
+    if teardown is None:
+        p = subprocess.run(argv, cwd=ANSIBLE_DIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, timeout=ANSIBLE_TIMEOUT, stdin=subprocess.DEVNULL)
+        log.write_text(p.stdout)
+        rc, out = p.returncode, p.stdout
+    else:
+        proc = OwnedProcess(argv, log, teardown, f"ansible-playbook {playbook}", env=env)
+        teardown.add(f"ansible-playbook {playbook} pid {proc.pid} and its workers", proc.stop_session)
+        rc = proc.wait(ANSIBLE_TIMEOUT)
+        if rc is None:
+            proc.stop_session()
+        out = log.read_text(errors="replace")
+    if check and rc != 0:
+        raise AnsibleFailed(f"ansible-playbook {playbook} failed ({rc}); output in {log}:\n"
+                            + "\n".join(out.splitlines()[-60:]))
+    return subprocess.CompletedProcess(argv, rc, stdout=out, stderr="")
+
+
+def write_inventory_files(inv: Path, inventory: dict, common: dict) -> None:
+    """INV/hosts.yml, and `common` as group_vars/donors.yml and clients.yml:
+    these outrank the playbooks' group_vars/all.yml; host vars outrank both."""
+    (inv / "group_vars").mkdir(parents=True, exist_ok=True)
+    (inv / "hosts.yml").write_text(json.dumps(inventory, indent=2) + "\n")
+    for group in ("donors", "clients"):
+        (inv / "group_vars" / f"{group}.yml").write_text(json.dumps(common, indent=2) + "\n")
 
 
 def free_port(addr: str) -> int:
@@ -226,12 +248,7 @@ class Lab:
                 "hint_dir": str(self.hints), "local_cache": "8M",
             }],
         }
-        (self.inv / "group_vars").mkdir(parents=True, exist_ok=True)
-        (self.inv / "hosts.yml").write_text(json.dumps(inventory, indent=2) + "\n")
-        # group_vars/donors.yml and clients.yml outrank the playbooks'
-        # group_vars/all.yml; host vars outrank both.
-        for group in ("donors", "clients"):
-            (self.inv / "group_vars" / f"{group}.yml").write_text(json.dumps(common, indent=2) + "\n")
+        write_inventory_files(self.inv, inventory, common)
 
     def ansible(self, playbook: str, check: bool = True) -> subprocess.CompletedProcess:
         return run_playbook(self.root, self.inv / "hosts.yml", self.env, playbook, check)

@@ -26,7 +26,7 @@ from netpager_testkit.paths import target_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ansible"))
 
-from test_ansible import AnsibleFailed, ansible_env, recap, run_playbook  # noqa: E402
+from test_ansible import AnsibleFailed, ansible_env, recap, run_playbook, write_inventory_files  # noqa: E402
 
 DONORS = ["idle1", "idle2", "idle3"]
 CLIENTS = ["busy1", "busy2"]
@@ -60,6 +60,7 @@ class LabRollout:
             "ANSIBLE_FORKS": "5",
         })
         (self.root / "ansible-tmp").mkdir()
+        self.td = td
         td.add("ansible's SSH connections", self.close_connections)
         td.add("undeploy.yml", self.undeploy_quietly)
         self.write_inventory(u_star=0.5)
@@ -117,13 +118,10 @@ class LabRollout:
             "netpager_start_timeout": 60,
             "netpager_donor_drain_timeout": 300,
         }
-        (self.inv / "group_vars").mkdir(parents=True, exist_ok=True)
-        (self.inv / "hosts.yml").write_text(json.dumps(inventory, indent=2) + "\n")
-        for group in ("donors", "clients"):
-            (self.inv / "group_vars" / f"{group}.yml").write_text(json.dumps(common, indent=2) + "\n")
+        write_inventory_files(self.inv, inventory, common)
 
     def ansible(self, playbook: str, check: bool = True) -> subprocess.CompletedProcess:
-        return run_playbook(self.root, self.inv / "hosts.yml", self.env, playbook, check)
+        return run_playbook(self.root, self.inv / "hosts.yml", self.env, playbook, check, teardown=self.td)
 
     def undeploy_quietly(self) -> None:
         """Teardown: undeploy whatever is there; the lab's own teardown then

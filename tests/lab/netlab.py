@@ -151,15 +151,29 @@ def kill_netns_processes(ns: str, timeout: float = 15) -> None:
     raise LabError(f"processes in {ns} survived SIGKILL: {netns_pids(ns)}")
 
 
+def lab_links() -> list[str]:
+    """The machine's interfaces with the lab's prefix (bridge, veth ends)."""
+    return sorted(link["ifname"] for link in json.loads(run(["ip", "-j", "link", "show"]).stdout or "[]")
+                  if link["ifname"].startswith(PREFIX + "-"))
+
+
+def remove_link(name: str) -> None:
+    if name in lab_links():
+        run(["ip", "link", "delete", name])
+
+
 def remove_netns(ns: str) -> None:
+    """Stops the namespace's processes, deletes its veth pair from the
+    machine's side (at once: the kernel frees a deleted namespace's devices
+    later, and a new lab could meet the old name), then the namespace."""
     kill_netns_processes(ns)
+    remove_link(ns)
     if ns in namespaces():
         run(["ip", "netns", "delete", ns])
 
 
 def remove_bridge() -> None:
-    if bridge_exists():
-        run(["ip", "link", "delete", BRIDGE])
+    remove_link(BRIDGE)
 
 
 def clean_crashed_run() -> list[str]:
@@ -174,9 +188,9 @@ def clean_crashed_run() -> list[str]:
     for ns in namespaces():
         remove_netns(ns)
         removed.append(f"namespace {ns}")
-    if bridge_exists():
-        remove_bridge()
-        removed.append(f"bridge {BRIDGE}")
+    for link in lab_links():
+        remove_link(link)
+        removed.append(f"interface {link}")
     if root is not None and root.exists():
         shutil.rmtree(root)
         removed.append(f"directory {root}")
