@@ -11,7 +11,7 @@ FUZZ_SECONDS ?= 300
 export PATH := /usr/sbin:/usr/bin:/sbin:/bin:$(PATH)
 export NETPAGER_ROOT := $(CURDIR)
 
-.PHONY: all deps build demo test test-unit test-server test-client test-prefetch \
+.PHONY: all deps build demo lab-demo test test-unit test-server test-client test-prefetch \
         test-ansible test-security test-monitoring bench bench-server bench-client bench-prefetch \
         fuzz soak faults clean lint
 
@@ -32,6 +32,11 @@ lint: deps
 
 demo: build
 	bash scripts/demo.sh
+
+# The demo on a lab of five hosts in network namespaces, rolled out by
+# Ansible over SSH (tests/lab).
+lab-demo: build
+	bash scripts/demo.sh --lab
 
 test: build
 	$(CARGO) test --release --workspace
@@ -69,12 +74,13 @@ fuzz: deps
 soak: build
 	bash scripts/soak.sh
 
-# The whole fault matrix (tests/faults, every fault in every mode); the
-# table is printed and written to bench-results/faults.json. `make test`
-# runs one cell per fault kind (mode parity).
+# The whole fault matrix (tests/faults, every fault in every mode, the link
+# faults on the lab) and the lab's rolling update (tests/lab); the table is
+# printed and written to bench-results/faults.json. `make test` runs one
+# cell per fault kind (mode parity) and one rollout on the lab.
 faults: build
 	rm -f bench-results/faults-rows.jsonl
-	NETPAGER_FAULTS=full $(PYTEST) tests/faults; rc=$$?; \
+	NETPAGER_FAULTS=full $(PYTEST) tests/faults tests/lab; rc=$$?; \
 	/usr/bin/python3 scripts/faults_table.py; exit $$rc
 
 bench: bench-server bench-client bench-prefetch

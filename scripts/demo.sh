@@ -3,6 +3,9 @@
 # swapon -> a job in a memory cgroup touching 3x its limit and verifying every
 # page -> the donors' status -> teardown. Run as root after `make build` (`make demo` does both).
 # Options go to the demo module: --donors N --size 1G --limit 128M --factor 3.
+# `demo.sh --lab [--limit 24M --factor 3]` (`make lab-demo`) runs the same on
+# the lab: five hosts in network namespaces, Ansible rolling out over SSH
+# (tests/lab/lab_demo.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,7 +17,7 @@ fi
 # Debian's python3: python3-libnbd and python3-protobuf bind to it.
 export PYTHONPATH="$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
 
-# The demo (tests/netpager_testkit/demo.py) undoes its own setup on exit and
+# The demo (tests/netpager_testkit/demo.py, tests/lab/lab_demo.py) undoes its own setup on exit and
 # on INT/TERM. These traps pass a signal on to it and keep this script
 # waiting until its teardown is done; the pid is only signalled while it is
 # still our running job, so a reused pid is never hit.
@@ -29,7 +32,13 @@ trap 'pending=INT' INT
 trap 'pending=TERM' TERM
 trap 'forward TERM; wait 2>/dev/null || true' EXIT
 
-/usr/bin/python3 -m netpager_testkit.demo "$@" &
+if [ "${1:-}" = --lab ]; then
+  shift
+  set -- tests/lab/lab_demo.py "$@"
+else
+  set -- -m netpager_testkit.demo "$@"
+fi
+/usr/bin/python3 "$@" &
 demo=$!
 while :; do
   rc=0

@@ -39,7 +39,8 @@ from netpager_testkit.procs import tail
 
 ANSIBLE_DIR = repo_root() / "ansible"
 PLAYBOOKS = ["site.yml", "undeploy.yml", "monitoring.yml"]
-BINARIES = ["libpager_server.so", "libpager_client_plugin.so", "pagerctl", "prefetchd", "pager-hints"]
+BINARIES = ["libpager_server.so", "libpager_client_plugin.so", "pagerctl", "prefetchd", "pager-hints",
+            "netpager-token"]
 DONORS = ["d1", "d2", "d3"]
 CLIENT = "c1"
 MIB = 1 << 20
@@ -84,6 +85,46 @@ def events(output: str) -> list[tuple[str, str, str]]:
         if m and task:
             seq.append((task, m.group(1), m.group(2)))
     return seq
+
+
+class AnsibleFailed(AssertionError):
+    """ansible-playbook exited non-zero; the message has its last lines."""
+
+
+def run_playbook(root: Path, inventory: Path, env: dict, playbook: str, check: bool = True,
+                 teardown: Teardown | None = None) -> subprocess.CompletedProcess:
+    """ansible-playbook PLAYBOOK (from ansible/) against `inventory`; its
+    output (stdout and stderr, in order) goes to a log in `root` and comes
+    back as stdout. With `check`, a failure raises. With `teardown`, the run
+    is a process that teardown stops: an interrupted test must not leave it
+    running against hosts that are being removed."""
+    log = root / f"ansible-{playbook}-{secrets.token_hex(2)}.log"
+    argv = ["ansible-playbook", "-i", str(inventory), str(ANSIBLE_DIR / playbook)]
+    if teardown is None:
+        p = subprocess.run(argv, cwd=ANSIBLE_DIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, timeout=ANSIBLE_TIMEOUT, stdin=subprocess.DEVNULL)
+        log.write_text(p.stdout)
+        rc, out = p.returncode, p.stdout
+    else:
+        proc = OwnedProcess(argv, log, teardown, f"ansible-playbook {playbook}", env=env)
+        teardown.add(f"ansible-playbook {playbook} pid {proc.pid} and its workers", proc.stop_session)
+        rc = proc.wait(ANSIBLE_TIMEOUT)
+        if rc is None:
+            proc.stop_session()
+        out = log.read_text(errors="replace")
+    if check and rc != 0:
+        raise AnsibleFailed(f"ansible-playbook {playbook} failed ({rc}); output in {log}:\n"
+                            + "\n".join(out.splitlines()[-60:]))
+    return subprocess.CompletedProcess(argv, rc, stdout=out, stderr="")
+
+
+def write_inventory_files(inv: Path, inventory: dict, common: dict) -> None:
+    """INV/hosts.yml, and `common` as group_vars/donors.yml and clients.yml:
+    these outrank the playbooks' group_vars/all.yml; host vars outrank both."""
+    (inv / "group_vars").mkdir(parents=True, exist_ok=True)
+    (inv / "hosts.yml").write_text(json.dumps(inventory, indent=2) + "\n")
+    for group in ("donors", "clients"):
+        (inv / "group_vars" / f"{group}.yml").write_text(json.dumps(common, indent=2) + "\n")
 
 
 def free_port(addr: str) -> int:
@@ -220,23 +261,10 @@ class Lab:
                 "hint_dir": str(self.hints), "local_cache": "8M",
             }],
         }
-        (self.inv / "group_vars").mkdir(parents=True, exist_ok=True)
-        (self.inv / "hosts.yml").write_text(json.dumps(inventory, indent=2) + "\n")
-        # group_vars/donors.yml and clients.yml outrank the playbooks'
-        # group_vars/all.yml; host vars outrank both.
-        for group in ("donors", "clients"):
-            (self.inv / "group_vars" / f"{group}.yml").write_text(json.dumps(common, indent=2) + "\n")
+        write_inventory_files(self.inv, inventory, common)
 
     def ansible(self, playbook: str, check: bool = True) -> subprocess.CompletedProcess:
-        log = self.root / f"ansible-{playbook}-{secrets.token_hex(2)}.log"
-        p = subprocess.run(
-            ["ansible-playbook", "-i", str(self.inv / "hosts.yml"), playbook],
-            cwd=ANSIBLE_DIR, env=self.env, capture_output=True, text=True, timeout=ANSIBLE_TIMEOUT)
-        log.write_text(p.stdout + p.stderr)
-        if check and p.returncode != 0:
-            pytest.fail(f"ansible-playbook {playbook} failed ({p.returncode}); output in {log}:\n"
-                        + "\n".join((p.stdout + p.stderr).splitlines()[-60:]))
-        return p
+        return run_playbook(self.root, self.inv / "hosts.yml", self.env, playbook, check)
 
     def pagerctl(self, *args: str) -> str:
         return subprocess.run([str(self.prefix / "bin" / "pagerctl"), *args], capture_output=True,
@@ -393,7 +421,8 @@ def test_systemd_units_pass_systemd_analyze(tmp_path):
     common = {"ansible_connection": "local", "ansible_python_interpreter": "/usr/bin/python3",
               # Binaries that exist, so that verify checks the command lines.
               "netpager_bin_dir": str(target_dir()), "netpager_units_out": str(out)}
-    d1 = dict(common, netpager_donor_address="10.0.0.11", netpager_donor_budget="1G")
+    # d1 is a namespace of a shared machine (as on the lab, tests/lab).
+    d1 = dict(common, netpager_donor_address="10.0.0.11", netpager_donor_budget="1G", netpager_netns="nplab-d1")
     c1 = dict(common, netpager_prefetchd_datasets=[{
         "name": "ds1", "data_dir": str(tmp_path / "data"), "mount_point": str(tmp_path / "mnt"),
         "hint_dir": str(tmp_path / "hints")}])
@@ -414,6 +443,8 @@ def test_systemd_units_pass_systemd_analyze(tmp_path):
     # so a network address needs no insecure=true; systemd needs % doubled.
     assert "psk=/etc/netpager/netpager.psk" in donor and "insecure" not in donor, donor
     assert "reserve=5%%" in donor, donor
+    assert "NetworkNamespacePath=/run/netns/nplab-d1" in donor, donor
+    assert "NetworkNamespacePath" not in (out / "netpager-client-c1.service").read_text()
     v = subprocess.run(["systemd-analyze", "verify", "--man=no", *map(str, units)],
                        capture_output=True, text=True, timeout=120)
     assert v.returncode == 0 and not (v.stdout + v.stderr).strip(), v.stdout + v.stderr
@@ -450,8 +481,11 @@ def test_rollout_serves_donors_and_swaps_on_the_client(lab):
         assert st.node_id == d
         assert st.budget_bytes == lab.expected_budget_mib(d) * MIB, (d, st)
         assert st.u_star == pytest.approx(0.5)
-        # The NBD port requires TLS with the lab's key.
-        uri = f"nbds://netpager@{lab.addr[d]}:{lab.port[d]}/probe?tls-psk-file={lab.etc}/netpager.psk"
+        # The NBD port requires TLS with the lab's key, and a client's token
+        # in the export name (export tokens are on by default).
+        probe = subprocess.run([str(lab.bin_src / "netpager-token"), str(lab.inv / "netpager-export.secret"), "probe"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+        uri = f"nbds://netpager@{lab.addr[d]}:{lab.port[d]}/{probe}@1M?tls-psk-file={lab.etc}/netpager.psk"
         info = subprocess.run(["nbdinfo", "--size", uri], capture_output=True, text=True, timeout=30)
         assert info.returncode == 0, info.stderr
         plain = subprocess.run(["nbdinfo", "--size", f"nbd://{lab.addr[d]}:{lab.port[d]}/probe"],

@@ -1,5 +1,6 @@
 """Fixtures of the fault matrix (tests/faults): donors and clients as in
-tests/client (its helpers are reused), and the choice of cells.
+tests/client (its helpers are reused), donors on the lab's hosts
+(tests/lab) for the link faults, and the choice of cells.
 
 `pytest tests` (so `make test`) runs the fast subset: one cell per fault
 kind, in mode parity. The whole matrix (every fault in every mode) is
@@ -10,13 +11,16 @@ when asked for with `-m faults_full`.
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lab"))
 
+import netlab  # noqa: E402
 from client_helpers import PagerClient, client_plugin  # noqa: E402
 from netpager_testkit.paths import pagerctl  # noqa: E402
 
@@ -73,3 +77,27 @@ def client(root, client_built, teardown, tmp_path):
 @pytest.fixture
 def second_client(root, client_built, teardown, tmp_path):
     return PagerClient(teardown, tmp_path / "state2")
+
+
+@pytest.fixture
+def lab_donors(root, teardown, tmp_path, donor_plugin, client):
+    """Starts n pager-server donors, each on its own lab host (d1, d2, ...: a
+    network namespace on the lab's bridge), requiring TLS with a lab key
+    that has a line for `client`; the client runs on the machine, the lab's
+    controller address. `lab_donors.lab` is the lab, `lab_donors.psk` the
+    key file (give the client `--psk`)."""
+    lab = netlab.Lab(teardown, tmp_path / "lab", ["d1", "d2", "d3", "d4"], ssh=False)
+    psk = tmp_path / "lab.psk"
+    key = secrets.token_hex(32)
+    psk.write_text(f"lab:{key}\n{client.client_id}:{key}\n")
+    psk.chmod(0o600)
+
+    def start(n: int = 4, budget="256M", **params):
+        params.setdefault("busy_load", 1000)
+        params.setdefault("poll_ms", 100)
+        return [netlab.LabDonor(lab[f"d{i + 1}"], teardown, tmp_path, donor_plugin,
+                                {"size": "1G", "budget": budget, "psk": psk, **params}, tls_psk=psk).start()
+                for i in range(n)]
+
+    start.lab, start.psk = lab, psk
+    return start

@@ -6,7 +6,10 @@ Workloads: `block` is BlockWorkload (fault_helpers): two threads writing
 and read-verifying generations of a pattern with O_DIRECT on the device
 (the loop device over `pagerctl serve`'s FUSE file); `swap` is
 tests/jobs/memhog swapping through the device (it verifies every page);
-`fs` is a filesystem with a checksum tree (the client crash).
+`fs` is a filesystem with a checksum tree (the client crash). The link
+faults (a host's link down, a slow link) put their donors on the lab's
+hosts (tests/lab: network namespaces on one bridge) and the client on the
+machine.
 
 Every cell reads every byte back after the fault and again after recovery
 (rebuild finished, drain done, donor back), fails on any corrupt byte, and
@@ -32,6 +35,7 @@ import pytest
 from client_helpers import MIB, Job, run_pagerctl
 from fault_helpers import (BLOCK, PAGE, MemoryHog, Partition, StatusFlood, append_row,
                            extent_size, mem_available, start_block_workload)
+from netlab import LinkDown, SlowLink
 from netpager_testkit import wait_for
 from netpager_testkit.attach import mounted
 
@@ -200,24 +204,36 @@ def test_donor_kill9_while_swapping(mode, teardown, donors, client, memhog, tmp_
     """The same fault under tests/jobs/memhog swapping through the device."""
     ds = donors(4)
     cell = Cell("donor kill -9", mode, client, workload="swap")
-    device = client.attach(ds, mode=mode, size="256M", swap=True, extra=TIMEOUTS)
-    limit = 64 * MIB
-    job = Job(teardown, [memhog, str(3 * limit), "--passes", "1"], limit, tmp_path / "memhog.log", device)
-    wait_for(lambda: job.swapped() >= 32 * MIB or not job.alive(), 300, "32 MiB swapped out")
-    assert job.alive(), f"the job ended before it swapped enough: {job.proc.log_tail()}"
+    job = start_swapping(cell, teardown, ds, memhog, tmp_path, 64 * MIB)
     victim = busiest(client, ds)
     cell.inject()
     victim.kill9()
     cell.detected(lambda s: report(s, victim.name)["failed"], f"{victim.name} marked failed")
-    out = job.finish()
+    finish_swapping(cell, job.finish())
+
+
+def start_swapping(cell, teardown, ds, memhog, tmp_path, limit: int, extra=()):
+    """Attaches the cell's client as swap and starts memhog touching 3x
+    `limit` (one verify pass) in a cgroup of `limit`; returns the job once
+    half its limit is out in the device."""
+    device = cell.client.attach(ds, mode=cell.mode, size="256M", swap=True, extra=TIMEOUTS + list(extra))
+    job = Job(teardown, [memhog, str(3 * limit), "--passes", "1"], limit, tmp_path / "memhog.log", device)
+    wait_for(lambda: job.swapped() >= limit // 2 or not job.alive(), 300, f"{limit // 2 >> 20} MiB swapped out")
+    assert job.alive(), f"the job ended before it swapped enough: {job.proc.log_tail()}"
+    return job
+
+
+def finish_swapping(cell, out: str) -> None:
+    """After the job (its output `out`) passed: waits for recovery, nothing
+    lost, the row, detach."""
     pages = int(out.split("pages=")[1].split()[0]) if "pages=" in out else 0
     cell.verified_bytes = pages * PAGE * 2  # every page verified twice (--passes 1 + final)
     st = cell.wait_recovered()
     assert st["totals"]["lost"] == 0, st["totals"]
     cell.lost_extents = st["totals"]["lost_extents"]
     cell.row(verified_pages=pages)
-    client.detach()
-    assert client.leftovers() == []
+    cell.client.detach()
+    assert cell.client.leftovers() == []
 
 
 @pytest.mark.parametrize("mode", modes())
@@ -290,7 +306,43 @@ def test_network_partition_drop(mode, teardown, donors, client):
     assert row
 
 
-# --- a second failure during a rebuild -----------------------------------
+# --- link faults on the lab (tests/lab): donors on hosts in namespaces ----
+
+@pytest.mark.parametrize("mode", modes(("mirror", "parity")))
+def test_link_down_while_swapping(mode, teardown, lab_donors, client, memhog, tmp_path):
+    """A donor host's link taken down (ip link set ... down) while a job
+    swaps: packets vanish, nobody sends a RST; the request timeout finds it."""
+    ds = lab_donors(4)
+    cell = Cell("link down (lab)", mode, client, workload="swap")
+    job = start_swapping(cell, teardown, ds, memhog, tmp_path, 32 * MIB, extra=["--psk", lab_donors.psk])
+    victim = busiest(client, ds)
+    cell.inject()
+    link = LinkDown(teardown, lab_donors.lab, victim.name)
+    cell.detected(lambda s: report(s, victim.name)["failed"], f"{victim.name} marked failed")
+    out = job.finish()
+    link.heal()
+    finish_swapping(cell, out)
+
+
+@pytest.mark.parametrize("mode", modes(("mirror", "parity")))
+@pytest.mark.faults_full
+def test_slow_link(mode, teardown, lab_donors, client):
+    """A donor host's link slowed by a token-bucket filter (4 Mbit/s each way)
+    while block I/O runs: requests that outlast the timeout fail the donor
+    over; nothing is lost either way."""
+    ds = lab_donors(4)
+    cell = Cell("slow link (lab, tbf)", mode, client)
+    cell.attach_block(teardown, ds, extra=["--psk", lab_donors.psk])
+    victim = busiest(client, ds)
+    cell.inject()
+    slow = SlowLink(teardown, lab_donors.lab, victim.name)
+    cell.w.wait_ops(64)
+    slow.heal()
+    failed = report(client.status()["status"], victim.name)["failed"]
+    cell.notes.append(f"{victim.name} {'failed over' if failed else 'kept'} under the slow link")
+    cell.finish(allow_lost_after_fault=False)
+
+
 
 @pytest.mark.parametrize("mode", modes())
 def test_second_failure_during_rebuild(mode, teardown, donors, client):

@@ -95,6 +95,33 @@ class OwnedProcess:
             if self.wait(self.stop_timeout) is None:
                 raise RuntimeError(f"{self.name} pid {self.pid} survived SIGKILL")
 
+    def session_pids(self) -> list[int]:
+        """Live processes of the session this process leads (it was started
+        in a new one), started after it: the children it left behind."""
+        out = []
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit() or self.start_time is None:
+                continue
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            f = stat[stat.rindex(")") + 2:].split()
+            # state, ppid, pgrp, session, ..., starttime (fields 3, 4, 5, 6, 22)
+            if int(f[3]) == self.pid and f[0] not in "ZX" and int(f[19]) >= self.start_time:
+                out.append(int(d.name))
+        return out
+
+    def stop_session(self) -> None:
+        """stop(), then SIGKILL to what is left of its session (a tool's
+        workers and their ssh connections, say)."""
+        self.stop()
+        for pid in self.session_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def log_tail(self, lines: int = 40) -> str:
         return tail(self.log_path, lines)
 

@@ -1,0 +1,195 @@
+"""The Ansible rollout on the lab (tests/lab/netlab.py): an inventory of the
+lab's hosts reached over SSH, in the example inventory's layout (three
+donors idle1..idle3, two clients busy1 and busy2, TLS and export tokens on),
+and the playbooks run against it. Used by the rollout test and by
+`make lab-demo`.
+
+Every host gets its own install paths under the lab's directory (the
+namespaces share the machine's filesystem) and the supervise service
+manager: its daemons are started over SSH, so they live in the host's
+network namespace. The lab's teardown runs undeploy.yml, then closes the
+SSH connections Ansible keeps open.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import netlab
+from netpager_testkit import Teardown
+from netpager_testkit.paths import target_dir
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ansible"))
+
+from test_ansible import AnsibleFailed, ansible_env, recap, run_playbook, write_inventory_files  # noqa: E402
+
+DONORS = ["idle1", "idle2", "idle3"]
+CLIENTS = ["busy1", "busy2"]
+HOSTS = DONORS + CLIENTS
+BINARIES = ["libpager_server.so", "libpager_client_plugin.so", "pagerctl", "prefetchd", "pager-hints",
+            "netpager-token"]
+DONOR_BUDGET = "96M"
+CLIENT_SIZE_MIB = 64
+# busy1's device is used first by the machine's swapping jobs.
+SWAP_PRIORITY = {"busy1": 32767, "busy2": 32766}
+NBD_PORT = 10809
+STATUS_PORT = 10810
+
+
+class LabRollout:
+    """The lab's inventory and ansible-playbook runs against it."""
+
+    def __init__(self, td: Teardown, lab: netlab.Lab, bin_src: Path | None = None):
+        self.lab = lab
+        self.root = lab.workdir
+        self.inv = self.root / "inventory"
+        self.bin_src = self.shipped_binaries(bin_src or target_dir())
+        self.user = "netpager-l" + secrets.token_hex(3)
+        self.cp_dir = self.root / "ssh-cp"
+        self.cp_dir.mkdir()
+        self.env = ansible_env(self.root)
+        self.env.update({
+            "ANSIBLE_SSH_CONTROL_PATH_DIR": str(self.cp_dir),
+            "ANSIBLE_SSH_ARGS": "-o ControlMaster=auto -o ControlPersist=60s",
+            "ANSIBLE_HOST_KEY_CHECKING": "True",
+            "ANSIBLE_FORKS": "5",
+        })
+        (self.root / "ansible-tmp").mkdir()
+        self.td = td
+        td.add("ansible's SSH connections", self.close_connections)
+        td.add("undeploy.yml", self.undeploy_quietly)
+        self.write_inventory(u_star=0.5)
+
+    def shipped_binaries(self, build: Path) -> Path:
+        """The release build without its debug info (`debug = 1` makes it
+        five times larger), as a release would ship it: what every host
+        gets over SSH."""
+        out = self.root / "bin"
+        out.mkdir()
+        for b in BINARIES:
+            subprocess.run(["strip", "--strip-debug", "-o", str(out / b), str(build / b)], check=True,
+                           capture_output=True, timeout=120)
+        return out
+
+    def host_dir(self, host: str) -> Path:
+        return self.lab[host].dir
+
+    def paths(self, host: str) -> dict:
+        d = self.host_dir(host)
+        return {"netpager_prefix": str(d / "opt"), "netpager_etc_dir": str(d / "etc"),
+                "netpager_state_dir": str(d / "var"), "netpager_run_dir": str(d / "run"),
+                "netpager_log_dir": str(d / "log"), "netpager_systemd_dir": str(d / "systemd")}
+
+    def write_inventory(self, u_star: float) -> None:
+        donors = {}
+        for h in DONORS:
+            donors[h] = {"ansible_host": self.lab[h].addr, "netpager_donor_address": self.lab[h].addr,
+                         **self.paths(h)}
+        clients = {h: {"ansible_host": self.lab[h].addr,
+                       "netpager_client_swap_priority": SWAP_PRIORITY[h], **self.paths(h)} for h in CLIENTS}
+        ssh_args = " ".join(["-F", "/dev/null", "-o", "IdentitiesOnly=yes",
+                             "-o", f"UserKnownHostsFile={self.lab.known_hosts}",
+                             "-o", "StrictHostKeyChecking=yes"])
+        inventory = {"all": {
+            "vars": {"ansible_connection": "ssh", "ansible_user": "root",
+                     "ansible_ssh_private_key_file": str(self.lab.ssh_key),
+                     "ansible_ssh_common_args": ssh_args,
+                     "ansible_python_interpreter": "/usr/bin/python3"},
+            "children": {"donors": {"hosts": donors}, "clients": {"hosts": clients}},
+        }}
+        common = {
+            "netpager_bin_src": str(self.bin_src),
+            "netpager_service_manager": "supervise",
+            "netpager_user": self.user,
+            "netpager_donor_mlock": False,
+            "netpager_donor_budget": DONOR_BUDGET,
+            "netpager_donor_port": NBD_PORT,
+            "netpager_donor_status_port": STATUS_PORT,
+            # The machine's own load (other builds) must not turn donors busy.
+            "netpager_donor_busy_load": 1000,
+            "netpager_donor_u_star": u_star,
+            "netpager_client_size": f"{CLIENT_SIZE_MIB}M",
+            "netpager_client_mode": "mirror",
+            "netpager_start_timeout": 60,
+            "netpager_donor_drain_timeout": 300,
+        }
+        write_inventory_files(self.inv, inventory, common)
+
+    def ansible(self, playbook: str, check: bool = True) -> subprocess.CompletedProcess:
+        return run_playbook(self.root, self.inv / "hosts.yml", self.env, playbook, check, teardown=self.td)
+
+    def undeploy_quietly(self) -> None:
+        """Teardown: undeploy whatever is there; the lab's own teardown then
+        removes by namespace whatever undeploy could not."""
+        if (self.inv / "hosts.yml").exists() and all(
+                self.lab.ssh(h, "true", check=False, timeout=30).returncode == 0 for h in HOSTS):
+            self.ansible("undeploy.yml", check=False)
+
+    def close_connections(self) -> None:
+        for sock in sorted(self.cp_dir.iterdir()):
+            subprocess.run(["ssh", "-o", f"ControlPath={sock}", "-O", "exit", "lab"],
+                           capture_output=True, timeout=30)
+
+    # --- reading the hosts, over SSH -------------------------------------
+
+    def pagerctl(self, host: str, *args: str) -> str:
+        binary = self.host_dir(host) / "opt" / "bin" / "pagerctl"
+        return self.lab.ssh(host, " ".join([str(binary), *args])).stdout
+
+    def client_status(self, host: str) -> dict:
+        state = self.host_dir(host) / "var" / f"client-{host}"
+        return json.loads(self.pagerctl(host, "status", "--state-dir", str(state), "--json"))
+
+    def psk_file(self, host: str) -> Path:
+        return self.host_dir(host) / "etc" / "netpager.psk"
+
+    def lab_key(self) -> Path:
+        return self.inv / "netpager.psk"
+
+    def token(self, client: str) -> str:
+        """CLIENT~TOKEN, derived on the controller as the client role does."""
+        return subprocess.run([str(self.bin_src / "netpager-token"), str(self.inv / "netpager-export.secret"),
+                               client], capture_output=True, text=True, check=True).stdout.strip()
+
+    def donor_pid(self, host: str) -> int:
+        return int((self.host_dir(host) / "run" / f"donor-{host}" / "nbdkit.pid").read_text())
+
+    def roles_table(self) -> str:
+        """Each host's role and status, one line each (for the demo)."""
+        from netpager_testkit.status import LabKey, StatusClient, state_word
+
+        key = LabKey.from_psk_file(self.psk_file(DONORS[0]))
+        rows = [f"{'host':<7} {'address':<14} {'role':<7} status"]
+        for h in DONORS:
+            st = StatusClient(self.lab[h].addr, STATUS_PORT, key=key).query()
+            rows.append(f"{h:<7} {self.lab[h].addr:<14} {'donor':<7} {state_word(st)}, "
+                        f"budget {st.budget_bytes >> 20} MiB, used {st.used_bytes >> 20} MiB")
+        for h in CLIENTS:
+            st = self.client_status(h)
+            donors = ", ".join(f"{d['name']} {d['state']}" for d in (st["status"] or {}).get("donors", []))
+            rows.append(f"{h:<7} {self.lab[h].addr:<14} {'client':<7} "
+                        f"{'attached' if st['attached'] else 'detached'} {st['device']} "
+                        f"({'swap' if st['swap'] else 'no swap'}; donors: {donors})")
+        return "\n".join(rows)
+
+
+def ssh_masters(lab_root: Path) -> list[int]:
+    """ssh control masters still serving the lab's control sockets."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                if str(lab_root / "ssh-cp").encode() in (d / "cmdline").read_bytes():
+                    out.append(int(d.name))
+            except OSError:
+                continue
+    return out
+
+
+__all__ = ["LabRollout", "AnsibleFailed", "recap", "DONORS", "CLIENTS", "HOSTS", "BINARIES",
+           "CLIENT_SIZE_MIB", "SWAP_PRIORITY", "NBD_PORT", "STATUS_PORT", "ssh_masters"]
