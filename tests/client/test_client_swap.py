@@ -29,7 +29,10 @@ def test_swap_job_in_each_mode(mode, frontend, teardown, donors, client, memhog,
 
     st = client.device_status()
     assert st["mode"] == mode
-    assert st["totals"]["units_placed"] > 0 and st["totals"]["lost"] == 0, st["totals"]
+    # Home units, or (parity and ec) rows of the parity log: small writes
+    # may all sit in the log when the job ends.
+    placed = st["totals"]["units_placed"] + st["totals"].get("parity_log_used_bytes", 0)
+    assert placed > 0 and st["totals"]["lost"] == 0, st["totals"]
     # The job's pages went to the donors (and, in mode disk, to the file too).
     written = sum(d.status().bytes_written for d in ds)
     assert written >= job.swap_peak, written
