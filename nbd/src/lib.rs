@@ -30,7 +30,6 @@ use std::time::{Duration, Instant};
 use ffi::{Handle, InFlight};
 use plain::{Buf, Plain, PlainCmd};
 pub use pool::{run, run_into, Lease, Pool, Request};
-pub use sys::lock_all_memory;
 use wire::Command;
 
 /// Most commands one wait drives at once (one per member of the widest

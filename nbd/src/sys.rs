@@ -1,7 +1,7 @@
 //! The system calls the plain transport needs that std does not offer:
 //! `sendmsg` with `MSG_NOSIGNAL` (a donor that hung up must be an error,
 //! not a SIGPIPE that kills the process: nbdkit plugins do not control the
-//! signal mask), `poll(2)` with a deadline, and `mlockall`.
+//! signal mask), and `poll(2)` with a deadline.
 
 use std::io::{self, IoSlice};
 use std::os::fd::RawFd;
@@ -45,18 +45,4 @@ pub(crate) fn poll(fds: &mut [libc::pollfd], deadline: Instant) -> io::Result<bo
         return Err(e);
     }
     Ok(r > 0 || Instant::now() < deadline)
-}
-
-/// Locks the process's pages in RAM, so the swap path never waits for its
-/// own pages to be swapped in. MCL_ONFAULT: pages are locked once touched
-/// rather than populated up front, so nbdkit's many thread stacks do not
-/// each pin their full size (the device's buffers are touched when
-/// allocated, so they are resident and locked).
-pub fn lock_all_memory() -> io::Result<()> {
-    // SAFETY: mlockall has no memory-safety preconditions.
-    if unsafe { libc::mlockall(libc::MCL_CURRENT | libc::MCL_FUTURE | libc::MCL_ONFAULT) } == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
 }

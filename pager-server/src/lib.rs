@@ -313,7 +313,7 @@ impl Server for PagerServer {
         }
         if d.settings().mlock {
             check_mlock(d.settings())?;
-            sys::lock_all_memory().map_err(|e| {
+            netpager_util::process::lock_memory(netpager_util::process::Lock::OnFault).map_err(|e| {
                 Error::new(
                     e.raw_os_error().unwrap_or(libc::ENOMEM),
                     format!("mlock=true: mlockall(MCL_CURRENT|MCL_FUTURE|MCL_ONFAULT) failed: {e}; set mlock=false to donate unlocked pages"),

@@ -95,17 +95,6 @@ pub fn memlock_limit() -> io::Result<Option<u64>> {
     Ok((lim.rlim_cur != libc::RLIM_INFINITY).then_some(lim.rlim_cur))
 }
 
-/// Locks all current and future memory of the process as it is touched
-/// (MCL_ONFAULT: reserved but untouched mappings such as thread stacks and
-/// malloc arenas are not populated).
-pub fn lock_all_memory() -> io::Result<()> {
-    // SAFETY: mlockall takes flags only and changes no Rust-visible memory.
-    if unsafe { libc::mlockall(libc::MCL_CURRENT | libc::MCL_FUTURE | libc::MCL_ONFAULT) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
-}
-
 /// One anonymous private mapping of `pages` pages, handed out page by page
 /// as [`Page`]s. The pages a slab has never handed out are untouched, so
 /// they are zeros and cost no memory; returned pages are handed out again

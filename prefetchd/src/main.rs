@@ -321,7 +321,7 @@ fn serve_mounted(d: &std::sync::Arc<Daemon>, args: &ServeArgs, control_path: &Pa
         d.add_job(Some(name), Some(Path::new(hints)), None)?;
     }
     if !args.no_mlock {
-        if let Err(e) = sys::lock_memory() {
+        if let Err(e) = netpager_util::process::lock_memory(netpager_util::process::Lock::OnFault) {
             tracing::warn!("mlockall failed ({e}); the cache may be swapped out");
         }
     }

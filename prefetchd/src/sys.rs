@@ -1,5 +1,5 @@
 //! Every `unsafe` of prefetchd: the io_uring ring with the buffers it reads
-//! into, mlockall, and the signal mask.
+//! into, and the signal mask.
 //!
 //! The [`Ring`] owns one aligned buffer per ring slot (O_DIRECT needs
 //! alignment). A slot is either free, or in flight: then only the kernel
@@ -267,20 +267,6 @@ impl Drop for Ring {
                 }
             }
         }
-    }
-}
-
-/// Locks the daemon's memory (the cache buffers are on the read path of
-/// memory-hungry jobs: they must never be swapped out): what is resident
-/// now, and every page faulted in later. MCL_ONFAULT keeps the reserved
-/// but untouched parts of thread stacks and heaps from being populated;
-/// the cache itself is touched when it is allocated.
-pub fn lock_memory() -> io::Result<()> {
-    // SAFETY: mlockall has no memory-safety preconditions.
-    if unsafe { libc::mlockall(libc::MCL_CURRENT | libc::MCL_FUTURE | libc::MCL_ONFAULT) } == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
     }
 }
 

@@ -2,9 +2,13 @@
 //! same way: byte sizes (`64K`, `1GiB`) and `HOST:PORT` addresses
 //! (`[::1]:10809` too). One implementation, so a size or address accepted
 //! by one command is accepted by all of them. Also the one lock-poisoning
-//! policy ([`LockExt`] and its kin): recover, never propagate.
+//! policy ([`LockExt`] and its kin): recover, never propagate; and the one
+//! way to lock a swap-path process's memory ([`process::lock_memory`]).
 
+pub mod process;
 mod sync;
+#[allow(unsafe_code)]
+mod sys;
 
 pub use sync::{CondvarExt, LockExt, RwLockExt};
 

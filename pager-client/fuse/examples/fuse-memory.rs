@@ -84,7 +84,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Some("fuse") => Transport::Classic,
         Some(t) => return Err(format!("{t:?}: expected fuse-uring or fuse").into()),
     };
-    pager_fuse::lock_memory()?;
+    netpager_util::process::lock_memory(netpager_util::process::Lock::Prefault)?;
     let memory = Memory::new(size);
     let opts = Options {
         transport,

@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 pub use session::Session;
-pub use sys::{lock_memory, set_io_flusher, unmount};
+pub use sys::{set_io_flusher, unmount};
 
 /// The bytes a mount serves. Errors are errnos (positive).
 pub trait Backend: Send + Sync + 'static {

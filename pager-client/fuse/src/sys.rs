@@ -1,6 +1,6 @@
 //! Every unsafe call of the front end: mount(2), the `/dev/fuse` clone
 //! ioctl, io_uring submissions whose buffers the kernel keeps, CPU
-//! affinity, and the swap-path process set-up (mlockall, PR_SET_IO_FLUSHER).
+//! affinity, and the swap-path process set-up (PR_SET_IO_FLUSHER).
 
 use std::ffi::CString;
 use std::fs::File;
@@ -86,13 +86,6 @@ pub fn pin_to_cpu(cpu: usize) -> io::Result<()> {
     unsafe { libc::CPU_SET(cpu, &mut set) };
     // SAFETY: the set is live for the call; 0 is the calling thread.
     check(unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) })
-}
-
-/// Locks every page of the process, now and future, and faults them in
-/// (no MCL_ONFAULT): serving swap must never wait on a page fault.
-pub fn lock_memory() -> io::Result<()> {
-    // SAFETY: mlockall takes flags only.
-    check(unsafe { libc::mlockall(libc::MCL_CURRENT | libc::MCL_FUTURE) })
 }
 
 /// `PR_SET_IO_FLUSHER` (linux/prctl.h, 5.6+), which the libc crate lacks.

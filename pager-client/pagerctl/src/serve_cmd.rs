@@ -66,7 +66,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let cfg = DeviceConfig::load_from_state_dir(&layout.dir)?;
     let me = std::process::id();
     if cfg.mlock {
-        pager_fuse::lock_memory()
+        netpager_util::process::lock_memory(netpager_util::process::Lock::Prefault)
             .context("mlockall (set mlock = false in device.toml to run unlocked)")?;
     }
     if let Err(e) = pager_fuse::set_io_flusher() {

@@ -154,12 +154,14 @@ impl Server for PagerClient {
             .take()
             .ok_or_else(|| einval("configuration not loaded"))?;
         if cfg.mlock {
-            netpager_nbd::lock_all_memory().map_err(|e| {
-                Error::new(
-                    e.raw_os_error().unwrap_or(libc::EPERM),
-                    format!("mlockall: {e} (set mlock = false in device.toml to run unlocked)"),
-                )
-            })?;
+            netpager_util::process::lock_memory(netpager_util::process::Lock::OnFault).map_err(
+                |e| {
+                    Error::new(
+                        e.raw_os_error().unwrap_or(libc::EPERM),
+                        format!("mlockall: {e} (set mlock = false in device.toml to run unlocked)"),
+                    )
+                },
+            )?;
         }
         let device = Device::open(cfg, &dir).map_err(|e| {
             Error::new(

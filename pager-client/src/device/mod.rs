@@ -16,6 +16,7 @@ mod io;
 mod maintenance;
 mod parity;
 mod parity_log;
+mod parity_read;
 mod placement;
 mod replica;
 mod report;
