@@ -534,3 +534,70 @@ fn to_result(
         }),
     }
 }
+
+/// Real nbdkit servers for the unit tests (the integration tests' harness).
+#[cfg(test)]
+#[path = "../../pager-client/tests/common/nbdkit.rs"]
+mod nbdkit;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const T: Duration = Duration::from_secs(5);
+
+    fn endpoint(addr: &str, psk: Option<&Path>) -> Endpoint {
+        let hp = netpager_util::HostPort::parse(addr).unwrap();
+        Endpoint {
+            host: hp.host,
+            port: hp.port,
+            export: String::new(),
+            tls_psk_file: psk.map(Path::to_path_buf),
+            tls_username: psk.map(|_| "alice".into()),
+        }
+    }
+
+    /// A read whose wait fails in poll(2) must fail, and its connection must
+    /// never serve another request: libnbd (TLS) may still hold the read's
+    /// buffer, and a plain connection is out of step. Before, a failed poll
+    /// left a libnbd handle usable with the command still queued in it.
+    #[test]
+    fn a_failed_poll_fails_the_request_and_retires_the_connection() {
+        let dir = tempfile::tempdir().unwrap();
+        let psk = dir.path().join("keys.psk");
+        std::fs::write(
+            &psk,
+            "alice:00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff\n",
+        )
+        .unwrap();
+        let psk_arg = format!("--tls-psk={}", psk.display());
+        let mut plain = nbdkit::Nbdkit::memory("1M");
+        let mut tls = nbdkit::Nbdkit::with_args(&["--tls=require", &psk_arg, "memory", "1M"]);
+        let (plain_ep, tls_ep) = (endpoint(&plain.addr, None), endpoint(&tls.addr, Some(&psk)));
+        for (server, ep) in [(&mut plain, plain_ep), (&mut tls, tls_ep)] {
+            let mut c = Connection::connect(&ep, T).unwrap();
+            c.pwrite(&[5u8; 4096], 0, T).unwrap();
+            let mut b = [0u8; 4096];
+            // The server is stopped, so the reply cannot be there before
+            // the wait reaches poll(2).
+            server.stop();
+            let mut op = Op::Read(&mut b);
+            let cmd = c.start(&mut op, 0).unwrap();
+            sys::FAIL_NEXT_POLL.with(|f| f.set(Some(libc::EBADF)));
+            let mut cmds = [Some(cmd)];
+            wait_all(&mut cmds, Instant::now() + T, Duration::ZERO);
+            match outcome_of(&cmds[0]) {
+                Outcome::Failed(e) => assert!(e.message.contains("poll"), "{e:?}"),
+                o => panic!("{}: {o:?}", ep.addr()),
+            }
+            drop(cmds);
+            server.cont();
+            assert!(!c.usable(), "{}: the connection was kept", ep.addr());
+            assert!(c.pread(&mut b, 0, T).is_err());
+            // A new connection serves the data.
+            let mut c = Connection::connect(&ep, T).unwrap();
+            c.pread(&mut b, 0, T).unwrap();
+            assert_eq!(b, [5u8; 4096]);
+        }
+    }
+}

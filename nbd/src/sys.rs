@@ -23,10 +23,22 @@ pub(crate) fn send(fd: RawFd, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
     }
 }
 
+#[cfg(test)]
+thread_local! {
+    /// The next [`poll`] on this thread fails with this errno (a test seam:
+    /// poll(2) itself fails only on a broken process).
+    pub(crate) static FAIL_NEXT_POLL: std::cell::Cell<Option<i32>> =
+        const { std::cell::Cell::new(None) };
+}
+
 /// Waits until one of `fds` is ready or `deadline` passes; `Ok(false)`
 /// when the deadline passed with nothing ready. An interrupted wait is a
 /// ready one (the caller looks again).
 pub(crate) fn poll(fds: &mut [libc::pollfd], deadline: Instant) -> io::Result<bool> {
+    #[cfg(test)]
+    if let Some(errno) = FAIL_NEXT_POLL.with(|f| f.take()) {
+        return Err(io::Error::from_raw_os_error(errno));
+    }
     let now = Instant::now();
     if now >= deadline {
         return Ok(false);

@@ -173,6 +173,14 @@ impl Nbdkit {
     }
 }
 
+impl Nbdkit {
+    /// SIGCONT after [`Nbdkit::stop`].
+    pub fn cont(&mut self) {
+        self.signal("-CONT");
+        self.stopped = false;
+    }
+}
+
 impl Drop for Nbdkit {
     fn drop(&mut self) {
         if self.stopped {
