@@ -12,7 +12,8 @@
 #      memory held per byte fio wrote. Targets: parity reads >= 0.95x,
 #      writes >= 0.6x; ec reads >= 0.95x, writes >= 0.5x, memory 1.5x.
 #   3. swap: a job touching 3x its memory cgroup limit swapping through the
-#      client (3 donors, parity) on each front end (FRONTENDS: fuse-uring,
+#      client (3 donors, parity; SWAP_MODES="parity ec" adds ec 4+2 on 6
+#      donors, with its ratio to parity, target <= 1.1x) on each front end (FRONTENDS: fuse-uring,
 #      fuse, nbd), through one `nbdkit memory` over TCP (a remote memory
 #      server, as a donor is) attached through nbdfuse + a loop device,
 #      through the same FUSE front end answering from memory (the floor of
@@ -35,6 +36,7 @@
 #   scripts/bench-client.sh donors modes    # some of them
 #   RUNTIME=10 ROUNDS=3 LIMIT=128M scripts/bench-client.sh swap
 #   SWAP_MODE=none scripts/bench-client.sh swap   # the client in another mode
+#   SWAP_MODES="parity ec" scripts/bench-client.sh swap  # modes side by side
 #   SWAP_SETTINGS=links scripts/bench-client.sh swap
 #   FRONTENDS="fuse-uring@0 fuse-uring@50" scripts/bench-client.sh latency  # spin or not
 #   MODES=parity scripts/bench-client.sh modes   # none and parity only
@@ -62,6 +64,7 @@ LIMIT="${LIMIT:-128M}"       # the swap job's memory limit (it touches 3x)
 LINK_RATE="${LINK_RATE:-1G}" # emulated link per donor, bits per second
 FIO_SIZE="${FIO_SIZE:-512M}" # region fio works on
 SWAP_MODE="${SWAP_MODE:-parity}" # the client's mode in the swap benchmark
+SWAP_MODES="${SWAP_MODES:-$SWAP_MODE}" # or several, side by side (ec on 6 donors)
 SWAP_SETTINGS="${SWAP_SETTINGS:-links loopback}" # see 3. above
 MODES="${MODES:-mirror parity parity-nolog disk ec}" # modes compared with none in 2.
 FRONTENDS="${FRONTENDS:-fuse-uring fuse nbd}" # the client's front ends in 3. and 4. (F@US: with --spin-us US)
@@ -376,9 +379,12 @@ frontend_args() {
 # each server behind a link of SWAP_RATE bits/s ("" for loopback speed).
 SWAP_RATE=""
 FRONTEND=fuse-uring
+CLIENT_MODE=parity
+# swap_donors MODE: donors the swap job's client uses (ec 4+2 needs 6).
+swap_donors() { if [ "$1" = ec ]; then echo 6; else echo 3; fi; }
 target_client() {
-  start_donors 3 "$SWAP_RATE"
-  mode_args "$SWAP_MODE" 3
+  start_donors "$(swap_donors "$CLIENT_MODE")" "$SWAP_RATE"
+  mode_args "$CLIENT_MODE" 3
   attach_client "$WORK/c-swap" "$MODE_WORD" 1G "${MODE_ARGS[@]}" $(frontend_args "$FRONTEND") \
     --swap --priority 32767
   SWAPDEV="$DEVICE"
@@ -507,7 +513,9 @@ bench_swap() {
   for setting in $SWAP_SETTINGS; do
     case "$setting" in
       links | loopback)
-        for f in $FRONTENDS; do runs+=("client:$f/$setting"); done
+        for m in $SWAP_MODES; do
+          for f in $FRONTENDS; do runs+=("client:$f+$m/$setting"); done
+        done
         runs+=("proxy/$setting" "memory/$setting")
         ;;
       *) die "unknown swap setting $setting (links, loopback)" ;;
@@ -520,6 +528,8 @@ bench_swap() {
       [ "${t#*/}" = links ] && SWAP_RATE="$LINK_RATE"
       local target="${t%/*}"
       FRONTEND="${target#client:}"
+      CLIENT_MODE="${FRONTEND#*+}"
+      FRONTEND="${FRONTEND%+*}"
       swap_run "${target%%:*}"
       T[$t]="${T[$t]:-} $SECS"
       echo "round $round: $t ${SECS}s" >&2
@@ -532,7 +542,11 @@ bench_swap() {
     setting="${t#*/}"
     [ "$setting" = "$t" ] && setting=loopback
     case "$t" in
-      client:*) label="client, $SWAP_MODE, 3 donors, ${t%%/*}"; label="${label/client:/}" ;;
+      client:*)
+        label="${t%%/*}"
+        label="${label#client:}"
+        label="client, ${label#*+}, $(swap_donors "${label#*+}") donors, ${label%+*}"
+        ;;
       proxy/*) label="one nbdkit memory via a local proxy" ;;
       memory/*) label="one nbdkit memory" ;;
       floor) label="FUSE from memory + loop (the floor)" ;;
@@ -549,8 +563,13 @@ bench_swap() {
     printf '%-52s %-24s %10s %16s\n' "$label" "${T[$t]# }" "$mean" "$(ratio "$mean" "$(mean_of $base)")"
   done
   for setting in $SWAP_SETTINGS; do
-    for f in $FRONTENDS; do
-      echo "client on $f vs the swap file, $setting: $(ratio "$(mean_of ${T[client:$f/$setting]})" "$(mean_of ${T[file]})")"
+    for m in $SWAP_MODES; do
+      for f in $FRONTENDS; do
+        echo "client ($m) on $f vs the swap file, $setting: $(ratio "$(mean_of ${T[client:$f+$m/$setting]})" "$(mean_of ${T[file]})")"
+        if [ "$m" = ec ] && [ -n "${T[client:$f+parity/$setting]:-}" ]; then
+          echo "client on $f, ec 4+2 vs parity, $setting: $(ratio "$(mean_of ${T[client:$f+ec/$setting]})" "$(mean_of ${T[client:$f+parity/$setting]})") (target <= 1.1x)"
+        fi
+      done
     done
   done
   echo "(targets: client on fuse-uring <= 1.0x one nbdkit memory and <= 1.0x the swap file)"
