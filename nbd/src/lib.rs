@@ -553,7 +553,7 @@ mod tests {
             port: hp.port,
             export: String::new(),
             tls_psk_file: psk.map(Path::to_path_buf),
-            tls_username: psk.map(|_| "alice".into()),
+            tls_username: psk.map(|_| nbdkit::PSK_USER.into()),
         }
     }
 
@@ -564,15 +564,8 @@ mod tests {
     #[test]
     fn a_failed_poll_fails_the_request_and_retires_the_connection() {
         let dir = tempfile::tempdir().unwrap();
-        let psk = dir.path().join("keys.psk");
-        std::fs::write(
-            &psk,
-            "alice:00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff\n",
-        )
-        .unwrap();
-        let psk_arg = format!("--tls-psk={}", psk.display());
         let mut plain = nbdkit::Nbdkit::memory("1M");
-        let mut tls = nbdkit::Nbdkit::with_args(&["--tls=require", &psk_arg, "memory", "1M"]);
+        let (mut tls, psk) = nbdkit::Nbdkit::memory_tls("1M", dir.path());
         let (plain_ep, tls_ep) = (endpoint(&plain.addr, None), endpoint(&tls.addr, Some(&psk)));
         for (server, ep) in [(&mut plain, plain_ep), (&mut tls, tls_ep)] {
             let mut c = Connection::connect(&ep, T).unwrap();

@@ -48,21 +48,14 @@ fn requests_of_every_kind() {
 #[test]
 fn tls_with_a_pre_shared_key() {
     let dir = tempfile::tempdir().unwrap();
-    let psk = dir.path().join("keys.psk");
-    std::fs::write(
-        &psk,
-        "alice:00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff\n",
-    )
-    .unwrap();
-    let psk_arg = format!("--tls-psk={}", psk.display());
-    let d = Nbdkit::with_args(&["--tls=require", &psk_arg, "memory", "1M"]);
+    let (d, psk) = Nbdkit::memory_tls("1M", dir.path());
     let mut ep = endpoint(&d.addr, "");
     assert!(
         Connection::connect(&ep, T).is_err(),
         "plain NBD must be refused"
     );
     ep.tls_psk_file = Some(psk.clone());
-    ep.tls_username = Some("alice".into());
+    ep.tls_username = Some(nbdkit::PSK_USER.into());
     let mut c = Connection::connect(&ep, T).unwrap();
     c.pwrite(&[7u8; 512], 0, T).unwrap();
     let mut b = [0u8; 512];

@@ -24,6 +24,9 @@ fn free_port(ip: &str) -> u16 {
         .port()
 }
 
+/// The user name of [`Nbdkit::memory_tls`]'s key.
+pub const PSK_USER: &str = "alice";
+
 /// An nbdkit process started by a test; killed (by pid) when dropped.
 pub struct Nbdkit {
     child: Child,
@@ -174,6 +177,22 @@ impl Nbdkit {
 }
 
 impl Nbdkit {
+    /// `nbdkit memory SIZE` requiring TLS with a pre-shared key for user
+    /// [`PSK_USER`], whose key file it writes into `dir`; returns the file.
+    pub fn memory_tls(size: &str, dir: &std::path::Path) -> (Nbdkit, PathBuf) {
+        let psk = dir.join("keys.psk");
+        std::fs::write(
+            &psk,
+            format!(
+                "{PSK_USER}:00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff\n"
+            ),
+        )
+        .expect("write the PSK file");
+        let psk_arg = format!("--tls-psk={}", psk.display());
+        let d = Nbdkit::with_args(&["--tls=require", &psk_arg, "memory", size]);
+        (d, psk)
+    }
+
     /// SIGCONT after [`Nbdkit::stop`].
     pub fn cont(&mut self) {
         self.signal("-CONT");
