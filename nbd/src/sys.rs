@@ -7,7 +7,9 @@ use std::io::{self, IoSlice};
 use std::os::fd::RawFd;
 use std::time::Instant;
 
-/// Sends `bufs` in one system call; returns the bytes taken.
+/// Sends `bufs` in one system call; returns the bytes taken. Blocking or
+/// not as the socket is: the handshake waits (with the socket's timeout),
+/// transmission runs on a non-blocking socket.
 pub(crate) fn send(fd: RawFd, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
     // SAFETY: an all-zero msghdr is valid (no name, no control data).
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -15,7 +17,7 @@ pub(crate) fn send(fd: RawFd, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
     msg.msg_iov = bufs.as_ptr() as *mut libc::iovec;
     msg.msg_iovlen = bufs.len() as _;
     // SAFETY: `msg` points at `bufs`, valid for the call; fd is a socket.
-    let n = unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
+    let n = unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL) };
     if n < 0 {
         Err(io::Error::last_os_error())
     } else {
