@@ -197,3 +197,37 @@ fn block_status_counts_logged_pages_as_data() {
         "{map:?}"
     );
 }
+
+#[test]
+fn pages_written_together_read_back_in_a_few_requests() {
+    let mut ds = donors(4);
+    let state = tempfile::tempdir().unwrap();
+    let dev = open(&ds, None, state.path());
+    let mut model = Model::new(SIZE);
+    let mut rng = Rng::new(7);
+    // One page at a time from one thread: every row holds one page, so
+    // the 32 pages lie in consecutive rows of a few log units.
+    let (start, pages) = (9 * EXTENT, 32u64);
+    for p in 0..pages {
+        let mut b = vec![0u8; PAGE as usize];
+        rng.fill(&mut b);
+        dev.write(&b, start + p * PAGE).unwrap();
+        model.data[(start + p * PAGE) as usize..(start + (p + 1) * PAGE) as usize]
+            .copy_from_slice(&b);
+    }
+    assert_eq!(dev.status().totals.parity_log_live_bytes, pages * PAGE);
+    let before = donor_io(&dev.status()).0;
+    model.check(&dev, start, pages * PAGE);
+    let s = dev.status();
+    // A request per run of rows on one member, not one per page.
+    assert!(
+        donor_io(&s).0 - before <= 4,
+        "{} reads for {pages} logged pages\n{}",
+        donor_io(&s).0 - before,
+        render_table(&s)
+    );
+    // With a member gone the same read is rebuilt page by page.
+    ds[0].kill9();
+    model.check(&dev, start, pages * PAGE);
+    model.check_all(&dev, 256 << 10);
+}

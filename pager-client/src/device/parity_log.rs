@@ -212,7 +212,7 @@ impl ParityLog {
 }
 
 impl Inner {
-    fn plog(&self) -> &ParityLog {
+    pub(super) fn plog(&self) -> &ParityLog {
         self.plog.as_ref().expect("the device has a parity log")
     }
 

@@ -2,6 +2,8 @@
 //! a gone member's pages are decoded from any `k` members of its group
 //! (see `parity` for the layout and the writes).
 
+use std::sync::RwLockReadGuard;
+
 use super::io::{batch, IoReq};
 use super::{DeviceError, Inner, Result};
 use crate::erasure::{aligned, CodeError, ALIGN, MAX_SHARDS};
@@ -9,6 +11,21 @@ use crate::extent_map::{CopyState, Member, Unit};
 use crate::page_log::PAGE;
 use netpager_nbd::Op;
 use netpager_util::RwLockExt;
+
+/// Pages one batched read covers at most (stack arrays map them).
+const BATCH_PAGES: usize = 128;
+/// Log units whose placements one batched read holds at once.
+const BATCH_LOG_UNITS: usize = 4;
+
+/// A logged page of a batched read: where it sits in the log, and its
+/// index in the read.
+#[derive(Clone, Copy, Default)]
+struct Logged {
+    lu: u64,
+    col: u32,
+    row: u32,
+    page: usize,
+}
 
 impl Inner {
     pub(crate) fn usable(&self, m: &Member) -> bool {
@@ -52,17 +69,24 @@ impl Inner {
             let guard = self.map.unit(g).read_or_recover();
             let piece = &mut buf[done..done + n];
             if !self.read_group_direct(pos, piece, guard.as_ref()) {
-                let mut at = 0usize;
-                while at < n {
-                    let p = pos + at as u64;
-                    let m = ((ext - p % ext) as usize).min(n - at);
-                    self.read_parity_locked(
-                        p / ext,
-                        p % ext,
-                        &mut piece[at..at + m],
-                        guard.as_ref(),
-                    )?;
-                    at += m;
+                let chunk = BATCH_PAGES.min(self.buf_bytes() / PAGE as usize) * PAGE as usize;
+                for (c, part) in piece.chunks_mut(chunk).enumerate() {
+                    let cpos = pos + (c * chunk) as u64;
+                    if self.read_logged_batch(cpos, part, guard.as_ref()) {
+                        continue;
+                    }
+                    let mut at = 0usize;
+                    while at < part.len() {
+                        let p = cpos + at as u64;
+                        let m = ((ext - p % ext) as usize).min(part.len() - at);
+                        self.read_parity_locked(
+                            p / ext,
+                            p % ext,
+                            &mut part[at..at + m],
+                            guard.as_ref(),
+                        )?;
+                        at += m;
+                    }
                 }
             }
             done += n;
@@ -107,6 +131,149 @@ impl Inner {
             p += n as u64;
         }
         self.exec(&mut reqs).iter().flatten().all(|r| r.is_ok())
+    }
+
+    /// Reads page-aligned `buf` at `pos`, within one group placed as `unit`
+    /// (locked), some of its pages in the parity log, in one batch: a
+    /// request per run of home pages, and one per run of logged pages in
+    /// consecutive rows of one member (read into a pooled buffer, then
+    /// copied to their places). So pages written together and read
+    /// together (swap readahead, a large read of data the log took) cost
+    /// one round trip, not one each. False when it cannot (a single page,
+    /// too many log units, a member gone, a request failed): the caller
+    /// then reads page by page, rebuilding what it must.
+    fn read_logged_batch(&self, pos: u64, buf: &mut [u8], unit: Option<&Unit>) -> bool {
+        let n = buf.len() / PAGE as usize;
+        if !pos.is_multiple_of(PAGE)
+            || !buf.len().is_multiple_of(PAGE as usize)
+            || !(2..=BATCH_PAGES).contains(&n)
+        {
+            return false;
+        }
+        let first = pos / PAGE;
+        let geo = self.plog().geo;
+        let mut logged = [Logged::default(); BATCH_PAGES];
+        let mut in_log = [false; BATCH_PAGES];
+        let mut nl = 0;
+        let mut lus = [0u64; BATCH_LOG_UNITS];
+        let mut nlu = 0;
+        for (i, flag) in in_log.iter_mut().enumerate().take(n) {
+            let Some(slot) = self.map.log_lookup(first + i as u64) else {
+                continue;
+            };
+            let (lu, row, col) = geo.place(slot);
+            if !lus[..nlu].contains(&lu) {
+                if nlu == BATCH_LOG_UNITS {
+                    return false;
+                }
+                lus[nlu] = lu;
+                nlu += 1;
+            }
+            logged[nl] = Logged {
+                lu,
+                col,
+                row,
+                page: i,
+            };
+            nl += 1;
+            *flag = true;
+        }
+        if nl == 0 || nl * PAGE as usize > self.buf_bytes() {
+            return false;
+        }
+        // Lock order: the home group (the caller's), then log units in
+        // ascending order; the placements stay put while their pages are read.
+        lus[..nlu].sort_unstable();
+        let guards: [Option<RwLockReadGuard<'_, Option<Unit>>>; BATCH_LOG_UNITS] =
+            std::array::from_fn(|k| {
+                (k < nlu).then(|| {
+                    self.map
+                        .unit(self.layout.log_unit(lus[k]))
+                        .read_or_recover()
+                })
+            });
+        let placed = |lu: u64| -> Option<&Unit> {
+            let k = lus[..nlu].iter().position(|&u| u == lu)?;
+            guards[k].as_ref()?.as_ref()
+        };
+        let logged = &mut logged[..nl];
+        logged.sort_unstable_by_key(|l| (l.lu, l.col, l.row));
+        let mut bufs = self.bufs.take(1);
+        let scratch = bufs.one(nl * PAGE as usize);
+        let ok = {
+            let mut reqs: [Option<IoReq<'_>>; BATCH_PAGES] = std::array::from_fn(|_| None);
+            let mut nr = 0;
+            // Runs of logged pages, in `logged`'s order through `scratch`.
+            let mut rest = &mut scratch[..];
+            let mut i = 0;
+            while i < nl {
+                let l = logged[i];
+                let mut j = i + 1;
+                while j < nl
+                    && (logged[j].lu, logged[j].col) == (l.lu, l.col)
+                    && logged[j].row == l.row + (j - i) as u32
+                {
+                    j += 1;
+                }
+                let Some(u) = placed(l.lu) else { return false };
+                let m = u.members[self
+                    .layout
+                    .member_of(self.layout.log_unit(l.lu), l.col as usize)];
+                if !self.usable(&m) {
+                    return false;
+                }
+                let (run, tail) = std::mem::take(&mut rest).split_at_mut((j - i) * PAGE as usize);
+                rest = tail;
+                reqs[nr] = Some(IoReq {
+                    loc: m.loc,
+                    off: l.row as u64 * PAGE,
+                    op: Op::Read(run),
+                });
+                nr += 1;
+                i = j;
+            }
+            // Runs of home pages, straight into `buf`; an extent boundary
+            // ends a run (the next extent is on another member).
+            let ext = self.layout.extent;
+            let mut rest = &mut buf[..];
+            let mut i = 0;
+            while i < n {
+                let mut j = i + 1;
+                let p = pos + i as u64 * PAGE;
+                while j < n && in_log[j] == in_log[i] && (pos + j as u64 * PAGE) / ext == p / ext {
+                    j += 1;
+                }
+                let (run, tail) = std::mem::take(&mut rest).split_at_mut((j - i) * PAGE as usize);
+                rest = tail;
+                if !in_log[i] {
+                    match unit {
+                        None => run.fill(0),
+                        Some(u) => {
+                            let m = u.members[self.layout.locate(p / ext).1];
+                            if !self.usable(&m) {
+                                return false;
+                            }
+                            reqs[nr] = Some(IoReq {
+                                loc: m.loc,
+                                off: p % ext,
+                                op: Op::Read(run),
+                            });
+                            nr += 1;
+                        }
+                    }
+                }
+                i = j;
+            }
+            self.exec(&mut reqs).iter().flatten().all(|r| r.is_ok())
+        };
+        if ok {
+            for (k, l) in logged.iter().enumerate() {
+                let at = l.page * PAGE as usize;
+                buf[at..at + PAGE as usize]
+                    .copy_from_slice(&scratch[k * PAGE as usize..(k + 1) * PAGE as usize]);
+            }
+        }
+        ok
     }
 
     /// Reads extent `e`'s bytes with its group locked (`unit` is its
