@@ -135,6 +135,7 @@ impl Inner {
             // Every member is written in full below: no zeroing.
             self.place_group(first, g, &mut guard, false)?;
         }
+        self.map.mark_written(g)?;
         let (k, r) = (
             self.layout.data_per_unit() as usize,
             self.layout.parity_count(),
@@ -241,6 +242,7 @@ impl Inner {
         if guard.is_none() {
             self.place_group(e, g, guard, true)?;
         }
+        self.map.mark_written(g)?;
         if self.layout.parity_count() > 1 {
             return self.write_stripe_locked(e, in_off, data, guard);
         }
