@@ -282,19 +282,24 @@ impl ExtentMap {
             i.fetch_or(INTENT_TOUCHED, Ordering::Relaxed);
             return Ok(());
         }
-        let mut p = self.persist.lock_or_recover();
-        self.append(
-            &mut p,
-            &Record::Intent {
-                group: g as u32,
-                open: true,
-            },
-        )?;
-        p.journal
-            .sync_data()
-            .map_err(io_err(&self.dir.join(JOURNAL_FILE)))?;
-        i.store(INTENT_OPEN | INTENT_TOUCHED, Ordering::Relaxed);
-        Ok(())
+        let jpath = || self.dir.join(JOURNAL_FILE);
+        let journal = {
+            let mut p = self.persist.lock_or_recover();
+            self.append(
+                &mut p,
+                &Record::Intent {
+                    group: g as u32,
+                    open: true,
+                },
+            )?;
+            // Set with `persist` held: a compaction from here on carries
+            // the mark into its snapshot.
+            i.store(INTENT_OPEN | INTENT_TOUCHED, Ordering::Relaxed);
+            p.journal.try_clone().map_err(io_err(&jpath()))?
+        };
+        // Synced without `persist`, which every parity log row's record
+        // needs: the sync waits for the disk.
+        journal.sync_data().map_err(io_err(&jpath()))
     }
 
     /// Journals group `g`'s write intent closed: its members agree. Call
