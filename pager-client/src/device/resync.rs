@@ -11,11 +11,19 @@ use std::time::Instant;
 
 use netpager_util::{LockExt, RwLockExt};
 
-use super::io::{batch, IoReq};
+use super::io::{batch, IoReq, IoResult};
 use super::{DeviceError, Inner, Result};
-use crate::erasure::{ALIGN, MAX_SHARDS};
+use crate::erasure::ALIGN;
 use crate::extent_map::Unit;
 use netpager_nbd::Op;
+
+/// The first failed request of a batch: its index and why.
+fn first_failure(res: &[Option<IoResult>]) -> Option<(usize, &str)> {
+    res.iter().enumerate().find_map(|(i, r)| match r {
+        Some(Err(f)) => Some((i, f.reason())),
+        _ => None,
+    })
+}
 
 /// Progress is logged every this many groups.
 const LOG_EVERY: usize = 64;
@@ -97,32 +105,13 @@ impl Inner {
                 }
                 self.exec(&mut reqs)
             };
-            if let Some((s, Some(Err(f)))) = res
-                .iter()
-                .enumerate()
-                .find(|(_, r)| matches!(r, Some(Err(_))))
-            {
+            if let Some((s, f)) = first_failure(&res) {
                 return Err(DeviceError::Io {
                     extent: first + s as u64,
-                    reason: format!(
-                        "reading data member {} at {at}: {}",
-                        l.member_of(g, s),
-                        f.reason()
-                    ),
+                    reason: format!("reading data member {} at {at}: {f}", l.member_of(g, s)),
                 });
             }
-            {
-                let mut d: [&[u8]; MAX_SHARDS] = [&[]; MAX_SHARDS];
-                for (d, chunk) in d.iter_mut().zip(dpart.chunks(n)) {
-                    *d = chunk;
-                }
-                let mut p: [&mut [u8]; MAX_SHARDS] = Default::default();
-                for (p, chunk) in p.iter_mut().zip(ppart.chunks_mut(n)) {
-                    *p = chunk;
-                }
-                self.codec(|c| c.encode(&d[..k], &mut p[..r]))
-                    .map_err(|c| self.code_error(first, c))?;
-            }
+            self.encode_chunks(first, dpart, ppart, n)?;
             // A parity member that is gone is re-created from the data by
             // the rebuild anyway.
             let res = {
@@ -137,17 +126,12 @@ impl Inner {
                 }
                 self.exec(&mut reqs)
             };
-            if let Some((i, Some(Err(f)))) = res
-                .iter()
-                .enumerate()
-                .find(|(_, r)| matches!(r, Some(Err(_))))
-            {
+            if let Some((i, f)) = first_failure(&res) {
                 return Err(DeviceError::Io {
                     extent: first,
                     reason: format!(
-                        "writing parity member {} at {at}: {}",
-                        l.member_of(g, k + i),
-                        f.reason()
+                        "writing parity member {} at {at}: {f}",
+                        l.member_of(g, k + i)
                     ),
                 });
             }
