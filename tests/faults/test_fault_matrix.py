@@ -481,7 +481,11 @@ def test_client_kill9_then_donor_kill9(mode, teardown, donors, client):
     members by separate requests) may leave stripes whose parity does not
     match their data. The re-attach resyncs the groups the journal says were
     open; then a donor dies and every acknowledged write must still read
-    back, the dead donor's extents decoded from the resynced parity."""
+    back, the dead donor's extents decoded from the resynced parity. A kill
+    seldom lands between a group's data and parity requests (they leave in
+    one batch), so this cell shows the crash path end to end (groups open
+    at the kill are resynced, nothing is lost); the tear itself is made
+    deterministically in pager-client/tests/write_hole.rs."""
     # ec 2+2 needs a fifth donor to rebuild onto.
     ds = donors(5 if mode == "ec" else 4)
     cell = Cell("client kill -9, re-attach, donor kill -9", mode, client)
