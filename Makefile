@@ -10,6 +10,9 @@ FUZZ_SECONDS ?= 300
 # Debian's python3 binds python3-libnbd; a newer python3 may come first on PATH.
 export PATH := /usr/sbin:/usr/bin:/sbin:/bin:$(PATH)
 export NETPAGER_ROOT := $(CURDIR)
+# Every target builds first: a Rust test that finds no libpager_server.so
+# fails instead of skipping (pager-client/tests/common).
+export NETPAGER_REQUIRE_SERVER := 1
 
 .PHONY: all deps build demo lab-demo test test-unit test-server test-client test-prefetch \
         test-ansible test-security test-monitoring bench bench-server bench-client bench-prefetch \

@@ -119,6 +119,14 @@ pub struct Totals {
     /// counts those that survive `i` more.
     #[serde(default)]
     pub can_lose_units: Vec<u64>,
+    /// Modes parity and ec: groups whose write intent is open (written
+    /// lately; a crash now would resync them at the next start).
+    #[serde(default)]
+    pub groups_open: u64,
+    /// Groups whose parity was recomputed at start because the last run
+    /// left them open.
+    #[serde(default)]
+    pub groups_resynced: u64,
 }
 
 /// Requests of one kind the device served since it started.
@@ -295,6 +303,15 @@ pub fn render_table(s: &ClientStatus) -> String {
                 t.throttle_reason
                     .clone()
                     .unwrap_or_else(|| "all donors capped".into())
+            ),
+        );
+    }
+    if s.mode == "parity" || s.mode == "ec" {
+        w(
+            &mut out,
+            format!(
+                "write intent: {} group(s) open, {} resynced at start",
+                t.groups_open, t.groups_resynced
             ),
         );
     }

@@ -5,8 +5,8 @@ own loopback addresses and ports, and one client c1, all with
 `ansible_connection: local` and the supervise service manager (there is no
 systemd here). Everything is installed under a temporary prefix. The tests
 run in order on one lab: roll out, run again (nothing changes), a rolling
-update of the donors while a job's pages sit in the client's swap (no page
-lost), undeploy (nothing left). The lab's teardown undeploys and then
+update of the donors while a job keeps rewriting and checking its pages in
+the client's swap (no page lost or stale), undeploy (nothing left). The lab's teardown undeploys and then
 removes by pid and by path whatever is still there, whatever failed.
 """
 
@@ -356,7 +356,7 @@ def test_monitoring_writes_targets_token_rules_and_a_valid_config(tmp_path):
     prometheus.yml that promtool accepts."""
     token_tool = target_dir() / "netpager-token"
     if not token_tool.exists():
-        pytest.skip(f"{token_tool} missing (run `make build`)")
+        skip_or_fail(f"{token_tool} missing (run `make build`)")
     if shutil.which("promtool") is None:
         skip_or_fail("promtool missing (Debian package prometheus; scripts/deps.sh)")
     inv = tmp_path / "inv"
@@ -457,7 +457,7 @@ def lab():
     src = target_dir()
     missing = [b for b in BINARIES if not (src / b).exists()]
     if missing:
-        pytest.skip(f"not built in {src}: {', '.join(missing)} (run `make build`, or set NETPAGER_TARGET_DIR)")
+        skip_or_fail(f"not built in {src}: {', '.join(missing)} (run `make build`, or set NETPAGER_TARGET_DIR)")
     root = Path(tempfile.mkdtemp(prefix="netpager-ansible-", dir="/tmp"))
     # The donors' account must reach its run directory inside.
     root.chmod(0o755)
@@ -551,19 +551,29 @@ def test_rolling_update_drains_each_donor_and_keeps_every_page(lab):
     td = Teardown("rolling update job")
     try:
         device = lab.client_status()["device"]
-        # A job in a 32 MiB cgroup parks most of its 48 MiB in the client's swap.
+        # A job in a 32 MiB cgroup keeps most of its 48 MiB in the client's
+        # swap, and goes on checking and rewriting its pages (a generation
+        # per page) while every donor is drained and restarted.
         cg = MemoryCgroup(td, 32 * MIB)
-        ready = lab.root / "holder.ready"
+        ready, progress = lab.root / "holder.ready", lab.root / "holder.progress"
         holder = OwnedProcess(["sh", "-c", 'echo $$ > "$0" && exec "$@"', cg.procs_file,
-                               sys.executable, Path(__file__).with_name("hold_pages.py"), "48", ready],
+                               sys.executable, Path(__file__).with_name("hold_pages.py"), "48", ready,
+                               "--churn", progress],
                               lab.root / "holder.log", td, "hold_pages")
         wait_for(lambda: ready.exists() or not holder.alive(), 300, "the job to fill its memory")
         assert ready.exists(), holder.log_tail()
         assert swaps().get(device, 0) > 0, f"nothing in {device}: {swaps()}"
 
+        def rewritten() -> int:
+            wait_for(progress.exists, 60, "the job's first rewrites")
+            return int(progress.read_text() or 0)
+
         before = {d: lab.donor_pid(d) for d in DONORS}
         lab.write_inventory(u_star=0.6)
+        at_start = rewritten()
         out = lab.ansible("site.yml").stdout
+        assert holder.alive(), f"the job stopped during the update: {holder.log_tail()}"
+        assert rewritten() > at_start, "the job did not touch its pages during the update"
 
         # One donor after the other: drained, then restarted, before the next.
         seq = [(task, host) for task, status, host in events(out)

@@ -7,6 +7,7 @@ import pytest
 
 from client_helpers import PagerClient, client_plugin
 from netpager_testkit.paths import pagerctl
+from netpager_testkit.ci import skip_or_fail
 
 
 @pytest.fixture
@@ -14,7 +15,7 @@ def client_built():
     """pagerctl and the client plugin; the test is skipped when not built."""
     for path in (pagerctl(), client_plugin()):
         if not path.exists():
-            pytest.skip(f"client not built: {path} missing (run `make build`, or set NETPAGER_TARGET_DIR)")
+            skip_or_fail(f"client not built: {path} missing (run `make build`, or set NETPAGER_TARGET_DIR)")
 
 
 @pytest.fixture

@@ -231,6 +231,13 @@ class BlockWorkload:
             os.close(self.fd)
             self.fd = -1
 
+    def reopen(self, device: str) -> None:
+        """Goes on with the same expectations on `device` (the device again,
+        after a re-attach gave it another name)."""
+        self.close()
+        self.device = device
+        self.fd = os.open(device, os.O_RDWR | os.O_DIRECT)
+
 
 def start_block_workload(teardown: Teardown, device: str, size: int, **kw) -> BlockWorkload:
     w = BlockWorkload(device, size, **kw)

@@ -38,7 +38,7 @@ def need(*tools: str) -> None:
 def need_built(*names: str) -> None:
     for n in names:
         if not (target_dir() / n).exists():
-            pytest.skip(f"{target_dir() / n} missing (run `make build`)")
+            skip_or_fail(f"{target_dir() / n} missing (run `make build`)")
 
 
 def http_get(url: str, headers: dict | None = None) -> tuple[int, str]:

@@ -1,6 +1,7 @@
-"""Skipping under CI: a test whose requirement is missing (root, a tool)
-is skipped on a developer's machine, but fails when CI=true, so CI never
-passes by silently running less than it should."""
+"""Skipping under CI: a test whose requirement is missing (root, a tool,
+a binary `make build` makes) is skipped on a developer's machine, but
+fails when CI=true, so CI never passes by silently running less than it
+should."""
 
 from __future__ import annotations
 

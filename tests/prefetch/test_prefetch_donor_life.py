@@ -1,13 +1,17 @@
 """prefetchd follows its donors' lives through their status endpoints: a
 donor turned draining while a hinted job runs is let go (its lane stops,
 its blocks are forgotten, its export is trimmed so the donor's memory comes
-back), and once it stops draining it gets a fresh lane. The job's bytes all
-verify throughout."""
+back), and once it stops draining it gets a fresh lane. A drain that waits
+for the donor to empty (`pagerctl donor-drain --wait`, what a rolling
+update runs before it restarts a donor) finishes although prefetchd holds
+blocks there. The job's bytes all verify throughout."""
 
 from __future__ import annotations
 
+import subprocess
 
 from netpager_testkit import wait_for
+from netpager_testkit.paths import pagerctl
 from prefetch_helpers import Prefetchd, donor_arg, finish_job, generate, start_job
 
 SCALE = 0.025
@@ -61,6 +65,23 @@ def test_a_draining_donor_is_let_go_and_taken_back_fresh(teardown, tmp_path, clu
     assert [(d["donor"], d["life"], d["alive"]) for d in st["donors"]] == \
         [(0, 1, False), (1, 1, True), (0, 2, True)], st["donors"]
     assert "let go (draining)" in pd.cli("status").stdout
+    assert pd.stop() == 0
+
+
+def test_a_drain_that_waits_on_prefetchds_blocks_finishes(teardown, tmp_path, cluster):
+    donors, pd, job = hinted_job_on_watched_donors(teardown, tmp_path, cluster)
+    assert job.alive(), "the job ended before the drain: make it longer"
+    assert donors[0].status().used_bytes > 0
+    teardown.add("end donor d1's drain", lambda: donors[0].status_client().drain(False))
+    drain = subprocess.run([str(pagerctl()), "donor-drain", donors[0].params["status"], "--wait",
+                            "--wait-timeout", "120"], capture_output=True, text=True, timeout=180)
+    assert drain.returncode == 0, f"the drain did not finish: {drain.stderr}"
+    assert donors[0].status().used_bytes == 0
+    lane = next(d for d in lanes_of(pd, 0) if d["life"] == 1)
+    assert lane["state"] == "let go (draining)" and lane["used"] == 0, lane
+    assert job.alive(), "the job ended before the drain finished: make it longer"
+    result = finish_job(job)
+    assert result["mismatches"] == 0 and result["records"] > 0, result
     assert pd.stop() == 0
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from netpager_testkit import FakeMeminfo
+from netpager_testkit.ci import skip_or_fail
 from netpager_testkit.paths import target_dir
 
 GIB = 1 << 30
@@ -93,7 +94,7 @@ def netpager_token():
     """Runs `netpager-token SECRET_FILE CLIENT`; skipped when not built."""
     path = target_dir() / "netpager-token"
     if not path.exists():
-        pytest.skip(f"netpager-token not built: {path} missing (run `make build`)")
+        skip_or_fail(f"netpager-token not built: {path} missing (run `make build`)")
 
     def run(secret_file, client: str) -> str:
         p = subprocess.run([str(path), str(secret_file), client], capture_output=True,

@@ -12,6 +12,7 @@ import pytest
 from netpager_testkit import wait_for
 from netpager_testkit.nbdio import pattern
 from netpager_testkit.paths import pagerctl, target_dir
+from netpager_testkit.ci import skip_or_fail
 from sec_helpers import connect
 
 MIB = 1 << 20
@@ -22,7 +23,7 @@ DEVICE = 64 * MIB
 def pagerctl_built():
     for path in (pagerctl(), target_dir() / "libpager_client_plugin.so"):
         if not path.exists():
-            pytest.skip(f"client not built: {path} missing (run `make build`)")
+            skip_or_fail(f"client not built: {path} missing (run `make build`)")
 
 
 def run_pagerctl(*args) -> str:

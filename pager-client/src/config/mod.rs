@@ -299,6 +299,12 @@ pub struct DeviceConfig {
     /// §2.2, parity logging).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parity_log: Option<ByteSize>,
+    /// Modes parity and ec: how long a group stays marked open in the
+    /// map's journal after its last write at home (its write intent,
+    /// DESIGN.md §2.2). Longer: fewer journal syncs on the write path;
+    /// shorter: fewer groups to resync after a crash.
+    #[serde(default = "default_write_intent_quiet_ms")]
+    pub write_intent_quiet_ms: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metrics: Option<MetricsConfig>,
     pub donors: Vec<DonorConfig>,
@@ -343,6 +349,9 @@ fn default_connections() -> u32 {
 }
 fn default_io_buffers() -> u32 {
     8
+}
+fn default_write_intent_quiet_ms() -> u64 {
+    5000
 }
 fn default_true() -> bool {
     true
@@ -408,6 +417,7 @@ impl DeviceConfig {
             timeouts: TimeoutConfig::default(),
             fallback: None,
             parity_log: None,
+            write_intent_quiet_ms: default_write_intent_quiet_ms(),
             metrics: None,
             donors: Vec::new(),
         }

@@ -302,6 +302,7 @@ impl Inner {
             self.rebuild_pass();
             self.drain_pass();
             self.clean_parity_log();
+            self.sweep_write_intents();
             self.write_status();
             if self.map.needs_compaction() {
                 if let Err(e) = self.map.compact() {

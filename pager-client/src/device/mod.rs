@@ -20,6 +20,7 @@ mod parity_read;
 mod placement;
 mod replica;
 mod report;
+mod resync;
 mod writethrough;
 
 use std::path::{Path, PathBuf};
@@ -163,6 +164,10 @@ pub(crate) struct Inner {
     pub(crate) stats: RequestStats,
     /// How the kernel reaches the device, for `/metrics`.
     pub(crate) frontend: Mutex<FrontendInfo>,
+    /// Groups whose parity was recomputed at start (left open by a crash).
+    pub(crate) resynced: AtomicU64,
+    /// When write intents were last swept.
+    pub(crate) intent_sweep: Mutex<Instant>,
 }
 
 /// A running device. Dropping it stops its threads and syncs its map.
@@ -277,6 +282,8 @@ impl Device {
             jobs: Mutex::new(report::Jobs::default()),
             stats: RequestStats::default(),
             frontend: Mutex::new(FrontendInfo::default()),
+            resynced: AtomicU64::new(0),
+            intent_sweep: Mutex::new(Instant::now()),
         });
         inner.forget_unconfigured_donors()?;
         for d in &inner.donors {
@@ -284,6 +291,7 @@ impl Device {
         }
         inner.run_epoch(Duration::from_millis(inner.cfg.policy.epoch_ms));
         inner.mark_failed_donors();
+        inner.resync_open_groups()?;
         let mut threads = Vec::new();
         let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
             std::thread::Builder::new()

@@ -135,24 +135,14 @@ impl Inner {
             // Every member is written in full below: no zeroing.
             self.place_group(first, g, &mut guard, false)?;
         }
+        self.map.mark_written(g)?;
         let (k, r) = (
             self.layout.data_per_unit() as usize,
             self.layout.parity_count(),
         );
         let mut bufs = self.bufs.take(1);
         let par = bufs.one(r * ext);
-        {
-            let mut d: [&[u8]; MAX_SHARDS] = [&[]; MAX_SHARDS];
-            for (d, chunk) in d.iter_mut().zip(data.chunks(ext)) {
-                *d = chunk;
-            }
-            let mut p: [&mut [u8]; MAX_SHARDS] = Default::default();
-            for (p, chunk) in p.iter_mut().zip(par.chunks_mut(ext)) {
-                *p = chunk;
-            }
-            self.codec(|c| c.encode(&d[..k], &mut p[..r]))
-                .map_err(|c| self.code_error(first, c))?;
-        }
+        self.encode_chunks(first, data, par, ext)?;
         let par: &[u8] = par;
         let unit = guard.as_ref().expect("placed above");
         let mut reqs = batch();
@@ -241,6 +231,7 @@ impl Inner {
         if guard.is_none() {
             self.place_group(e, g, guard, true)?;
         }
+        self.map.mark_written(g)?;
         if self.layout.parity_count() > 1 {
             return self.write_stripe_locked(e, in_off, data, guard);
         }
@@ -393,18 +384,7 @@ impl Inner {
             let mine = &mut dpart[me * n..(me + 1) * n];
             mine[(from - at) as usize..(to - at) as usize]
                 .copy_from_slice(&data[(from - in_off) as usize..(to - in_off) as usize]);
-            {
-                let mut d: [&[u8]; MAX_SHARDS] = [&[]; MAX_SHARDS];
-                for (d, chunk) in d.iter_mut().zip(dpart.chunks(n)) {
-                    *d = chunk;
-                }
-                let mut p: [&mut [u8]; MAX_SHARDS] = Default::default();
-                for (p, chunk) in p.iter_mut().zip(ppart.chunks_mut(n)) {
-                    *p = chunk;
-                }
-                self.codec(|c| c.encode(&d[..k], &mut p[..r]))
-                    .map_err(|c| self.code_error(e, c))?;
-            }
+            self.encode_chunks(e, dpart, ppart, n)?;
             let (dpart, ppart) = (&*dpart, &*ppart);
             let res = {
                 let mut reqs = batch();

@@ -54,6 +54,29 @@ impl Inner {
         self.codecs.as_ref().expect("a striped mode").with(f)
     }
 
+    /// Encodes a group's `r` parity chunks into `parity` from its `k`
+    /// data chunks in `data`, every chunk `n` bytes (`e`: the group's
+    /// first extent, for errors).
+    pub(crate) fn encode_chunks(
+        &self,
+        e: u64,
+        data: &[u8],
+        parity: &mut [u8],
+        n: usize,
+    ) -> Result<()> {
+        let (k, r) = (data.len() / n, parity.len() / n);
+        let mut d: [&[u8]; MAX_SHARDS] = [&[]; MAX_SHARDS];
+        for (d, chunk) in d.iter_mut().zip(data.chunks(n)) {
+            *d = chunk;
+        }
+        let mut p: [&mut [u8]; MAX_SHARDS] = Default::default();
+        for (p, chunk) in p.iter_mut().zip(parity.chunks_mut(n)) {
+            *p = chunk;
+        }
+        self.codec(|c| c.encode(&d[..k], &mut p[..r]))
+            .map_err(|c| self.code_error(e, c))
+    }
+
     /// Reads `buf` at device offset `offset` group by group. The extents a
     /// read spans in one group, when all at home on live members, are read
     /// at once (a request per extent, in parallel): a read across a stripe

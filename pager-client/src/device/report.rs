@@ -147,6 +147,10 @@ impl Inner {
             t.parity_log_bytes = geo.units * log_unit_bytes;
             t.parity_log_live_bytes = self.map.log_census().0 * crate::page_log::PAGE;
         }
+        if layout.mode.striped() {
+            t.groups_open = self.map.open_intents().len() as u64;
+            t.groups_resynced = self.resynced.load(Ordering::Relaxed);
+        }
         let at = |v: &Vec<f64>, i: usize| v.get(i).copied().unwrap_or(0.0);
         let donors = self
             .donors

@@ -14,6 +14,19 @@
 //! replays the snapshot and the journal's valid prefix; a torn tail is
 //! logged and cut off.
 //!
+//! Write intent (modes parity and ec, the md bitmap's idea): a home group's
+//! data and parity members are written by separate requests, so a client
+//! killed between them leaves a stripe whose parity does not match its
+//! data (the write hole). Before the first write at home to a group not
+//! already marked, [`ExtentMap::mark_written`] journals the group open and
+//! syncs the journal; [`ExtentMap::sweep_intents`] journals it closed once
+//! it has been quiet. The device resyncs every group still open at start
+//! (`Device::open`). The parity log's rows need no intent: a row is
+//! journaled (and its pages enter the page table) only after all its
+//! members were written, rows are written only into a unit's unused rows,
+//! and a unit found placed at start takes no more rows, so a torn row never
+//! shares a stripe with a page anyone reads.
+//!
 //! The parts: `layout` (geometry: units, members, parity rotation),
 //! `record` (the records' encoding), `slots` (free and used slots per
 //! donor), `open` (replay at start-up); this file holds the map itself:
@@ -29,7 +42,8 @@ mod tests;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard, RwLock};
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Mutex, MutexGuard, RwLock, TryLockError};
 
 use netpager_util::LockExt;
 
@@ -48,6 +62,10 @@ pub const JOURNAL_FILE: &str = "map.journal";
 const JOURNAL_SCRATCH: usize = 4096;
 /// The journal is compacted into a snapshot once it grows past this.
 pub const COMPACT_AFTER_BYTES: u64 = 4 << 20;
+/// A group's write intent is journaled open.
+pub(super) const INTENT_OPEN: u8 = 1;
+/// The group was written at home since the last sweep.
+const INTENT_TOUCHED: u8 = 2;
 
 /// A donor as the map knows it: ids are stable across restarts and config
 /// changes, the label says which incarnation of our export holds our data
@@ -102,6 +120,10 @@ pub struct ExtentMap {
     layout: Layout,
     dir: PathBuf,
     units: Vec<RwLock<Option<Unit>>>,
+    /// Write intent of each home group ([`INTENT_OPEN`], [`INTENT_TOUCHED`]):
+    /// changed with the group's write lock held, and the open bit only
+    /// with `persist` held too, so a snapshot sees what the journal says.
+    intents: Vec<AtomicU8>,
     persist: Mutex<Persist>,
     slots: Mutex<Slots>,
     /// The parity log's page table. Changes update it, release it, then
@@ -201,6 +223,14 @@ impl ExtentMap {
             }));
             n += 1;
         }
+        for (g, i) in self.intents.iter().enumerate() {
+            if i.load(Ordering::Relaxed) & INTENT_OPEN != 0 {
+                data.extend(encode(&Record::Intent {
+                    group: g as u32,
+                    open: true,
+                }));
+            }
+        }
         if let Some(t) = table {
             let geo = t.geometry();
             for lu in 0..geo.units {
@@ -234,6 +264,89 @@ impl ExtentMap {
             .map_err(io_err(&tmp))?;
         fs::rename(&tmp, self.dir.join(SNAPSHOT_FILE)).map_err(io_err(&tmp))?;
         fsync_dir(&self.dir)
+    }
+
+    // ---- write intent ----
+
+    /// Marks home group `g` as being written. Call with its write lock
+    /// held, before writing any of its members at home. Only a group not
+    /// already open costs a journal append and a sync (so the mark is on
+    /// disk before the first member changes); the rest is one atomic load.
+    pub fn mark_written(&self, g: u64) -> Result<(), MapError> {
+        let i = &self.intents[g as usize];
+        let v = i.load(Ordering::Relaxed);
+        if v == INTENT_OPEN | INTENT_TOUCHED {
+            return Ok(());
+        }
+        if v & INTENT_OPEN != 0 {
+            i.fetch_or(INTENT_TOUCHED, Ordering::Relaxed);
+            return Ok(());
+        }
+        let jpath = || self.dir.join(JOURNAL_FILE);
+        let journal = {
+            let mut p = self.persist.lock_or_recover();
+            self.append(
+                &mut p,
+                &Record::Intent {
+                    group: g as u32,
+                    open: true,
+                },
+            )?;
+            // Set with `persist` held: a compaction from here on carries
+            // the mark into its snapshot.
+            i.store(INTENT_OPEN | INTENT_TOUCHED, Ordering::Relaxed);
+            p.journal.try_clone().map_err(io_err(&jpath()))?
+        };
+        // Synced without `persist`, which every parity log row's record
+        // needs: the sync waits for the disk.
+        journal.sync_data().map_err(io_err(&jpath()))
+    }
+
+    /// Journals group `g`'s write intent closed: its members agree. Call
+    /// with its write lock held.
+    pub fn clear_intent(&self, g: u64) -> Result<(), MapError> {
+        let mut p = self.persist.lock_or_recover();
+        self.append(
+            &mut p,
+            &Record::Intent {
+                group: g as u32,
+                open: false,
+            },
+        )?;
+        // Not synced: a close that is lost only costs a resync.
+        self.intents[g as usize].store(0, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Closes the intent of every open group not written since the last
+    /// sweep (taking its write lock, so no write is in flight; a group
+    /// whose lock is busy waits for the next sweep).
+    pub fn sweep_intents(&self) -> Result<(), MapError> {
+        for (g, i) in self.intents.iter().enumerate() {
+            if i.load(Ordering::Relaxed) & INTENT_OPEN == 0 {
+                continue;
+            }
+            let guard = match self.units[g].try_write() {
+                Ok(guard) => guard,
+                Err(TryLockError::Poisoned(e)) => e.into_inner(),
+                Err(TryLockError::WouldBlock) => continue,
+            };
+            if i.load(Ordering::Relaxed) & INTENT_TOUCHED != 0 {
+                i.fetch_and(!INTENT_TOUCHED, Ordering::Relaxed);
+            } else {
+                self.clear_intent(g as u64)?;
+            }
+            drop(guard);
+        }
+        Ok(())
+    }
+
+    /// Home groups whose write intent is open (at start: those a crash may
+    /// have left with parity that does not match their data).
+    pub fn open_intents(&self) -> Vec<u64> {
+        (0..self.intents.len() as u64)
+            .filter(|&g| self.intents[g as usize].load(Ordering::Relaxed) & INTENT_OPEN != 0)
+            .collect()
     }
 
     // ---- parity log ----

@@ -3,18 +3,21 @@
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::path::Path;
+use std::sync::atomic::AtomicU8;
 use std::sync::{Mutex, RwLock};
 
 use super::record::{encode, parse_records, Record};
 use super::slots::{SlotSet, Slots};
 use super::{
     fsync_dir, io_err, CopyState, DonorEntry, ExtentMap, Layout, Loc, MapError, Persist, Unit,
-    JOURNAL_FILE, JOURNAL_SCRATCH, SNAPSHOT_FILE,
+    INTENT_OPEN, JOURNAL_FILE, JOURNAL_SCRATCH, SNAPSHOT_FILE,
 };
 use crate::page_log::{PageTable, PAGE};
 
 struct Replay {
     units: Vec<Option<Unit>>,
+    /// Home groups whose write intent is open.
+    intents: Vec<bool>,
     donors: Vec<DonorEntry>,
     log: Option<PageTable>,
 }
@@ -102,6 +105,16 @@ impl Replay {
                 }
                 Ok(())
             }
+            Record::Intent { group, open } => {
+                let slot = self.intents.get_mut(group as usize).ok_or_else(|| {
+                    format!(
+                        "write intent of group {group}, but the map has {} home groups",
+                        layout.home_units()
+                    )
+                })?;
+                *slot = open;
+                Ok(())
+            }
         }
     }
 }
@@ -148,6 +161,7 @@ impl ExtentMap {
         let pages = layout.size / PAGE;
         let mut st = Replay {
             units: vec![None; layout.units() as usize],
+            intents: vec![false; layout.home_units() as usize],
             donors: Vec::new(),
             log: layout.log_geometry().and_then(|g| PageTable::new(g, pages)),
         };
@@ -318,6 +332,11 @@ impl ExtentMap {
             layout,
             dir: dir.to_path_buf(),
             units: st.units.iter().cloned().map(RwLock::new).collect(),
+            intents: st
+                .intents
+                .iter()
+                .map(|&open| AtomicU8::new(if open { INTENT_OPEN } else { 0 }))
+                .collect(),
             persist: Mutex::new(Persist {
                 journal,
                 journal_bytes,

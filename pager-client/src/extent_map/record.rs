@@ -63,6 +63,12 @@ pub(super) enum Record {
         first: u64,
         count: u64,
     },
+    /// Home group `group` may have a write in flight (`open`), or has had
+    /// none since its last mark (the write intent, see `ExtentMap::mark_written`).
+    Intent {
+        group: u32,
+        open: bool,
+    },
 }
 
 /// Appends one framed record to `out`: length, CRC, then the payload that
@@ -155,6 +161,11 @@ fn encode_payload(r: &Record, p: &mut Vec<u8>) {
             p.push(6);
             p.extend_from_slice(&first.to_le_bytes());
             p.extend_from_slice(&count.to_le_bytes());
+        }
+        Record::Intent { group, open } => {
+            p.push(7);
+            p.extend_from_slice(&group.to_le_bytes());
+            p.push(u8::from(*open));
         }
     }
 }
@@ -276,6 +287,14 @@ fn decode(payload: &[u8]) -> Result<Record, String> {
         6 => Record::LogDrop {
             first: c.u64()?,
             count: c.u64()?,
+        },
+        7 => Record::Intent {
+            group: c.u32()?,
+            open: match c.u8()? {
+                0 => false,
+                1 => true,
+                b => return Err(format!("write intent flag {b} is neither 0 nor 1")),
+            },
         },
         t => return Err(format!("unknown record type {t}")),
     };

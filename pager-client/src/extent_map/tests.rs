@@ -292,3 +292,32 @@ fn layout_change_is_refused_naming_the_field() {
         "{e}"
     );
 }
+
+#[test]
+fn write_intents_survive_reopen_and_compaction_until_swept() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let m = ExtentMap::open(dir.path(), layout()).unwrap();
+        m.mark_written(2).unwrap();
+        m.mark_written(5).unwrap();
+        m.mark_written(9).unwrap();
+        m.clear_intent(5).unwrap();
+        assert_eq!(m.open_intents(), vec![2, 9]);
+    }
+    let m = ExtentMap::open(dir.path(), layout()).unwrap();
+    assert_eq!(m.open_intents(), vec![2, 9]);
+    m.compact().unwrap();
+    drop(m);
+    // From the snapshot alone (the new journal is empty).
+    let m = ExtentMap::open(dir.path(), layout()).unwrap();
+    assert_eq!(m.open_intents(), vec![2, 9]);
+    // A sweep closes the groups not written since the last one.
+    m.mark_written(9).unwrap();
+    m.sweep_intents().unwrap();
+    assert_eq!(m.open_intents(), vec![9]);
+    m.sweep_intents().unwrap();
+    assert_eq!(m.open_intents(), Vec::<u64>::new());
+    drop(m);
+    let m = ExtentMap::open(dir.path(), layout()).unwrap();
+    assert_eq!(m.open_intents(), Vec::<u64>::new());
+}

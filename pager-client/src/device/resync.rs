@@ -1,0 +1,161 @@
+//! Closing the write hole (modes parity and ec): a group's data and parity
+//! members are written by separate requests, so a client killed between
+//! them leaves parity that does not match the data, and a later donor
+//! loss would decode garbage for the group's other extents. Every write at
+//! home marks its group open in the map's journal first (see
+//! [`crate::extent_map::ExtentMap::mark_written`]); at start the groups
+//! still marked get their parity recomputed from their data members.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use netpager_util::{LockExt, RwLockExt};
+
+use super::io::{batch, IoReq, IoResult};
+use super::{DeviceError, Inner, Result};
+use crate::erasure::ALIGN;
+use crate::extent_map::Unit;
+use netpager_nbd::Op;
+
+/// The first failed request of a batch: its index and why.
+fn first_failure(res: &[Option<IoResult>]) -> Option<(usize, &str)> {
+    res.iter().enumerate().find_map(|(i, r)| match r {
+        Some(Err(f)) => Some((i, f.reason())),
+        _ => None,
+    })
+}
+
+/// Progress is logged every this many groups.
+const LOG_EVERY: usize = 64;
+
+impl Inner {
+    /// Resyncs every group the journal says was open when the device last
+    /// stopped, before anything reads it.
+    pub(crate) fn resync_open_groups(&self) -> Result<()> {
+        let open = self.map.open_intents();
+        if open.is_empty() {
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        tracing::info!(
+            "resync: {} parity group(s) were open when the device stopped",
+            open.len()
+        );
+        for (i, &g) in open.iter().enumerate() {
+            let guard = self.map.unit(g).write_or_recover();
+            match self.resync_group(g, guard.as_ref()) {
+                Ok(true) => {
+                    self.resynced.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(false) => {}
+                // Nothing better can be done: the group's parity (or a
+                // member rebuilt from it) may not match its data.
+                Err(e) => tracing::error!("resync of parity group {g}: {e}"),
+            }
+            self.map.clear_intent(g)?;
+            drop(guard);
+            if (i + 1) % LOG_EVERY == 0 {
+                tracing::info!("resync: {}/{} groups", i + 1, open.len());
+            }
+        }
+        tracing::info!(
+            "resync: {} of {} group(s) resynced in {:.1} s",
+            self.resynced.load(Ordering::Relaxed),
+            open.len(),
+            t0.elapsed().as_secs_f64()
+        );
+        Ok(())
+    }
+
+    /// Recomputes group `g`'s parity members from its data members and
+    /// writes them (group write-locked, `unit` its placement); false if
+    /// the group has no placement.
+    fn resync_group(&self, g: u64, unit: Option<&Unit>) -> Result<bool> {
+        let Some(unit) = unit else {
+            return Ok(false);
+        };
+        let l = self.layout;
+        let (k, r) = (l.data_per_unit() as usize, l.parity_count());
+        let first = g * l.data_per_unit();
+        if let Some(s) = (0..k).find(|&s| !self.usable(&unit.members[l.member_of(g, s)])) {
+            return Err(DeviceError::Lost {
+                extent: first + s as u64,
+                reason: format!(
+                    "data member {} is gone, so the parity cannot be recomputed: {}",
+                    l.member_of(g, s),
+                    self.lost_reason(unit)
+                ),
+            });
+        }
+        let mut bufs = self.bufs.take(1);
+        let shards = bufs.one(self.buf_bytes());
+        let piece = (shards.len() / (k + r) / ALIGN * ALIGN) as u64;
+        let mut at = 0;
+        while at < l.extent {
+            let n = piece.min(l.extent - at) as usize;
+            let (dpart, ppart) = shards[..(k + r) * n].split_at_mut(k * n);
+            let res = {
+                let mut reqs = batch();
+                for (s, (req, chunk)) in reqs.iter_mut().zip(dpart.chunks_mut(n)).enumerate() {
+                    *req = Some(IoReq {
+                        loc: unit.members[l.member_of(g, s)].loc,
+                        off: at,
+                        op: Op::Read(chunk),
+                    });
+                }
+                self.exec(&mut reqs)
+            };
+            if let Some((s, f)) = first_failure(&res) {
+                return Err(DeviceError::Io {
+                    extent: first + s as u64,
+                    reason: format!("reading data member {} at {at}: {f}", l.member_of(g, s)),
+                });
+            }
+            self.encode_chunks(first, dpart, ppart, n)?;
+            // A parity member that is gone is re-created from the data by
+            // the rebuild anyway.
+            let res = {
+                let mut reqs = batch();
+                for (i, (req, chunk)) in reqs.iter_mut().zip(ppart.chunks(n)).enumerate() {
+                    let m = unit.members[l.member_of(g, k + i)];
+                    *req = self.usable(&m).then_some(IoReq {
+                        loc: m.loc,
+                        off: at,
+                        op: Op::Write(chunk),
+                    });
+                }
+                self.exec(&mut reqs)
+            };
+            if let Some((i, f)) = first_failure(&res) {
+                return Err(DeviceError::Io {
+                    extent: first,
+                    reason: format!(
+                        "writing parity member {} at {at}: {f}",
+                        l.member_of(g, k + i)
+                    ),
+                });
+            }
+            at += n as u64;
+        }
+        Ok(true)
+    }
+
+    /// Closes the write intent of groups quiet for `write_intent_quiet_ms`
+    /// (runs on the maintenance thread).
+    pub(crate) fn sweep_write_intents(&self) {
+        if !self.layout.mode.striped() {
+            return;
+        }
+        let quiet = std::time::Duration::from_millis(self.cfg.write_intent_quiet_ms);
+        {
+            let mut last = self.intent_sweep.lock_or_recover();
+            if last.elapsed() < quiet {
+                return;
+            }
+            *last = Instant::now();
+        }
+        if let Err(e) = self.map.sweep_intents() {
+            tracing::error!("closing parity groups' write intents: {e}");
+        }
+    }
+}
