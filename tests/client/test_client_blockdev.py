@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from client_helpers import MIB, donor_spec, nbd_errno, run_pagerctl
+from netpager_testkit.client import MIB, donor_spec, nbd_errno, run_pagerctl
 from netpager_testkit.attach import mounted
 
 DEVICE = 64 * MIB

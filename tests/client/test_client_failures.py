@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from client_helpers import MIB, nbd_errno, run_memhog, run_pagerctl
+from netpager_testkit.client import MIB, nbd_errno, run_memhog, run_pagerctl
 from netpager_testkit import wait_for
 
 LIMIT = 64 * MIB

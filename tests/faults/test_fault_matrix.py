@@ -32,7 +32,7 @@ import time
 
 import pytest
 
-from client_helpers import MIB, Job, run_pagerctl
+from netpager_testkit.client import MIB, Job, run_pagerctl
 from fault_helpers import (BLOCK, PAGE, MemoryHog, Partition, StatusFlood, append_row,
                            extent_size, mem_available, start_block_workload)
 from netlab import LinkDown, SlowLink

@@ -12,9 +12,11 @@ import time
 import uuid
 from pathlib import Path
 
-from netpager_testkit import MemoryCgroup, OwnedProcess, Teardown, wait_for
-from netpager_testkit.attach import mounted, swaps
-from netpager_testkit.paths import pagerctl, target_dir
+from .cgroup import MemoryCgroup
+from .cleanup import Teardown
+from .procs import OwnedProcess, wait_for
+from .attach import mounted, swaps
+from .paths import pagerctl, target_dir
 
 MIB = 1 << 20
 
