@@ -4,6 +4,10 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 PYTEST := /usr/bin/python3 -m pytest -ra
+# Benchmarks are modules of the test harness (tests/netpager_testkit).
+BENCH_PY := PYTHONPATH=$(CURDIR)/tests /usr/bin/python3 -m netpager_testkit
+# Which client benchmarks `make bench-client` runs (donors modes swap latency: all).
+WHICH ?=
 # Seconds per fuzz target: short inside `make test`, long in `make fuzz`.
 FUZZ_SHORT_SECONDS ?= 15
 FUZZ_SECONDS ?= 300
@@ -86,11 +90,13 @@ faults: build
 bench: bench-server bench-client bench-prefetch
 	$(CARGO) bench --workspace
 
+# Tables and numbers go to bench-results/server/ and bench-results/client/;
+# knobs are environment variables (see docs/HACKING.md, "Benchmarks").
 bench-server: build
-	bash scripts/bench-server.sh
+	$(BENCH_PY).bench_server
 
 bench-client: build
-	bash scripts/bench-client.sh
+	$(BENCH_PY).bench_client $(WHICH)
 
 bench-prefetch: build
 	bash scripts/bench-prefetch.sh
