@@ -83,6 +83,21 @@ def run_memhog(teardown: Teardown, memhog, limit_bytes: int, log_path, device: s
     return Job(teardown, [memhog, str(3 * limit_bytes), "--passes", "1"], limit_bytes, log_path, device)
 
 
+def donor_report(status: dict, name: str) -> dict:
+    """The donor called `name` in a client's device status."""
+    return next(d for d in status["donors"] if d["name"] == name)
+
+
+def busiest(client: "PagerClient", donors, exclude=()):
+    """The harness donor holding most of the client's extents (once the
+    status shows any), leaving out the names in `exclude`."""
+    st = client.wait_status(lambda s: any(d["extents_held"] > 0 for d in s["donors"]), 30,
+                            "extents placed on donors")
+    ranked = sorted(st["donors"], key=lambda d: -d["extents_held"])
+    best = next(d for d in ranked if d["name"] not in exclude)
+    return next(d for d in donors if d.name == best["name"])
+
+
 def donor_spec(donor) -> str:
     """HOST:PORT,status=HOST:PORT,name=NAME for a harness donor."""
     spec = f"{donor.addr}:{donor.port},name={donor.name}"
