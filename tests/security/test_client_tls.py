@@ -12,7 +12,7 @@ import pytest
 from netpager_testkit import wait_for
 from netpager_testkit.nbdio import pattern
 from netpager_testkit.paths import pagerctl, target_dir
-from sec_helpers import connect
+from netpager_testkit.nbdio import connect
 
 MIB = 1 << 20
 DEVICE = 64 * MIB
