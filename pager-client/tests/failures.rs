@@ -136,10 +136,7 @@ fn mode_none_reports_exactly_the_dead_donors_extents_as_lost() {
     let mut rng = Rng::new(21);
     let n = SIZE / EXTENT;
     for e in 0..n {
-        let mut b = vec![0u8; 5000];
-        rng.fill(&mut b);
-        dev.write(&b, e * EXTENT + 300).unwrap();
-        model.data[(e * EXTENT + 300) as usize..(e * EXTENT + 5300) as usize].copy_from_slice(&b);
+        model.write_random(&dev, &mut rng, e * EXTENT + 300, 5000);
     }
     let held = dev.status().donors[1].extents_held;
     assert!(held > 0);

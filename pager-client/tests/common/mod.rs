@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use pager_client::config::{ByteSize, DeviceConfig, DonorConfig, Mode};
 use pager_client::device::Device;
-use pager_client::status::ClientStatus;
+use pager_client::status::{render_table, ClientStatus};
 
 /// A pager-server donor with a status endpoint, or `None` (with a note
 /// on stderr) when its plugin has not been built.
@@ -148,11 +148,21 @@ impl Model {
     pub fn fill(&mut self, dev: &Device, rng: &mut Rng, chunk: u64) {
         let size = self.data.len() as u64;
         for off in (0..size).step_by(chunk as usize) {
-            let mut b = vec![0u8; chunk.min(size - off) as usize];
-            rng.fill(&mut b);
-            dev.write(&b, off).unwrap();
-            self.data[off as usize..off as usize + b.len()].copy_from_slice(&b);
+            self.write_random(dev, rng, off, chunk.min(size - off));
         }
+    }
+
+    /// Writes `len` random bytes at `off` to both the device and the model.
+    pub fn write_random(&mut self, dev: &Device, rng: &mut Rng, off: u64, len: u64) {
+        let mut b = vec![0u8; len as usize];
+        rng.fill(&mut b);
+        dev.write(&b, off).unwrap_or_else(|e| {
+            panic!(
+                "write of {len} at {off}: {e}\n{}",
+                render_table(&dev.status())
+            )
+        });
+        self.data[off as usize..(off + len) as usize].copy_from_slice(&b);
     }
 
     /// Takes over this model's region from `other`.
