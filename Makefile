@@ -16,7 +16,7 @@ export PATH := /usr/sbin:/usr/bin:/sbin:/bin:$(PATH)
 export NETPAGER_ROOT := $(CURDIR)
 
 .PHONY: all deps build demo lab-demo test test-unit test-server test-client test-prefetch \
-        test-ansible test-security test-monitoring bench bench-server bench-client bench-prefetch \
+        test-ansible test-security test-monitoring test-bench bench bench-server bench-client bench-prefetch \
         fuzz soak faults clean lint
 
 all: build
@@ -71,6 +71,10 @@ test-security: build
 
 test-monitoring: build
 	$(PYTEST) tests/monitoring
+
+# Every benchmark of bench-client and bench-server in its shortest configuration.
+test-bench: build
+	$(PYTEST) tests/bench
 
 fuzz: deps
 	bash scripts/fuzz.sh $(FUZZ_SECONDS)
