@@ -75,11 +75,12 @@ def disk_workdir(td: Teardown, prefix: str, candidates: list[Path]) -> Path:
 
 def nbdkit(td: Teardown, workdir: Path, name: str, args: list[str], timeout: float = 30.0) -> OwnedProcess:
     """`nbdkit -f --pidfile ... ARGS`, owned by `td`; returns once its pidfile
-    names it (nbdkit writes it after binding its socket)."""
+    names it (nbdkit writes it after binding its socket). --exit-with-parent:
+    a benchmark killed with SIGKILL, which no undo survives, leaves no server."""
     pidfile = workdir / f"{name}.pid"
     pidfile.unlink(missing_ok=True)
-    proc = OwnedProcess(["nbdkit", "-f", "--pidfile", pidfile, *args], workdir / f"{name}.log", td,
-                        f"nbdkit {name}")
+    proc = OwnedProcess(["nbdkit", "-f", "--exit-with-parent", "--pidfile", pidfile, *args],
+                        workdir / f"{name}.log", td, f"nbdkit {name}")
     td.add(f"pidfile {pidfile}", lambda: pidfile.unlink(missing_ok=True))
 
     def ready():
