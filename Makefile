@@ -4,6 +4,10 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 PYTEST := /usr/bin/python3 -m pytest -ra
+# Benchmarks are modules of the test harness (tests/netpager_testkit).
+BENCH_PY := PYTHONPATH=$(CURDIR)/tests /usr/bin/python3 -m netpager_testkit
+# Which client benchmarks `make bench-client` runs (donors modes swap latency: all).
+WHICH ?=
 # Seconds per fuzz target: short inside `make test`, long in `make fuzz`.
 FUZZ_SHORT_SECONDS ?= 15
 FUZZ_SECONDS ?= 300
@@ -15,7 +19,7 @@ export NETPAGER_ROOT := $(CURDIR)
 export NETPAGER_REQUIRE_SERVER := 1
 
 .PHONY: all deps build demo lab-demo test test-unit test-server test-client test-prefetch \
-        test-ansible test-security test-monitoring bench bench-server bench-client bench-prefetch \
+        test-ansible test-security test-monitoring test-bench bench bench-server bench-client bench-prefetch \
         fuzz soak faults clean lint
 
 all: build
@@ -71,6 +75,10 @@ test-security: build
 test-monitoring: build
 	$(PYTEST) tests/monitoring
 
+# Every benchmark of bench-client and bench-server in its shortest configuration.
+test-bench: build
+	$(PYTEST) tests/bench
+
 fuzz: deps
 	bash scripts/fuzz.sh $(FUZZ_SECONDS)
 
@@ -89,11 +97,13 @@ faults: build
 bench: bench-server bench-client bench-prefetch
 	$(CARGO) bench --workspace
 
+# Tables and numbers go to bench-results/server/ and bench-results/client/;
+# knobs are environment variables (see docs/HACKING.md, "Benchmarks").
 bench-server: build
-	bash scripts/bench-server.sh
+	$(BENCH_PY).bench_server
 
 bench-client: build
-	bash scripts/bench-client.sh
+	$(BENCH_PY).bench_client $(WHICH)
 
 bench-prefetch: build
 	bash scripts/bench-prefetch.sh

@@ -39,6 +39,35 @@ struct Synth<F: FnMut(u64) -> Vec<u8>> {
     served: Arc<AtomicU64>,
 }
 
+impl<F: FnMut(u64) -> Vec<u8>> Synth<F> {
+    /// The source, and the count of bytes it will have served.
+    fn new(prefix: Vec<u8>, item: F, count: u64, suffix: Vec<u8>) -> (Synth<F>, Arc<AtomicU64>) {
+        let served = Arc::new(AtomicU64::new(0));
+        let src = Synth {
+            prefix,
+            item,
+            count,
+            next: 0,
+            suffix,
+            pending: Vec::new(),
+            at: 0,
+            served: served.clone(),
+        };
+        (src, served)
+    }
+}
+
+/// Asserts that at record `n` the reader has pulled at most SLACK bytes
+/// beyond the `consumed` bytes that make up the records so far.
+fn assert_not_far_ahead(served: &AtomicU64, n: u64, consumed: u64) {
+    let served = served.load(Ordering::Relaxed);
+    assert!(
+        served <= consumed + SLACK,
+        "record {n}: read {} bytes ahead",
+        served - consumed
+    );
+}
+
 impl<F: FnMut(u64) -> Vec<u8>> Read for Synth<F> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         if self.at == self.pending.len() {
@@ -73,17 +102,7 @@ fn text_with_two_million_records_streams() {
     // every record is known.
     let line = |i: u64| format!("data/big.db {:013} 4096\n", i * 4096).into_bytes();
     let line_len = line(0).len() as u64;
-    let served = Arc::new(AtomicU64::new(0));
-    let src = Synth {
-        prefix: prefix.clone(),
-        item: line,
-        count: N,
-        next: 0,
-        suffix: Vec::new(),
-        pending: Vec::new(),
-        at: 0,
-        served: served.clone(),
-    };
+    let (src, served) = Synth::new(prefix.clone(), line, N, Vec::new());
     let reader = HintReader::from_reader(src, "big.txt").unwrap();
     let mut n = 0u64;
     for r in reader {
@@ -91,11 +110,7 @@ fn text_with_two_million_records_streams() {
         assert_eq!(r.offset, n * 4096);
         n += 1;
         let consumed = prefix.len() as u64 + n * line_len;
-        assert!(
-            served.load(Ordering::Relaxed) <= consumed + SLACK,
-            "record {n}: read {} bytes ahead",
-            served.load(Ordering::Relaxed) - consumed
-        );
+        assert_not_far_ahead(&served, n, consumed);
     }
     assert_eq!(n, N);
 }
@@ -112,17 +127,7 @@ fn binary_with_three_million_records_streams() {
     // Every later record: same path, contiguous, same length -> empty record.
     let same = record_frame(0, 0, 0);
     assert_eq!(same.len(), 3);
-    let served = Arc::new(AtomicU64::new(0));
-    let src = Synth {
-        prefix: prefix.clone(),
-        item: move |_| same.clone(),
-        count: N - 1,
-        next: 0,
-        suffix: end_frame(N),
-        pending: Vec::new(),
-        at: 0,
-        served: served.clone(),
-    };
+    let (src, served) = Synth::new(prefix.clone(), move |_| same.clone(), N - 1, end_frame(N));
     let reader = HintReader::from_reader(src, "big.bin").unwrap();
     assert_eq!(reader.format(), Format::Binary);
     let mut n = 0u64;
@@ -131,11 +136,7 @@ fn binary_with_three_million_records_streams() {
         assert_eq!(r, HintRecord::new("data/big.db", n * 4096, 4096));
         n += 1;
         let consumed = prefix.len() as u64 + (n - 1) * 3;
-        assert!(
-            served.load(Ordering::Relaxed) <= consumed + SLACK,
-            "record {n}: read {} bytes ahead",
-            served.load(Ordering::Relaxed) - consumed
-        );
+        assert_not_far_ahead(&served, n, consumed);
     }
     assert_eq!(n, N);
 }
@@ -143,11 +144,10 @@ fn binary_with_three_million_records_streams() {
 #[test]
 fn stats_of_a_large_stream_are_exact() {
     const N: u64 = records(1_000_000);
-    let served = Arc::new(AtomicU64::new(0));
     // Blocks 0..N/2 read twice: record i reads block i % (N/2).
-    let src = Synth {
-        prefix: concat(&[MAGIC, &header_frame("big", 4096), &path_frame("f")]),
-        item: |i| {
+    let (src, _) = Synth::new(
+        concat(&[MAGIC, &header_frame("big", 4096), &path_frame("f")]),
+        |i| {
             if i == 0 {
                 record_frame(1, 0, 4096)
             } else if i == N / 2 {
@@ -156,13 +156,9 @@ fn stats_of_a_large_stream_are_exact() {
                 record_frame(0, 0, 0)
             }
         },
-        count: N,
-        next: 0,
-        suffix: end_frame(N),
-        pending: Vec::new(),
-        at: 0,
-        served,
-    };
+        N,
+        end_frame(N),
+    );
     let s = HintReader::from_reader(src, "big.bin")
         .unwrap()
         .stats()

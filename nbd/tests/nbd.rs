@@ -85,6 +85,22 @@ fn a_hung_server_times_out_instead_of_blocking() {
     assert!(matches!(err, NbdError::ConnectTimeout { .. }), "{err}");
 }
 
+/// One batch reading offset 0 of each pool into its buffer.
+fn read_both(pa: &Pool, ra: &mut [u8], pb: &Pool, rb: &mut [u8]) -> Vec<Result<(), NbdError>> {
+    nbd::run(&mut [
+        nbd::Request {
+            pool: pa,
+            offset: 0,
+            op: Op::Read(ra),
+        },
+        nbd::Request {
+            pool: pb,
+            offset: 0,
+            op: Op::Read(rb),
+        },
+    ])
+}
+
 #[test]
 fn batches_run_on_several_donors_and_report_each_result() {
     let a = Nbdkit::memory("1M");
@@ -117,19 +133,9 @@ fn batches_run_on_several_donors_and_report_each_result() {
     ];
     assert!(nbd::run(&mut reqs).iter().all(|r| r.is_ok()));
     let (mut ra, mut rb) = ([0u8; 8192], [0u8; 4096]);
-    let mut reqs = vec![
-        nbd::Request {
-            pool: &pa,
-            offset: 0,
-            op: Op::Read(&mut ra),
-        },
-        nbd::Request {
-            pool: &pb,
-            offset: 0,
-            op: Op::Read(&mut rb),
-        },
-    ];
-    assert!(nbd::run(&mut reqs).iter().all(|r| r.is_ok()));
+    assert!(read_both(&pa, &mut ra, &pb, &mut rb)
+        .iter()
+        .all(|r| r.is_ok()));
     assert_eq!(
         (&ra[..4096], &ra[4096..], &rb[..]),
         (&x[..], &y[..], &y[..])
@@ -137,19 +143,7 @@ fn batches_run_on_several_donors_and_report_each_result() {
     // One donor hangs: only its request fails, by timeout.
     b.stop();
     let (mut ra, mut rb) = ([0u8; 4096], [0u8; 4096]);
-    let mut reqs = vec![
-        nbd::Request {
-            pool: &pa,
-            offset: 0,
-            op: Op::Read(&mut ra),
-        },
-        nbd::Request {
-            pool: &pb,
-            offset: 0,
-            op: Op::Read(&mut rb),
-        },
-    ];
-    let res = nbd::run(&mut reqs);
+    let res = read_both(&pa, &mut ra, &pb, &mut rb);
     assert!(res[0].is_ok());
     assert!(
         matches!(res[1], Err(NbdError::Timeout { .. })),

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{config, wait_status, Model, Nbdkit, Rng};
-use pager_client::config::{ByteSize, FallbackConfig, Mode};
+use pager_client::config::{ByteSize, DeviceConfig, FallbackConfig, Mode};
 use pager_client::device::Device;
 use pager_client::status::render_table;
 
@@ -23,6 +23,19 @@ fn server(budget: &str) -> Option<Nbdkit> {
         "busy-load=1000",
         "poll-ms=100",
     ])
+}
+
+/// `n` donors of `budget` bytes each, or `None` when the plugin is not built.
+fn servers(n: usize, budget: &str) -> Option<Vec<Nbdkit>> {
+    (0..n).map(|_| server(budget)).collect()
+}
+
+/// Gives `cfg` a fallback file of `size` bytes in `dir`.
+fn with_fallback(cfg: &mut DeviceConfig, dir: &tempfile::TempDir, size: u64) {
+    cfg.fallback = Some(FallbackConfig {
+        path: dir.path().join("fb.img"),
+        size: ByteSize(size),
+    });
 }
 
 fn donor_used(addr: &str) -> u64 {
@@ -46,10 +59,7 @@ fn meminfo(available_kib: u64) -> String {
 
 #[test]
 fn drain_command_empties_the_donor_without_losing_a_page() {
-    let Some(ds) = (0..3)
-        .map(|_| server("16M"))
-        .collect::<Option<Vec<Nbdkit>>>()
-    else {
+    let Some(ds) = servers(3, "16M") else {
         return;
     };
     drain_test(ds, DrainTrigger::Command);
@@ -71,10 +81,7 @@ fn memory_pressure_on_a_donor_empties_it_without_losing_a_page() {
     ]) else {
         return;
     };
-    let Some(rest) = (0..2)
-        .map(|_| server("16M"))
-        .collect::<Option<Vec<Nbdkit>>>()
-    else {
+    let Some(rest) = servers(2, "16M") else {
         return;
     };
     let ds = std::iter::once(d0).chain(rest).collect();
@@ -160,10 +167,7 @@ fn drain_test(ds: Vec<Nbdkit>, trigger: DrainTrigger) {
 fn budget_running_out_mid_extent_moves_it_to_the_fallback() {
     // Each donor may hold 3 extents' worth of pages (plus its label page).
     let budget = (3 * EXTENT + 4096).to_string();
-    let Some(ds) = (0..2)
-        .map(|_| server(&budget))
-        .collect::<Option<Vec<Nbdkit>>>()
-    else {
+    let Some(ds) = servers(2, &budget) else {
         return;
     };
     let refs: Vec<&Nbdkit> = ds.iter().collect();
@@ -171,28 +175,19 @@ fn budget_running_out_mid_extent_moves_it_to_the_fallback() {
     let fb = tempfile::tempdir().unwrap();
     let size = 16 * EXTENT;
     let mut cfg = config(Mode::None, size, EXTENT, &refs);
-    cfg.fallback = Some(FallbackConfig {
-        path: fb.path().join("fb.img"),
-        size: ByteSize(size),
-    });
+    with_fallback(&mut cfg, &fb, size);
     let dev = Device::open(cfg, state.path()).unwrap();
     let mut model = Model::new(size);
     let mut rng = Rng::new(41);
     // First a page in every extent: the donors take extents faster than
     // their budget can back them...
     for e in 0..16 {
-        let mut b = vec![0u8; 4096];
-        rng.fill(&mut b);
-        dev.write(&b, e * EXTENT).unwrap();
-        model.data[(e * EXTENT) as usize..(e * EXTENT + 4096) as usize].copy_from_slice(&b);
+        model.write_random(&dev, &mut rng, e * EXTENT, 4096);
     }
     // ...then fill every extent: donors refuse new pages (ENOSPC) and
     // those extents move, with their data, to the fallback.
     for e in 0..16 {
-        let mut b = vec![0u8; EXTENT as usize];
-        rng.fill(&mut b);
-        dev.write(&b, e * EXTENT).unwrap();
-        model.data[(e * EXTENT) as usize..((e + 1) * EXTENT) as usize].copy_from_slice(&b);
+        model.write_random(&dev, &mut rng, e * EXTENT, EXTENT);
     }
     model.check_all(&dev, 256 << 10);
     let s = dev.status();
@@ -207,10 +202,7 @@ fn parity_members_both_refused_move_to_the_fallback() {
     // and the parity member in place. Once both donors refuse new pages,
     // the write must move a member to the fallback, not fail.
     let budget = (3 * EXTENT + 4096).to_string();
-    let Some(ds) = (0..3)
-        .map(|_| server(&budget))
-        .collect::<Option<Vec<Nbdkit>>>()
-    else {
+    let Some(ds) = servers(3, &budget) else {
         return;
     };
     let refs: Vec<&Nbdkit> = ds.iter().collect();
@@ -219,28 +211,16 @@ fn parity_members_both_refused_move_to_the_fallback() {
     let size = 16 * EXTENT;
     let mut cfg = config(Mode::Parity { width: 3 }, size, EXTENT, &refs);
     cfg.parity_log = Some(ByteSize(0));
-    cfg.fallback = Some(FallbackConfig {
-        path: fb.path().join("fb.img"),
-        size: ByteSize(2 * size),
-    });
+    with_fallback(&mut cfg, &fb, 2 * size);
     let dev = Device::open(cfg, state.path()).unwrap();
     let mut model = Model::new(size);
     let mut rng = Rng::new(43);
     for e in 0..16 {
-        let mut b = vec![0u8; 4096];
-        rng.fill(&mut b);
-        dev.write(&b, e * EXTENT).unwrap();
-        model.data[(e * EXTENT) as usize..(e * EXTENT + 4096) as usize].copy_from_slice(&b);
+        model.write_random(&dev, &mut rng, e * EXTENT, 4096);
     }
     // Half an extent at a time: never a full stripe, always read-modify-write.
     for e in 0..16 {
-        let half = EXTENT / 2;
-        let mut b = vec![0u8; half as usize];
-        rng.fill(&mut b);
-        let at = e * EXTENT + half;
-        dev.write(&b, at)
-            .unwrap_or_else(|err| panic!("write at {at}: {err}\n{}", render_table(&dev.status())));
-        model.data[at as usize..(at + half) as usize].copy_from_slice(&b);
+        model.write_random(&dev, &mut rng, e * EXTENT + EXTENT / 2, EXTENT / 2);
     }
     model.check_all(&dev, 256 << 10);
     let s = dev.status();
@@ -253,10 +233,7 @@ fn donors_filling_up_between_epochs_send_new_extents_to_the_fallback() {
     // Four donors that each hold two extents; their status says so only
     // once per epoch, so most refusals arrive as ENOSPC on first writes.
     let budget = (2 * EXTENT + 4096).to_string();
-    let Some(ds) = (0..4)
-        .map(|_| server(&budget))
-        .collect::<Option<Vec<Nbdkit>>>()
-    else {
+    let Some(ds) = servers(4, &budget) else {
         return;
     };
     let refs: Vec<&Nbdkit> = ds.iter().collect();
@@ -265,20 +242,11 @@ fn donors_filling_up_between_epochs_send_new_extents_to_the_fallback() {
     let size = 24 * EXTENT;
     let mut cfg = config(Mode::None, size, EXTENT, &refs);
     cfg.policy.epoch_ms = 60_000;
-    cfg.fallback = Some(FallbackConfig {
-        path: fb.path().join("fb.img"),
-        size: ByteSize(size),
-    });
+    with_fallback(&mut cfg, &fb, size);
     let dev = Device::open(cfg, state.path()).unwrap();
     let mut model = Model::new(size);
     let mut rng = Rng::new(43);
-    for e in 0..24 {
-        let mut b = vec![0u8; EXTENT as usize];
-        rng.fill(&mut b);
-        dev.write(&b, e * EXTENT)
-            .unwrap_or_else(|err| panic!("extent {e}: {err}"));
-        model.data[(e * EXTENT) as usize..((e + 1) * EXTENT) as usize].copy_from_slice(&b);
-    }
+    model.fill(&dev, &mut rng, EXTENT);
     model.check_all(&dev, 256 << 10);
     let s = dev.status();
     assert!(s.totals.on_fallback >= 16, "{}", render_table(&s));

@@ -6,10 +6,9 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use common::{config, wait_status, Model, Nbdkit, Rng};
+use common::{config, wait_status, Fault, Model, Nbdkit, Rng, Workers};
 use pager_client::config::Mode;
 use pager_client::device::Device;
 use pager_client::status::render_table;
@@ -26,12 +25,7 @@ fn donors(n: usize) -> Vec<Nbdkit> {
 
 /// Whole stripes of random data over the device, then random small writes.
 fn fill(dev: &Device, model: &mut Model, rng: &mut Rng) {
-    for s in 0..SIZE / STRIPE {
-        let mut b = vec![0u8; STRIPE as usize];
-        rng.fill(&mut b);
-        dev.write(&b, s * STRIPE).unwrap();
-        model.data[(s * STRIPE) as usize..((s + 1) * STRIPE) as usize].copy_from_slice(&b);
-    }
+    model.fill(dev, rng, STRIPE);
     for _ in 0..200 {
         model.random_write(dev, rng, 3 * 4096);
     }
@@ -45,12 +39,7 @@ fn ec_reads_back_what_was_written_reading_one_donor_per_read() {
     let dev = Device::open(config(EC, SIZE, EXTENT, &refs), state.path()).unwrap();
     let mut model = Model::new(SIZE);
     let mut rng = Rng::new(41);
-    for s in 0..SIZE / STRIPE {
-        let mut b = vec![0u8; STRIPE as usize];
-        rng.fill(&mut b);
-        dev.write(&b, s * STRIPE).unwrap();
-        model.data[(s * STRIPE) as usize..((s + 1) * STRIPE) as usize].copy_from_slice(&b);
-    }
+    model.fill(&dev, &mut rng, STRIPE);
     // Pages 17 and 300 go to the parity log, 0 and 777 stay home.
     for page in [17u64, 300] {
         let b = [page as u8; 4096];
@@ -80,12 +69,6 @@ fn ec_reads_back_what_was_written_reading_one_donor_per_read() {
     assert!(render_table(&s).contains("ec (code 4+2)"));
 }
 
-#[derive(Clone, Copy)]
-enum Fault {
-    Kill,
-    Hang,
-}
-
 #[test]
 fn ec_survives_two_donors_killed_at_once_and_rebuilds() {
     two_failures_mid_run([Fault::Kill, Fault::Kill], 42);
@@ -109,37 +92,11 @@ fn two_failures_mid_run(faults: [Fault; 2], seed: u64) {
     let mut model = Model::new(SIZE);
     let mut rng = Rng::new(seed);
     fill(&dev, &mut model, &mut rng);
-    let ops = Arc::new(AtomicU64::new(0));
-    let workers: Vec<_> = (0..2u64)
-        .map(|t| {
-            let (dev, ops) = (dev.clone(), ops.clone());
-            let mut m = model.region(t * SIZE / 2, (t + 1) * SIZE / 2);
-            std::thread::spawn(move || {
-                let mut rng = Rng::new(seed * 100 + t);
-                for _ in 0..300 {
-                    match rng.below(5) {
-                        0 | 1 => m.random_write(&dev, &mut rng, 2 * EXTENT),
-                        2 => m.aligned_write(&dev, &mut rng, STRIPE, STRIPE),
-                        _ => m.random_check(&dev, &mut rng, 2 * EXTENT),
-                    }
-                    ops.fetch_add(1, Ordering::Relaxed);
-                }
-                m
-            })
-        })
-        .collect();
-    while ops.load(Ordering::Relaxed) < 100 {
-        std::thread::yield_now();
-    }
+    let workers = Workers::start(&dev, &model, STRIPE, 2 * EXTENT, seed);
     for (i, f) in [1, 4].into_iter().zip(faults) {
-        match f {
-            Fault::Kill => ds[i].kill9(),
-            Fault::Hang => ds[i].stop(),
-        }
+        f.apply(&mut ds[i]);
     }
-    for w in workers {
-        model.merge(&w.join().expect("no I/O error reaches the caller"));
-    }
+    workers.join(&mut model);
     let s = wait_status(&dev, "d1 and d4 marked failed", |s| {
         s.donors[1].failed && s.donors[4].failed
     });

@@ -6,22 +6,15 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use common::{config, wait_status, Model, Nbdkit, Rng};
+use common::{config, wait_status, Fault, Model, Nbdkit, Rng, Workers};
 use pager_client::config::{ByteSize, Mode};
 use pager_client::device::Device;
 use pager_client::status::render_table;
 
 const EXTENT: u64 = 64 << 10;
 const SIZE: u64 = 2 << 20;
-
-#[derive(Clone, Copy, PartialEq)]
-enum Fault {
-    Kill,
-    Hang,
-}
 
 /// Fills the device, then runs two threads of random I/O on disjoint halves
 /// while donor 1 fails; checks everything, waits for the rebuild, then
@@ -45,42 +38,11 @@ fn fail_mid_run(
     let dev = Arc::new(Device::open(cfg, state.path()).unwrap());
     let mut model = Model::new(SIZE);
     let mut rng = Rng::new(seed);
-    for e in 0..SIZE / EXTENT {
-        let mut b = vec![0u8; EXTENT as usize];
-        rng.fill(&mut b);
-        dev.write(&b, e * EXTENT).unwrap();
-        model.data[(e * EXTENT) as usize..((e + 1) * EXTENT) as usize].copy_from_slice(&b);
-    }
-    let ops = Arc::new(AtomicU64::new(0));
-    let workers: Vec<_> = (0..2u64)
-        .map(|t| {
-            let (dev, ops) = (dev.clone(), ops.clone());
-            let mut m = model.region(t * SIZE / 2, (t + 1) * SIZE / 2);
-            std::thread::spawn(move || {
-                let mut rng = Rng::new(seed * 100 + t);
-                for _ in 0..300 {
-                    match rng.below(5) {
-                        0 | 1 => m.random_write(&dev, &mut rng, 2 * EXTENT),
-                        // Whole parity groups of width 3.
-                        2 => m.aligned_write(&dev, &mut rng, 2 * EXTENT, 2 * EXTENT),
-                        _ => m.random_check(&dev, &mut rng, 2 * EXTENT),
-                    }
-                    ops.fetch_add(1, Ordering::Relaxed);
-                }
-                m
-            })
-        })
-        .collect();
-    while ops.load(Ordering::Relaxed) < 100 {
-        std::thread::yield_now();
-    }
-    match fault {
-        Fault::Kill => ds[1].kill9(),
-        Fault::Hang => ds[1].stop(),
-    }
-    for w in workers {
-        model.merge(&w.join().expect("no I/O error reaches the caller"));
-    }
+    model.fill(&dev, &mut rng, EXTENT);
+    // Whole parity groups of width 3: two extents of data.
+    let workers = Workers::start(&dev, &model, 2 * EXTENT, 2 * EXTENT, seed);
+    fault.apply(&mut ds[1]);
+    workers.join(&mut model);
     let s = wait_status(&dev, "donor d1 marked failed", |s| s.donors[1].failed);
     assert!(s.donors[1].failure.is_some());
     model.check_all(&dev, 256 << 10);
@@ -174,10 +136,7 @@ fn mode_none_reports_exactly_the_dead_donors_extents_as_lost() {
     let mut rng = Rng::new(21);
     let n = SIZE / EXTENT;
     for e in 0..n {
-        let mut b = vec![0u8; 5000];
-        rng.fill(&mut b);
-        dev.write(&b, e * EXTENT + 300).unwrap();
-        model.data[(e * EXTENT + 300) as usize..(e * EXTENT + 5300) as usize].copy_from_slice(&b);
+        model.write_random(&dev, &mut rng, e * EXTENT + 300, 5000);
     }
     let held = dev.status().donors[1].extents_held;
     assert!(held > 0);

@@ -45,10 +45,7 @@ fn write_pages(dev: &Arc<Device>, mut model: Model, n: usize, seed: u64) -> Mode
                 let mut rng = Rng::new(seed * 10 + t);
                 for _ in 0..n / 8 {
                     let off = lo + rng.below((hi - lo) / PAGE) * PAGE;
-                    let mut b = vec![0u8; PAGE as usize];
-                    rng.fill(&mut b);
-                    dev.write(&b, off).unwrap();
-                    m.data[off as usize..(off + PAGE) as usize].copy_from_slice(&b);
+                    m.write_random(&dev, &mut rng, off, PAGE);
                 }
                 m
             })

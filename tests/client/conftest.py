@@ -1,40 +1,4 @@
 """Fixtures of the client's end-to-end tests: donors for a client, and
-clients driven through pagerctl (helpers in client_helpers.py)."""
+clients driven through pagerctl (netpager_testkit.client_fixtures)."""
 
-from __future__ import annotations
-
-import pytest
-
-from client_helpers import PagerClient, client_plugin
-from netpager_testkit.paths import pagerctl
-from netpager_testkit.ci import skip_or_fail
-
-
-@pytest.fixture
-def client_built():
-    """pagerctl and the client plugin; the test is skipped when not built."""
-    for path in (pagerctl(), client_plugin()):
-        if not path.exists():
-            skip_or_fail(f"client not built: {path} missing (run `make build`, or set NETPAGER_TARGET_DIR)")
-
-
-@pytest.fixture
-def donors(cluster):
-    """Starts n pager-server donors for a client (default budget 256M each).
-
-    busy-load out of reach: the machine's own load (other tests, compilers)
-    must not turn a donor busy under a test that expects it idle.
-    """
-
-    def start(n: int = 4, budget="256M", **params):
-        params.setdefault("busy_load", 1000)
-        params.setdefault("poll_ms", 100)
-        return cluster.start_donors(n, budgets=budget, size="1G", **params)
-
-    return start
-
-
-@pytest.fixture
-def client(root, client_built, teardown, tmp_path):
-    """A client with its state directory under the test's tmp_path."""
-    return PagerClient(teardown, tmp_path / "state")
+from netpager_testkit.client_fixtures import client, client_built, donors  # noqa: F401

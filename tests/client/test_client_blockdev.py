@@ -8,12 +8,11 @@ from __future__ import annotations
 import hashlib
 import subprocess
 import tomllib
-from pathlib import Path
 
 import pytest
 
-from client_helpers import MIB, donor_spec, nbd_errno, run_pagerctl
-from netpager_testkit.attach import mounted
+from netpager_testkit.client import MIB, donor_spec, nbd_errno, run_pagerctl
+from netpager_testkit.attach import Mount, file_checksums
 
 DEVICE = 64 * MIB
 
@@ -76,24 +75,6 @@ def test_full_donors_without_fallback_give_enospc(teardown, donors, client):
     assert client.leftovers() == []
 
 
-def checksums(root: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.glob("f*"))}
-
-
-class Mount:
-    """mount DEVICE on a directory, unmounted on teardown."""
-
-    def __init__(self, teardown, device: str, where: Path):
-        self.where = where
-        where.mkdir(exist_ok=True)
-        subprocess.run(["mount", device, str(where)], check=True, capture_output=True)
-        teardown.add(f"mount {where}", self.umount)
-
-    def umount(self):
-        if mounted(self.where):
-            subprocess.run(["umount", str(self.where)], check=True, capture_output=True)
-
-
 def fsck_clean(device: str):
     p = subprocess.run(["fsck.ext4", "-n", "-f", device], capture_output=True, text=True)
     assert p.returncode == 0, f"fsck.ext4 -n {device}: {p.returncode}\n{p.stdout}\n{p.stderr}"
@@ -109,7 +90,7 @@ def test_filesystem_survives_detach_and_client_crash(mode, frontend, teardown, d
     mnt = Mount(teardown, dev, tmp_path / "mnt")
     for i in range(8):
         (mnt.where / f"f{i}").write_bytes(hashlib.sha256(str(i).encode()).digest() * (40_000 + i))
-    want = checksums(mnt.where)
+    want = file_checksums(mnt.where, "f*")
     mnt.umount()
     client.detach()
     assert client.leftovers() == []
@@ -118,9 +99,9 @@ def test_filesystem_survives_detach_and_client_crash(mode, frontend, teardown, d
     dev = client.attach(ds, new_device=False)
     fsck_clean(dev)
     mnt = Mount(teardown, dev, tmp_path / "mnt")
-    assert checksums(mnt.where) == want
+    assert file_checksums(mnt.where, "f*") == want
     (mnt.where / "f-after-reattach").write_bytes(b"x" * 300_000)
-    want = checksums(mnt.where)
+    want = file_checksums(mnt.where, "f*")
     mnt.umount()
     subprocess.run(["sync"], check=True)
 
@@ -132,7 +113,7 @@ def test_filesystem_survives_detach_and_client_crash(mode, frontend, teardown, d
     dev = client.attach(ds, new_device=False)
     fsck_clean(dev)
     mnt = Mount(teardown, dev, tmp_path / "mnt")
-    assert checksums(mnt.where) == want
+    assert file_checksums(mnt.where, "f*") == want
     mnt.umount()
     client.detach()
     assert client.leftovers() == []

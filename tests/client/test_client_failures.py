@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from client_helpers import MIB, nbd_errno, run_memhog, run_pagerctl
+from netpager_testkit.client import MIB, busiest, donor_report, nbd_errno, run_memhog, run_pagerctl
 from netpager_testkit import wait_for
 
 LIMIT = 64 * MIB
@@ -24,18 +24,6 @@ def start_swapping_job(teardown, memhog, tmp_path, device, at_least=32 * MIB):
              f"{at_least >> 20} MiB swapped out to {device}")
     assert job.alive(), f"the job ended before it swapped enough: {job.proc.log_tail()}"
     return job
-
-
-def busiest(client, donors):
-    """The harness donor holding most of our extents (once the status shows any)."""
-    st = client.wait_status(lambda s: any(d["extents_held"] > 0 for d in s["donors"]), 30,
-                            "extents placed on donors")
-    best = max(st["donors"], key=lambda d: d["extents_held"])
-    return next(d for d in donors if d.name == best["name"])
-
-
-def report(status: dict, name: str) -> dict:
-    return next(d for d in status["donors"] if d["name"] == name)
 
 
 @pytest.mark.parametrize("mode", ["mirror", "parity"])
@@ -53,7 +41,7 @@ def test_job_survives_a_failed_donor(mode, failure, teardown, donors, client, me
 
     # Detected (by a broken connection, or by the request timeout when hung)
     # and reported: degraded units or a rebuild under way.
-    seen = client.wait_status(lambda s: report(s, victim.name)["failed"], 120,
+    seen = client.wait_status(lambda s: donor_report(s, victim.name)["failed"], 120,
                               f"donor {victim.name} marked failed")
     t = seen["totals"]
     assert t["degraded"] > 0 or t["rebuild"]["done"] > 0 or t["rebuild"]["active"], t
@@ -64,7 +52,7 @@ def test_job_survives_a_failed_donor(mode, failure, teardown, donors, client, me
         lambda s: s["totals"]["degraded"] == 0 and not s["totals"]["rebuild"]["active"], 180,
         "rebuild to finish")
     assert final["totals"]["lost"] == 0, final["totals"]
-    gone = report(final, victim.name)
+    gone = donor_report(final, victim.name)
     assert gone["failed"] and gone["extents_held"] == 0, gone
     if failure == "hung":
         victim.sigcont()
@@ -92,7 +80,7 @@ def test_ec_job_survives_two_donors_killed_at_once(teardown, donors, client, mem
     for v in victims:
         v.kill9()
 
-    seen = client.wait_status(lambda s: all(report(s, v.name)["failed"] for v in victims), 120,
+    seen = client.wait_status(lambda s: all(donor_report(s, v.name)["failed"] for v in victims), 120,
                               "both killed donors marked failed")
     t = seen["totals"]
     assert t["degraded"] > 0 or t["rebuild"]["done"] > 0 or t["rebuild"]["active"], t
@@ -105,7 +93,7 @@ def test_ec_job_survives_two_donors_killed_at_once(teardown, donors, client, mem
     t = final["totals"]
     assert t["lost"] == 0 and t["can_lose"] == 2 and t["rebuild"]["done"] > 0, t
     for v in victims:
-        gone = report(final, v.name)
+        gone = donor_report(final, v.name)
         assert gone["failed"] and gone["extents_held"] == 0, gone
     table = run_pagerctl(["status", "--state-dir", client.state_dir]).stdout
     assert "ec (code 4+2)" in table and "1.50x" in table, table
@@ -141,7 +129,7 @@ def test_mode_none_reports_lost_extents_and_keeps_the_rest(teardown, donors, cli
             assert got == pattern("none", off, MIB), f"extent at {off} came back wrong"
     st = client.wait_status(lambda s: s["totals"]["lost"] > 0, 60, "lost extents reported")
     t = st["totals"]
-    assert report(st, victim.name)["failed"]
+    assert donor_report(st, victim.name)["failed"]
     assert set(t["lost_extents"]) == bad, (t["lost_extents"], sorted(bad))
     assert t["lost"] == len(bad) and 0 < len(bad) < 64
     table = run_pagerctl(["status", "--state-dir", client.state_dir]).stdout
@@ -161,7 +149,7 @@ def test_drain_moves_extents_while_the_job_runs(teardown, donors, client, memhog
     job.finish()
     st = json.loads(run_pagerctl(["donor-status", f"{host}:{port}", "--json"]).stdout)
     assert st["used_bytes"] == 0 and st["state"] == "draining", st
-    final = client.wait_status(lambda s: report(s, victim.name)["extents_held"] == 0, 30,
+    final = client.wait_status(lambda s: donor_report(s, victim.name)["extents_held"] == 0, 30,
                                f"status to show nothing on {victim.name}")
     assert final["totals"]["lost"] == 0 and final["totals"]["degraded"] == 0, final["totals"]
     run_pagerctl(["donor-drain", f"{host}:{port}", "--undo"])

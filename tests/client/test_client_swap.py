@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from client_helpers import MIB, donor_spec, run_memhog, run_pagerctl
+from netpager_testkit.client import MIB, donor_spec, run_memhog, run_pagerctl
 from netpager_testkit import swaps
 
 LIMIT = 64 * MIB

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lab"))
 
 import netlab  # noqa: E402
-from client_helpers import PagerClient, client_plugin  # noqa: E402
+from netpager_testkit.client import PagerClient, client_plugin  # noqa: E402
+from netpager_testkit.client_fixtures import client, donors  # noqa: E402,F401
 from netpager_testkit.paths import pagerctl  # noqa: E402
 
 
@@ -51,27 +51,10 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.fixture
 def client_built():
+    """Fails even off CI: a fault table with cells skipped would mislead."""
     for path in (pagerctl(), client_plugin()):
         if not path.exists():
             pytest.fail(f"client not built: {path} missing (run `make build`, or set NETPAGER_TARGET_DIR)")
-
-
-@pytest.fixture
-def donors(cluster):
-    """Starts n more pager-server donors (busy-load out of reach: the machine's
-    own load must not turn a donor busy)."""
-
-    def start(n: int = 4, budget="256M", **params):
-        params.setdefault("busy_load", 1000)
-        params.setdefault("poll_ms", 100)
-        return cluster.start_donors(n, budgets=budget, size="1G", **params)
-
-    return start
-
-
-@pytest.fixture
-def client(root, client_built, teardown, tmp_path):
-    return PagerClient(teardown, tmp_path / "state")
 
 
 @pytest.fixture

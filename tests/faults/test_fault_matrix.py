@@ -23,8 +23,6 @@ results file (fault_helpers.results_path); `make faults` prints the table
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import subprocess
 import threading
@@ -32,12 +30,12 @@ import time
 
 import pytest
 
-from client_helpers import MIB, Job, run_pagerctl
+from netpager_testkit.client import MIB, Job, busiest, donor_report, run_pagerctl
 from fault_helpers import (BLOCK, PAGE, MemoryHog, Partition, StatusFlood, append_row,
                            extent_size, mem_available, start_block_workload)
 from netlab import LinkDown, SlowLink
 from netpager_testkit import wait_for
-from netpager_testkit.attach import mounted
+from netpager_testkit.attach import Mount, file_checksums
 
 MODES = ("none", "mirror", "parity", "disk")
 SIZE = 64 * MIB
@@ -48,18 +46,6 @@ def modes(only=MODES):
     """Every mode as a parameter; all but parity belong to the full matrix."""
     return [pytest.param(m, marks=() if m == "parity" else pytest.mark.faults_full, id=m)
             for m in only]
-
-
-def report(status: dict, name: str) -> dict:
-    return next(d for d in status["donors"] if d["name"] == name)
-
-
-def busiest(client, donors, exclude=()):
-    st = client.wait_status(lambda s: any(d["extents_held"] > 0 for d in s["donors"]), 30,
-                            "extents placed on donors")
-    ranked = sorted(st["donors"], key=lambda d: -d["extents_held"])
-    best = next(d for d in ranked if d["name"] not in exclude)
-    return next(d for d in donors if d.name == best["name"])
 
 
 def recovered(s: dict) -> bool:
@@ -117,10 +103,27 @@ class Cell:
     def inject(self):
         self.t_inject = time.monotonic()
 
+    def inject_on_busiest(self, donors):
+        """Marks the fault's start; returns the donor holding most extents, to hit."""
+        victim = busiest(self.client, donors)
+        self.inject()
+        return victim
+
+    def begin(self, teardown, donors, **attach):
+        """attach_block, then inject_on_busiest: the block workload runs and
+        the donor to hit is returned."""
+        self.attach_block(teardown, donors, **attach)
+        return self.inject_on_busiest(donors)
+
     def detected(self, predicate, what: str, timeout: float = 120) -> dict:
         st = self.client.wait_status(predicate, timeout, what)
         self.detect_s = time.monotonic() - self.t_inject
         return st
+
+    def detected_failed(self, donor, timeout: float = 120) -> dict:
+        """Waits until the client's status marks `donor` failed."""
+        return self.detected(lambda s: donor_report(s, donor.name)["failed"],
+                             f"{donor.name} marked failed", timeout)
 
     def wait_recovered(self, timeout: float = 240) -> dict:
         st = self.client.wait_status(recovered, timeout, "rebuild and drain to finish")
@@ -189,11 +192,9 @@ class Cell:
 def test_donor_kill9(mode, teardown, donors, client):
     ds = donors(4)
     cell = Cell("donor kill -9", mode, client)
-    cell.attach_block(teardown, ds)
-    victim = busiest(client, ds)
-    cell.inject()
+    victim = cell.begin(teardown, ds)
     victim.kill9()
-    cell.detected(lambda s: report(s, victim.name)["failed"], f"{victim.name} marked failed")
+    cell.detected_failed(victim)
     cell.w.wait_ops(32)
     cell.finish(allow_lost_after_fault=(mode == "none"))
 
@@ -205,10 +206,9 @@ def test_donor_kill9_while_swapping(mode, teardown, donors, client, memhog, tmp_
     ds = donors(4)
     cell = Cell("donor kill -9", mode, client, workload="swap")
     job = start_swapping(cell, teardown, ds, memhog, tmp_path, 64 * MIB)
-    victim = busiest(client, ds)
-    cell.inject()
+    victim = cell.inject_on_busiest(ds)
     victim.kill9()
-    cell.detected(lambda s: report(s, victim.name)["failed"], f"{victim.name} marked failed")
+    cell.detected_failed(victim)
     finish_swapping(cell, job.finish())
 
 
@@ -242,19 +242,17 @@ def test_donor_sigstop_past_request_timeout(mode, teardown, donors, client):
     stale donor answers late must not reach the device."""
     ds = donors(4)
     cell = Cell("donor SIGSTOP>timeout, SIGCONT", mode, client)
-    cell.attach_block(teardown, ds)
-    victim = busiest(client, ds)
-    cell.inject()
+    victim = cell.begin(teardown, ds)
     victim.sigstop()
     try:
-        cell.detected(lambda s: report(s, victim.name)["failed"], f"{victim.name} marked failed")
+        cell.detected_failed(victim)
         time.sleep(1)  # stopped well past the 2 s request timeout
     finally:
         victim.sigcont()
     # The donor answers its old requests now; the workload goes on.
     cell.w.wait_ops(64)
     st = client.status()["status"]
-    cell.notes.append(f"after SIGCONT: {victim.name} failed={report(st, victim.name)['failed']}")
+    cell.notes.append(f"after SIGCONT: {victim.name} failed={donor_report(st, victim.name)['failed']}")
     cell.finish(allow_lost_after_fault=(mode == "none"))
 
 
@@ -262,21 +260,19 @@ def test_donor_sigstop_past_request_timeout(mode, teardown, donors, client):
 def test_donor_restart_rejoins(mode, teardown, donors, client):
     ds = donors(4)
     cell = Cell("donor restart + rejoin", mode, client)
-    cell.attach_block(teardown, ds)
-    victim = busiest(client, ds)
-    cell.inject()
+    victim = cell.begin(teardown, ds)
     victim.kill9()
-    cell.detected(lambda s: report(s, victim.name)["failed"], f"{victim.name} marked failed")
+    cell.detected_failed(victim)
     victim.start()
     t_back = time.monotonic()
-    st = client.wait_status(lambda s: not report(s, victim.name)["failed"], 120,
+    st = client.wait_status(lambda s: not donor_report(s, victim.name)["failed"], 120,
                             f"{victim.name} re-admitted after its restart")
     cell.notes.append(f"re-admitted {time.monotonic() - t_back:.1f}s after restart")
     cell.w.wait_ops(128)
     cell.w.stop()
     cell.check("after the fault", mode == "none")
     st = cell.wait_recovered()
-    held = report(st, victim.name)["extents_held"]
+    held = donor_report(st, victim.name)["extents_held"]
     cell.notes.append(f"extents placed on it afterwards: {held}")
     cell.check("after recovery", mode == "none")
     cell.w.close()
@@ -291,12 +287,10 @@ def test_donor_restart_rejoins(mode, teardown, donors, client):
 def test_network_partition_drop(mode, teardown, donors, client):
     ds = donors(4)
     cell = Cell("partition (iptables DROP)", mode, client)
-    cell.attach_block(teardown, ds)
-    victim = busiest(client, ds)
-    cell.inject()
+    victim = cell.begin(teardown, ds)
     part = Partition(teardown, victim.addr, [victim.port, victim.status_addr[1]])
     try:
-        cell.detected(lambda s: report(s, victim.name)["failed"], f"{victim.name} marked failed")
+        cell.detected_failed(victim)
         cell.w.wait_ops(32)
     finally:
         part.heal()
@@ -315,10 +309,9 @@ def test_link_down_while_swapping(mode, teardown, lab_donors, client, memhog, tm
     ds = lab_donors(4)
     cell = Cell("link down (lab)", mode, client, workload="swap")
     job = start_swapping(cell, teardown, ds, memhog, tmp_path, 32 * MIB, extra=["--psk", lab_donors.psk])
-    victim = busiest(client, ds)
-    cell.inject()
+    victim = cell.inject_on_busiest(ds)
     link = LinkDown(teardown, lab_donors.lab, victim.name)
-    cell.detected(lambda s: report(s, victim.name)["failed"], f"{victim.name} marked failed")
+    cell.detected_failed(victim)
     out = job.finish()
     link.heal()
     finish_swapping(cell, out)
@@ -332,13 +325,11 @@ def test_slow_link(mode, teardown, lab_donors, client):
     over; nothing is lost either way."""
     ds = lab_donors(4)
     cell = Cell("slow link (lab, tbf)", mode, client)
-    cell.attach_block(teardown, ds, extra=["--psk", lab_donors.psk])
-    victim = busiest(client, ds)
-    cell.inject()
+    victim = cell.begin(teardown, ds, extra=["--psk", lab_donors.psk])
     slow = SlowLink(teardown, lab_donors.lab, victim.name)
     cell.w.wait_ops(64)
     slow.heal()
-    failed = report(client.status()["status"], victim.name)["failed"]
+    failed = donor_report(client.status()["status"], victim.name)["failed"]
     cell.notes.append(f"{victim.name} {'failed over' if failed else 'kept'} under the slow link")
     cell.finish(allow_lost_after_fault=False)
 
@@ -354,14 +345,13 @@ def test_second_failure_during_rebuild(mode, teardown, donors, client):
     second = busiest(client, ds, exclude=(first.name,))
     cell.inject()
     first.kill9()
-    cell.detected(lambda s: report(s, first.name)["failed"], f"{first.name} marked failed",
-                  timeout=120)
+    cell.detected_failed(first)
     second.kill9()
     st = client.status()["status"]
     during = st["totals"]["rebuild"]["active"] or st["totals"]["degraded"] > 0
     cell.notes.append(f"second kill {'during' if during else 'after'} the rebuild "
                       f"(rebuild {st['totals']['rebuild']}, degraded {st['totals']['degraded']})")
-    client.wait_status(lambda s: report(s, second.name)["failed"], 120, f"{second.name} marked failed")
+    client.wait_status(lambda s: donor_report(s, second.name)["failed"], 120, f"{second.name} marked failed")
     cell.w.wait_ops(32)
     # Two failures may take both copies of a unit (mode disk: never): then
     # exactly the extents named lost fail, none else.
@@ -377,7 +367,7 @@ def test_drain_target_dies_mid_drain(mode, teardown, donors, client):
     cell.attach_block(teardown, ds, extra=["--epoch", "1"])
     victim = busiest(client, ds)
     host, port = victim.status_addr
-    held0 = report(client.status()["status"], victim.name)["extents_held"]
+    held0 = donor_report(client.status()["status"], victim.name)["extents_held"]
     used0 = victim.status().used_bytes
     run_pagerctl(["donor-drain", f"{host}:{port}"])
     cell.inject()
@@ -389,30 +379,12 @@ def test_drain_target_dies_mid_drain(mode, teardown, donors, client):
     left = victim.status().used_bytes
     victim.kill9()
     cell.notes.append(f"killed holding {left >> 10} of {used0 >> 10} KiB")
-    client.wait_status(lambda s: report(s, victim.name)["failed"], 120, f"{victim.name} marked failed")
+    client.wait_status(lambda s: donor_report(s, victim.name)["failed"], 120, f"{victim.name} marked failed")
     cell.w.wait_ops(32)
     cell.finish(allow_lost_after_fault=(mode == "none"))
 
 
 # --- the client dies with writes in flight -------------------------------
-
-def tree_checksums(root) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.glob("s*"))}
-
-
-class Mount:
-    def __init__(self, teardown, device: str, where):
-        self.where = where
-        where.mkdir(exist_ok=True)
-        subprocess.run(["mount", device, str(where)], check=True, capture_output=True)
-        teardown.add(f"mount {where}", self.umount)
-
-    def umount(self):
-        if mounted(self.where):
-            p = subprocess.run(["umount", str(self.where)], capture_output=True, text=True)
-            if p.returncode != 0:
-                # A dead device: detach the filesystem lazily instead.
-                subprocess.run(["umount", "-l", str(self.where)], check=True, capture_output=True)
 
 
 @pytest.mark.parametrize("mode", modes())
@@ -421,10 +393,10 @@ def test_client_kill9_with_writes_in_flight(mode, teardown, donors, client, tmp_
     cell = Cell("client kill -9 (serve), re-attach", mode, client, workload="fs")
     dev = client.attach(ds, mode=mode, size="128M", extra=TIMEOUTS)
     subprocess.run(["mkfs.ext4", "-q", "-F", dev], check=True, capture_output=True)
-    mnt = Mount(teardown, dev, tmp_path / "mnt")
+    mnt = Mount(teardown, dev, tmp_path / "mnt", lazy=True)
     for i in range(24):
         (mnt.where / f"s{i}").write_bytes(os.urandom(1024 * 1024 + i * 4096))
-    want = tree_checksums(mnt.where)
+    want = file_checksums(mnt.where, "s*")
     synced = sum((mnt.where / n).stat().st_size for n in want)
     subprocess.run(["sync", "-f", str(mnt.where)], check=True)
 
@@ -455,8 +427,8 @@ def test_client_kill9_with_writes_in_flight(mode, teardown, donors, client, tmp_
     assert client.leftovers() == []
     dev = client.attach(ds, new_device=False)
     cell.rebuild_s = time.monotonic() - cell.t_inject
-    mnt = Mount(teardown, dev, tmp_path / "mnt")
-    got = tree_checksums(mnt.where)
+    mnt = Mount(teardown, dev, tmp_path / "mnt", lazy=True)
+    got = file_checksums(mnt.where, "s*")
     bad = sorted(n for n in want if got.get(n) != want[n])
     cell.verified_bytes = synced - sum((mnt.where / n).stat().st_size for n in bad if (mnt.where / n).exists())
     cell.lost_pages = sum(-(-len(n) // PAGE) for n in bad)
@@ -534,14 +506,15 @@ def test_donor_memory_pressure_drains(mode, teardown, donors, client, tmp_path):
     victim = ds[0]
     cell = Cell("donor memory pressure (real)", mode, client)
     cell.attach_block(teardown, ds, extra=["--epoch", "1"])
-    held0 = report(client.wait_status(lambda s: report(s, victim.name)["extents_held"] > 0, 30,
-                                      f"extents on {victim.name}"), victim.name)["extents_held"]
+    st = client.wait_status(lambda s: donor_report(s, victim.name)["extents_held"] > 0, 30,
+                            f"extents on {victim.name}")
+    held0 = donor_report(st, victim.name)["extents_held"]
     cell.inject()
     hog = MemoryHog(teardown, hog_bytes, tmp_path / "hog.log")
     try:
-        cell.detected(lambda s: report(s, victim.name)["state"] == "draining",
+        cell.detected(lambda s: donor_report(s, victim.name)["state"] == "draining",
                       f"{victim.name} draining under memory pressure")
-        st = client.wait_status(lambda s: report(s, victim.name)["extents_held"] == 0, 240,
+        st = client.wait_status(lambda s: donor_report(s, victim.name)["extents_held"] == 0, 240,
                                 f"extents moved off {victim.name}")
         cell.rebuild_s = time.monotonic() - cell.t_inject
         cell.notes.append(f"{held0} extents moved off while the job ran; MemAvailable "
@@ -550,7 +523,7 @@ def test_donor_memory_pressure_drains(mode, teardown, donors, client, tmp_path):
         hog.stop()
     cell.w.stop()
     cell.check("after the drain", False)
-    assert report(st, victim.name)["extents_held"] == 0
+    assert donor_report(st, victim.name)["extents_held"] == 0
     cell.check("after recovery", False)
     cell.w.close()
     cell.row()

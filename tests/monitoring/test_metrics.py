@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from client.client_helpers import PagerClient, donor_spec
+from netpager_testkit.client import PagerClient, donor_spec
 from netpager_testkit import OwnedProcess, Teardown, repo_root, target_dir, wait_for
 from netpager_testkit.ci import skip_or_fail
 from netpager_testkit.donor import free_ports

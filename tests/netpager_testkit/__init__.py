@@ -11,6 +11,10 @@ Every later test reuses these pieces; each resource registers its undo in a
 - `attach_swap`, `FuseFile`, `LoopDevice`, `Swap` (attach): NBD export as swap.
 - `run_job_in_cgroup`, `MemoryCgroup` (cgroup): jobs in a memory cgroup.
 - `nbdio`: libnbd and fio helpers (imported on its own: it needs python3-libnbd).
+- `client` (`PagerClient`), `client_fixtures`: the client driven through
+  pagerctl, and the pytest fixtures of the tests that drive it.
+- `bench_client`, `bench_server` (`python3 -m ...`; shared parts in `bench`):
+  `make bench-client` and `make bench-server`.
 """
 
 from .attach import FuseFile, LoopDevice, Swap, SwapStack, attach_swap, swaps

@@ -10,6 +10,7 @@ donors are started (and so undone) before anything is attached to them.
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import time
 import uuid
@@ -96,6 +97,33 @@ class FuseFile:
     def _rmdir(self) -> None:
         if self.mountdir.exists() and not mounted(self.mountdir):
             self.mountdir.rmdir()
+
+
+class Mount:
+    """mount DEVICE on a directory, unmounted on teardown. With `lazy`, an
+    unmount that fails (a dead device) detaches the file system lazily."""
+
+    def __init__(self, teardown: Teardown, device: str, where, lazy: bool = False):
+        self.where = Path(where)
+        self.lazy = lazy
+        self.where.mkdir(exist_ok=True)
+        run(["mount", device, self.where])
+        teardown.add(f"mount {self.where}", self.umount)
+
+    def umount(self) -> None:
+        if not mounted(self.where):
+            return
+        try:
+            run(["umount", self.where])
+        except RuntimeError:
+            if not self.lazy:
+                raise
+            run(["umount", "-l", self.where])
+
+
+def file_checksums(root, pattern: str) -> dict[str, str]:
+    """sha256 of each file in `root` matching `pattern`, by name."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(root).glob(pattern))}
 
 
 class LoopDevice:

@@ -13,7 +13,7 @@ from netpager_testkit import wait_for
 from netpager_testkit.nbdio import pattern
 from netpager_testkit.paths import pagerctl, target_dir
 from netpager_testkit.ci import skip_or_fail
-from sec_helpers import connect
+from netpager_testkit.nbdio import connect
 
 MIB = 1 << 20
 DEVICE = 64 * MIB

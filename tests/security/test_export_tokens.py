@@ -8,7 +8,7 @@ import nbd
 import pytest
 
 from netpager_testkit.nbdio import PAGE, pattern
-from sec_helpers import connect
+from netpager_testkit.nbdio import connect
 
 
 def refused(donor, export: str) -> None:

@@ -16,7 +16,7 @@ import pytest
 from netpager_testkit import StatusError, pb2, wait_for
 from netpager_testkit.nbdio import PAGE, pattern
 from netpager_testkit.status import LabKey, delimited, encode_varint
-from sec_helpers import connect
+from netpager_testkit.nbdio import connect
 
 MIB = 1 << 20
 

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from netpager_testkit.nbdio import PAGE, pattern
-from sec_helpers import connect
+from netpager_testkit.nbdio import connect
 
 MIB = 1 << 20
 CLIENTS = 8

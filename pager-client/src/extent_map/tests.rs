@@ -41,6 +41,30 @@ fn get(m: &ExtentMap, u: u64) -> Option<Unit> {
     m.unit(u).read().unwrap().clone()
 }
 
+/// A fresh mirror map in its own directory, donors "a" (0) and "b" (1) known.
+fn mirror_map() -> (tempfile::TempDir, ExtentMap) {
+    let dir = tempfile::tempdir().unwrap();
+    let m = reopen(&dir);
+    m.donor_id("a").unwrap();
+    m.donor_id("b").unwrap();
+    (dir, m)
+}
+
+/// The mirror map in `dir` opened again, as after a restart.
+fn reopen(dir: &tempfile::TempDir) -> ExtentMap {
+    ExtentMap::open(dir.path(), layout()).unwrap()
+}
+
+/// A closed map whose journal ends with units 1 and 2; its journal's path.
+fn two_unit_journal() -> (tempfile::TempDir, std::path::PathBuf) {
+    let (dir, m) = mirror_map();
+    m.commit(1, &unit(0, 1, 1, 1)).unwrap();
+    m.commit(2, &unit(0, 2, 1, 2)).unwrap();
+    drop(m);
+    let jpath = dir.path().join(JOURNAL_FILE);
+    (dir, jpath)
+}
+
 #[test]
 fn journal_survives_reopen_and_rebuilds_slots() {
     let dir = tempfile::tempdir().unwrap();
@@ -72,15 +96,7 @@ fn journal_survives_reopen_and_rebuilds_slots() {
 
 #[test]
 fn torn_journal_tail_is_discarded() {
-    let dir = tempfile::tempdir().unwrap();
-    {
-        let m = ExtentMap::open(dir.path(), layout()).unwrap();
-        m.donor_id("a").unwrap();
-        m.donor_id("b").unwrap();
-        m.commit(1, &unit(0, 1, 1, 1)).unwrap();
-        m.commit(2, &unit(0, 2, 1, 2)).unwrap();
-    }
-    let jpath = dir.path().join(JOURNAL_FILE);
+    let (dir, jpath) = two_unit_journal();
     let len = fs::metadata(&jpath).unwrap().len();
     // Tear the last record in half.
     OpenOptions::new()
@@ -89,60 +105,49 @@ fn torn_journal_tail_is_discarded() {
         .unwrap()
         .set_len(len - 7)
         .unwrap();
-    let m = ExtentMap::open(dir.path(), layout()).unwrap();
+    let m = reopen(&dir);
     assert_eq!(get(&m, 1), unit(0, 1, 1, 1));
     assert_eq!(get(&m, 2), None);
     // The tail was cut, so new records follow the valid prefix.
     m.commit(4, &unit(1, 3, 0, 3)).unwrap();
     drop(m);
-    let m = ExtentMap::open(dir.path(), layout()).unwrap();
+    let m = reopen(&dir);
     assert_eq!(get(&m, 4), unit(1, 3, 0, 3));
     assert_eq!(get(&m, 1), unit(0, 1, 1, 1));
 }
 
 #[test]
 fn corrupt_record_in_the_middle_keeps_the_prefix() {
-    let dir = tempfile::tempdir().unwrap();
-    {
-        let m = ExtentMap::open(dir.path(), layout()).unwrap();
-        m.donor_id("a").unwrap();
-        m.donor_id("b").unwrap();
-        m.commit(1, &unit(0, 1, 1, 1)).unwrap();
-        m.commit(2, &unit(0, 2, 1, 2)).unwrap();
-    }
-    let jpath = dir.path().join(JOURNAL_FILE);
+    let (dir, jpath) = two_unit_journal();
     let mut data = fs::read(&jpath).unwrap();
     let n = data.len();
     data[n - 3] ^= 0xff;
     fs::write(&jpath, &data).unwrap();
-    let m = ExtentMap::open(dir.path(), layout()).unwrap();
+    let m = reopen(&dir);
     assert_eq!(get(&m, 1), unit(0, 1, 1, 1));
     assert_eq!(get(&m, 2), None);
 }
 
 #[test]
 fn compaction_and_a_crash_between_snapshot_and_journal_reset() {
-    let dir = tempfile::tempdir().unwrap();
-    {
-        let m = ExtentMap::open(dir.path(), layout()).unwrap();
-        m.donor_id("a").unwrap();
-        m.donor_id("b").unwrap();
-        m.commit(1, &unit(0, 1, 1, 1)).unwrap();
-        m.compact().unwrap();
-        m.commit(2, &unit(0, 2, 1, 2)).unwrap();
-        m.commit(1, &None).unwrap();
-        // Crash in the middle of the next compaction: the new snapshot
-        // is in place, the old journal (already folded in) is not reset.
-        let p = m.persist.lock_or_recover();
-        m.write_snapshot(&p, None, p.generation + 1).unwrap();
-    }
-    let m = ExtentMap::open(dir.path(), layout()).unwrap();
+    let (dir, m) = mirror_map();
+    m.commit(1, &unit(0, 1, 1, 1)).unwrap();
+    m.compact().unwrap();
+    m.commit(2, &unit(0, 2, 1, 2)).unwrap();
+    m.commit(1, &None).unwrap();
+    // Crash in the middle of the next compaction: the new snapshot is in
+    // place, the old journal (already folded in) is not reset.
+    let p = m.persist.lock_or_recover();
+    m.write_snapshot(&p, None, p.generation + 1).unwrap();
+    drop(p);
+    drop(m);
+    let m = reopen(&dir);
     assert_eq!(get(&m, 1), None);
     assert_eq!(get(&m, 2), unit(0, 2, 1, 2));
     // After recovery new records land in a journal of the new generation.
     m.commit(5, &unit(1, 4, 0, 4)).unwrap();
     drop(m);
-    let m = ExtentMap::open(dir.path(), layout()).unwrap();
+    let m = reopen(&dir);
     assert_eq!(get(&m, 5), unit(1, 4, 0, 4));
     assert_eq!(get(&m, 2), unit(0, 2, 1, 2));
 }
@@ -248,31 +253,23 @@ fn a_changed_parity_log_size_is_refused_by_name() {
 
 #[test]
 fn crash_after_journal_append_before_any_snapshot() {
-    let dir = tempfile::tempdir().unwrap();
-    {
-        let m = ExtentMap::open(dir.path(), layout()).unwrap();
-        m.donor_id("a").unwrap();
-        m.donor_id("b").unwrap();
-        m.commit(7, &unit(1, 9, 0, 9)).unwrap();
-        // Dropped without sync or compaction: the records are in the file.
-    }
-    let m = ExtentMap::open(dir.path(), layout()).unwrap();
+    let (dir, m) = mirror_map();
+    m.commit(7, &unit(1, 9, 0, 9)).unwrap();
+    // Dropped without sync or compaction: the records are in the file.
+    drop(m);
+    let m = reopen(&dir);
     assert_eq!(get(&m, 7), unit(1, 9, 0, 9));
     assert!(!dir.path().join(SNAPSHOT_FILE).exists());
 }
 
 #[test]
 fn rebuilding_copies_come_back_lost_and_free() {
-    let dir = tempfile::tempdir().unwrap();
-    {
-        let m = ExtentMap::open(dir.path(), layout()).unwrap();
-        m.donor_id("a").unwrap();
-        m.donor_id("b").unwrap();
-        let mut u = unit(0, 1, 1, 1).unwrap();
-        u.members[1].state = CopyState::Rebuilding;
-        m.commit(0, &Some(u)).unwrap();
-    }
-    let m = ExtentMap::open(dir.path(), layout()).unwrap();
+    let (dir, m) = mirror_map();
+    let mut u = unit(0, 1, 1, 1).unwrap();
+    u.members[1].state = CopyState::Rebuilding;
+    m.commit(0, &Some(u)).unwrap();
+    drop(m);
+    let m = reopen(&dir);
     assert_eq!(get(&m, 0).unwrap().members[1].state, CopyState::Lost);
     assert_eq!(m.slot_usage(SlotOwner::Donor(1)).0, 0);
 }

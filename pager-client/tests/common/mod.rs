@@ -8,11 +8,14 @@ mod nbdkit;
 pub use nbdkit::Nbdkit;
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use pager_client::config::{ByteSize, DeviceConfig, DonorConfig, Mode};
 use pager_client::device::Device;
-use pager_client::status::ClientStatus;
+use pager_client::status::{render_table, ClientStatus};
 
 /// A pager-server donor with a status endpoint, or `None` (with a note
 /// on stderr) when its plugin has not been built.
@@ -143,6 +146,28 @@ impl Model {
         }
     }
 
+    /// Writes random bytes over the whole device, `chunk` bytes a write,
+    /// and into the model.
+    pub fn fill(&mut self, dev: &Device, rng: &mut Rng, chunk: u64) {
+        let size = self.data.len() as u64;
+        for off in (0..size).step_by(chunk as usize) {
+            self.write_random(dev, rng, off, chunk.min(size - off));
+        }
+    }
+
+    /// Writes `len` random bytes at `off` to both the device and the model.
+    pub fn write_random(&mut self, dev: &Device, rng: &mut Rng, off: u64, len: u64) {
+        let mut b = vec![0u8; len as usize];
+        rng.fill(&mut b);
+        dev.write(&b, off).unwrap_or_else(|e| {
+            panic!(
+                "write of {len} at {off}: {e}\n{}",
+                render_table(&dev.status())
+            )
+        });
+        self.data[off as usize..(off + len) as usize].copy_from_slice(&b);
+    }
+
     /// Takes over this model's region from `other`.
     pub fn merge(&mut self, other: &Model) {
         let r = other.lo as usize..other.hi as usize;
@@ -216,6 +241,65 @@ impl Model {
             let n = chunk.min(size - off);
             self.check(dev, off, n);
             off += n;
+        }
+    }
+}
+
+/// How a test fails a donor: SIGKILL, or SIGSTOP (a hung donor).
+#[derive(Clone, Copy, PartialEq)]
+pub enum Fault {
+    Kill,
+    Hang,
+}
+
+impl Fault {
+    pub fn apply(self, donor: &mut Nbdkit) {
+        match self {
+            Fault::Kill => donor.kill9(),
+            Fault::Hang => donor.stop(),
+        }
+    }
+}
+
+/// Two threads of random I/O, each on its half of the device: random
+/// writes and checks of up to `max_len` bytes, and `group`-aligned writes of
+/// one whole `group` (parity groups, stripes), 300 operations each.
+pub struct Workers(Vec<JoinHandle<Model>>);
+
+impl Workers {
+    /// Starts the threads; returns once 100 operations are done, so that a
+    /// fault injected next lands with I/O in flight.
+    pub fn start(dev: &Arc<Device>, model: &Model, group: u64, max_len: u64, seed: u64) -> Workers {
+        let size = model.data.len() as u64;
+        let ops = Arc::new(AtomicU64::new(0));
+        let handles = (0..2u64)
+            .map(|t| {
+                let (dev, ops) = (dev.clone(), ops.clone());
+                let mut m = model.region(t * size / 2, (t + 1) * size / 2);
+                std::thread::spawn(move || {
+                    let mut rng = Rng::new(seed * 100 + t);
+                    for _ in 0..300 {
+                        match rng.below(5) {
+                            0 | 1 => m.random_write(&dev, &mut rng, max_len),
+                            2 => m.aligned_write(&dev, &mut rng, group, group),
+                            _ => m.random_check(&dev, &mut rng, max_len),
+                        }
+                        ops.fetch_add(1, Ordering::Relaxed);
+                    }
+                    m
+                })
+            })
+            .collect();
+        while ops.load(Ordering::Relaxed) < 100 {
+            std::thread::yield_now();
+        }
+        Workers(handles)
+    }
+
+    /// Waits for both threads and takes their halves into `model`.
+    pub fn join(self, model: &mut Model) {
+        for w in self.0 {
+            model.merge(&w.join().expect("no I/O error reaches the caller"));
         }
     }
 }

@@ -41,6 +41,32 @@ fn cfg(local_blocks: u32) -> EngineConfig {
     }
 }
 
+/// `cfg(local_blocks)` without prefetching: demand reads and replacement alone.
+fn no_prefetch(local_blocks: u32) -> EngineConfig {
+    EngineConfig {
+        prefetch: false,
+        ..cfg(local_blocks)
+    }
+}
+
+/// `n` donors of `slots` block slots each; with `replica`, each reads from
+/// its own replica of the data set.
+fn donors(n: usize, slots: u32, replica: bool) -> Vec<DonorSpec> {
+    vec![DonorSpec { slots, replica }; n]
+}
+
+/// 8 local buffers and no local prefetching over `donors`: what the planner
+/// does with global memory, alone.
+fn global_only(donors: &[DonorSpec]) -> Engine {
+    Engine::new(
+        EngineConfig {
+            local_prefetch_depth: 0,
+            ..cfg(8)
+        },
+        donors,
+    )
+}
+
 /// Fetches `block` by demand and completes the fill at once.
 fn read_now(e: &mut Engine, job: Option<JobId>, block: BlockId, now: Nanos) -> Level {
     match e.access(job, block, now) {
@@ -88,13 +114,7 @@ fn unhinted_blocks_are_replaced_lru() {
 
 #[test]
 fn hinted_job_replaces_the_block_used_furthest_in_the_future() {
-    let mut e = Engine::new(
-        EngineConfig {
-            prefetch: false,
-            ..cfg(3)
-        },
-        &[],
-    );
+    let mut e = Engine::new(no_prefetch(3), &[]);
     let j = e.add_job("j", source(vec![1, 2, 3, 4, 2, 1, 3]));
     for (t, i) in [1, 2, 3, 4].into_iter().enumerate() {
         read_now(&mut e, Some(j), b(i), t as Nanos * MS);
@@ -105,13 +125,7 @@ fn hinted_job_replaces_the_block_used_furthest_in_the_future() {
 
 #[test]
 fn a_block_in_the_page_cache_gives_up_its_buffer_first_and_is_not_prefetched() {
-    let mut e = Engine::new(
-        EngineConfig {
-            prefetch: false,
-            ..cfg(2)
-        },
-        &[],
-    );
+    let mut e = Engine::new(no_prefetch(2), &[]);
     let j = e.add_job("j", source(vec![1, 2, 1, 2, 3, 1]));
     read_now(&mut e, Some(j), b(1), 0);
     e.page_cached(Some(j), b(1));
@@ -215,17 +229,7 @@ fn demoted_job_stops_prefetching() {
 
 #[test]
 fn disk_to_global_is_aggressive_bounded_by_b_and_round_robin() {
-    let donors = [
-        DonorSpec {
-            slots: 100,
-            replica: true,
-        },
-        DonorSpec {
-            slots: 100,
-            replica: true,
-        },
-    ];
-    let mut e = Engine::new(cfg(8), &donors);
+    let mut e = Engine::new(cfg(8), &donors(2, 100, true));
     e.add_job("j", source((0..200).collect()));
     let actions = e.plan(0);
     let fills: Vec<_> = actions
@@ -266,11 +270,7 @@ fn disk_to_global_is_aggressive_bounded_by_b_and_round_robin() {
 
 #[test]
 fn the_local_disk_serves_blocks_not_already_headed_for_a_donor() {
-    let donors = [DonorSpec {
-        slots: 100,
-        replica: true,
-    }];
-    let mut e = Engine::new(cfg(64), &donors);
+    let mut e = Engine::new(cfg(64), &donors(1, 100, true));
     e.add_job("j", source((0..100).collect()));
     let a = e.plan(0);
     let to_global: HashSet<BlockId> = a
@@ -302,17 +302,7 @@ fn the_local_disk_serves_blocks_not_already_headed_for_a_donor() {
 
 #[test]
 fn global_eviction_replaces_the_block_used_furthest_and_only_if_later() {
-    let donors = [DonorSpec {
-        slots: 2,
-        replica: true,
-    }];
-    let mut e = Engine::new(
-        EngineConfig {
-            local_prefetch_depth: 0,
-            ..cfg(8)
-        },
-        &donors,
-    );
+    let mut e = global_only(&donors(1, 2, true));
     let j = e.add_job("j", source(vec![1, 2, 9, 3, 2, 1]));
     let fills: Vec<_> = e
         .plan(0)
@@ -346,17 +336,7 @@ fn global_eviction_replaces_the_block_used_furthest_and_only_if_later() {
 
 #[test]
 fn reads_from_global_credit_the_disk_to_global_prefetch() {
-    let donors = [DonorSpec {
-        slots: 8,
-        replica: false,
-    }];
-    let mut e = Engine::new(
-        EngineConfig {
-            local_prefetch_depth: 0,
-            ..cfg(8)
-        },
-        &donors,
-    );
+    let mut e = global_only(&donors(1, 8, false));
     let j = e.add_job("j", source(vec![1, 2]));
     let a = e.plan(0);
     assert!(a.iter().all(|a| matches!(
@@ -374,17 +354,7 @@ fn reads_from_global_credit_the_disk_to_global_prefetch() {
 
 #[test]
 fn reads_wait_for_a_block_on_its_way_to_global_memory() {
-    let donors = [DonorSpec {
-        slots: 8,
-        replica: true,
-    }];
-    let mut e = Engine::new(
-        EngineConfig {
-            local_prefetch_depth: 0,
-            ..cfg(8)
-        },
-        &donors,
-    );
+    let mut e = global_only(&donors(1, 8, true));
     let j = e.add_job("j", source(vec![1]));
     e.plan(0);
     assert_eq!(e.access(Some(j), b(1), 0), Step::Wait);
@@ -397,17 +367,7 @@ fn reads_wait_for_a_block_on_its_way_to_global_memory() {
 
 #[test]
 fn a_dead_donor_loses_its_blocks_and_reads_go_to_disk() {
-    let donors = [DonorSpec {
-        slots: 8,
-        replica: true,
-    }];
-    let mut e = Engine::new(
-        EngineConfig {
-            local_prefetch_depth: 0,
-            ..cfg(8)
-        },
-        &donors,
-    );
+    let mut e = global_only(&donors(1, 8, true));
     let j = e.add_job("j", source(vec![1, 2]));
     e.plan(0);
     e.global_filled(b(1), MS);
@@ -429,13 +389,7 @@ fn a_donor_let_go_and_back_is_a_fresh_one_under_a_new_id() {
         slots: 8,
         replica: true,
     };
-    let mut e = Engine::new(
-        EngineConfig {
-            local_prefetch_depth: 0,
-            ..cfg(8)
-        },
-        &[spec],
-    );
+    let mut e = global_only(&[spec]);
     e.add_job("j", source(vec![1, 2, 3]));
     e.plan(0);
     e.global_filled(b(1), MS);
@@ -703,7 +657,8 @@ impl Sim {
         self.at(0, Ev::JobRead);
         while let Some(Reverse((t, _, ev))) = self.events.pop() {
             self.now = t;
-            match ev {
+            // Blocks that reached local memory at `t`.
+            let filled = match ev {
                 Ev::JobRead => {
                     let block = b(refs[next]);
                     self.e.read_started(Some(self.job), 1, t);
@@ -721,37 +676,28 @@ impl Sim {
                             self.issue(a);
                         }
                     }
+                    Vec::new()
                 }
-                Ev::Run(run) => {
-                    for block in self.e.run_done(run) {
-                        self.e.local_filled(block);
-                        if waiting == Some(block) {
-                            waiting = None;
-                            self.e.read_done(Some(self.job), t, 0, 1, 1);
-                            next += 1;
-                            if next < refs.len() {
-                                self.at(t + gap, Ev::JobRead);
-                            }
-                        }
-                    }
-                }
-                Ev::Local(block) => {
-                    self.e.local_filled(block);
-                    if waiting == Some(block) {
-                        waiting = None;
-                        self.e.read_done(Some(self.job), t, 0, 1, 1);
-                        next += 1;
-                        if next < refs.len() {
-                            self.at(t + gap, Ev::JobRead);
-                        }
-                    }
-                }
+                Ev::Run(run) => self.e.run_done(run),
+                Ev::Local(block) => vec![block],
                 Ev::Global(block) => {
                     self.e.global_filled(block, t);
                     if waiting == Some(block) && !self.e.local.contains_key(&block) {
                         if let Step::Fetch(a) = self.e.retry(block, t) {
                             self.issue(a);
                         }
+                    }
+                    Vec::new()
+                }
+            };
+            for block in filled {
+                self.e.local_filled(block);
+                if waiting == Some(block) {
+                    waiting = None;
+                    self.e.read_done(Some(self.job), t, 0, 1, 1);
+                    next += 1;
+                    if next < refs.len() {
+                        self.at(t + gap, Ev::JobRead);
                     }
                 }
             }
@@ -776,23 +722,22 @@ fn shuffled(n: u64, seed: u64) -> Vec<u64> {
     v
 }
 
-fn simulate(refs: &[u64], donors: usize, prefetch: bool) -> (Nanos, JobStats) {
-    let specs = vec![
-        DonorSpec {
-            slots: 128,
-            replica: true
-        };
-        donors
-    ];
-    let mut e = Engine::new(
+fn simulate(refs: &[u64], n_donors: usize, prefetch: bool) -> (Nanos, JobStats) {
+    let e = Engine::new(
         EngineConfig {
             prefetch,
             ..cfg(128)
         },
-        &specs,
+        &donors(n_donors, 128, true),
     );
+    run_sim(e, refs, n_donors)
+}
+
+/// Runs one job reading `refs` (250 us of compute apart) on `e` to its end;
+/// the simulated time it took and its statistics.
+fn run_sim(mut e: Engine, refs: &[u64], n_donors: usize) -> (Nanos, JobStats) {
     let job = e.add_job("sim", source(refs.to_vec()));
-    let mut sim = Sim::new(e, job, donors);
+    let mut sim = Sim::new(e, job, n_donors);
     let took = sim.run(refs, 250 * US);
     (took, sim.e.status().jobs[0].stats)
 }
@@ -806,7 +751,7 @@ fn simulated_coalescing_cuts_disk_requests_for_clustered_reads() {
         refs.extend(shuffled(16, r + 11).into_iter().map(|i| r * 16 + i));
     }
     let run = |coalesce: u32| {
-        let mut e = Engine::new(
+        let e = Engine::new(
             EngineConfig {
                 coalesce: CoalesceConfig {
                     max_blocks: coalesce,
@@ -816,10 +761,7 @@ fn simulated_coalescing_cuts_disk_requests_for_clustered_reads() {
             },
             &[],
         );
-        let job = e.add_job("sim", source(refs.clone()));
-        let mut sim = Sim::new(e, job, 0);
-        let took = sim.run(&refs, 250 * US);
-        (took, sim.e.status().jobs[0].stats)
+        run_sim(e, &refs, 0)
     };
     let (single, s1) = run(1);
     let (coalesced, s32) = run(32);

@@ -12,9 +12,11 @@ import time
 import uuid
 from pathlib import Path
 
-from netpager_testkit import MemoryCgroup, OwnedProcess, Teardown, wait_for
-from netpager_testkit.attach import mounted, swaps
-from netpager_testkit.paths import pagerctl, target_dir
+from .cgroup import MemoryCgroup
+from .cleanup import Teardown
+from .procs import OwnedProcess, wait_for
+from .attach import mounted, swaps
+from .paths import pagerctl, target_dir
 
 MIB = 1 << 20
 
@@ -79,6 +81,21 @@ class Job:
 def run_memhog(teardown: Teardown, memhog, limit_bytes: int, log_path, device: str) -> Job:
     """memhog touching 3x `limit_bytes` (one verify pass) swapping to `device`."""
     return Job(teardown, [memhog, str(3 * limit_bytes), "--passes", "1"], limit_bytes, log_path, device)
+
+
+def donor_report(status: dict, name: str) -> dict:
+    """The donor called `name` in a client's device status."""
+    return next(d for d in status["donors"] if d["name"] == name)
+
+
+def busiest(client: "PagerClient", donors, exclude=()):
+    """The harness donor holding most of the client's extents (once the
+    status shows any), leaving out the names in `exclude`."""
+    st = client.wait_status(lambda s: any(d["extents_held"] > 0 for d in s["donors"]), 30,
+                            "extents placed on donors")
+    ranked = sorted(st["donors"], key=lambda d: -d["extents_held"])
+    best = next(d for d in ranked if d["name"] not in exclude)
+    return next(d for d in donors if d.name == best["name"])
 
 
 def donor_spec(donor) -> str:

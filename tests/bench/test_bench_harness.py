@@ -1,0 +1,100 @@
+"""The benchmarks' harness cannot rot: each benchmark of `make bench-client`
+and `make bench-server` runs here in its shortest configuration (tiny sizes,
+one round, one front end), in-process so that the test's own exit paths undo
+what it set up. Checks the structure of the files each writes, never timing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from netpager_testkit import Teardown, bench_client, bench_server
+from netpager_testkit.bench import MEMORY_FS, disk_workdir, fs_type
+from netpager_testkit.ci import skip_or_fail
+from netpager_testkit.client import client_plugin
+from netpager_testkit.paths import pagerctl, target_dir
+
+# The shortest configuration of every knob the benchmarks read.
+TINY_CLIENT = {"RUNTIME": "1", "RAMP": "0", "FIO_ROUNDS": "1", "ROUNDS": "1", "FIO_SIZE": "16M",
+               "LIMIT": "16M", "LINK_RATE": "1G", "MODES": "parity disk", "SWAP_MODES": "parity",
+               "SWAP_SETTINGS": "loopback", "FRONTENDS": "fuse-uring@0"}
+FIO_COLUMNS = ["randread_iops", "randwrite_iops", "read_MBps", "write_MBps"]
+
+
+@pytest.fixture
+def tools():
+    for tool in ("nbdkit", "nbdfuse", "fio", "zramctl", "findmnt"):
+        if shutil.which(tool) is None:
+            skip_or_fail(f"{tool} not installed (make deps)")
+
+
+def written(out, name: str) -> dict:
+    """The JSON a benchmark wrote, checked against its text table."""
+    doc = json.loads((out / f"{name}.json").read_text())
+    assert doc["bench"] == name
+    assert (out / f"{name}.txt").read_text().splitlines() == doc["table"]
+    return doc
+
+
+def test_work_directory_skips_memory_file_systems(tmp_path):
+    if shutil.which("findmnt") is None:
+        skip_or_fail("findmnt not installed (make deps)")
+    if fs_type(tmp_path) in MEMORY_FS:
+        skip_or_fail(f"{tmp_path} is itself on {fs_type(tmp_path)}: no real disk to pick")
+    # /dev/shm is tmpfs on Linux: a write-through file there would be RAM.
+    assert fs_type(Path("/dev/shm")) == "tmpfs"
+    with Teardown("work directory") as td:
+        work = disk_workdir(td, "np-bench-", [Path("/dev/shm"), tmp_path])
+        assert work.parent == tmp_path and work.is_dir()
+        td.close_or_raise()
+    assert not work.exists()
+
+
+def test_bench_server_tiny(tools, donor_plugin, tmp_path, monkeypatch):
+    for k, v in {"ROUNDS": "1", "RUNTIME": "1", "SIZE": "16M"}.items():
+        monkeypatch.setenv(k, v)
+    assert bench_server.main(["--out", str(tmp_path)]) == 0
+    doc = written(tmp_path, "server")
+    assert doc["knobs"] == {"rounds": 1, "runtime": 1, "size": "16M"}
+    assert set(doc["results"]["iops"]) == set(bench_server.TESTS)
+    for test, by_server in doc["results"]["iops"].items():
+        assert set(by_server) == set(bench_server.SERVERS)
+        assert all(list(rounds) == ["1"] and rounds["1"] > 0 for rounds in by_server.values())
+        assert doc["results"]["summary"][test]["median_ratio"] > 0
+    assert any(line.startswith("randread       pager-server") for line in doc["table"])
+
+
+def test_bench_client_tiny(root, tools, donor_plugin, memhog, tmp_path, monkeypatch):
+    for path in (pagerctl(), client_plugin(), target_dir() / "examples" / "fuse-memory"):
+        if not path.exists():
+            skip_or_fail(f"{path} missing (make build)")
+    for k, v in TINY_CLIENT.items():
+        monkeypatch.setenv(k, v)
+    assert bench_client.main(["--out", str(tmp_path)]) == 0
+
+    donors = written(tmp_path, "donors")["results"]
+    assert donors["columns"] == FIO_COLUMNS
+    assert set(donors["donors"]) == {"1", "2", "4"}
+    assert all(len(v) == 4 and min(v) > 0 for v in donors["donors"].values())
+
+    modes = written(tmp_path, "modes")
+    assert modes["knobs"]["modes"] == ["parity", "disk"]
+    assert list(modes["results"]["modes"]) == ["none", "parity", "disk"]
+    for m in modes["results"]["modes"].values():
+        assert m["donors"] == 4 and len(m["fio"]) == 4 and m["memory"].count("/") == 1
+    assert "parity/none" in "\n".join(modes["table"])
+    # The disk mode's write-through file sat on a real disk, and the table says where.
+    assert any("write-through file" in line for line in modes["table"])
+
+    swap = written(tmp_path, "swap")["results"]
+    assert list(swap["seconds"]) == ["client:fuse-uring@0+parity/loopback", "proxy/loopback",
+                                     "memory/loopback", "floor", "zram", "file"]
+    assert all(len(s["rounds"]) == 1 for s in swap["seconds"].values())
+    assert swap["touch_bytes"] == 3 * swap["limit_bytes"] == 48 << 20
+
+    latency = written(tmp_path, "latency")["results"]["us"]
+    assert set(latency) == {"fuse-uring@0", "direct"}
+    assert all(len(v["randread"]) == len(v["randwrite"]) == 1 for v in latency.values())

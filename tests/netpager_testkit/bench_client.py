@@ -1,0 +1,512 @@
+"""Benchmarks of the netpager client, each printing a table and its ratios:
+
+  1. donors: fio 4 KiB random and 1 MiB sequential I/O through the client
+     (fio's nbd engine on the client's unix socket) with 1, 2 and 4 donors,
+     each behind nbdkit's rate filter emulating a 1 Gbit/s link
+     (rate=1G: the filter counts bits per second). Target: 4 donors >= 3.5x
+     one donor.
+  2. modes: none / mirror / parity / parity without its log / disk / ec
+     4+2 side by side on 4 such donors (ec on 6, the fewest it takes,
+     compared with none on 6 as well), as ratios to none, with the donor
+     memory held per byte fio wrote. Targets: parity reads >= 0.95x,
+     writes >= 0.6x; ec reads >= 0.95x, writes >= 0.5x, memory 1.5x.
+  3. swap: a job touching 3x its memory cgroup limit swapping through the
+     client (3 donors, parity; SWAP_MODES="parity ec" adds ec 4+2 on 6
+     donors, with its ratio to parity, target <= 1.1x) on each front end
+     (FRONTENDS: fuse-uring, fuse, nbd), through one `nbdkit memory` over
+     TCP (a remote memory server, as a donor is) attached through nbdfuse +
+     a loop device, through the same FUSE front end answering from memory
+     (the floor of the client's path), through zram and through a swap file
+     on local disk, alternating A B C D A B C D ... Completion times and
+     ratios to nbdkit memory. The same nbdkit memory is also reached through
+     a local nbdkit proxy on a unix socket (its nbd plugin), the path the
+     client takes to a donor: that prices the extra hop apart from the
+     client. Two settings (SWAP_SETTINGS): "links" puts each donor and the
+     one nbdkit memory behind its own emulated LINK_RATE link, as remote
+     memory is in a lab; "loopback" runs all of them at loopback speed,
+     which shows whether bandwidth binds at all. Targets: client on
+     fuse-uring <= 1.0x nbdkit memory and <= 1.0x the swap file.
+  4. latency: QD1 4 KiB random reads and writes (fio, psync, direct=1)
+     through the client's loop device (mode none, one donor, each front
+     end) against fio's nbd engine straight to that donor over TCP,
+     alternating. Target: fuse-uring <= 1.2x direct.
+
+  python3 -m netpager_testkit.bench_client                 # all four (make bench-client)
+  python3 -m netpager_testkit.bench_client donors modes    # some of them
+  RUNTIME=10 ROUNDS=3 LIMIT=128M ... swap
+  SWAP_MODE=none ... swap                  # the client in another mode
+  SWAP_MODES="parity ec" ... swap          # modes side by side
+  SWAP_SETTINGS=links ... swap
+  FRONTENDS="fuse-uring@0 fuse-uring@50" ... latency   # FRONTEND@US: --spin-us US
+  MODES=parity ... modes                   # none and parity only
+  FIO_ROUNDS=3 ... modes                   # best of 3 fio runs each
+
+Knobs (environment): RUNTIME (8 s per fio run), RAMP (fio's unmeasured
+start: 3 s, 2 s for latency), FIO_ROUNDS (2, the best kept), ROUNDS (2,
+rounds of swap and latency), LIMIT (128M, the swap job's memory limit; it
+touches 3x), LINK_RATE (1G bits/s per emulated link), FIO_SIZE (512M),
+SWAP_MODE (parity) / SWAP_MODES, SWAP_SETTINGS ("links loopback"), MODES
+("mirror parity parity-nolog disk ec"), FRONTENDS ("fuse-uring fuse nbd").
+
+Each benchmark writes OUTDIR/NAME.txt and OUTDIR/NAME.json (--out, default
+bench-results/client). The work directory (client state, the disk mode's
+write-through file, the swap file) is on a real disk: /tmp unless it is
+tmpfs, else /var/tmp, else the repository's target/. Run as root; binaries
+come from NETPAGER_TARGET_DIR (default target/release). Loopback only. Each
+benchmark has its own Teardown: every process it started is stopped by pid,
+every attach detached, every swap area, loop device, zram device and cgroup
+undone, on every exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .attach import FuseFile, LoopDevice, Swap, run
+from .bench import Report, die, disk_workdir, env_int, env_str, fio_json, mean, nbdkit, ratio, require
+from .cgroup import run_job_in_cgroup
+from .cleanup import Teardown, install_handlers
+from .client import PagerClient, client_plugin
+from .demo import parse_size
+from .donor import Cluster, Donor
+from .paths import job, pagerctl, repo_root, server_plugin, target_dir
+from .procs import OwnedProcess, tail, wait_for
+
+PROG = "bench-client"
+# pagerctl's FUSE front ends switch the kernel's FUSE-over-io_uring on (and back).
+URING_SWITCH = Path("/sys/module/fuse/parameters/enable_uring")
+
+
+@dataclass
+class Knobs:
+    runtime: int
+    ramp: int | None
+    fio_rounds: int
+    rounds: int
+    limit: str
+    link_rate: str
+    fio_size: str
+    swap_modes: list[str]
+    swap_settings: list[str]
+    modes: list[str]
+    frontends: list[str]
+
+    @classmethod
+    def from_env(cls) -> "Knobs":
+        ramp = env_str("RAMP", "")
+        swap_mode = env_str("SWAP_MODE", "parity")
+        k = cls(runtime=env_int(PROG, "RUNTIME", 8),
+                ramp=int(ramp) if ramp else None,
+                fio_rounds=env_int(PROG, "FIO_ROUNDS", 2),
+                rounds=env_int(PROG, "ROUNDS", 2),
+                limit=env_str("LIMIT", "128M"),
+                link_rate=env_str("LINK_RATE", "1G"),
+                fio_size=env_str("FIO_SIZE", "512M"),
+                swap_modes=env_str("SWAP_MODES", swap_mode).split(),
+                swap_settings=env_str("SWAP_SETTINGS", "links loopback").split(),
+                modes=env_str("MODES", "mirror parity parity-nolog disk ec").split(),
+                frontends=env_str("FRONTENDS", "fuse-uring fuse nbd").split())
+        for s in k.swap_settings:
+            if s not in ("links", "loopback"):
+                die(PROG, f"unknown swap setting {s} in SWAP_SETTINGS (links, loopback)")
+        return k
+
+
+class Bench:
+    """One benchmark's run: its knobs, Teardown, work directory and report."""
+
+    def __init__(self, name: str, knobs: Knobs, work: Path):
+        self.knobs = knobs
+        self.work = work / name
+        self.work.mkdir()
+        self.report = Report(name, asdict(knobs))
+
+    # ------------------------------------------------------------ set-up
+    def donors(self, td: Teardown, n: int, rate: str | None, tag: str) -> list[Donor]:
+        """n pager-server donors on 127.0.0.2.., each behind a `rate` bits/s
+        link (None: loopback speed)."""
+        filters = {"filters": ["rate"], "filter_params": {"rate": rate}} if rate else {}
+        cluster = Cluster(td, self.work / tag, server_plugin())
+        return cluster.start_donors(n, size="2G", budgets="2G", reserve=0, busy_load=1000, **filters)
+
+    def attach(self, td: Teardown, tag: str, donors, mode: str, size: str, frontend: str,
+               swap: bool = False, width: int | None = None) -> PagerClient:
+        """`pagerctl attach` in mode `mode` (parity-nolog: parity with its
+        log off; disk: its write-through file in the work directory)."""
+        extra = mode_args(mode, self.work / "writethrough.img", width) + spin_args(frontend)
+        state = self.work / f"c-{tag}"
+        shutil.rmtree(state, ignore_errors=True)
+        client = PagerClient(td, state, client_id="bench")
+        client.attach(donors, mode=mode.removesuffix("-nolog"), size=size, swap=swap, extra=extra,
+                      frontend=frontend.split("@")[0])
+        return client
+
+    # --------------------------------------------------------------- fio
+    def fio_run(self, uri: str, rw: str, bs: str, depth: int, *extra) -> tuple[float, float]:
+        """(IOPS, MB/s) of one fio run through the nbd engine."""
+        j = fio_json([f"--name={rw}", "--ioengine=nbd", f"--uri={uri}", f"--rw={rw}", f"--bs={bs}",
+                      f"--iodepth={depth}", "--numjobs=1", f"--size={self.knobs.fio_size}", *extra],
+                     self.work)
+        return (j["read"]["iops"] + j["write"]["iops"],
+                (j["read"]["bw_bytes"] + j["write"]["bw_bytes"]) / 1e6)
+
+    def fio_best(self, *args) -> tuple[float, float]:
+        """fio_run FIO_ROUNDS times in a row, the best kept. Noise on a shared
+        machine only ever slows a run down, and the first pass over a fresh
+        device pays one-time costs (donor memory touched for the first time,
+        the parity log's units placed) that a long-lived swap device does not."""
+        return max((self.fio_run(*args) for _ in range(self.knobs.fio_rounds)), key=lambda r: r[0])
+
+    def fio_suite(self, uri: str) -> list[float]:
+        """Fills the region, then [rr_iops, rw_iops, seqr_MBps, seqw_MBps].
+        Every measured run starts with a ramp (3 s) that fio leaves out: the
+        rate filter lets 2 s worth of traffic through at once after idling
+        (burstiness=2), which would inflate short runs."""
+        ramp = 3 if self.knobs.ramp is None else self.knobs.ramp
+        timed = ["--time_based", f"--runtime={self.knobs.runtime}", f"--ramp_time={ramp}"]
+        # Fill first, unmeasured, so that reads hit placed extents.
+        self.fio_run(uri, "write", "1M", 8)
+        sw = self.fio_best(uri, "write", "1M", 8, *timed)
+        sr = self.fio_best(uri, "read", "1M", 8, *timed)
+        rr = self.fio_best(uri, "randread", "4k", 32, *timed)
+        rw = self.fio_best(uri, "randwrite", "4k", 32, *timed)
+        return [round(rr[0]), round(rw[0]), round(sr[1], 1), round(sw[1], 1)]
+
+    def fio_lat(self, target: str, rw: str, *extra) -> float:
+        """Mean completion latency (us) of QD1 4 KiB random I/O over the first 64 MiB."""
+        ramp = 2 if self.knobs.ramp is None else self.knobs.ramp
+        j = fio_json(["--name=lat", *extra, target, f"--rw={rw}", "--bs=4k", "--iodepth=1",
+                      "--size=64M", f"--runtime={self.knobs.runtime}", "--time_based",
+                      f"--ramp_time={ramp}", "--randrepeat=0"], self.work)
+        d = j["read"] if j["read"]["io_bytes"] else j["write"]
+        return round(d["clat_ns"]["mean"] / 1000, 1)
+
+
+def mode_args(mode: str, disk_file: Path, width: int | None) -> list[str]:
+    """What `pagerctl attach` needs for MODE besides --mode."""
+    args = {"disk": ["--disk-file", str(disk_file)], "parity-nolog": ["--parity-log", "0"],
+            "ec": ["--data", "4", "--parity", "2"]}.get(mode, [])
+    if mode.startswith("parity") and width:
+        args += ["--parity-width", str(width)]
+    return args
+
+
+def spin_args(frontend: str) -> list[str]:
+    """A FRONTENDS entry FRONTEND@US spins US microseconds before sleeping on a reply."""
+    _, at, us = frontend.partition("@")
+    return ["--spin-us", us] if at else []
+
+
+def fmt_row(widths: list[int], cells, first_left: int = 1) -> str:
+    """Cells padded to `widths`, the first `first_left` left-aligned."""
+    return " ".join(f"{str(c):<{w}}" if i < first_left else f"{str(c):>{w}}"
+                    for i, (c, w) in enumerate(zip(cells, widths)))
+
+
+# ------------------------------------------------------------ 1. donors
+def bench_donors(b: Bench) -> None:
+    k = b.knobs
+    b.report.line(f"== 1. Scaling with donors: fio through the client, mode none, each donor at "
+                  f"{k.link_rate} bit/s")
+    r = {}
+    for n in (1, 2, 4):
+        with Teardown(f"donors {n}") as td:
+            donors = b.donors(td, n, k.link_rate, f"donors{n}")
+            # fio's nbd engine needs the client's NBD socket: the nbd front end.
+            client = b.attach(td, f"donors{n}", donors, "none", "1G", "nbd")
+            r[n] = b.fio_suite(client.uri())
+            td.close_or_raise()
+    w = [8, 14, 14, 14, 14]
+    b.report.line(fmt_row(w, ["donors", "4K randread", "4K randwrite", "1M read", "1M write"]))
+    b.report.line(fmt_row(w, ["", "IOPS", "IOPS", "MB/s", "MB/s"]))
+    for n in (1, 2, 4):
+        b.report.line(fmt_row(w, [n, *r[n]]))
+    for n in (2, 4):
+        b.report.line(fmt_row(w, [f"{n} vs 1", *(ratio(a, o) for a, o in zip(r[n], r[1]))]))
+    b.report.line("(target: 4 donors >= 3.5x one donor)")
+    b.report.line()
+    b.report.results = {"columns": ["randread_iops", "randwrite_iops", "read_MBps", "write_MBps"],
+                        "donors": {str(n): v for n, v in r.items()}}
+
+
+# ------------------------------------------------------------- 2. modes
+def mode_donors(mode: str) -> int:
+    return 6 if mode in ("ec", "none@6") else 4
+
+
+def memory_per_byte(client: PagerClient, fio_size: str) -> str:
+    """Donor memory the device holds (extent slots on donors) per byte fio
+    wrote: all of it, and without the parity log's units (which random
+    writes fill up to --parity-log, the device's size by default), as
+    "ALL/HOME"."""
+    s = client.status()["status"]
+    held = sum(d["extents_held"] for d in s["donors"]) * s["extent_bytes"]
+    log = s["totals"]["parity_log_used_bytes"] * s["memory_overhead"]
+    wrote = parse_size(fio_size)
+    return f"{held / wrote:.2f}/{(held - log) / wrote:.2f}"
+
+
+def bench_modes(b: Bench) -> None:
+    k = b.knobs
+    b.report.line(f"== 2. Modes side by side: 4 donors at {k.link_rate} bit/s each, fio through the client")
+    # ec 4+2 needs 6 donors; none on 6 is its baseline (more links, more
+    # bandwidth: comparing with none on 4 would flatter it).
+    modes = ["none", *(["none@6"] if "ec" in k.modes else []), *k.modes]
+    if "disk" in k.modes:
+        b.report.line(f"(disk mode: write-through file {b.work / 'writethrough.img'})")
+    r, mem = {}, {}
+    for mode in modes:
+        with Teardown(f"mode {mode}") as td:
+            donors = b.donors(td, mode_donors(mode), k.link_rate, f"mode-{mode}")
+            client = b.attach(td, mode, donors, mode.split("@")[0], "1G", "nbd")
+            r[mode] = b.fio_suite(client.uri())
+            mem[mode] = memory_per_byte(client, k.fio_size)
+            td.close_or_raise()
+        (b.work / "writethrough.img").unlink(missing_ok=True)
+    w = [17, 7, 14, 14, 14, 14, 9]
+    b.report.line(fmt_row(w, ["mode", "donors", "4K randread", "4K randwrite", "1M read", "1M write", "memory"]))
+    b.report.line(fmt_row(w, ["", "", "IOPS", "IOPS", "MB/s", "MB/s", "all/home"]))
+    for mode in modes:
+        b.report.line(fmt_row(w, [mode, mode_donors(mode), *r[mode], mem[mode]]))
+    for mode in modes[1:]:
+        if mode == "none@6":
+            continue
+        base = r["none@6" if mode_donors(mode) == 6 else "none"]
+        b.report.line(fmt_row(w[:1] + w[2:6], [f"{mode}/none", *(ratio(a, o) for a, o in zip(r[mode], base))]))
+    b.report.line("(targets: parity reads >= 0.95x none, parity writes >= 0.6x none;")
+    b.report.line(" ec reads >= 0.95x none@6, ec writes >= 0.5x none@6, ec memory 1.5x per byte at home;")
+    b.report.line(" memory: donor bytes held per byte written, all / without the parity log)")
+    b.report.line()
+    b.report.results = {"columns": ["randread_iops", "randwrite_iops", "read_MBps", "write_MBps"],
+                        "modes": {m: {"donors": mode_donors(m), "fio": r[m], "memory": mem[m]} for m in modes}}
+
+
+# -------------------------------------------------------------- 3. swap
+def swap_donors(mode: str) -> int:
+    """Donors the swap job's client uses (ec 4+2 needs 6)."""
+    return 6 if mode == "ec" else 3
+
+
+def loop_swap(td: Teardown, path: Path) -> str:
+    """What pagerctl does over its FUSE file: a loop device with direct I/O
+    and the same queue depth, swap on it."""
+    loop = LoopDevice(td, path, direct_io=True)
+    q = Path("/sys/block") / Path(loop.device).name / "queue" / "nr_requests"
+    depth = q.read_text().strip()
+    q.write_text("16")
+    td.add(f"{q} back to {depth}", lambda: q.write_text(depth))
+    Swap(td, loop.device, priority=32767)
+    return loop.device
+
+
+def memory_server(b: Bench, td: Teardown, rate: str | None) -> Donor:
+    """One `nbdkit memory` over TCP on a loopback address of its own, as a
+    remote memory server would be."""
+    filters = {"filters": ["rate"], "filter_params": {"rate": rate}} if rate else {}
+    return Donor(td, b.work, "mem", "127.0.0.9", "memory", {"size": "1G"}, **filters).start()
+
+
+class SwapTargets:
+    """Each target sets up a swap area, its undo in `td`, and returns its device."""
+
+    def __init__(self, b: Bench):
+        self.b = b
+
+    def client(self, td: Teardown, rate, frontend: str, mode: str) -> str:
+        donors = self.b.donors(td, swap_donors(mode), rate, "swap")
+        return self.b.attach(td, "swap", donors, mode, "1G", frontend, swap=True, width=3).device
+
+    def memory(self, td: Teardown, rate, *_) -> str:
+        mem = memory_server(self.b, td, rate)
+        return loop_swap(td, FuseFile(td, self.b.work, mem.uri()).path)
+
+    def proxy(self, td: Teardown, rate, *_) -> str:
+        """The same nbdkit memory reached the way the client reaches its donors:
+        through a local nbdkit on a unix socket (its nbd plugin) that relays
+        each request over TCP. Against `memory`, this prices the extra hop
+        alone; against the client, what the client does besides."""
+        mem = memory_server(self.b, td, rate)
+        sock = self.b.work / "proxy.sock"
+        sock.unlink(missing_ok=True)
+        nbdkit(td, self.b.work, "proxy", ["-U", sock, "nbd", f"hostname={mem.addr}", f"port={mem.port}"])
+        return loop_swap(td, FuseFile(td, self.b.work, f"nbd+unix:///?socket={sock}").path)
+
+    def floor(self, td: Teardown, *_) -> str:
+        """The floor of the client's path: the same FUSE front end, loop device
+        and queue depth, answering from its own memory with no donor behind
+        it (examples/fuse-memory.rs). A loop device over a tmpfs file is no
+        floor to swap on: loop charges the file's pages to the swapping job's
+        cgroup, which then swaps them to the same loop device, and swap-in
+        deadlocks."""
+        if URING_SWITCH.exists():
+            # On, as pagerctl attach turns it on for the client (and detach back).
+            was = URING_SWITCH.read_text().strip()
+            td.add(f"{URING_SWITCH} back to {was}", lambda: URING_SWITCH.write_text(was))
+            URING_SWITCH.write_text("Y")
+        mnt = self.b.work / "floor"
+        mnt.mkdir(exist_ok=True)
+        proc = OwnedProcess([target_dir() / "examples" / "fuse-memory", mnt, "1024", "fuse-uring"],
+                            self.b.work / "floor.log", td, "fuse-memory")
+        td.add(f"fuse-memory mount {mnt}", lambda: (run(["umount", mnt]), proc.wait(30)))
+
+        def ready():
+            if not proc.alive():
+                raise RuntimeError(f"fuse-memory exited: {tail(proc.log_path)}")
+            return (mnt / "device").exists()
+
+        wait_for(ready, 30, f"fuse-memory (log {proc.log_path})")
+        return loop_swap(td, mnt / "device")
+
+    def zram(self, td: Teardown, *_) -> str:
+        dev = run(["zramctl", "--find", "--size", "1G"]).strip()
+        td.add(f"zram {dev}", lambda: run(["zramctl", "--reset", dev]))
+        Swap(td, dev, priority=32767)
+        return dev
+
+    def file(self, td: Teardown, *_) -> str:
+        f = self.b.work / "swapfile"
+        run(["fallocate", "-l", "1G", f])
+        f.chmod(0o600)
+        td.add(f"swap file {f}", lambda: f.unlink(missing_ok=True))
+        Swap(td, str(f), priority=32767)
+        return str(f)
+
+
+def swap_label(run_name: str, k: Knobs) -> str:
+    target, _, setting = run_name.partition("/")
+    if target.startswith("client:"):
+        frontend, _, mode = target.removeprefix("client:").partition("+")
+        label = f"client, {mode}, {swap_donors(mode)} donors, {frontend}"
+    else:
+        label = {"proxy": "one nbdkit memory via a local proxy", "memory": "one nbdkit memory",
+                 "floor": "FUSE from memory + loop (the floor)", "zram": "zram",
+                 "file": "swap file on local disk"}[target]
+    if setting == "links":
+        return f"{label}, {k.link_rate} links"
+    return f"{label}, loopback" if setting else label
+
+
+def bench_swap(b: Bench) -> None:
+    k = b.knobs
+    limit = parse_size(k.limit)
+    touch = 3 * limit
+    b.report.line(f"== 3. Swap: memhog touching {touch >> 20} MiB in a {k.limit} memory cgroup "
+                  f"(1 verify pass), {k.rounds} rounds")
+    b.report.line(f"(swap file {b.work / 'swapfile'})")
+    runs = []
+    for setting in k.swap_settings:
+        runs += [f"client:{f}+{m}/{setting}" for m in k.swap_modes for f in k.frontends]
+        runs += [f"proxy/{setting}", f"memory/{setting}"]
+    runs += ["floor", "zram", "file"]
+    targets = SwapTargets(b)
+    t: dict[str, list[float]] = {name: [] for name in runs}
+    memhog = job("memhog")
+    for rnd in range(1, k.rounds + 1):
+        for name in runs:
+            target, _, setting = name.partition("/")
+            kind, _, spec = target.partition(":")
+            frontend, _, mode = spec.partition("+")
+            with Teardown(f"swap {name}") as td:
+                device = getattr(targets, kind)(td, k.link_rate if setting == "links" else None,
+                                                frontend, mode)
+                log = b.work / f"memhog-{kind}.log"
+                r = run_job_in_cgroup(td, [memhog, touch, "--passes", "1"], limit, log,
+                                      swap_devices=[device])
+                td.close_or_raise()
+            if r.returncode != 0 or r.timed_out:
+                die(PROG, f"memhog through {name} failed: {r.describe()}")
+            t[name].append(round(r.seconds, 1))
+            print(f"round {rnd}: {name} {r.seconds:.1f}s", file=sys.stderr, flush=True)
+    w = [52, 24, 10, 16]
+    b.report.line(fmt_row(w, ["target", "seconds per round", "mean", "vs nbdkit memory"], first_left=2))
+    for name in runs:
+        setting = name.partition("/")[2] or "loopback"
+        # Local targets compare with the loopback nbdkit memory if it ran.
+        base = t.get(f"memory/{setting}") or t[f"memory/{k.swap_settings[-1]}"]
+        b.report.line(fmt_row(w, [swap_label(name, k), " ".join(map(str, t[name])),
+                                  f"{mean(t[name]):.1f}", ratio(mean(t[name]), mean(base))], first_left=2))
+    for setting in k.swap_settings:
+        for m in k.swap_modes:
+            for f in k.frontends:
+                c = mean(t[f"client:{f}+{m}/{setting}"])
+                b.report.line(f"client ({m}) on {f} vs the swap file, {setting}: {ratio(c, mean(t['file']))}")
+                parity = t.get(f"client:{f}+parity/{setting}")
+                if m == "ec" and parity:
+                    b.report.line(f"client on {f}, ec 4+2 vs parity, {setting}: "
+                                  f"{ratio(c, mean(parity))} (target <= 1.1x)")
+    b.report.line("(targets: client on fuse-uring <= 1.0x one nbdkit memory and <= 1.0x the swap file)")
+    b.report.line()
+    b.report.results = {"touch_bytes": touch, "limit_bytes": limit,
+                        "seconds": {name: {"label": swap_label(name, k), "rounds": t[name]} for name in runs}}
+
+
+# ---------------------------------------------------------- 4. latency
+def bench_latency(b: Bench) -> None:
+    k = b.knobs
+    b.report.line(f"== 4. Latency: QD1 4 KiB random I/O, mean completion time (us), {k.rounds} rounds")
+    lat: dict[str, dict[str, list[float]]] = {p: {"randread": [], "randwrite": []}
+                                              for p in [*k.frontends, "direct"]}
+    with Teardown("latency") as donors_td:
+        donor = b.donors(donors_td, 1, None, "latency")[0]
+        for _ in range(k.rounds):
+            for f in k.frontends:
+                with Teardown(f"latency {f}") as td:
+                    dev = b.attach(td, f"lat-{f}", [donor], "none", "256M", f).device
+                    # The device is new: written once first, so reads find data
+                    # on the donor and writes find their extents placed.
+                    fio_json(["--name=fill", f"--filename={dev}", "--rw=write", "--bs=1M",
+                              "--size=64M", "--direct=1"], b.work)
+                    for rw in ("randread", "randwrite"):
+                        lat[f][rw].append(b.fio_lat(f"--filename={dev}", rw, "--ioengine=psync", "--direct=1"))
+                    td.close_or_raise()
+            for rw in ("randread", "randwrite"):
+                lat["direct"][rw].append(b.fio_lat(f"--uri=nbd://{donor.addr}:{donor.port}/direct@256M",
+                                                   rw, "--ioengine=nbd"))
+        donors_td.close_or_raise()
+    w = [44, 12, 12, 12, 12]
+    b.report.line(fmt_row(w, ["path", "read us", "vs direct", "write us", "vs direct"]))
+    rd, wd = mean(lat["direct"]["randread"]), mean(lat["direct"]["randwrite"])
+    for p in [*k.frontends, "direct"]:
+        r, wr = mean(lat[p]["randread"]), mean(lat[p]["randwrite"])
+        label = "fio nbd engine to the donor" if p == "direct" else f"client, none, 1 donor, {p}"
+        b.report.line(fmt_row(w, [label, f"{r:.1f}", ratio(r, rd), f"{wr:.1f}", ratio(wr, wd)]))
+    b.report.line("(target: fuse-uring <= 1.2x direct)")
+    b.report.line()
+    b.report.results = {"us": lat}
+
+
+RUN = {"donors": bench_donors, "modes": bench_modes, "swap": bench_swap, "latency": bench_latency}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("bench", nargs="*", help=f"which ({', '.join(RUN)}; default all four)")
+    ap.add_argument("--out", type=Path, default=repo_root() / "bench-results" / "client",
+                    help="where NAME.txt and NAME.json go")
+    args = ap.parse_args(argv)
+    for name in args.bench:
+        if name not in RUN:
+            die(PROG, f"unknown benchmark {name} ({', '.join(RUN)})")
+    knobs = Knobs.from_env()
+    tdir = target_dir()
+    require(PROG, ["nbdkit", "nbdfuse", "fio", "losetup", "mkswap", "swapon", "zramctl", "findmnt"],
+            [pagerctl(), server_plugin(), client_plugin(), tdir / "examples" / "fuse-memory"], root=True)
+    install_handlers()
+    with Teardown(PROG) as top:
+        work = disk_workdir(top, "np-bench-", [Path("/tmp"), Path("/var/tmp"), repo_root() / "target"])
+        print(f"work directory {work} (on a real disk)", file=sys.stderr, flush=True)
+        for name in args.bench or RUN:
+            b = Bench(name, knobs, work)
+            RUN[name](b)
+            b.report.write(args.out)
+        top.close_or_raise()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Side-by-side benchmark of the donor plugin against `nbdkit memory`:
+fio 4 KiB random I/O at iodepth 32 through fio's nbd engine, alternating
+the servers (A B C A B C ...) so that drift on the machine hits all alike.
+Each round starts a fresh server and runs, for RUNTIME seconds:
+  randwrite-new  random writes into an empty export (pages get allocated)
+  randread       random reads after a sequential fill of the export
+  randwrite      random rewrites of existing pages
+nbdkit's null plugin (stores nothing) runs alongside as the ceiling: what
+nbdkit, fio and the kernel allow on this machine with no storage at all.
+Prints IOPS per round, then per test the mean IOPS of each server and the
+median of the per-round ratios pager-server / nbdkit-memory.
+
+  python3 -m netpager_testkit.bench_server     # 3 rounds of 10 s per test, 2G export (make bench-server)
+  ROUNDS=5 RUNTIME=20 SIZE=4G python3 -m netpager_testkit.bench_server
+
+Writes OUTDIR/server.txt and OUTDIR/server.json (--out, default
+bench-results/server). Binaries: NETPAGER_TARGET_DIR/libpager_server.so
+(default target/release). Loopback only; every nbdkit started here is
+stopped by pid on every exit path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+from .bench import Report, disk_workdir, env_int, env_str, fio_json, nbdkit, require
+from .cleanup import Teardown, install_handlers
+from .donor import free_ports
+from .paths import repo_root, server_plugin
+
+PROG = "bench-server"
+SERVERS = ("pager", "memory", "null")
+TESTS = ("randwrite-new", "randread", "randwrite")
+
+
+def start_server(td: Teardown, work: Path, server: str, size: str) -> str:
+    """A fresh nbdkit serving `server` on 127.0.0.1; returns its URI."""
+    port = free_ports("127.0.0.1", 1)[0]
+    plugin = [str(server_plugin()), f"size={size}", "budget=100%"] if server == "pager" else [server, f"size={size}"]
+    nbdkit(td, work, server, ["-p", str(port), "-i", "127.0.0.1", *plugin])
+    return f"nbd://127.0.0.1:{port}/"
+
+
+def run_fio(work: Path, uri: str, size: str, rw: str, *extra) -> int:
+    """The IOPS of one fio run (4 KiB, iodepth 32 unless `extra` says otherwise)."""
+    j = fio_json([f"--name={rw}", "--ioengine=nbd", f"--uri={uri}", f"--rw={rw}", "--bs=4k",
+                  "--iodepth=32", "--numjobs=1", f"--size={size}", *extra], work)
+    return round(j["read"]["iops"] + j["write"]["iops"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=repo_root() / "bench-results" / "server",
+                    help="where server.txt and server.json go")
+    args = ap.parse_args(argv)
+    rounds = env_int(PROG, "ROUNDS", 3)
+    runtime = env_int(PROG, "RUNTIME", 10)
+    size = env_str("SIZE", "2G")
+    require(PROG, ["nbdkit", "fio", "findmnt"], [server_plugin()], root=False)
+    install_handlers()
+    report = Report("server", {"rounds": rounds, "runtime": runtime, "size": size})
+    timed = ["--time_based", f"--runtime={runtime}"]
+    # iops[test][server][round]
+    iops = {t: {s: {} for s in SERVERS} for t in TESTS}
+    with Teardown(PROG) as top:
+        work = disk_workdir(top, "np-bench-server-", [Path("/tmp"), Path("/var/tmp"), repo_root() / "target"])
+        report.line(f"{'round':<6} {'server':<8} {'randwrite-new':>14} {'randread':>12} {'randwrite':>12}")
+        for rnd in range(1, rounds + 1):
+            for server in SERVERS:
+                with Teardown(f"{PROG} {server}") as td:
+                    uri = start_server(td, work, server, size)
+                    new = run_fio(work, uri, size, "randwrite", *timed)
+                    # Fill every page so both servers read and rewrite real data.
+                    run_fio(work, uri, size, "write", "--bs=1M", "--iodepth=4")
+                    rr = run_fio(work, uri, size, "randread", *timed)
+                    rw = run_fio(work, uri, size, "randwrite", *timed)
+                    td.close_or_raise()
+                for test, n in zip(TESTS, (new, rr, rw)):
+                    iops[test][server][rnd] = n
+                report.line(f"{rnd:<6} {server:<8} {new:>14} {rr:>12} {rw:>12}")
+        top.close_or_raise()
+    report.line()
+    report.line(f"{rounds} rounds of {runtime}s per test, 4 KiB, iodepth 32, export {size}, "
+                f"{os.cpu_count()} CPUs:")
+    summary = {}
+    for test in TESTS:
+        p, m, n = (iops[test][s] for s in SERVERS)
+        med = statistics.median(p[r] / m[r] for r in p)
+        summary[test] = {"pager_mean": statistics.mean(p.values()), "memory_mean": statistics.mean(m.values()),
+                         "null_mean": statistics.mean(n.values()), "median_ratio": round(med, 3)}
+        report.line(f"{test:14} pager-server {summary[test]['pager_mean']:7.0f}  nbdkit-memory "
+                    f"{summary[test]['memory_mean']:7.0f}  (null ceiling {summary[test]['null_mean']:7.0f})"
+                    f"  median ratio pager/memory {med:.2f}x")
+    report.results = {"iops": {t: {s: {str(r): v for r, v in iops[t][s].items()} for s in SERVERS}
+                               for t in TESTS}, "summary": summary}
+    report.write(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
