@@ -482,7 +482,7 @@ def test_client_kill9_then_donor_kill9(mode, teardown, donors, client):
     victim.kill9()
     # The first read that reaches the dead donor marks it failed.
     res = cell.check("after the donor kill", allow_lost=False)
-    cell.detected(lambda s: report(s, victim.name)["failed"], f"{victim.name} marked failed")
+    cell.detected(lambda s: donor_report(s, victim.name)["failed"], f"{victim.name} marked failed")
     cell.w.start()
     cell.w.wait_ops(32)
     cell.finish(allow_lost_after_fault=False)
