@@ -212,7 +212,7 @@ impl ParityLog {
 }
 
 impl Inner {
-    pub(super) fn plog(&self) -> &ParityLog {
+    fn plog(&self) -> &ParityLog {
         self.plog.as_ref().expect("the device has a parity log")
     }
 

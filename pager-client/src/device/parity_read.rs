@@ -173,8 +173,11 @@ impl Inner {
         {
             return false;
         }
+        let Some(plog) = self.plog.as_ref() else {
+            return false;
+        };
         let first = pos / PAGE;
-        let geo = self.plog().geo;
+        let geo = plog.geo;
         let mut logged = [Logged::default(); BATCH_PAGES];
         let mut in_log = [false; BATCH_PAGES];
         let mut nl = 0;
