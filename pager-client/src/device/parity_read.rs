@@ -157,7 +157,7 @@ impl Inner {
     }
 
     /// Reads page-aligned `buf` at `pos`, within one group placed as `unit`
-    /// (locked), some of its pages in the parity log, in one batch: a
+    /// (locked), pages in the parity log or not, in one batch: a
     /// request per run of home pages, and one per run of logged pages in
     /// consecutive rows of one member (read into a pooled buffer, then
     /// copied to their places). So pages written together and read
@@ -204,7 +204,7 @@ impl Inner {
             nl += 1;
             *flag = true;
         }
-        if nl == 0 || nl * PAGE as usize > self.buf_bytes() {
+        if nl * PAGE as usize > self.buf_bytes() {
             return false;
         }
         // Lock order: the home group (the caller's), then log units in
@@ -224,8 +224,12 @@ impl Inner {
         };
         let logged = &mut logged[..nl];
         logged.sort_unstable_by_key(|l| (l.lu, l.col, l.row));
-        let mut bufs = self.bufs.take(1);
-        let scratch = bufs.one(nl * PAGE as usize);
+        // A pooled buffer only when there are logged pages to gather.
+        let mut bufs = (nl > 0).then(|| self.bufs.take(1));
+        let scratch: &mut [u8] = match bufs.as_mut() {
+            Some(b) => b.one(nl * PAGE as usize),
+            None => &mut [],
+        };
         let ok = {
             let mut reqs: [Option<IoReq<'_>>; BATCH_PAGES] = std::array::from_fn(|_| None);
             let mut nr = 0;
