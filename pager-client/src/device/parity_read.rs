@@ -183,8 +183,10 @@ impl Inner {
         let mut nl = 0;
         let mut lus = [0u64; BATCH_LOG_UNITS];
         let mut nlu = 0;
-        for (i, flag) in in_log.iter_mut().enumerate().take(n) {
-            let Some(slot) = self.map.log_lookup(first + i as u64) else {
+        let mut slots = [None; BATCH_PAGES];
+        self.map.log_lookup_run(first, &mut slots[..n]);
+        for (i, (flag, slot)) in in_log.iter_mut().zip(slots).enumerate().take(n) {
+            let Some(slot) = slot else {
                 continue;
             };
             let (lu, row, col) = geo.place(slot);

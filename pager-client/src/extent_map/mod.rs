@@ -365,6 +365,19 @@ impl ExtentMap {
         self.table().and_then(|t| t.lookup(page))
     }
 
+    /// The log slots of pages `first..first + out.len()` (`None`: at
+    /// home), looked up under one lock.
+    pub fn log_lookup_run(&self, first: u64, out: &mut [Option<Slot>]) {
+        match self.table() {
+            Some(t) => {
+                for (i, o) in out.iter_mut().enumerate() {
+                    *o = t.lookup(first + i as u64);
+                }
+            }
+            None => out.fill(None),
+        }
+    }
+
     /// Whether any page of `[first, first + count)` is in the log.
     pub fn log_any_in(&self, first: u64, count: u64) -> bool {
         self.table().is_some_and(|t| t.any_in(first, count))
