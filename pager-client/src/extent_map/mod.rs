@@ -463,13 +463,7 @@ impl ExtentMap {
             name: name.to_string(),
             label: 0,
         };
-        self.append(
-            &mut p,
-            &Record::Donor {
-                id,
-                entry: entry.clone(),
-            },
-        )?;
+        self.append_donor(&mut p, id, &entry)?;
         p.donors.push(entry);
         self.slots.lock_or_recover().donors.push(SlotSet::new(1));
         Ok(id)
@@ -484,15 +478,19 @@ impl ExtentMap {
         let mut p = self.persist.lock_or_recover();
         let mut entry = p.donors[id as usize].clone();
         entry.label = label;
+        self.append_donor(&mut p, id, &entry)?;
+        p.donors[id as usize] = entry;
+        Ok(())
+    }
+
+    fn append_donor(&self, p: &mut Persist, id: u16, entry: &DonorEntry) -> Result<(), MapError> {
         self.append(
-            &mut p,
+            p,
             &Record::Donor {
                 id,
                 entry: entry.clone(),
             },
-        )?;
-        p.donors[id as usize] = entry;
-        Ok(())
+        )
     }
 
     fn append(&self, p: &mut Persist, r: &Record) -> Result<(), MapError> {
