@@ -47,7 +47,10 @@ def churn(mem: bytearray, gens: array, progress: Path) -> int:
             mem[i * PAGE:(i + 1) * PAGE] = pattern(i, gens[i])
             i = (i + 1) % pages
         done += 256
-        progress.write_text(f"{done}\n")
+        # Renamed into place: a reader never sees the file truncated.
+        staged = progress.with_name(progress.name + ".new")
+        staged.write_text(f"{done}\n")
+        staged.replace(progress)
     return -1
 
 
