@@ -10,6 +10,7 @@ use std::sync::Arc;
 use common::{config, wait_status, Model, Nbdkit, Rng};
 use pager_client::config::{ByteSize, Mode};
 use pager_client::device::Device;
+use pager_client::extent_map::Layout;
 use pager_client::status::{render_table, ClientStatus};
 
 const EXTENT: u64 = 64 << 10;
@@ -227,4 +228,45 @@ fn pages_written_together_read_back_in_a_few_requests() {
     ds[0].kill9();
     model.check(&dev, start, pages * PAGE);
     model.check_all(&dev, 256 << 10);
+}
+
+/// Once idle, a device in `mode` moves its logged pages home and frees
+/// the log: its donors then hold only the home groups, and every byte
+/// reads back with `lose` donors killed.
+fn idle_log_drains_home(mode: Mode, lose: usize) {
+    let mut ds = donors(4);
+    let state = tempfile::tempdir().unwrap();
+    let refs: Vec<&Nbdkit> = ds.iter().collect();
+    let mut cfg = config(mode, SIZE, EXTENT, &refs);
+    cfg.parity_log_idle_ms = 300;
+    let members = Layout::from_config(&cfg).members() as u64;
+    let dev = Arc::new(Device::open(cfg, state.path()).unwrap());
+    let model = write_pages(&dev, Model::new(SIZE), 800, 8);
+    assert!(dev.status().totals.parity_log_live_bytes > 0);
+    let s = wait_status(&dev, "the idle log drained", |s| {
+        s.totals.parity_log_used_bytes == 0
+    });
+    let held: u64 = s.donors.iter().map(|d| d.extents_held).sum();
+    assert_eq!(
+        held,
+        s.totals.units_placed * members,
+        "{}",
+        render_table(&s)
+    );
+    model.check_all(&dev, 256 << 10);
+    for d in &mut ds[..lose] {
+        d.kill9();
+    }
+    model.check_all(&dev, 256 << 10);
+    assert_eq!(dev.status().totals.lost, 0);
+}
+
+#[test]
+fn an_idle_device_moves_logged_pages_home_and_frees_the_log() {
+    idle_log_drains_home(Mode::Parity { width: 3 }, 1);
+}
+
+#[test]
+fn an_idle_ec_device_moves_logged_pages_home_and_frees_the_log() {
+    idle_log_drains_home(Mode::Ec { data: 2, parity: 2 }, 2);
 }

@@ -305,6 +305,12 @@ pub struct DeviceConfig {
     /// shorter: fewer groups to resync after a crash.
     #[serde(default = "default_write_intent_quiet_ms")]
     pub write_intent_quiet_ms: u64,
+    /// Modes parity and ec: after this long with no request the parity
+    /// log's pages are moved home and its units freed, so an idle device
+    /// holds (K + R) / K donor bytes per byte; 0 keeps them in the log
+    /// until the cleaner needs room.
+    #[serde(default = "default_log_idle_ms")]
+    pub parity_log_idle_ms: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metrics: Option<MetricsConfig>,
     pub donors: Vec<DonorConfig>,
@@ -351,6 +357,9 @@ fn default_io_buffers() -> u32 {
     8
 }
 fn default_write_intent_quiet_ms() -> u64 {
+    5000
+}
+fn default_log_idle_ms() -> u64 {
     5000
 }
 fn default_true() -> bool {
@@ -418,6 +427,7 @@ impl DeviceConfig {
             fallback: None,
             parity_log: None,
             write_intent_quiet_ms: default_write_intent_quiet_ms(),
+            parity_log_idle_ms: default_log_idle_ms(),
             metrics: None,
             donors: Vec::new(),
         }

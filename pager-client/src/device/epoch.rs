@@ -171,8 +171,8 @@ impl Inner {
                 service.iter().sum::<f64>() / service.len() as f64
             }
         });
-        let requests = self.requests.swap(0, Ordering::Relaxed);
-        self.requests_total.fetch_add(requests, Ordering::Relaxed);
+        let total = self.requests.load(Ordering::Relaxed);
+        let requests = total - self.requests_at_epoch.swap(total, Ordering::Relaxed);
         let params = PolicyParams {
             b: self.cfg.policy.b,
             service_time_s: s_us / 1e6,

@@ -302,6 +302,7 @@ impl Inner {
             self.rebuild_pass();
             self.drain_pass();
             self.clean_parity_log();
+            self.drain_idle_log();
             self.sweep_write_intents();
             self.write_status();
             if self.map.needs_compaction() {
@@ -310,6 +311,17 @@ impl Inner {
                 }
             }
         }
+    }
+
+    /// How long the device has served no request, as the maintenance
+    /// thread has seen it (to within one of its passes).
+    pub(crate) fn idle_for(&self) -> Duration {
+        let now = self.requests.load(Ordering::Relaxed);
+        let mut last = self.last_request.lock_or_recover();
+        if last.0 != now {
+            *last = (now, Instant::now());
+        }
+        last.1.elapsed()
     }
 
     /// Writes `status.json` if the last write is more than a second old.

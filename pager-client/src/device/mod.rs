@@ -153,10 +153,13 @@ pub(crate) struct Inner {
     pub(crate) stop: AtomicBool,
     pub(crate) maint_wake: Wake,
     pub(crate) epoch_wake: Wake,
-    /// Requests since the last epoch, for T_j (mean time between requests).
+    /// Requests served since open.
     pub(crate) requests: AtomicU64,
-    /// Requests before the last epoch.
-    pub(crate) requests_total: AtomicU64,
+    /// `requests` at the last epoch, for T_j (mean time between requests).
+    pub(crate) requests_at_epoch: AtomicU64,
+    /// `requests` when the maintenance thread last saw it change, and when
+    /// that was: how long the device has been idle.
+    pub(crate) last_request: Mutex<(u64, Instant)>,
     /// Alternates mirror reads between copies.
     pub(crate) read_turn: AtomicUsize,
     pub(crate) jobs: Mutex<report::Jobs>,
@@ -277,7 +280,8 @@ impl Device {
             maint_wake: Wake::default(),
             epoch_wake: Wake::default(),
             requests: AtomicU64::new(0),
-            requests_total: AtomicU64::new(0),
+            requests_at_epoch: AtomicU64::new(0),
+            last_request: Mutex::new((0, Instant::now())),
             read_turn: AtomicUsize::new(0),
             jobs: Mutex::new(report::Jobs::default()),
             stats: RequestStats::default(),

@@ -14,12 +14,17 @@
 //!
 //! The cleaner (maintenance thread) frees log units with no live pages
 //! and, when few units are free, empties the one with the fewest live pages
-//! by writing them again (into the log, or home if the log is full).
+//! by writing them again (into the log, or home if the log is full). Once
+//! the device has been idle for `parity_log_idle_ms` it moves every logged
+//! page home and frees the units: the log's memory is held while writes
+//! come, and an idle device holds (K + R) / K donor bytes per byte.
 
 use std::collections::{HashMap, VecDeque};
 use std::ops::RangeInclusive;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Mutex, MutexGuard};
 use std::thread::{self, Thread};
+use std::time::Duration;
 
 use netpager_util::{LockExt, RwLockExt};
 
@@ -163,6 +168,19 @@ impl ParityLog {
     /// waits for company.
     fn row_ready(&self, st: &LogState) -> bool {
         st.queue.len() >= self.geo.cols as usize || (st.leaders == 0 && !st.queue.is_empty())
+    }
+
+    /// Closes the open units no row is being written to, so that an idle
+    /// log can be emptied to its last unit.
+    fn close_idle_units(&self) {
+        let st = &mut *self.lock();
+        let closed = &mut st.closed;
+        st.open.retain(|o| {
+            if o.in_flight == 0 {
+                closed.push(o.lu);
+            }
+            o.in_flight > 0
+        });
     }
 
     fn release(&self, lu: u64) {
@@ -505,7 +523,7 @@ impl Inner {
                 }
                 freed += 1;
             }
-            if free + freed >= low_water || self.stop.load(std::sync::atomic::Ordering::Relaxed) {
+            if free + freed >= low_water || self.stop.load(Relaxed) {
                 return;
             }
             let Some(&lu) = closed
@@ -523,6 +541,48 @@ impl Inner {
                     return;
                 }
             }
+        }
+    }
+
+    /// Moves every logged page home and frees the log's units once the
+    /// device has served no request for `parity_log_idle_ms`. Stops at the
+    /// first new request: a page moved holds its home group for one
+    /// read-modify-write, so a request waits for one page at most.
+    pub(crate) fn drain_idle_log(&self) {
+        let Some(w) = self.plog.as_ref() else {
+            return;
+        };
+        let idle = Duration::from_millis(self.cfg.parity_log_idle_ms);
+        if idle.is_zero() || self.idle_for() < idle {
+            return;
+        }
+        w.close_idle_units();
+        let start = self.requests.load(Relaxed);
+        let busy = || self.requests.load(Relaxed) != start || self.stop.load(Relaxed);
+        let (mut moved, mut freed) = (0u64, 0u64);
+        for lu in w.free_and_closed().1 {
+            for (slot, page) in self.map.log_live_in(lu) {
+                if busy() {
+                    return;
+                }
+                if let Err(e) = self.relocate(page, slot, true) {
+                    tracing::warn!("parity log drain: page {page}: {e}");
+                    return;
+                }
+                moved += 1;
+            }
+            if self.map.log_live_in(lu).is_empty() {
+                if let Err(e) = self.free_log_unit(lu) {
+                    tracing::error!("freeing parity log unit {lu}: {e}");
+                    return;
+                }
+                freed += 1;
+            }
+        }
+        if moved + freed > 0 {
+            tracing::info!(
+                "parity log drained while idle: {moved} pages moved home, {freed} units freed"
+            );
         }
     }
 }

@@ -141,8 +141,7 @@ impl Inner {
             t.writethrough_queued_bytes = queued;
             t.writethrough_error = err;
         }
-        t.requests =
-            self.requests_total.load(Ordering::Relaxed) + self.requests.load(Ordering::Relaxed);
+        t.requests = self.requests.load(Ordering::Relaxed);
         if let Some(geo) = geo {
             t.parity_log_bytes = geo.units * log_unit_bytes;
             t.parity_log_live_bytes = self.map.log_census().0 * crate::page_log::PAGE;
