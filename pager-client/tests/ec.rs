@@ -184,3 +184,30 @@ fn ec_reattach_with_another_code_is_refused_by_name() {
     dev.read(&mut b, 0).unwrap();
     assert!(b.iter().all(|&x| x == 7));
 }
+
+#[test]
+fn ec_reads_of_the_whole_device_spread_evenly_over_the_donors() {
+    let ds = donors(6);
+    let refs: Vec<&Nbdkit> = ds.iter().collect();
+    let state = tempfile::tempdir().unwrap();
+    let dev = Device::open(config(EC, SIZE, EXTENT, &refs), state.path()).unwrap();
+    let mut model = Model::new(SIZE);
+    model.fill(&dev, &mut Rng::new(43), STRIPE);
+    let before: Vec<u64> = dev.status().donors.iter().map(|d| d.reads).collect();
+    model.check_all(&dev, STRIPE);
+    let s = dev.status();
+    let reads: Vec<u64> = s
+        .donors
+        .iter()
+        .zip(&before)
+        .map(|(d, b)| d.reads - b)
+        .collect();
+    // 16 stripes of 4 data extents on 6 donors: 64 reads, 10 or 11 each
+    // when every donor holds as many parity members as any other.
+    let (lo, hi) = (reads.iter().min().unwrap(), reads.iter().max().unwrap());
+    assert!(
+        hi - lo <= 2,
+        "reads per donor {reads:?}\n{}",
+        render_table(&s)
+    );
+}

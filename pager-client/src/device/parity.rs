@@ -498,6 +498,39 @@ impl Inner {
         ])
     }
 
+    /// Orders a new group's locations by member position: its parity
+    /// positions get the donors that hold the fewest parity members now,
+    /// the data positions the rest. Reads go to data
+    /// members only, so this keeps every donor's share of reads even;
+    /// taking positions in the selector's order instead lined its cycle up
+    /// with the parity's rotation (ec 4+2 on 6 donors: one donor served 5x
+    /// another's reads, and 1 MiB reads ran at 0.70x of mode none).
+    fn assign_parity(&self, g: u64, locs: &mut [(Loc, bool)]) {
+        let (w, r) = (self.layout.members(), self.layout.parity_count());
+        if locs.len() != w || r == 0 {
+            return;
+        }
+        let held = self.map.parity_held();
+        let parity_of = |l: &(Loc, bool)| match l.0 {
+            Loc::Donor { donor, .. } => held.get(donor as usize).copied().unwrap_or(0),
+            // The local fallback holds data rather than parity: it reads fastest.
+            Loc::Fallback { .. } => u64::MAX,
+        };
+        let mut by_parity = locs.to_vec();
+        by_parity.sort_by_key(parity_of);
+        let p = self.layout.parity_member(g);
+        let (parity, data) = by_parity.split_at(r);
+        let mut data = data.iter();
+        for (pos, slot) in locs.iter_mut().enumerate() {
+            let j = (pos + w - p) % w;
+            *slot = if j < r {
+                parity[j]
+            } else {
+                *data.next().expect("w - r data locations")
+            };
+        }
+    }
+
     /// First write to a group: `width` slots on distinct donors, zeroed
     /// (if `zero`) where they may hold old data: all-zero members have zero
     /// parity.
@@ -510,7 +543,8 @@ impl Inner {
     ) -> Result<()> {
         // Each failed try rules out a donor (now full or failed).
         for _ in 0..self.donors.len() + 2 {
-            let locs = self.allocate(self.layout.members(), &[], e)?;
+            let mut locs = self.allocate(self.layout.members(), &[], e)?;
+            self.assign_parity(g, &mut locs);
             let mut reqs = batch();
             for (&(loc, clean), r) in locs.iter().zip(&mut reqs) {
                 *r = (zero && !clean).then_some(IoReq {

@@ -108,6 +108,8 @@ struct Persist {
     journal_bytes: u64,
     generation: u64,
     mirror: Vec<Option<Unit>>,
+    /// Parity members each donor (by map id) holds, kept with `mirror`.
+    parity_held: Vec<u64>,
     donors: Vec<DonorEntry>,
     /// Records being appended, kept so the parity log's journal records
     /// (one per small write) are encoded without allocating.
@@ -162,8 +164,25 @@ impl ExtentMap {
         let path = self.dir.join(JOURNAL_FILE);
         p.journal.write_all(&rec).map_err(io_err(&path))?;
         p.journal_bytes += rec.len() as u64;
+        let p = &mut *p;
+        count_parity(
+            &self.layout,
+            u,
+            p.mirror[u as usize].as_ref(),
+            &mut p.parity_held,
+            false,
+        );
+        count_parity(&self.layout, u, unit.as_ref(), &mut p.parity_held, true);
         p.mirror[u as usize] = unit.clone();
         Ok(())
+    }
+
+    /// Parity members each donor holds, by map donor id (modes parity and
+    /// ec): placement gives a new group's parity positions to the donors
+    /// holding the fewest, so reads (which go to data members) spread
+    /// evenly.
+    pub fn parity_held(&self) -> Vec<u64> {
+        self.persist.lock_or_recover().parity_held.clone()
     }
 
     /// Makes every committed change durable.
@@ -518,5 +537,38 @@ impl ExtentMap {
         }
         p.scratch = buf;
         res
+    }
+}
+
+/// Adds (or, with `add` false, takes away) unit `u`'s parity members on
+/// donors to `held`, by donor id.
+pub(super) fn count_parity(
+    layout: &Layout,
+    u: u64,
+    unit: Option<&Unit>,
+    held: &mut Vec<u64>,
+    add: bool,
+) {
+    let Some(unit) = unit.filter(|_| layout.mode.striped()) else {
+        return;
+    };
+    let (w, p) = (layout.members(), layout.parity_member(u));
+    for j in 0..layout.parity_count() {
+        let Some(Member {
+            loc: Loc::Donor { donor, .. },
+            ..
+        }) = unit.members.get((p + j) % w)
+        else {
+            continue;
+        };
+        let i = *donor as usize;
+        if held.len() <= i {
+            held.resize(i + 1, 0);
+        }
+        held[i] = if add {
+            held[i] + 1
+        } else {
+            held[i].saturating_sub(1)
+        };
     }
 }

@@ -9,8 +9,8 @@ use std::sync::{Mutex, RwLock};
 use super::record::{encode, parse_records, Record};
 use super::slots::{SlotSet, Slots};
 use super::{
-    fsync_dir, io_err, CopyState, DonorEntry, ExtentMap, Layout, Loc, MapError, Persist, Unit,
-    INTENT_OPEN, JOURNAL_FILE, JOURNAL_SCRATCH, SNAPSHOT_FILE,
+    count_parity, fsync_dir, io_err, CopyState, DonorEntry, ExtentMap, Layout, Loc, MapError,
+    Persist, Unit, INTENT_OPEN, JOURNAL_FILE, JOURNAL_SCRATCH, SNAPSHOT_FILE,
 };
 use crate::page_log::{PageTable, PAGE};
 
@@ -341,6 +341,13 @@ impl ExtentMap {
                 journal,
                 journal_bytes,
                 generation,
+                parity_held: {
+                    let mut held = Vec::new();
+                    for (u, unit) in st.units.iter().enumerate() {
+                        count_parity(&layout, u as u64, unit.as_ref(), &mut held, true);
+                    }
+                    held
+                },
                 mirror: st.units,
                 donors: st.donors,
                 scratch: Vec::with_capacity(JOURNAL_SCRATCH),
