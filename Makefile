@@ -75,7 +75,8 @@ test-security: build
 test-monitoring: build
 	$(PYTEST) tests/monitoring
 
-# Every benchmark of bench-client and bench-server in its shortest configuration.
+# Every benchmark of bench-client, bench-server and bench-prefetch in its
+# shortest configuration.
 test-bench: build
 	$(PYTEST) tests/bench
 
@@ -97,8 +98,9 @@ faults: build
 bench: bench-server bench-client bench-prefetch
 	$(CARGO) bench --workspace
 
-# Tables and numbers go to bench-results/server/ and bench-results/client/;
-# knobs are environment variables (see docs/HACKING.md, "Benchmarks").
+# Tables and numbers go to bench-results/server/, bench-results/client/ and
+# bench-results/prefetch/; knobs are environment variables (see
+# docs/HACKING.md, "Benchmarks").
 bench-server: build
 	$(BENCH_PY).bench_server
 
@@ -106,7 +108,7 @@ bench-client: build
 	$(BENCH_PY).bench_client $(WHICH)
 
 bench-prefetch: build
-	bash scripts/bench-prefetch.sh
+	$(BENCH_PY).bench_prefetch
 
 clean:
 	$(CARGO) clean

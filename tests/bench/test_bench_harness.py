@@ -1,5 +1,5 @@
-"""The benchmarks' harness cannot rot: each benchmark of `make bench-client`
-and `make bench-server` runs here in its shortest configuration (tiny sizes,
+"""The benchmarks' harness cannot rot: each benchmark of `make bench-client`,
+`make bench-server` and `make bench-prefetch` runs here in its shortest configuration (tiny sizes,
 one round, one front end), in-process so that the test's own exit paths undo
 what it set up. Checks the structure of the files each writes, never timing."""
 
@@ -11,16 +11,20 @@ from pathlib import Path
 
 import pytest
 
-from netpager_testkit import Teardown, bench_client, bench_server
+from netpager_testkit import Teardown, bench_client, bench_prefetch, bench_server
 from netpager_testkit.bench import MEMORY_FS, disk_workdir, fs_type
 from netpager_testkit.ci import skip_or_fail
 from netpager_testkit.client import client_plugin
 from netpager_testkit.paths import pagerctl, target_dir
+from netpager_testkit.prefetch import missing_binaries
 
 # The shortest configuration of every knob the benchmarks read.
 TINY_CLIENT = {"RUNTIME": "1", "RAMP": "0", "FIO_ROUNDS": "1", "ROUNDS": "1", "FIO_SIZE": "16M",
                "LIMIT": "16M", "LINK_RATE": "1G", "MODES": "parity disk", "SWAP_MODES": "parity",
                "SWAP_SETTINGS": "loopback", "FRONTENDS": "fuse-uring@0"}
+TINY_PREFETCH = {"BENCH_SCALE": "0.002", "BENCH_DELAY": "1ms", "BENCH_DONORS": "1",
+                 "BENCH_WORKLOADS": "render", "BENCH_ROUNDS": "1", "BENCH_APP_ROWS": "2000",
+                 "BENCH_APP_DELAY": "1ms", "BENCH_APP_ROUNDS": "1"}
 FIO_COLUMNS = ["randread_iops", "randwrite_iops", "read_MBps", "write_MBps"]
 
 
@@ -98,3 +102,31 @@ def test_bench_client_tiny(root, tools, donor_plugin, memhog, tmp_path, monkeypa
     latency = written(tmp_path, "latency")["results"]["us"]
     assert set(latency) == {"fuse-uring@0", "direct"}
     assert all(len(v["randread"]) == len(v["randwrite"]) == 1 for v in latency.values())
+
+
+def test_bench_prefetch_tiny(root, donor_plugin, tmp_path, monkeypatch):
+    for tool in ("nbdkit", "nbdfuse", "fusermount3", "sqlite3", "findmnt"):
+        if shutil.which(tool) is None:
+            skip_or_fail(f"{tool} not installed (make deps)")
+    if missing_binaries():
+        skip_or_fail(f"not built: {missing_binaries()} (make build)")
+    for k, v in TINY_PREFETCH.items():
+        monkeypatch.setenv(k, v)
+    assert bench_prefetch.main(["--out", str(tmp_path)]) == 0
+
+    pgms = written(tmp_path, "pgms")
+    assert pgms["knobs"]["workloads"] == ["render"] and pgms["knobs"]["donors"] == 1
+    render = pgms["results"]["workloads"]["render"]
+    assert list(render["runs"]) == ["none", "local", "coop1"]
+    assert all(len(v) == 1 for v in render["rounds_s"].values())
+    assert all(r["records"] > 0 and "hits" in r["stats"] for r in render["runs"].values())
+    assert list(render["speedup_vs_none"]) == ["local", "coop1"]
+    assert any(line.startswith("render ") for line in pgms["table"])
+    assert (tmp_path / "speedup.png").read_bytes().startswith(b"\x89PNG")
+
+    app = written(tmp_path, "app")["results"]
+    assert set(app["times_s"]) == {"record", "direct", "unhinted", "hinted",
+                                   "hot_direct", "hot_hinted", "hot_buffers"}
+    assert all(len(v) == 1 for v in app["rounds_s"].values())
+    assert set(app["ratios"]) == {"unhinted", "record", "hinted", "hot_hinted", "hot_buffers"}
+    assert app["recorded_reads"] > 0 and app["rows"] == 2000

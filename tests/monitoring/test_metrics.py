@@ -23,7 +23,7 @@ from netpager_testkit.client import PagerClient, donor_spec
 from netpager_testkit import OwnedProcess, Teardown, repo_root, target_dir, wait_for
 from netpager_testkit.ci import skip_or_fail
 from netpager_testkit.donor import free_ports
-from prefetch.prefetch_helpers import Prefetchd
+from netpager_testkit.prefetch import Prefetchd
 
 RULES = repo_root() / "ansible" / "roles" / "monitoring" / "files" / "netpager-alerts.yml"
 MIB = 1 << 20

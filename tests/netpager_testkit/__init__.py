@@ -13,8 +13,9 @@ Every later test reuses these pieces; each resource registers its undo in a
 - `nbdio`: libnbd and fio helpers (imported on its own: it needs python3-libnbd).
 - `client` (`PagerClient`), `client_fixtures`: the client driven through
   pagerctl, and the pytest fixtures of the tests that drive it.
-- `bench_client`, `bench_server` (`python3 -m ...`; shared parts in `bench`):
-  `make bench-client` and `make bench-server`.
+- `prefetch`: prefetchd, slow disks, replicas and jobs (imported on its own).
+- `bench_client`, `bench_server`, `bench_prefetch` (`python3 -m ...`; shared
+  parts in `bench`): `make bench-client`, `bench-server`, `bench-prefetch`.
 """
 
 from .attach import FuseFile, LoopDevice, Swap, SwapStack, attach_swap, swaps

@@ -8,6 +8,7 @@ Results go to OUTDIR/NAME.txt (the table as printed) and OUTDIR/NAME.json:
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -17,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from .cleanup import Teardown
+from .paths import repo_root
 from .procs import OwnedProcess, tail, wait_for
 
 # File systems that live in memory: a write-through disk or a swap file on
@@ -26,6 +28,16 @@ MEMORY_FS = {"tmpfs", "ramfs"}
 
 def die(prog: str, msg: str) -> None:
     raise SystemExit(f"{prog}: {msg}")
+
+
+def arg_parser(prog: str, doc: str, results: str, what: str) -> argparse.ArgumentParser:
+    """A benchmark's command line: its module's docstring as --help, and
+    --out (default bench-results/RESULTS), where `what` go."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=repo_root() / "bench-results" / results,
+                    help=f"where {what} go")
+    return ap
 
 
 def env_str(name: str, default: str) -> str:
@@ -62,9 +74,11 @@ def fs_type(path: Path) -> str:
     return p.stdout.split()[-1]
 
 
-def disk_workdir(td: Teardown, prefix: str, candidates: list[Path]) -> Path:
-    """A fresh directory on the first of `candidates` that is a real disk
-    (not tmpfs), removed by `td`."""
+def disk_workdir(td: Teardown, prefix: str, candidates: list[Path] | None = None) -> Path:
+    """A fresh directory on the first of `candidates` (/tmp, /var/tmp, the
+    repository's target/) that is a real disk (not tmpfs), removed by `td`."""
+    if candidates is None:
+        candidates = [Path("/tmp"), Path("/var/tmp"), repo_root() / "target"]
     for base in candidates:
         if base.is_dir() and fs_type(base) not in MEMORY_FS:
             work = Path(tempfile.mkdtemp(prefix=prefix, dir=base))

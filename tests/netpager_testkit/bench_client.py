@@ -62,20 +62,19 @@ undone, on every exit.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .attach import FuseFile, LoopDevice, Swap, run
-from .bench import Report, die, disk_workdir, env_int, env_str, fio_json, mean, nbdkit, ratio, require
+from .bench import Report, arg_parser, die, disk_workdir, env_int, env_str, fio_json, mean, nbdkit, ratio, require
 from .cgroup import run_job_in_cgroup
 from .cleanup import Teardown, install_handlers
 from .client import PagerClient, client_plugin
 from .demo import parse_size
 from .donor import Cluster, Donor
-from .paths import job, pagerctl, repo_root, server_plugin, target_dir
+from .paths import job, pagerctl, server_plugin, target_dir
 from .procs import OwnedProcess, tail, wait_for
 
 PROG = "bench-client"
@@ -493,11 +492,8 @@ RUN = {"donors": bench_donors, "modes": bench_modes, "swap": bench_swap, "latenc
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = arg_parser(PROG, __doc__, "client", "NAME.txt and NAME.json")
     ap.add_argument("bench", nargs="*", help=f"which ({', '.join(RUN)}; default all four)")
-    ap.add_argument("--out", type=Path, default=repo_root() / "bench-results" / "client",
-                    help="where NAME.txt and NAME.json go")
     args = ap.parse_args(argv)
     for name in args.bench:
         if name not in RUN:
@@ -508,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
             [pagerctl(), server_plugin(), client_plugin(), tdir / "examples" / "fuse-memory"], root=True)
     install_handlers()
     with Teardown(PROG) as top:
-        work = disk_workdir(top, "np-bench-", [Path("/tmp"), Path("/var/tmp"), repo_root() / "target"])
+        work = disk_workdir(top, "np-bench-")
         print(f"work directory {work} (on a real disk)", file=sys.stderr, flush=True)
         for name in args.bench or RUN:
             b = Bench(name, knobs, work)

@@ -21,16 +21,15 @@ stopped by pid on every exit path.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 from pathlib import Path
 
-from .bench import Report, disk_workdir, env_int, env_str, fio_json, nbdkit, require
+from .bench import Report, arg_parser, disk_workdir, env_int, env_str, fio_json, nbdkit, require
 from .cleanup import Teardown, install_handlers
 from .donor import free_ports
-from .paths import repo_root, server_plugin
+from .paths import server_plugin
 
 PROG = "bench-server"
 SERVERS = ("pager", "memory", "null")
@@ -53,10 +52,7 @@ def run_fio(work: Path, uri: str, size: str, rw: str, *extra) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=repo_root() / "bench-results" / "server",
-                    help="where server.txt and server.json go")
+    ap = arg_parser(PROG, __doc__, "server", "server.txt and server.json")
     args = ap.parse_args(argv)
     rounds = env_int(PROG, "ROUNDS", 3)
     runtime = env_int(PROG, "RUNTIME", 10)
@@ -68,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     # iops[test][server][round]
     iops = {t: {s: {} for s in SERVERS} for t in TESTS}
     with Teardown(PROG) as top:
-        work = disk_workdir(top, "np-bench-server-", [Path("/tmp"), Path("/var/tmp"), repo_root() / "target"])
+        work = disk_workdir(top, "np-bench-server-")
         report.line(f"{'round':<6} {'server':<8} {'randwrite-new':>14} {'randread':>12} {'randwrite':>12}")
         for rnd in range(1, rounds + 1):
             for server in SERVERS:

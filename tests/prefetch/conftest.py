@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from netpager_testkit.ci import skip_or_fail
-from prefetch_helpers import missing_binaries
+from netpager_testkit.prefetch import missing_binaries
 
 
 @pytest.fixture(autouse=True)

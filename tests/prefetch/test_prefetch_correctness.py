@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from prefetch_helpers import (Prefetchd, Replica, donor_arg, generate, run_job,
+from netpager_testkit.prefetch import (Prefetchd, Replica, donor_arg, generate, run_job,
                               write_hints)
 
 WORKLOADS = ["render", "oo7", "hotcold", "random", "reverse", "cyclic-hotcold", "cyclic-random",

@@ -12,7 +12,7 @@ import subprocess
 
 from netpager_testkit import wait_for
 from netpager_testkit.paths import pagerctl
-from prefetch_helpers import Prefetchd, donor_arg, finish_job, generate, start_job
+from netpager_testkit.prefetch import Prefetchd, donor_arg, finish_job, generate, start_job
 
 SCALE = 0.025
 

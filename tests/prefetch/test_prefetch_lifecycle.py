@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from netpager_testkit.attach import mounted
-from prefetch_helpers import Prefetchd, binary, generate, run_job, unmount
+from netpager_testkit.prefetch import Prefetchd, binary, generate, run_job, unmount
 
 
 @pytest.fixture

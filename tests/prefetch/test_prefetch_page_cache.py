@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from prefetch_helpers import Prefetchd, run_job, write_hints
+from netpager_testkit.prefetch import Prefetchd, run_job, write_hints
 
 BS = 8192
 BLOCKS = 16

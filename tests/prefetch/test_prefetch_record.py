@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from netpager_testkit.ci import skip_or_fail
-from prefetch_helpers import Prefetchd, SlowDisk, binary, scattered_db, sqlite_scan
+from netpager_testkit.prefetch import Prefetchd, SlowDisk, binary, scattered_db, sqlite_scan
 
 RDELAY = "2ms"
 

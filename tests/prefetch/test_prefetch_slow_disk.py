@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefetch_helpers import (Prefetchd, Replica, SlowDisk, donor_arg, generate, run_job,
+from netpager_testkit.prefetch import (Prefetchd, Replica, SlowDisk, donor_arg, generate, run_job,
                               without_file_declarations)
 
 SCALE = 0.02  # 256 blocks of 8 KiB

@@ -7,68 +7,8 @@
 //! Serves MOUNTPOINT/device until MOUNTPOINT is unmounted. Its memory is
 //! locked and touched up front, as the client's is.
 
-use std::sync::Mutex;
-
-use netpager_util::LockExt;
-use pager_fuse::{Backend, Mount, Options, Transport};
-
-/// Bytes per lock: requests of different chunks never wait on each other.
-const CHUNK: usize = 64 << 10;
-
-struct Memory(Vec<Mutex<Box<[u8]>>>);
-
-impl Memory {
-    fn new(size: usize) -> Memory {
-        // Non-zero fill: every page is really there (and locked) now.
-        Memory(
-            (0..size.div_ceil(CHUNK))
-                .map(|_| Mutex::new(vec![0xa5u8; CHUNK].into_boxed_slice()))
-                .collect(),
-        )
-    }
-
-    /// Calls `f(chunk, offset in chunk, offset in request, length)` for
-    /// each chunk the range touches.
-    fn each(&self, offset: u64, len: usize, mut f: impl FnMut(&mut [u8], usize, usize, usize)) {
-        let mut done = 0;
-        while done < len {
-            let pos = offset as usize + done;
-            let (c, at) = (pos / CHUNK, pos % CHUNK);
-            let n = (CHUNK - at).min(len - done);
-            let mut chunk = self.0[c].lock_or_recover();
-            f(&mut chunk, at, done, n);
-            done += n;
-        }
-    }
-}
-
-impl Backend for Memory {
-    fn size(&self) -> u64 {
-        (self.0.len() * CHUNK) as u64
-    }
-    fn read(&self, buf: &mut [u8], offset: u64) -> Result<(), i32> {
-        self.each(offset, buf.len(), |c, at, i, n| {
-            buf[i..i + n].copy_from_slice(&c[at..at + n])
-        });
-        Ok(())
-    }
-    fn write(&self, data: &[u8], offset: u64) -> Result<(), i32> {
-        self.each(offset, data.len(), |c, at, i, n| {
-            c[at..at + n].copy_from_slice(&data[i..i + n])
-        });
-        Ok(())
-    }
-    fn zero(&self, len: u64, offset: u64) -> Result<(), i32> {
-        self.each(offset, len as usize, |c, at, _, n| c[at..at + n].fill(0));
-        Ok(())
-    }
-    fn trim(&self, len: u64, offset: u64) -> Result<(), i32> {
-        self.zero(len, offset)
-    }
-    fn flush(&self) -> Result<(), i32> {
-        Ok(())
-    }
-}
+use pager_fuse::memory::Memory;
+use pager_fuse::{Mount, Options, Transport};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
@@ -85,7 +25,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Some(t) => return Err(format!("{t:?}: expected fuse-uring or fuse").into()),
     };
     netpager_util::process::lock_memory(netpager_util::process::Lock::Prefault)?;
-    let memory = Memory::new(size);
+    // Non-zero fill: every page is really there (and locked) now.
+    let memory = Memory::new(size, 0xa5);
     let opts = Options {
         transport,
         ..Options::default()

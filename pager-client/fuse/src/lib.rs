@@ -8,10 +8,12 @@
 //! carry it: io_uring ([`uring`], Linux 6.14+ with
 //! `/sys/module/fuse/parameters/enable_uring` on) and classic `/dev/fuse`
 //! reads and writes ([`classic`]), one cloned fd per thread. Both answer
-//! through one [`session::Session`], which calls the [`Backend`].
+//! through one [`session::Session`], which calls the [`Backend`]
+//! ([`memory::Memory`] is one over plain memory, for the floor and tests).
 
 pub mod abi;
 pub mod classic;
+pub mod memory;
 pub mod session;
 #[allow(unsafe_code)]
 mod sys;

@@ -239,51 +239,52 @@ impl<B: Backend> Session<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::memory::Memory;
     use std::sync::Mutex;
 
-    /// A backend in memory, recording trims and zeroes.
-    struct Memory {
-        bytes: Mutex<Vec<u8>>,
+    /// Memory that records the trims and zeroes it is asked for, and
+    /// fails every flush.
+    struct Recorded {
+        memory: Memory,
         log: Mutex<Vec<String>>,
     }
 
-    impl Backend for Memory {
+    impl Recorded {
+        fn note(&self, what: &str, len: u64, offset: u64) {
+            self.log
+                .lock()
+                .unwrap()
+                .push(format!("{what} {offset}+{len}"));
+        }
+    }
+
+    impl Backend for Recorded {
         fn size(&self) -> u64 {
-            self.bytes.lock().unwrap().len() as u64
+            self.memory.size()
         }
         fn read(&self, buf: &mut [u8], offset: u64) -> Result<(), i32> {
-            let b = self.bytes.lock().unwrap();
-            buf.copy_from_slice(&b[offset as usize..offset as usize + buf.len()]);
-            Ok(())
+            self.memory.read(buf, offset)
         }
         fn write(&self, data: &[u8], offset: u64) -> Result<(), i32> {
-            let mut b = self.bytes.lock().unwrap();
-            b[offset as usize..offset as usize + data.len()].copy_from_slice(data);
-            Ok(())
+            self.memory.write(data, offset)
         }
         fn zero(&self, len: u64, offset: u64) -> Result<(), i32> {
-            self.log
-                .lock()
-                .unwrap()
-                .push(format!("zero {offset}+{len}"));
-            Ok(())
+            self.note("zero", len, offset);
+            self.memory.zero(len, offset)
         }
         fn trim(&self, len: u64, offset: u64) -> Result<(), i32> {
-            self.log
-                .lock()
-                .unwrap()
-                .push(format!("trim {offset}+{len}"));
-            Ok(())
+            self.note("trim", len, offset);
+            self.memory.trim(len, offset)
         }
         fn flush(&self) -> Result<(), i32> {
             Err(libc::EIO)
         }
     }
 
-    fn session(size: usize) -> Session<Memory> {
+    fn session(size: usize) -> Session<Recorded> {
         Session::new(
-            Memory {
-                bytes: Mutex::new(vec![0; size]),
+            Recorded {
+                memory: Memory::new(size, 0),
                 log: Mutex::new(Vec::new()),
             },
             "device",

@@ -11,42 +11,11 @@ use std::path::Path;
 use std::sync::Mutex;
 
 use netpager_util::LockExt;
-use pager_fuse::{Backend, Mount, Options, Transport, ENABLE_URING};
+use pager_fuse::memory::Memory;
+use pager_fuse::{Mount, Options, Transport, ENABLE_URING};
 
 /// The sysfs switch is machine-wide: tests that depend on it take turns.
 static URING_SWITCH: Mutex<()> = Mutex::new(());
-
-struct Memory {
-    bytes: Mutex<Vec<u8>>,
-    trims: Mutex<Vec<(u64, u64)>>,
-}
-
-impl Backend for Memory {
-    fn size(&self) -> u64 {
-        self.bytes.lock().unwrap().len() as u64
-    }
-    fn read(&self, buf: &mut [u8], offset: u64) -> Result<(), i32> {
-        let b = self.bytes.lock().unwrap();
-        buf.copy_from_slice(&b[offset as usize..offset as usize + buf.len()]);
-        Ok(())
-    }
-    fn write(&self, data: &[u8], offset: u64) -> Result<(), i32> {
-        let mut b = self.bytes.lock().unwrap();
-        b[offset as usize..offset as usize + data.len()].copy_from_slice(data);
-        Ok(())
-    }
-    fn zero(&self, len: u64, offset: u64) -> Result<(), i32> {
-        self.bytes.lock().unwrap()[offset as usize..(offset + len) as usize].fill(0);
-        Ok(())
-    }
-    fn trim(&self, len: u64, offset: u64) -> Result<(), i32> {
-        self.trims.lock().unwrap().push((offset, len));
-        self.zero(len, offset)
-    }
-    fn flush(&self) -> Result<(), i32> {
-        Ok(())
-    }
-}
 
 fn root() -> bool {
     // The effective uid, from /proc.
@@ -172,10 +141,7 @@ impl Mounted {
 
 fn serve(transport: Transport, size: usize) -> Mounted {
     let dir = tempfile::tempdir().unwrap();
-    let backend = Memory {
-        bytes: Mutex::new(vec![0; size]),
-        trims: Mutex::new(Vec::new()),
-    };
+    let backend = Memory::new(size, 0);
     let opts = Options {
         transport,
         threads: 2,
@@ -266,10 +232,7 @@ fn requests_arriving_while_queues_register_are_answered() {
             }
             let _ = done_tx.send(seen);
         });
-        let backend = Memory {
-            bytes: Mutex::new(vec![0; 4 << 20]),
-            trims: Mutex::new(Vec::new()),
-        };
+        let backend = Memory::new(4 << 20, 0);
         let m = Mounted {
             mount: Some(Mount::start(backend, dir.path(), &Options::default()).unwrap()),
             dir,

@@ -1,4 +1,5 @@
-"""Helpers for prefetchd's end-to-end tests (and scripts/bench-prefetch.sh).
+"""prefetchd's harness: the pieces its end-to-end tests and its benchmark
+(`bench_prefetch`) set up.
 
 - `generate(workload, out, scale)`: a reference data set + hint file
   (`pager-hints gen`).
@@ -25,10 +26,11 @@ import subprocess
 import time
 from pathlib import Path
 
-from netpager_testkit import OwnedProcess, Teardown, target_dir, wait_for
-from netpager_testkit.attach import mounted
-from netpager_testkit.donor import free_ports, nbd_handshake
-from netpager_testkit.procs import tail
+from .attach import mounted
+from .cleanup import Teardown
+from .donor import free_ports, nbd_handshake
+from .paths import target_dir
+from .procs import OwnedProcess, tail, wait_for
 
 
 def binary(name: str) -> Path:
