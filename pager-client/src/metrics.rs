@@ -198,6 +198,19 @@ pub fn exposition(s: &ClientStatus, fe: &FrontendInfo) -> Exposition {
         one(t.fallback_used_bytes),
     );
     e.gauge(
+        "client_parity_log_used",
+        "Data bytes of parity log units placed on donors (modes parity and ec; \
+         moved home once the device is idle).",
+        b,
+        one(t.parity_log_used_bytes),
+    );
+    e.gauge(
+        "client_parity_log_live",
+        "Bytes of pages whose newest copy is in the parity log.",
+        b,
+        one(t.parity_log_live_bytes),
+    );
+    e.gauge(
         "client_throttled",
         "1 while every donor is at its load bound.",
         None,
@@ -353,6 +366,8 @@ mod tests {
             }],
             totals: Totals {
                 degraded: 4,
+                parity_log_used_bytes: 1 << 20,
+                parity_log_live_bytes: 8192,
                 rebuild: Progress {
                     done: 1,
                     total: 4,
@@ -382,6 +397,8 @@ mod tests {
             "netpager_client_frontend_fallback 1\n",
             "netpager_client_degraded 1\n",
             "netpager_client_degraded_units 4\n",
+            "netpager_client_parity_log_used_bytes 1048576\n",
+            "netpager_client_parity_log_live_bytes 8192\n",
             "netpager_client_background_active{activity=\"rebuild\"} 1\n",
             "netpager_client_background_stalled{activity=\"rebuild\"} 1\n",
             "netpager_client_background_stalled{activity=\"drain\"} 0\n",
