@@ -1,7 +1,9 @@
 //! The parity log (mode parity): small writes become whole new rows with
 //! no reads, their data reads back from the log, survives reopen and a
 //! killed donor, and a log too small for the working set is cleaned while
-//! every byte stays right. Real nbdkit donors; checked against a model.
+//! every byte stays right; an idle device moves the log home and frees it,
+//! a donor killed meanwhile included. Real nbdkit donors; checked against
+//! a model.
 
 mod common;
 
@@ -269,4 +271,33 @@ fn an_idle_device_moves_logged_pages_home_and_frees_the_log() {
 #[test]
 fn an_idle_ec_device_moves_logged_pages_home_and_frees_the_log() {
     idle_log_drains_home(Mode::Ec { data: 2, parity: 2 }, 2);
+}
+
+#[test]
+fn a_donor_killed_while_the_idle_log_drains_loses_no_page() {
+    // Slow donors, so that moving the log home takes seconds.
+    let mut ds: Vec<Nbdkit> = (0..4)
+        .map(|_| Nbdkit::with_args(&["--filter=delay", "memory", "8M", "delay-write=3ms"]))
+        .collect();
+    let state = tempfile::tempdir().unwrap();
+    let refs: Vec<&Nbdkit> = ds.iter().collect();
+    let mut cfg = config(Mode::Parity { width: 3 }, SIZE, EXTENT, &refs);
+    cfg.parity_log = Some(ByteSize(2 * SIZE));
+    cfg.parity_log_idle_ms = 300;
+    let dev = Arc::new(Device::open(cfg, state.path()).unwrap());
+    let model = write_pages(&dev, Model::new(SIZE), 800, 11);
+    let logged = dev.status().totals.parity_log_live_bytes;
+    let s = wait_status(&dev, "the idle drain under way", |s| {
+        s.totals.parity_log_live_bytes < logged
+    });
+    assert!(
+        s.totals.parity_log_live_bytes > 0,
+        "the drain ended before the donor could be killed"
+    );
+    ds[1].kill9();
+    let s = wait_status(&dev, "the log drained and the donor rebuilt", |s| {
+        s.totals.parity_log_used_bytes == 0 && s.totals.degraded == 0 && !s.totals.rebuild.active
+    });
+    assert_eq!(s.totals.lost, 0, "{}", render_table(&s));
+    model.check_all(&dev, 256 << 10);
 }
