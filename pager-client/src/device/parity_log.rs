@@ -24,7 +24,7 @@ use std::ops::RangeInclusive;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Mutex, MutexGuard};
 use std::thread::{self, Thread};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use netpager_util::{LockExt, RwLockExt};
 
@@ -37,6 +37,8 @@ use netpager_nbd::Op;
 
 /// Tries a leader makes before giving its pages back to be written home.
 const ROW_TRIES: usize = 3;
+/// Longest pass of the idle drain.
+const DRAIN_PASS: Duration = Duration::from_secs(1);
 /// Rows one leader writes at once (one request of this many pages per
 /// member): fewer, larger requests per page logged.
 const MAX_ROWS: usize = 8;
@@ -547,7 +549,10 @@ impl Inner {
     /// Moves every logged page home and frees the log's units once the
     /// device has served no request for `parity_log_idle_ms`. Stops at the
     /// first new request: a page moved holds its home group for one
-    /// read-modify-write, so a request waits for one page at most.
+    /// read-modify-write, so a request waits for one page at most. A pass
+    /// lasts at most [`DRAIN_PASS`], so the maintenance thread's other
+    /// duties (failed donors, rebuilds, status) never wait longer; the
+    /// next pass goes on while the device stays idle.
     pub(crate) fn drain_idle_log(&self) {
         let Some(w) = self.plog.as_ref() else {
             return;
@@ -557,32 +562,40 @@ impl Inner {
             return;
         }
         w.close_idle_units();
-        let start = self.requests.load(Relaxed);
-        let busy = || self.requests.load(Relaxed) != start || self.stop.load(Relaxed);
+        let (start, until) = (self.requests.load(Relaxed), Instant::now() + DRAIN_PASS);
+        let enough = || {
+            self.requests.load(Relaxed) != start
+                || self.stop.load(Relaxed)
+                || Instant::now() >= until
+        };
         let (mut moved, mut freed) = (0u64, 0u64);
-        for lu in w.free_and_closed().1 {
+        'units: for lu in w.free_and_closed().1 {
             for (slot, page) in self.map.log_live_in(lu) {
-                if busy() {
-                    return;
+                if enough() {
+                    break 'units;
                 }
                 if let Err(e) = self.relocate(page, slot, true) {
                     tracing::warn!("parity log drain: page {page}: {e}");
-                    return;
+                    break 'units;
                 }
                 moved += 1;
             }
             if self.map.log_live_in(lu).is_empty() {
                 if let Err(e) = self.free_log_unit(lu) {
                     tracing::error!("freeing parity log unit {lu}: {e}");
-                    return;
+                    break;
                 }
                 freed += 1;
             }
         }
         if moved + freed > 0 {
-            tracing::info!(
-                "parity log drained while idle: {moved} pages moved home, {freed} units freed"
+            let left = self.map.log_census().0;
+            tracing::debug!(
+                "parity log, device idle: {moved} pages moved home, {freed} units freed, {left} pages left"
             );
+            if left == 0 {
+                tracing::info!("parity log empty: the idle device's pages are all home");
+            }
         }
     }
 }
