@@ -318,3 +318,37 @@ fn write_intents_survive_reopen_and_compaction_until_swept() {
     let m = ExtentMap::open(dir.path(), layout()).unwrap();
     assert_eq!(m.open_intents(), Vec::<u64>::new());
 }
+
+#[test]
+fn parity_members_are_counted_per_donor_through_changes_and_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let l = log_layout();
+    let on = |donors: [u16; 3]| {
+        Some(Unit {
+            members: donors
+                .iter()
+                .map(|&donor| Member {
+                    loc: Loc::Donor { donor, slot: 0 },
+                    state: CopyState::Ok,
+                })
+                .collect(),
+        })
+    };
+    {
+        let m = ExtentMap::open(dir.path(), l).unwrap();
+        for name in ["a", "b", "c"] {
+            m.donor_id(name).unwrap();
+        }
+        // Parity sits at position `unit % 3`: donors 0, 1 and 2 in turn.
+        m.commit(0, &on([0, 1, 2])).unwrap();
+        m.commit(1, &on([0, 1, 2])).unwrap();
+        m.commit(2, &on([0, 1, 2])).unwrap();
+        assert_eq!(m.parity_held(), vec![1, 1, 1]);
+        // Unit 1's parity moves from donor 1 to donor 2; unit 2 is freed.
+        m.commit(1, &on([0, 2, 1])).unwrap();
+        m.commit(2, &None).unwrap();
+        assert_eq!(m.parity_held(), vec![1, 0, 1]);
+    }
+    let m = ExtentMap::open(dir.path(), l).unwrap();
+    assert_eq!(m.parity_held(), vec![1, 0, 1]);
+}
