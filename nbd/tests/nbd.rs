@@ -85,20 +85,25 @@ fn a_hung_server_times_out_instead_of_blocking() {
     assert!(matches!(err, NbdError::ConnectTimeout { .. }), "{err}");
 }
 
-/// One batch reading offset 0 of each pool into its buffer.
-fn read_both(pa: &Pool, ra: &mut [u8], pb: &Pool, rb: &mut [u8]) -> Vec<Result<(), NbdError>> {
+/// One batch of `a` at offset 0 of `pa` and `b` at offset 0 of `pb`.
+fn on_both(pa: &Pool, a: Op<'_>, pb: &Pool, b: Op<'_>) -> Vec<Result<(), NbdError>> {
     nbd::run(&mut [
         nbd::Request {
             pool: pa,
             offset: 0,
-            op: Op::Read(ra),
+            op: a,
         },
         nbd::Request {
             pool: pb,
             offset: 0,
-            op: Op::Read(rb),
+            op: b,
         },
     ])
+}
+
+/// One batch reading offset 0 of each pool into its buffer.
+fn read_both(pa: &Pool, ra: &mut [u8], pb: &Pool, rb: &mut [u8]) -> Vec<Result<(), NbdError>> {
+    on_both(pa, Op::Read(ra), pb, Op::Read(rb))
 }
 
 #[test]
@@ -219,18 +224,7 @@ fn a_batch_holds_no_connection_while_it_waits_for_another() {
     std::thread::scope(|s| {
         let batch = s.spawn(|| {
             let (x, y) = ([3u8; 4096], [4u8; 4096]);
-            nbd::run(&mut [
-                nbd::Request {
-                    pool: &pa,
-                    offset: 0,
-                    op: Op::Write(&x),
-                },
-                nbd::Request {
-                    pool: &pb,
-                    offset: 0,
-                    op: Op::Write(&y),
-                },
-            ])
+            on_both(&pa, Op::Write(&x), &pb, Op::Write(&y))
         });
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         let mut seen = [0u8; 4096];
