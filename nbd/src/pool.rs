@@ -12,8 +12,8 @@ use netpager_util::{CondvarExt, LockExt};
 
 /// A small pool of connections to one donor export, opened on demand.
 pub struct Pool {
-    /// Names the pool within a batch: a batch's requests with one `order`
-    /// run on one connection, and a wave takes pools in ascending order.
+    /// Position in lock order: batches check out pools in ascending `order`
+    /// so two batches never wait on each other's connections.
     order: usize,
     ep: Endpoint,
     timeouts: Timeouts,
@@ -64,17 +64,6 @@ impl Pool {
     /// Takes an idle connection, opens a new one if fewer than the maximum
     /// are open, or waits for one to come back.
     pub fn checkout(&self) -> Result<Lease<'_>, NbdError> {
-        self.take(true)
-            .map(|l| l.expect("a waiting checkout returns a lease"))
-    }
-
-    /// [`Pool::checkout`] without waiting: `None` when every connection is
-    /// leased, or the idle ones are owed to threads already waiting.
-    pub fn try_checkout(&self) -> Result<Option<Lease<'_>>, NbdError> {
-        self.take(false)
-    }
-
-    fn take(&self, wait: bool) -> Result<Option<Lease<'_>>, NbdError> {
         let mut st = self.lock();
         loop {
             if st.closed {
@@ -82,24 +71,23 @@ impl Pool {
                     addr: self.ep.addr(),
                 });
             }
-            if st.idle.len() > if wait { 0 } else { st.waiting } {
-                let conn = st.idle.pop();
-                return Ok(Some(Lease {
+            if let Some(c) = st.idle.pop() {
+                return Ok(Lease {
                     pool: self,
-                    conn,
+                    conn: Some(c),
                     generation: st.generation,
-                }));
+                });
             }
             if st.open < self.max {
                 st.open += 1;
                 let generation = st.generation;
                 drop(st);
                 return match Connection::connect(&self.ep, self.timeouts.connect) {
-                    Ok(c) => Ok(Some(Lease {
+                    Ok(c) => Ok(Lease {
                         pool: self,
                         conn: Some(c),
                         generation,
-                    })),
+                    }),
                     Err(e) => {
                         let mut st = self.lock();
                         if st.generation == generation {
@@ -111,9 +99,6 @@ impl Pool {
                         Err(e)
                     }
                 };
-            }
-            if !wait {
-                return Ok(None);
             }
             st.waiting += 1;
             st = self.cv.wait_or_recover(st);
@@ -215,91 +200,50 @@ struct Group<'p, 'b> {
     op: Option<Op<'b>>,
 }
 
-impl<'p> Group<'p, '_> {
-    fn new(lease: Lease<'p>, first: usize) -> Self {
-        Group {
-            lease,
-            next: Some(first),
-            op: None,
-        }
-    }
-}
-
 /// [`run`] without allocating: `None` entries are skipped, and the result
-/// of request `i` goes to `results[i]` (left alone for `None`); entries
-/// are taken (set to `None`) as they finish. Up to 32 donors (the widest
-/// parity group, so a device batch never has more) run in parallel; the
-/// donors of a larger batch run in successive waves.
-///
-/// A batch never waits for a connection while it holds one. Each wave
-/// takes the connections its donors have free now and runs their requests;
-/// only when none is free does it wait, holding nothing, for the first
-/// busy donor. Waiting while holding would leave the held connections
-/// idle: with more batches in flight than connections (8 reads of a
-/// 4-donor stripe on 4 connections per donor), links then sit unused
-/// while their connections wait for another donor's. Holding nothing while
-/// waiting also means two batches can never wait on each other.
+/// of request `i` goes to `results[i]` (left alone for `None`). Up to 32
+/// donors (the widest parity group, so a device batch never has more) run
+/// in parallel; the donors of a larger batch run in successive waves.
 pub fn run_into(reqs: &mut [Option<Request<'_, '_>>], results: &mut [Result<(), NbdError>]) {
     assert_eq!(reqs.len(), results.len(), "one result per request");
+    // Pools below `from` are done. Within a wave, connections are checked
+    // out in ascending pool order, so two batches never wait on each
+    // other's connections; a wave gives its connections back before the
+    // next one starts.
+    let mut from = 0;
     loop {
         let mut groups: [Option<Group<'_, '_>>; WAVE] = std::array::from_fn(|_| None);
         let mut n = 0;
-        let mut from = 0;
+        let mut more = false;
         while n < WAVE {
             let Some(first) = lowest_pool(reqs, from) else {
                 break;
             };
             let pool = reqs[first].as_ref().expect("found above").pool;
             from = pool.order + 1;
-            match pool.try_checkout() {
-                Ok(Some(lease)) => {
-                    groups[n] = Some(Group::new(lease, first));
-                    n += 1;
-                }
-                Ok(None) => {}
-                Err(e) => fail_pool(reqs, results, pool.order, e),
-            }
-        }
-        if n == 0 {
-            let Some(first) = lowest_pool(reqs, 0) else {
-                return;
-            };
-            let pool = reqs[first].as_ref().expect("found above").pool;
+            more = true;
             match pool.checkout() {
                 Ok(lease) => {
-                    groups[0] = Some(Group::new(lease, first));
-                    n = 1;
+                    groups[n] = Some(Group {
+                        lease,
+                        next: Some(first),
+                        op: None,
+                    });
+                    n += 1;
                 }
                 Err(e) => {
-                    fail_pool(reqs, results, pool.order, e);
-                    continue;
+                    for (r, res) in reqs.iter().zip(results.iter_mut()) {
+                        if r.as_ref().is_some_and(|r| r.pool.order == pool.order) {
+                            *res = Err(e.clone());
+                        }
+                    }
                 }
             }
+        }
+        if !more {
+            return;
         }
         run_wave(reqs, results, &mut groups[..n]);
-        for g in groups.iter().flatten() {
-            let order = g.lease.pool.order;
-            for r in reqs.iter_mut() {
-                if r.as_ref().is_some_and(|r| r.pool.order == order) {
-                    *r = None;
-                }
-            }
-        }
-    }
-}
-
-/// Fails (and takes) every request of the batch on the pool of `order`.
-fn fail_pool(
-    reqs: &mut [Option<Request<'_, '_>>],
-    results: &mut [Result<(), NbdError>],
-    order: usize,
-    e: NbdError,
-) {
-    for (r, res) in reqs.iter_mut().zip(results.iter_mut()) {
-        if r.as_ref().is_some_and(|r| r.pool.order == order) {
-            *res = Err(e.clone());
-            *r = None;
-        }
     }
 }
 
