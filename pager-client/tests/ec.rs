@@ -23,6 +23,12 @@ fn donors(n: usize) -> Vec<Nbdkit> {
     (0..n).map(|_| Nbdkit::memory("8M")).collect()
 }
 
+/// A fresh ec 4+2 device on `ds`, its state in `state`.
+fn open_ec(ds: &[Nbdkit], state: &std::path::Path) -> Device {
+    let refs: Vec<&Nbdkit> = ds.iter().collect();
+    Device::open(config(EC, SIZE, EXTENT, &refs), state).unwrap()
+}
+
 /// Whole stripes of random data over the device, then random small writes.
 fn fill(dev: &Device, model: &mut Model, rng: &mut Rng) {
     model.fill(dev, rng, STRIPE);
@@ -34,9 +40,8 @@ fn fill(dev: &Device, model: &mut Model, rng: &mut Rng) {
 #[test]
 fn ec_reads_back_what_was_written_reading_one_donor_per_read() {
     let ds = donors(6);
-    let refs: Vec<&Nbdkit> = ds.iter().collect();
     let state = tempfile::tempdir().unwrap();
-    let dev = Device::open(config(EC, SIZE, EXTENT, &refs), state.path()).unwrap();
+    let dev = open_ec(&ds, state.path());
     let mut model = Model::new(SIZE);
     let mut rng = Rng::new(41);
     model.fill(&dev, &mut rng, STRIPE);
@@ -86,9 +91,8 @@ fn two_failures_mid_run(faults: [Fault; 2], seed: u64) {
     // Eight donors: after two die, each group's two lost members still
     // have live donors that hold none of its members.
     let mut ds = donors(8);
-    let refs: Vec<&Nbdkit> = ds.iter().collect();
     let state = tempfile::tempdir().unwrap();
-    let dev = Arc::new(Device::open(config(EC, SIZE, EXTENT, &refs), state.path()).unwrap());
+    let dev = Arc::new(open_ec(&ds, state.path()));
     let mut model = Model::new(SIZE);
     let mut rng = Rng::new(seed);
     fill(&dev, &mut model, &mut rng);
@@ -121,9 +125,8 @@ fn two_failures_mid_run(faults: [Fault; 2], seed: u64) {
 #[test]
 fn ec_a_third_failure_loses_exactly_the_named_extents() {
     let mut ds = donors(8);
-    let refs: Vec<&Nbdkit> = ds.iter().collect();
     let state = tempfile::tempdir().unwrap();
-    let dev = Device::open(config(EC, SIZE, EXTENT, &refs), state.path()).unwrap();
+    let dev = open_ec(&ds, state.path());
     let mut model = Model::new(SIZE);
     let mut rng = Rng::new(43);
     fill(&dev, &mut model, &mut rng);
@@ -188,9 +191,8 @@ fn ec_reattach_with_another_code_is_refused_by_name() {
 #[test]
 fn ec_reads_of_the_whole_device_spread_evenly_over_the_donors() {
     let ds = donors(6);
-    let refs: Vec<&Nbdkit> = ds.iter().collect();
     let state = tempfile::tempdir().unwrap();
-    let dev = Device::open(config(EC, SIZE, EXTENT, &refs), state.path()).unwrap();
+    let dev = open_ec(&ds, state.path());
     let mut model = Model::new(SIZE);
     model.fill(&dev, &mut Rng::new(43), STRIPE);
     let before: Vec<u64> = dev.status().donors.iter().map(|d| d.reads).collect();
