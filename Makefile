@@ -3,10 +3,10 @@
 
 SHELL := /bin/bash
 CARGO ?= cargo
-PYTEST := /usr/bin/python3 -m pytest -ra
+PYTEST := /usr/bin/python3 -m pytest -ra --durations=30
 # Benchmarks are modules of the test harness (tests/netpager_testkit).
 BENCH_PY := PYTHONPATH=$(CURDIR)/tests /usr/bin/python3 -m netpager_testkit
-# Which client benchmarks `make bench-client` runs (donors modes swap latency: all).
+# Which client benchmarks `make bench-client` runs (donors modes swap latency depth: all).
 WHICH ?=
 # Seconds per fuzz target: short inside `make test`, long in `make fuzz`.
 FUZZ_SHORT_SECONDS ?= 15
@@ -17,10 +17,14 @@ export NETPAGER_ROOT := $(CURDIR)
 # Every target builds first: a Rust test that finds no libpager_server.so
 # fails instead of skipping (pager-client/tests/common).
 export NETPAGER_REQUIRE_SERVER := 1
+# What every command's --version prints and the packages' version
+# (netpager_util::version!, scripts/version.sh).
+export NETPAGER_VERSION := $(shell bash scripts/version.sh)
+export NETPAGER_COMMIT := $(shell git rev-parse HEAD 2>/dev/null)
 
 .PHONY: all deps build demo lab-demo test test-unit test-server test-client test-prefetch \
-        test-ansible test-security test-monitoring test-bench bench bench-server bench-client bench-prefetch \
-        fuzz soak faults clean lint
+        test-ansible test-security test-monitoring test-bench bench bench-server bench-client bench-prefetch bench-apps \
+        fuzz soak faults clean lint deb test-deb
 
 all: build
 
@@ -80,6 +84,17 @@ test-monitoring: build
 test-bench: build
 	$(PYTEST) tests/bench
 
+# Debian packages netpager-donor, netpager-client and netpager-prefetchd
+# into dist/, lintian-checked (scripts/deb.sh; docs/HACKING.md, "Packages").
+deb: build
+	bash scripts/deb.sh dist
+
+# The packages (built by the test) installed, used, removed and purged in a
+# fresh Debian 12 root (mmdebstrap, cached in /var/cache/netpager-test/);
+# also part of `make test`.
+test-deb: build
+	$(PYTEST) tests/deb
+
 fuzz: deps
 	bash scripts/fuzz.sh $(FUZZ_SECONDS)
 
@@ -110,6 +125,12 @@ bench-client: build
 bench-prefetch: build
 	$(BENCH_PY).bench_prefetch
 
+# Real programs (redis, PageRank, a sort) at 75% and 50% of their memory
+# through netpager, a swap file, zram and zswap: bench-results/apps/.
+bench-apps: build
+	$(BENCH_PY).bench_apps
+
 clean:
 	$(CARGO) clean
+	rm -rf dist
 	$(MAKE) -C tests/jobs clean

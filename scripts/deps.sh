@@ -10,6 +10,8 @@ debs=(
   fuse3 libfuse3-dev e2fsprogs util-linux procps kmod
   python3 python3-pytest python3-matplotlib python3-protobuf stress-ng sqlite3 iptables systemd
   ansible ansible-lint prometheus tmux openssh-server
+  pandoc help2man lintian dpkg-dev mmdebstrap
+  redis-server redis-tools python3-igraph python3-numpy
 )
 
 missing=()
@@ -42,5 +44,10 @@ fi
 if ! cargo fuzz --version >/dev/null 2>&1; then
   echo "deps: installing cargo-fuzz"
   cargo install --locked cargo-fuzz
+fi
+# cargo-deb (crates.io) for `make deb`.
+if ! cargo deb --version >/dev/null 2>&1; then
+  echo "deps: installing cargo-deb"
+  cargo install --locked cargo-deb
 fi
 echo "deps: all present ($(cargo --version))"

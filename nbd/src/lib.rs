@@ -15,8 +15,10 @@
 //! short while ([`Timeouts::spin`]): a donor's reply usually comes within
 //! tens of microseconds, and a sleeping thread's wake-up costs as much.
 
+mod drain;
 #[allow(unsafe_code)]
 mod ffi;
+mod mux;
 mod plain;
 mod pool;
 #[allow(unsafe_code)]
@@ -28,6 +30,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use ffi::{Handle, InFlight};
+pub use mux::DEPTH as REQUESTS_PER_CONNECTION;
 use plain::{Buf, Plain, PlainCmd};
 pub use pool::{run, run_into, Lease, Pool, Request};
 use wire::Command;
@@ -487,17 +490,52 @@ fn spin_until_done(cmds: &mut [Option<Cmd<'_>>], spin: Duration) {
     if cmds.iter().flatten().any(|c| matches!(c, Cmd::Tls(_))) {
         return;
     }
-    if SPINNERS.fetch_add(1, Ordering::AcqRel) < MAX_SPINNERS {
-        let until = Instant::now() + spin;
-        while cmds.iter().flatten().any(|c| c.outcome().is_none()) && Instant::now() < until {
-            // A donor on this machine may wait for this very CPU.
-            std::thread::yield_now();
-            for c in cmds.iter_mut().flatten() {
-                c.progress();
-            }
+    let Some(mut spinner) = Spinner::try_take(spin) else {
+        return;
+    };
+    while cmds.iter().flatten().any(|c| c.outcome().is_none()) && spinner.again() {
+        for c in cmds.iter_mut().flatten() {
+            c.progress();
         }
     }
-    SPINNERS.fetch_sub(1, Ordering::AcqRel);
+}
+
+/// The right to spin for a while instead of sleeping in poll(2), held by
+/// at most [`MAX_SPINNERS`] threads at once.
+pub(crate) struct Spinner {
+    until: Instant,
+}
+
+impl Spinner {
+    /// The right to spin for `spin`, if no other thread holds it.
+    pub(crate) fn try_take(spin: Duration) -> Option<Spinner> {
+        if spin.is_zero() {
+            return None;
+        }
+        if SPINNERS.fetch_add(1, Ordering::AcqRel) < MAX_SPINNERS {
+            return Some(Spinner {
+                until: Instant::now() + spin,
+            });
+        }
+        SPINNERS.fetch_sub(1, Ordering::AcqRel);
+        None
+    }
+
+    /// Whether to look again (after yielding the CPU: a donor on this
+    /// machine may wait for this very CPU) rather than sleep.
+    pub(crate) fn again(&mut self) -> bool {
+        if Instant::now() >= self.until {
+            return false;
+        }
+        std::thread::yield_now();
+        true
+    }
+}
+
+impl Drop for Spinner {
+    fn drop(&mut self) {
+        SPINNERS.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// How a started command ended (`TimedOut` if it is still running).

@@ -233,19 +233,42 @@ impl Plain {
         !self.broken
     }
 
-    /// Starts one request (sending as much as the socket takes now).
-    pub fn start<'a>(
-        &'a mut self,
-        cmd: Command,
-        flags: u16,
-        offset: u64,
-        buf: Buf<'a>,
-    ) -> Result<PlainCmd<'a>, LibError> {
-        if self.broken {
-            return Err(LibError::new(
-                "connection abandoned with a request in flight (timed out or failed)",
-            ));
+    pub fn fd(&self) -> RawFd {
+        self.stream.as_raw_fd()
+    }
+
+    /// Receives what has arrived, up to `buf.len()` bytes (the socket is
+    /// non-blocking: `WouldBlock` when nothing has).
+    pub fn recv(&self, buf: &mut [u8]) -> io::Result<usize> {
+        match &self.stream {
+            Stream::Tcp(s) => (&*s).read(buf),
+            Stream::Unix(s) => (&*s).read(buf),
         }
+    }
+
+    /// Hands the socket to the drain instead of closing it, because
+    /// replies may still be on their way (see `drain`): shuts the write
+    /// side, so the server answers what it has and hangs up.
+    pub fn linger(&mut self) {
+        self.broken = true;
+        let sock: io::Result<std::os::fd::OwnedFd> = match &self.stream {
+            Stream::Tcp(s) => s
+                .shutdown(std::net::Shutdown::Write)
+                .and_then(|()| s.try_clone())
+                .map(Into::into),
+            Stream::Unix(s) => s
+                .shutdown(std::net::Shutdown::Write)
+                .and_then(|()| s.try_clone())
+                .map(Into::into),
+        };
+        // Without a clone the socket is closed as before: nothing better.
+        if let Ok(sock) = sock {
+            crate::drain::adopt(sock);
+        }
+    }
+
+    /// Whether the export takes `cmd` with `len` bytes.
+    pub fn check(&self, cmd: Command, len: u64) -> Result<(), LibError> {
         if let Some(f) = cmd.needs() {
             if self.flags & f == 0 {
                 return Err(LibError {
@@ -263,10 +286,30 @@ impl Plain {
                 message: "the export is read-only".into(),
             });
         }
-        let len = u32::try_from(buf.len()).map_err(|_| LibError {
-            errno: libc::EINVAL,
-            message: format!("request of {} bytes is too large for NBD", buf.len()),
-        })?;
+        if u32::try_from(len).is_err() {
+            return Err(LibError {
+                errno: libc::EINVAL,
+                message: format!("request of {len} bytes is too large for NBD"),
+            });
+        }
+        Ok(())
+    }
+
+    /// Starts one request (sending as much as the socket takes now).
+    pub fn start<'a>(
+        &'a mut self,
+        cmd: Command,
+        flags: u16,
+        offset: u64,
+        buf: Buf<'a>,
+    ) -> Result<PlainCmd<'a>, LibError> {
+        if self.broken {
+            return Err(LibError::new(
+                "connection abandoned with a request in flight (timed out or failed)",
+            ));
+        }
+        self.check(cmd, buf.len())?;
+        let len = buf.len() as u32;
         self.cookie = self.cookie.wrapping_add(1);
         let cookie = self.cookie;
         let mut c = PlainCmd {

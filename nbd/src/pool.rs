@@ -1,21 +1,38 @@
 //! A small pool of connections per donor export, and batches of requests
 //! that run in parallel on several donors with one deadline.
+//!
+//! Plain connections are shared ([`Mux`]): each carries up to
+//! [`DEPTH`](crate::mux::DEPTH) requests at once, and a lease holds one of
+//! its slots, so a donor serves many requests in flight on a few
+//! connections. A TLS connection (libnbd) carries one request at a time
+//! and a lease holds it whole.
 
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use crate::mux::{Mux, DEPTH};
+use crate::plain::Plain;
 use crate::{
     outcome_of, to_result, wait_all, Cmd, Connection, Endpoint, NbdError, Op, Outcome, Timeouts,
     MAX_WAIT,
 };
 use netpager_util::{CondvarExt, LockExt};
 
+/// Leases a shared connection carries before the pool opens another (up
+/// to its maximum): a few connections with many requests each keep the
+/// donor's threads busy without a thread and a socket per request.
+const SPREAD: usize = 16;
+
 /// A small pool of connections to one donor export, opened on demand.
 pub struct Pool {
     /// Position in lock order: batches check out pools in ascending `order`
-    /// so two batches never wait on each other's connections.
+    /// so two batches never wait on each other's connections. Unique among
+    /// live pools (a batch tells its donors apart by it).
     order: usize,
     ep: Endpoint,
+    /// `ep`'s address, made once: errors name it, and making it on the
+    /// request path would allocate.
+    addr: String,
     timeouts: Timeouts,
     max: usize,
     state: Mutex<PoolState>,
@@ -23,8 +40,11 @@ pub struct Pool {
 }
 
 struct PoolState {
+    /// TLS connections not leased.
     idle: Vec<Connection>,
-    /// Connections of the current generation, idle or leased.
+    /// Plain connections of the current generation, leased or not.
+    shared: Vec<Arc<Mux>>,
+    /// Connections of the current generation, idle, leased or shared.
     open: usize,
     closed: bool,
     generation: u64,
@@ -34,16 +54,21 @@ struct PoolState {
 }
 
 impl Pool {
-    /// `order` must be unique among the pools used together in [`run`].
+    /// `order` must differ from that of every other pool used in the same
+    /// batches: a batch groups its requests by it (and panics on two pools
+    /// with one order, which would send one donor's requests on the
+    /// other's connection).
     pub fn new(order: usize, ep: Endpoint, timeouts: Timeouts, max: usize) -> Pool {
         Pool {
             order,
+            addr: ep.addr(),
             ep,
             timeouts,
             max: max.max(1),
             state: Mutex::new(PoolState {
-                // Its full size now: returning a lease never allocates.
+                // Their full sizes now: returning a lease never allocates.
                 idle: Vec::with_capacity(max.max(1)),
+                shared: Vec::with_capacity(max.max(1)),
                 open: 0,
                 closed: false,
                 generation: 0,
@@ -61,8 +86,32 @@ impl Pool {
         self.state.lock_or_recover()
     }
 
-    /// Takes an idle connection, opens a new one if fewer than the maximum
-    /// are open, or waits for one to come back.
+    /// A slot on the least busy shared connection, unless it is busy
+    /// enough that opening another is better.
+    fn shared_slot(&self, st: &PoolState) -> Option<Lease<'_>> {
+        let (m, n) = st
+            .shared
+            .iter()
+            .filter(|m| m.usable())
+            .map(|m| (m, m.reserved()))
+            .min_by_key(|(_, n)| *n)?;
+        if n >= DEPTH || (n >= SPREAD && st.open < self.max) {
+            return None;
+        }
+        let slot = m.reserve()?;
+        Some(Lease {
+            pool: self,
+            conn: Leased::Shared {
+                mux: m.clone(),
+                slot,
+            },
+            generation: st.generation,
+        })
+    }
+
+    /// Takes a slot on a shared connection or an idle connection, opens a
+    /// new one if fewer than the maximum are open, or waits for one to
+    /// come back.
     pub fn checkout(&self) -> Result<Lease<'_>, NbdError> {
         let mut st = self.lock();
         loop {
@@ -71,10 +120,13 @@ impl Pool {
                     addr: self.ep.addr(),
                 });
             }
+            if let Some(l) = self.shared_slot(&st) {
+                return Ok(l);
+            }
             if let Some(c) = st.idle.pop() {
                 return Ok(Lease {
                     pool: self,
-                    conn: Some(c),
+                    conn: Leased::Own(Some(c)),
                     generation: st.generation,
                 });
             }
@@ -82,10 +134,26 @@ impl Pool {
                 st.open += 1;
                 let generation = st.generation;
                 drop(st);
-                return match Connection::connect(&self.ep, self.timeouts.connect) {
-                    Ok(c) => Ok(Lease {
+                return match self.connect() {
+                    Ok(Leased::Shared { mux, .. }) => {
+                        let slot = mux.reserve().expect("a new connection has free slots");
+                        let mut st = self.lock();
+                        if st.generation == generation {
+                            st.shared.push(mux.clone());
+                        }
+                        if st.waiting > 0 {
+                            // Others may share the new connection.
+                            self.cv.notify_all();
+                        }
+                        Ok(Lease {
+                            pool: self,
+                            conn: Leased::Shared { mux, slot },
+                            generation,
+                        })
+                    }
+                    Ok(conn) => Ok(Lease {
                         pool: self,
-                        conn: Some(c),
+                        conn,
                         generation,
                     }),
                     Err(e) => {
@@ -106,6 +174,24 @@ impl Pool {
         }
     }
 
+    fn connect(&self) -> Result<Leased, NbdError> {
+        let t = self.timeouts.connect;
+        if self.ep.tls_psk_file.is_some() {
+            return Connection::connect(&self.ep, t).map(|c| Leased::Own(Some(c)));
+        }
+        let p = Plain::connect_tcp(&self.ep.host, self.ep.port, &self.ep.export, t)
+            .map_err(|e| crate::connect_error(e, &self.ep.addr(), &self.ep.export, t))?;
+        let mux = Mux::new(p).map_err(|e| NbdError::Connect {
+            addr: self.addr.clone(),
+            export: self.ep.export.clone(),
+            message: format!("eventfd: {e}"),
+        })?;
+        Ok(Leased::Shared {
+            mux: Arc::new(mux),
+            slot: 0,
+        })
+    }
+
     /// Drops every connection and refuses new ones until [`Pool::reopen`]
     /// (the donor is marked failed). Leased connections are dropped when
     /// they come back.
@@ -115,44 +201,95 @@ impl Pool {
         st.generation += 1;
         st.open = 0;
         st.idle.clear();
+        st.shared.clear();
         self.cv.notify_all();
     }
 
     pub fn reopen(&self) {
         self.lock().closed = false;
     }
+
+    /// Connections open now (for tests of how requests share them).
+    #[cfg(test)]
+    pub(crate) fn open_connections(&self) -> usize {
+        self.lock().open
+    }
 }
 
-/// A connection borrowed from a [`Pool`]; goes back on drop if still usable.
+/// What a lease holds.
+enum Leased {
+    /// A connection of its own (TLS).
+    Own(Option<Connection>),
+    /// A slot on a shared connection (plain).
+    Shared { mux: Arc<Mux>, slot: usize },
+}
+
+/// A connection, or a slot on a shared one, borrowed from a [`Pool`]; goes
+/// back on drop.
 pub struct Lease<'p> {
     pool: &'p Pool,
-    conn: Option<Connection>,
+    conn: Leased,
     generation: u64,
 }
 
 impl Lease<'_> {
-    pub fn conn(&mut self) -> &mut Connection {
-        self.conn
-            .as_mut()
-            .expect("lease holds a connection until dropped")
+    /// Size of the export in bytes.
+    pub fn size(&self) -> u64 {
+        match &self.conn {
+            Leased::Own(c) => c.as_ref().expect("held until dropped").size(),
+            Leased::Shared { mux, .. } => mux.size(),
+        }
+    }
+
+    fn usable(&self) -> bool {
+        match &self.conn {
+            Leased::Own(c) => c.as_ref().is_some_and(Connection::usable),
+            Leased::Shared { mux, .. } => mux.usable(),
+        }
+    }
+
+    fn addr(&self) -> &str {
+        &self.pool.addr
     }
 
     /// Runs one request with the pool's timeouts.
-    pub fn run(&mut self, offset: u64, op: Op<'_>) -> Result<(), NbdError> {
+    pub fn run(&mut self, offset: u64, mut op: Op<'_>) -> Result<(), NbdError> {
         let t = self.pool.timeouts;
-        self.conn().run_spinning(offset, op, t.request, t.spin)
+        match &mut self.conn {
+            Leased::Own(c) => c
+                .as_mut()
+                .expect("held until dropped")
+                .run_spinning(offset, op, t.request, t.spin),
+            Leased::Shared { mux, slot } => {
+                let o = mux.run(*slot, &mut op, offset, Instant::now() + t.request, t.spin);
+                to_result(self.addr(), op.name(), offset, op.len(), t.request, o)
+            }
+        }
     }
 }
 
 impl Drop for Lease<'_> {
     fn drop(&mut self) {
-        let Some(conn) = self.conn.take() else { return };
         let mut st = self.pool.lock();
-        if st.generation == self.generation {
-            if conn.usable() && !st.closed {
-                st.idle.push(conn);
-            } else {
-                st.open -= 1;
+        let current = st.generation == self.generation;
+        match &mut self.conn {
+            Leased::Own(c) => {
+                let Some(conn) = c.take() else { return };
+                if current {
+                    if conn.usable() && !st.closed {
+                        st.idle.push(conn);
+                    } else {
+                        st.open -= 1;
+                    }
+                }
+            }
+            Leased::Shared { mux, slot } => {
+                mux.release(*slot);
+                if current && !mux.usable() {
+                    let before = st.shared.len();
+                    st.shared.retain(|m| !Arc::ptr_eq(m, mux));
+                    st.open -= before - st.shared.len();
+                }
             }
         }
         if st.waiting > 0 {
@@ -233,7 +370,7 @@ pub fn run_into(reqs: &mut [Option<Request<'_, '_>>], results: &mut [Result<(), 
                 }
                 Err(e) => {
                     for (r, res) in reqs.iter().zip(results.iter_mut()) {
-                        if r.as_ref().is_some_and(|r| r.pool.order == pool.order) {
+                        if r.as_ref().is_some_and(|r| same_pool(r.pool, pool)) {
                             *res = Err(e.clone());
                         }
                     }
@@ -260,12 +397,29 @@ fn lowest_pool(reqs: &[Option<Request<'_, '_>>], from: usize) -> Option<usize> {
     best.map(|(_, i)| i)
 }
 
-/// The next request at or after `at` on the pool of order `order`.
-fn next_on(reqs: &[Option<Request<'_, '_>>], order: usize, at: usize) -> Option<usize> {
+/// The next request at or after `at` on `pool`.
+fn next_on(reqs: &[Option<Request<'_, '_>>], pool: &Pool, at: usize) -> Option<usize> {
     reqs[at..]
         .iter()
-        .position(|r| r.as_ref().is_some_and(|r| r.pool.order == order))
+        .position(|r| r.as_ref().is_some_and(|r| same_pool(r.pool, pool)))
         .map(|k| at + k)
+}
+
+/// Whether `a` and `b` are one pool; panics on two pools with one order,
+/// which a batch would take for one (sending one donor's requests on the
+/// other's connection).
+fn same_pool(a: &Pool, b: &Pool) -> bool {
+    if a.order != b.order {
+        return false;
+    }
+    assert!(
+        std::ptr::eq(a, b),
+        "two NBD pools share order {} ({} and {}): each donor's pool needs its own",
+        a.order,
+        a.ep.addr(),
+        b.ep.addr()
+    );
+    true
 }
 
 /// Runs the groups' requests, one per group at a time, all groups at once.
@@ -288,11 +442,18 @@ fn run_wave<'b>(
         if !any {
             return;
         }
+        let deadline = Instant::now() + timeout;
         let mut outcomes: [Option<Outcome>; WAVE] = std::array::from_fn(|_| None);
         let n = groups.len();
         {
-            let mut cmds: [Option<Cmd<'_>>; WAVE] = std::array::from_fn(|_| None);
-            for ((g, cmd), out) in groups.iter_mut().zip(&mut cmds).zip(&mut outcomes) {
+            // Each group's part: a request on a connection of its own
+            // (TLS), or in a slot of a shared one (its read buffer, if a
+            // read, lent to the shared connection's reader).
+            let mut own: [Option<(&mut Connection, &mut Op<'b>, u64)>; WAVE] =
+                std::array::from_fn(|_| None);
+            let mut shared: [Option<(&Mux, usize, u64)>; WAVE] = [None; WAVE];
+            let mut reads: [Option<&mut [u8]>; WAVE] = std::array::from_fn(|_| None);
+            for (k, g) in groups.iter_mut().enumerate() {
                 let Some(Group { lease, next, op }) = g else {
                     continue;
                 };
@@ -300,18 +461,42 @@ fn run_wave<'b>(
                     continue;
                 };
                 let offset = reqs[i].as_ref().expect("queued requests exist").offset;
-                let conn = lease.conn.as_mut().expect("leased");
-                match conn.start(op, offset) {
-                    Ok(c) => *cmd = Some(c),
-                    Err(e) => *out = Some(Outcome::Failed(e)),
+                match &mut lease.conn {
+                    Leased::Own(c) => own[k] = Some((c.as_mut().expect("leased"), op, offset)),
+                    Leased::Shared { mux, slot } => {
+                        shared[k] = Some((&**mux, *slot, offset));
+                        match op {
+                            Op::Read(b) => reads[k] = Some(&mut **b),
+                            op => mux.start_op(*slot, op, offset, deadline),
+                        }
+                    }
                 }
             }
-            wait_all(&mut cmds[..n], Instant::now() + timeout, spin);
-            for (cmd, out) in cmds.iter().zip(&mut outcomes) {
-                if cmd.is_some() {
-                    *out = Some(outcome_of(cmd));
+            lend_reads(&shared[..n], &mut reads[..n], deadline, &mut || {
+                let mut cmds: [Option<Cmd<'_>>; WAVE] = std::array::from_fn(|_| None);
+                for ((o, cmd), out) in own.iter_mut().zip(&mut cmds).zip(&mut outcomes) {
+                    let Some((conn, op, offset)) = o else {
+                        continue;
+                    };
+                    match conn.start(op, *offset) {
+                        Ok(c) => *cmd = Some(c),
+                        Err(e) => *out = Some(Outcome::Failed(e)),
+                    }
                 }
-            }
+                if cmds.iter().any(Option::is_some) {
+                    wait_all(&mut cmds[..n], deadline, spin);
+                }
+                for (cmd, out) in cmds.iter().zip(&mut outcomes) {
+                    if cmd.is_some() {
+                        *out = Some(outcome_of(cmd));
+                    }
+                }
+                for (sh, out) in shared.iter().zip(&mut outcomes) {
+                    if let Some((mux, slot, _)) = sh {
+                        *out = Some(mux.wait(*slot, deadline, spin));
+                    }
+                }
+            });
         }
         for (g, o) in groups.iter_mut().zip(outcomes) {
             let (Some(g), Some(o)) = (g.as_mut(), o) else {
@@ -320,26 +505,41 @@ fn run_wave<'b>(
             let i = g.next.expect("it ran a request");
             let r = reqs[i].as_mut().expect("queued requests exist");
             r.op = g.op.take().expect("taken above");
-            let order = r.pool.order;
             let t = g.lease.pool.timeouts.request;
-            let res = to_result(
-                &g.lease.conn().addr,
-                r.op.name(),
-                r.offset,
-                r.op.len(),
-                t,
-                o,
-            );
-            g.next = next_on(reqs, order, i + 1);
-            if res.is_err() && !g.lease.conn().usable() {
+            let res = to_result(g.lease.addr(), r.op.name(), r.offset, r.op.len(), t, o);
+            g.next = next_on(reqs, g.lease.pool, i + 1);
+            if res.is_err() && !g.lease.usable() {
                 // The connection is gone: the donor's remaining requests fail
                 // the same way instead of waiting again.
                 while let Some(j) = g.next {
                     results[j] = res.clone();
-                    g.next = next_on(reqs, order, j + 1);
+                    g.next = next_on(reqs, g.lease.pool, j + 1);
                 }
             }
             results[i] = res;
         }
+    }
+}
+
+/// Lends each read buffer in `reads` to its shared connection and sends
+/// the read, then runs `then` (which waits for the replies) while they
+/// are all lent.
+fn lend_reads(
+    shared: &[Option<(&Mux, usize, u64)>],
+    reads: &mut [Option<&mut [u8]>],
+    deadline: Instant,
+    then: &mut dyn FnMut(),
+) {
+    let (Some((first, rest)), Some((sh, more))) = (reads.split_first_mut(), shared.split_first())
+    else {
+        return then();
+    };
+    match (sh, first) {
+        (Some((mux, slot, offset)), Some(buf)) => {
+            mux.start_read(*slot, buf, *offset, deadline, || {
+                lend_reads(more, rest, deadline, then)
+            })
+        }
+        _ => lend_reads(more, rest, deadline, then),
     }
 }

@@ -1,11 +1,17 @@
 //! The system calls the plain transport needs that std does not offer:
 //! `sendmsg` with `MSG_NOSIGNAL` (a donor that hung up must be an error,
 //! not a SIGPIPE that kills the process: nbdkit plugins do not control the
-//! signal mask), and `poll(2)` with a deadline.
+//! signal mask), `poll(2)` with a deadline and an eventfd ([`Latch`]) that
+//! wakes every poll on it; and [`LoanCell`], through
+//! which a thread lends its read buffer to whichever thread reads the
+//! reply on a shared connection.
 
 use std::io::{self, IoSlice};
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::{Condvar, Mutex};
 use std::time::Instant;
+
+use netpager_util::{CondvarExt, LockExt};
 
 /// Sends `bufs` in one system call; returns the bytes taken. Blocking or
 /// not as the socket is: the handshake waits (with the socket's timeout),
@@ -59,4 +65,125 @@ pub(crate) fn poll(fds: &mut [libc::pollfd], deadline: Instant) -> io::Result<bo
         return Err(e);
     }
     Ok(r > 0 || Instant::now() < deadline)
+}
+
+/// An eventfd that, once set, stays readable: every `poll` that includes
+/// it returns, now and later.
+pub(crate) struct Latch(OwnedFd);
+
+impl Latch {
+    pub fn new() -> io::Result<Latch> {
+        // SAFETY: eventfd takes no pointers.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` was just opened and nothing else owns it.
+        Ok(Latch(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+
+    pub fn set(&self) {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writes 8 bytes from a live array. It cannot fail short
+        // of the counter overflowing, which a few sets never reach.
+        let _ = unsafe { libc::write(self.0.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+    }
+
+    pub fn fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+}
+
+/// A buffer lent by one thread to others for a while, forget-safe: the
+/// lender's [`LoanCell::lend`] gives it out only while its closure runs,
+/// and before returning takes it back and waits until no borrower holds
+/// it. A borrower ([`LoanCell::borrow`]) gets it at most once at a time.
+pub(crate) struct LoanCell {
+    st: Mutex<Loan>,
+    cv: Condvar,
+}
+
+struct Loan {
+    ptr: *mut u8,
+    len: usize,
+    lent: bool,
+    borrowed: bool,
+}
+
+// SAFETY: the pointer is only dereferenced by `borrow` while the lender's
+// `lend` keeps the buffer alive and unused (see there); the rest is plain
+// data under the mutex.
+unsafe impl Send for LoanCell {}
+// SAFETY: as above; every access goes through the mutex.
+unsafe impl Sync for LoanCell {}
+
+impl LoanCell {
+    pub fn new() -> LoanCell {
+        LoanCell {
+            st: Mutex::new(Loan {
+                ptr: std::ptr::null_mut(),
+                len: 0,
+                lent: false,
+                borrowed: false,
+            }),
+            cv: Condvar::new(),
+        }
+    }
+
+    /// Lends `buf` while `f` runs (even if `f` panics, it is taken back
+    /// before this returns).
+    pub fn lend<R>(&self, buf: &mut [u8], f: impl FnOnce() -> R) -> R {
+        {
+            let mut st = self.st.lock_or_recover();
+            assert!(!st.lent, "one loan at a time per cell");
+            st.ptr = buf.as_mut_ptr();
+            st.len = buf.len();
+            st.lent = true;
+        }
+        struct TakeBack<'c>(&'c LoanCell);
+        impl Drop for TakeBack<'_> {
+            fn drop(&mut self) {
+                let mut st = self.0.st.lock_or_recover();
+                st.lent = false;
+                while st.borrowed {
+                    st = self.0.cv.wait_or_recover(st);
+                }
+                st.ptr = std::ptr::null_mut();
+                st.len = 0;
+            }
+        }
+        let _back = TakeBack(self);
+        f()
+    }
+
+    /// Runs `f` on the lent buffer, or on `None` if nothing is lent now.
+    pub fn borrow<R>(&self, f: impl FnOnce(Option<&mut [u8]>) -> R) -> R {
+        let lent = {
+            let mut st = self.st.lock_or_recover();
+            if st.lent && !st.borrowed {
+                st.borrowed = true;
+                Some((st.ptr, st.len))
+            } else {
+                None
+            }
+        };
+        let Some((ptr, len)) = lent else {
+            return f(None);
+        };
+        struct GiveBack<'c>(&'c LoanCell);
+        impl Drop for GiveBack<'_> {
+            fn drop(&mut self) {
+                self.0.st.lock_or_recover().borrowed = false;
+                self.0.cv.notify_all();
+            }
+        }
+        let _back = GiveBack(self);
+        // SAFETY: `ptr`/`len` came from the `&mut [u8]` of a `lend` call
+        // that has not returned: its TakeBack waits while `borrowed` is
+        // set, so the buffer outlives this borrow; `lend` holds the only
+        // other reference and does not use it meanwhile, and `borrowed`
+        // lets one borrower at a time in.
+        let buf = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
+        f(Some(buf))
+    }
 }

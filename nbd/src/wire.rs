@@ -249,15 +249,22 @@ pub fn request(cmd: Command, flags: u16, cookie: u64, offset: u64, len: u32) -> 
 /// errno values (EPERM, EIO, ENOMEM, EINVAL, ENOSPC, EOVERFLOW, ENOTSUP,
 /// ESHUTDOWN).
 pub fn reply(b: &[u8; REPLY_LEN], cookie: u64) -> Result<u32, WireError> {
+    let (got, errno) = any_reply(b)?;
+    if got != cookie {
+        return Err(WireError::WrongCookie { sent: cookie, got });
+    }
+    Ok(errno)
+}
+
+/// Decodes a simple reply to any request: its cookie and the server's
+/// error (0 for success), for a connection with several requests in
+/// flight, whose replies may come in any order.
+pub fn any_reply(b: &[u8; REPLY_LEN]) -> Result<(u64, u32), WireError> {
     let magic = be32(b);
     if magic != SIMPLE_REPLY_MAGIC {
         return Err(WireError::BadReplyMagic(magic));
     }
-    let got = be64(&b[8..]);
-    if got != cookie {
-        return Err(WireError::WrongCookie { sent: cookie, got });
-    }
-    Ok(be32(&b[4..]))
+    Ok((be64(&b[8..]), be32(&b[4..])))
 }
 
 #[cfg(test)]

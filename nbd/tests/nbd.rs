@@ -178,7 +178,10 @@ fn a_returned_lease_wakes_a_waiting_checkout() {
         spin: Duration::ZERO,
     };
     let pool = Pool::new(0, endpoint(&a.addr, ""), t, 1);
-    let held = pool.checkout().unwrap();
+    // Every slot of the pool's only connection.
+    let mut held: Vec<_> = (0..nbd::REQUESTS_PER_CONNECTION)
+        .map(|_| pool.checkout().unwrap())
+        .collect();
     std::thread::scope(|s| {
         let (tx, rx) = std::sync::mpsc::channel();
         let pool = &pool;
@@ -188,9 +191,9 @@ fn a_returned_lease_wakes_a_waiting_checkout() {
                 tx.send(()).unwrap();
             }
         });
-        // The pool's only connection is leased: the waiter must still wait.
+        // The pool's only connection is full: the waiter must still wait.
         assert!(rx.recv_timeout(Duration::from_millis(300)).is_err());
-        drop(held);
+        held.pop();
         let woken = rx.recv_timeout(Duration::from_secs(10));
         if woken.is_err() {
             // Frees the waiter, so that the test fails instead of hanging.
@@ -331,4 +334,33 @@ fn an_error_reply_fails_only_that_request() {
     }
     // Writes still work on the same connection: it stayed in step.
     c.pwrite(&[1u8; 4096], 0, T).unwrap();
+}
+
+/// Issue 25, hazard 6: a batch groups its requests by pool order, so two
+/// pools sharing one would have sent one donor's requests on the other's
+/// connection. It is refused loudly instead.
+#[test]
+#[should_panic(expected = "share order 3")]
+fn two_pools_with_one_order_are_refused_in_a_batch() {
+    let (a, b) = (Nbdkit::memory("1M"), Nbdkit::memory("1M"));
+    let t = Timeouts {
+        connect: T,
+        request: T,
+        spin: Duration::ZERO,
+    };
+    let pa = Pool::new(3, endpoint(&a.addr, ""), t, 1);
+    let pb = Pool::new(3, endpoint(&b.addr, ""), t, 1);
+    let x = [1u8; 4096];
+    nbd::run(&mut [
+        nbd::Request {
+            pool: &pa,
+            offset: 0,
+            op: Op::Write(&x),
+        },
+        nbd::Request {
+            pool: &pb,
+            offset: 0,
+            op: Op::Write(&x),
+        },
+    ]);
 }

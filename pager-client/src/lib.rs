@@ -9,4 +9,6 @@ pub mod extent_map;
 pub mod metrics;
 pub mod page_log;
 pub mod policy;
+pub mod readahead;
 pub mod status;
+pub mod zero_pages;

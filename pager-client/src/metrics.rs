@@ -210,6 +210,24 @@ pub fn exposition(s: &ClientStatus, fe: &FrontendInfo) -> Exposition {
         b,
         one(t.parity_log_live_bytes),
     );
+    e.counter(
+        "client_prefetch_hits",
+        "Reads served from the stride prefetcher's cache.",
+        None,
+        one(t.prefetch_hits),
+    );
+    e.counter(
+        "client_prefetch_wasted",
+        "Prefetched pages that left the cache unread (pushed out, written, or read before they came).",
+        None,
+        one(t.prefetch_wasted),
+    );
+    e.gauge(
+        "client_prefetch_cache",
+        "Bytes of prefetched pages waiting to be read.",
+        b,
+        one(t.prefetch_cache_bytes),
+    );
     e.gauge(
         "client_throttled",
         "1 while every donor is at its load bound.",
@@ -281,6 +299,44 @@ pub fn exposition(s: &ClientStatus, fe: &FrontendInfo) -> Exposition {
         "Each donor's reported utilisation by remote requests.",
         Some(BaseUnit::Ratio),
         donor(&|d| d.utilisation.into()),
+    );
+    e.gauge(
+        "client_epoch",
+        "Wall time of the latest epoch (donor status polls, heartbeats, \
+         frequencies).",
+        Some(BaseUnit::Seconds),
+        s.epochs
+            .last()
+            .map(|&(_, us)| vec![(Vec::new(), Value::Float(us as f64 / 1e6))])
+            .unwrap_or_default(),
+    );
+    e.gauge(
+        "client_donor_joined_timestamp_seconds",
+        "When each donor joined the device's set, by how it joined \
+         (attach, added, file, discovered).",
+        Some(BaseUnit::Seconds),
+        s.donors
+            .iter()
+            .map(|d| {
+                (
+                    labels([("donor", &d.name), ("joined", d.joined.as_str())]),
+                    Value::Int(d.joined_unix),
+                )
+            })
+            .collect(),
+    );
+    e.counter(
+        "client_donor_retries",
+        "Requests sent once more after a fast failure (a reset connection) \
+         instead of failing the donor.",
+        None,
+        donor(&|d| d.retries.into()),
+    );
+    e.gauge(
+        "client_donor_leaving",
+        "1 for a donor being removed (its extents are moving off).",
+        None,
+        donor(&|d| d.leaving.into()),
     );
     e.gauge(
         "client_donor_state",

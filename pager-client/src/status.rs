@@ -64,8 +64,34 @@ pub struct DonorReport {
     pub utilisation: f64,
     /// Request errors and timeouts seen since the device started.
     pub errors: u64,
+    /// Requests sent once more after a fast failure (a reset connection)
+    /// rather than failing the donor.
+    #[serde(default)]
+    pub retries: u64,
     pub reads: u64,
     pub writes: u64,
+    /// How it joined the set: attach, added, file or discovered.
+    #[serde(default)]
+    pub joined: netpager_membership::Joined,
+    /// When it joined, seconds since the Unix epoch.
+    #[serde(default)]
+    pub joined_unix: u64,
+    /// Being removed: its extents are moving to the other donors.
+    #[serde(default)]
+    pub leaving: bool,
+}
+
+/// A donor that left the set, as status shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LeftDonor {
+    pub name: String,
+    pub address: String,
+    pub joined: netpager_membership::Joined,
+    /// When it left, seconds since the Unix epoch.
+    pub left_unix: u64,
+    /// removed (drained, then let go), forgotten (dead too long) or file
+    /// (its line left the donors file, then drained).
+    pub why: String,
 }
 
 /// Totals over the device.
@@ -80,6 +106,14 @@ pub struct Totals {
     pub lost: u64,
     /// The first lost extents (up to 1000), by extent number.
     pub lost_extents: Vec<u64>,
+    /// Pages of lost extents that were placed again (a write went there)
+    /// and have not been written since: they read as I/O errors until
+    /// written, or until `pagerctl forget-lost` makes them zeros.
+    #[serde(default)]
+    pub unfound_pages: u64,
+    /// The first extents holding unfound pages (up to 1000).
+    #[serde(default)]
+    pub unfound_extents: Vec<u64>,
     /// Units missing a copy that can still be re-created.
     pub degraded: u64,
     pub rebuild: Progress,
@@ -127,6 +161,19 @@ pub struct Totals {
     /// left them open.
     #[serde(default)]
     pub groups_resynced: u64,
+    /// The stride prefetcher (`prefetch_pages` > 0): pages read ahead,
+    /// reads served from its cache, pages that left it unread, and the
+    /// bytes it holds now.
+    #[serde(default)]
+    pub prefetch_pages: u32,
+    #[serde(default)]
+    pub prefetch_issued: u64,
+    #[serde(default)]
+    pub prefetch_hits: u64,
+    #[serde(default)]
+    pub prefetch_wasted: u64,
+    #[serde(default)]
+    pub prefetch_cache_bytes: u64,
 }
 
 /// Requests of one kind the device served since it started.
@@ -198,6 +245,31 @@ pub struct ClientStatus {
     pub epoch_ms: u64,
     pub b: f64,
     pub donors: Vec<DonorReport>,
+    /// The latest epochs (up to 64): start in ms since the Unix epoch, and
+    /// wall time in us (status polls, heartbeats, frequencies).
+    #[serde(default)]
+    pub epochs: Vec<(u64, u64)>,
+    /// Donors that left the set lately (removed, forgotten), newest last.
+    #[serde(default)]
+    pub left: Vec<LeftDonor>,
+    /// The donors file the set follows, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub donors_file: Option<String>,
+    /// Why the donors file was not taken (it changes nothing then).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub donors_file_error: Option<String>,
+    /// Changes the donors file asks for that could not be made yet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub donors_file_pending: Option<String>,
+    /// The device adds donors announced on the lab's network.
+    #[serde(default)]
+    pub discover: bool,
+    /// Why discovery is not running although asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub discovery_error: Option<String>,
+    /// Announced donors not in the set, by node id, and why.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub not_admitted: std::collections::BTreeMap<String, String>,
     pub totals: Totals,
     /// Requests served, by kind (files from before have none).
     #[serde(default)]
@@ -225,6 +297,27 @@ impl ClientStatus {
             )
         })
     }
+}
+
+/// Sorted numbers as inclusive ranges: `0..15, 20, 22..23`.
+pub fn format_ranges(sorted: &[u64]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < sorted.len() {
+        let start = sorted[i];
+        let mut end = start;
+        while i + 1 < sorted.len() && sorted[i + 1] == end + 1 {
+            i += 1;
+            end = sorted[i];
+        }
+        out.push(if start == end {
+            start.to_string()
+        } else {
+            format!("{start}..{end}")
+        });
+        i += 1;
+    }
+    out.join(", ")
 }
 
 fn progress(p: &Progress) -> String {
@@ -315,6 +408,19 @@ pub fn render_table(s: &ClientStatus) -> String {
             ),
         );
     }
+    if t.prefetch_pages > 0 {
+        w(
+            &mut out,
+            format!(
+                "prefetch: {} pages ahead, {} issued, {} hits, {} wasted, {} cached",
+                t.prefetch_pages,
+                t.prefetch_issued,
+                t.prefetch_hits,
+                t.prefetch_wasted,
+                format_size(t.prefetch_cache_bytes)
+            ),
+        );
+    }
     if t.parity_log_bytes > 0 {
         w(
             &mut out,
@@ -352,13 +458,28 @@ pub fn render_table(s: &ClientStatus) -> String {
         );
     }
     if t.lost > 0 {
-        let list: Vec<String> = t.lost_extents.iter().map(u64::to_string).collect();
         let more = if (t.lost as usize) > t.lost_extents.len() {
             ", ..."
         } else {
             ""
         };
-        w(&mut out, format!("LOST extents: {}{more}", list.join(", ")));
+        w(
+            &mut out,
+            format!(
+                "LOST extents: {}{more} (reads there fail; a write places its extent again, pagerctl forget-lost makes them read as zeros)",
+                format_ranges(&t.lost_extents)
+            ),
+        );
+    }
+    if t.unfound_pages > 0 {
+        w(
+            &mut out,
+            format!(
+                "UNFOUND: {} pages in extents {} were lost and not written since; they read as I/O errors until written (pagerctl forget-lost makes them zeros)",
+                t.unfound_pages,
+                format_ranges(&t.unfound_extents)
+            ),
+        );
     }
     w(&mut out, String::new());
     let header = [
@@ -374,13 +495,14 @@ pub fn render_table(s: &ClientStatus) -> String {
         "capped",
         "util",
         "errors",
+        "joined",
     ];
     let mut rows: Vec<Vec<String>> = vec![header.iter().map(|h| h.to_string()).collect()];
     for d in &s.donors {
-        let state = if d.failed {
-            format!("FAILED ({})", d.state)
-        } else {
-            d.state.clone()
+        let state = match (d.failed, d.leaving) {
+            (true, _) => format!("FAILED ({})", d.state),
+            (false, true) => format!("LEAVING ({})", d.state),
+            (false, false) => d.state.clone(),
         };
         rows.push(vec![
             d.name.clone(),
@@ -395,6 +517,11 @@ pub fn render_table(s: &ClientStatus) -> String {
             if d.capped { "yes".into() } else { "no".into() },
             format!("{:.2}", d.utilisation),
             d.errors.to_string(),
+            format!(
+                "{} {}",
+                d.joined,
+                ago(s.updated_unix_ms / 1000, d.joined_unix)
+            ),
         ]);
     }
     let widths: Vec<usize> = (0..header.len())
@@ -414,7 +541,54 @@ pub fn render_table(s: &ClientStatus) -> String {
             format!("{}: {}", d.name, d.failure.as_deref().unwrap_or_default()),
         );
     }
+    if let Some(f) = &s.donors_file {
+        w(&mut out, format!("donors file {f}"));
+    }
+    for note in [&s.donors_file_error, &s.donors_file_pending]
+        .into_iter()
+        .flatten()
+    {
+        w(&mut out, format!("  {note}"));
+    }
+    if s.discover {
+        w(
+            &mut out,
+            format!(
+                "discovery: {}",
+                s.discovery_error
+                    .as_deref()
+                    .unwrap_or("browsing _netpager._tcp")
+            ),
+        );
+    }
+    for (node, why) in &s.not_admitted {
+        w(&mut out, format!("  announced {node}, not used: {why}"));
+    }
+    for l in &s.left {
+        w(
+            &mut out,
+            format!(
+                "left: {} ({}, joined {}) {} {}",
+                l.name,
+                l.address,
+                l.joined,
+                l.why,
+                ago(s.updated_unix_ms / 1000, l.left_unix)
+            ),
+        );
+    }
     out
+}
+
+/// "5m ago" for a time `then` seen at `now` (seconds since the Unix epoch).
+fn ago(now: u64, then: u64) -> String {
+    let d = now.saturating_sub(then);
+    match d {
+        0..=119 => format!("{d}s ago"),
+        120..=7199 => format!("{}m ago", d / 60),
+        7200..=172_799 => format!("{}h ago", d / 3600),
+        _ => format!("{}d ago", d / 86400),
+    }
 }
 
 #[cfg(test)]
@@ -468,5 +642,19 @@ mod tests {
         assert!(t.contains("LOST extents: 3, 9"), "{t}");
         assert!(t.contains("d2: read timed out"), "{t}");
         assert!(t.contains("64 MiB in 64 extents"), "{t}");
+        assert!(!t.contains("UNFOUND"), "{t}");
+        let mut s = sample();
+        s.totals.unfound_pages = 255;
+        s.totals.unfound_extents = vec![4, 5, 6];
+        let t = render_table(&s);
+        assert!(t.contains("UNFOUND: 255 pages in extents 4..6"), "{t}");
+    }
+
+    #[test]
+    fn numbers_print_as_ranges() {
+        assert_eq!(format_ranges(&[]), "");
+        assert_eq!(format_ranges(&[7]), "7");
+        assert_eq!(format_ranges(&(0..16).collect::<Vec<_>>()), "0..15");
+        assert_eq!(format_ranges(&[0, 1, 3, 5, 6, 7, 9]), "0..1, 3, 5..7, 9");
     }
 }

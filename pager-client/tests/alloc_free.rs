@@ -1,6 +1,7 @@
 //! Issue 12: once extents are placed and connections are open, a 4 KiB
 //! read or write through the device makes no heap allocation, in mode none
-//! and in modes parity and ec 4+2 with and without their parity log. A
+//! and in modes parity and ec 4+2 with and without their parity log; issue
+//! 24: nor with 16 requests in flight at once on one donor connection. A
 //! counting global allocator counts this thread's allocations only (the
 //! device's epoch and maintenance threads allocate as they please); real
 //! nbdkit donors.
@@ -198,4 +199,85 @@ fn mode_ec_without_log() {
 #[test]
 fn mode_ec_with_log() {
     steady_state_io_allocates_nothing(Mode::Ec { data: 4, parity: 2 }, 6, None);
+}
+
+/// Requests in flight at once in the depth test.
+const DEPTH: usize = 16;
+
+/// `DEPTH` threads each write and read their own pages at once, sharing
+/// one connection per donor (replies routed to their waiters by cookie):
+/// no thread allocates once warmed up, and every byte reads back.
+fn io_at_depth_allocates_nothing(mode: Mode, donors: usize) {
+    let ds: Vec<Nbdkit> = (0..donors).map(|_| donor()).collect();
+    let refs: Vec<&Nbdkit> = ds.iter().collect();
+    let state = tempfile::tempdir().unwrap();
+    let mut cfg = config(mode.clone(), SIZE, EXTENT, &refs);
+    if mode != Mode::None {
+        cfg.parity_log = Some(ByteSize(0));
+    }
+    // One shared connection per donor carries every request.
+    cfg.connections_per_donor = 1;
+    cfg.policy.epoch_ms = 60_000;
+    cfg.timeouts.request_ms = 10_000;
+    let dev = Device::open(cfg, state.path()).unwrap();
+    // Every extent placed first (placement allocates).
+    let fill = vec![0u8; SIZE as usize];
+    dev.write(&fill, 0).unwrap();
+    let start = std::sync::Barrier::new(DEPTH);
+    let counts: Vec<(u64, u64, Option<u64>)> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..DEPTH)
+            .map(|t| {
+                let (dev, start) = (&dev, &start);
+                s.spawn(move || {
+                    // Thread t's pages: every DEPTH-th page, across extents.
+                    let offs: Vec<u64> = (0..8)
+                        .map(|k| ((k * DEPTH + t) as u64 * 37 % (SIZE / PAGE as u64)) * PAGE as u64)
+                        .collect();
+                    let mut read = [0u8; PAGE];
+                    // Warm-up on this thread (its first requests).
+                    for &off in &offs {
+                        dev.write(&pattern(0, t), off).unwrap();
+                        dev.read(&mut read, off).unwrap();
+                    }
+                    start.wait();
+                    let (mut writes, mut reads, mut bad) = (0, 0, None);
+                    for round in 1..=ROUNDS {
+                        for &off in &offs {
+                            let data = pattern(round, t);
+                            writes += allocations(|| dev.write(&data, off).unwrap());
+                            reads += allocations(|| dev.read(&mut read, off).unwrap());
+                            if read != data && bad.is_none() {
+                                bad = Some(off);
+                            }
+                        }
+                    }
+                    (writes, reads, bad)
+                })
+            })
+            .collect();
+        workers.into_iter().map(|w| w.join().unwrap()).collect()
+    });
+    for (t, (writes, reads, bad)) in counts.iter().enumerate() {
+        assert_eq!(*bad, None, "{mode:?}: thread {t} read back other bytes");
+        assert_eq!(
+            (*writes, *reads),
+            (0, 0),
+            "{mode:?}: thread {t} allocated at depth {DEPTH}"
+        );
+    }
+    assert_eq!(
+        dev.status().donors.iter().filter(|d| d.failed).count(),
+        0,
+        "{mode:?}: a donor failed"
+    );
+}
+
+#[test]
+fn mode_none_at_depth_16() {
+    io_at_depth_allocates_nothing(Mode::None, 2);
+}
+
+#[test]
+fn mode_parity_at_depth_16() {
+    io_at_depth_allocates_nothing(Mode::Parity { width: 3 }, 3);
 }

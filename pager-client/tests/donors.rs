@@ -252,3 +252,65 @@ fn donors_filling_up_between_epochs_send_new_extents_to_the_fallback() {
     assert!(s.totals.on_fallback >= 16, "{}", render_table(&s));
     assert!(s.donors.iter().all(|d| !d.failed), "{}", render_table(&s));
 }
+
+/// Busy donors that allow no remote utilisation (u-star=0) cap every
+/// frequency: that throttles a device with traffic, but an idle one (no
+/// request since the last epoch, so no time between requests to bound)
+/// says nothing.
+#[test]
+fn an_idle_device_is_not_throttled_and_a_busy_one_is() {
+    let Some(ds) = (0..2)
+        .map(|_| {
+            common::pager_server(&[
+                "size=8M",
+                "budget=16M",
+                "reserve=0",
+                "busy-load=0",
+                "u-star=0",
+                "poll-ms=100",
+            ])
+        })
+        .collect::<Option<Vec<_>>>()
+    else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let dev = Arc::new(
+        Device::open(
+            config(Mode::None, 4 << 20, EXTENT, &[&ds[0], &ds[1]]),
+            dir.path(),
+        )
+        .unwrap(),
+    );
+    wait_status(&dev, "the donors to report busy", |s| {
+        s.donors.iter().all(|d| d.state == "busy")
+    });
+    for _ in 0..3 {
+        dev.poll_donors_now();
+        std::thread::sleep(Duration::from_millis(250));
+        let s = dev.status();
+        assert!(
+            !s.totals.throttled,
+            "idle, yet {:?}",
+            s.totals.throttle_reason
+        );
+    }
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (dev, stop) = (dev.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let b = vec![7u8; 4096];
+            let mut off = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                dev.write(&b, off).unwrap();
+                off = (off + 4096) % (4 << 20);
+            }
+        })
+    };
+    let s = wait_status(&dev, "the busy device to be throttled", |s| {
+        s.totals.throttled
+    });
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    writer.join().unwrap();
+    assert!(s.totals.all_capped, "{}", render_table(&s));
+}

@@ -79,6 +79,8 @@ pub struct Config {
     /// Allows plain-text connections and an unauthenticated status
     /// endpoint from beyond this machine.
     pub insecure: bool,
+    /// Announce the donor on the network by DNS-SD (multicast DNS).
+    pub announce: bool,
 }
 
 impl Default for Config {
@@ -100,6 +102,7 @@ impl Default for Config {
             psk: None,
             export_secret: None,
             insecure: false,
+            announce: false,
         }
     }
 }
@@ -123,7 +126,9 @@ psk=FILE             Lab TLS-PSK file: status requests must be signed with its k
                      metrics requests must carry its bearer token.
 export-secret=FILE   Hex key: export names must be CLIENT~TOKEN[@SIZE].
 insecure=BOOL        Allow plain text from non-loopback peers and an
-                     unauthenticated status or metrics endpoint on a network address.";
+                     unauthenticated status or metrics endpoint on a network address.
+announce=BOOL        Announce _netpager._tcp by multicast DNS with the NBD and status
+                     ports and node id (default false; needs status=).";
 
 impl Config {
     /// Applies one `key=value` parameter.
@@ -183,6 +188,7 @@ impl Config {
             "psk" => self.psk = Some(file_path(key, value)?),
             "export-secret" => self.export_secret = Some(file_path(key, value)?),
             "insecure" => self.insecure = parse_bool(value).map_err(|why| bad(key, value, why))?,
+            "announce" => self.announce = parse_bool(value).map_err(|why| bad(key, value, why))?,
             _ => {
                 return Err(ConfigError::UnknownKey {
                     key: key.to_string(),
@@ -382,6 +388,7 @@ mod tests {
             ("psk", "/etc/netpager/lab.psk"),
             ("export-secret", "/etc/netpager/export.secret"),
             ("insecure", "yes"),
+            ("announce", "on"),
         ] {
             c.set(k, v).unwrap();
         }
@@ -404,6 +411,7 @@ mod tests {
             Some(PathBuf::from("/etc/netpager/export.secret"))
         );
         assert!(c.insecure);
+        assert!(c.announce);
     }
 
     #[test]
@@ -430,6 +438,7 @@ mod tests {
             ("psk", "", "file path"),
             ("export-secret", "", "file path"),
             ("insecure", "sometimes", "true/false"),
+            ("announce", "loudly", "true/false"),
         ];
         for (k, v, why) in cases {
             let e = c.set(k, v).unwrap_err();

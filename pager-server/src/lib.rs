@@ -27,6 +27,7 @@
 //! which only `sys` may be.
 
 pub mod access;
+pub mod announce;
 pub mod config;
 pub mod donor;
 pub mod memwatch;
@@ -50,6 +51,7 @@ use access::{admit_export, check_status_address, requires_tls, AccessError};
 use config::Config;
 use donor::{describe, Donor, Logger, Op, Settings};
 use memwatch::{has_cap_ipc_lock, read_loadavg, read_meminfo};
+use netpager_membership::discovery::Announcer;
 use netpager_proto::auth::load_export_secret;
 use netpager_proto::metrics::{Bound, EndpointConfig};
 use netpager_util::{format_size, LockExt};
@@ -61,6 +63,8 @@ static DONOR: OnceLock<Arc<Donor>> = OnceLock::new();
 static LISTENER: Mutex<Option<TcpListener>> = Mutex::new(None);
 static METRICS: Mutex<Option<Bound>> = Mutex::new(None);
 static GUARD: OnceLock<Guard> = OnceLock::new();
+/// The DNS-SD announcement of `announce=true`, withdrawn at unload.
+static ANNOUNCER: Mutex<Option<Announcer>> = Mutex::new(None);
 
 /// The access rules' inputs, loaded at config_complete.
 struct Guard {
@@ -71,6 +75,7 @@ struct Guard {
     insecure: bool,
     /// `metrics=`, with the lab key file that keys it (`psk=`).
     metrics: Option<EndpointConfig>,
+    announce: bool,
 }
 
 const NBDKIT_LOG: Logger = Logger {
@@ -121,6 +126,10 @@ fn load_guard(cfg: &Config) -> Result<Guard> {
     if let Some(addr) = &cfg.status {
         let sa = status::resolve(addr).map_err(|e| einval(e.to_string()))?;
         check_status_address(sa, status_auth.is_some(), cfg.insecure).map_err(refused)?;
+    } else if cfg.announce {
+        return Err(einval(
+            "announce=true needs status=ADDR:PORT: clients verify an announced donor by its status",
+        ));
     }
     let metrics = cfg.metrics.as_ref().map(|addr| EndpointConfig {
         param: "metrics",
@@ -139,6 +148,7 @@ fn load_guard(cfg: &Config) -> Result<Guard> {
         export_secret,
         insecure: cfg.insecure,
         metrics,
+        announce: cfg.announce,
     })
 }
 
@@ -322,16 +332,32 @@ impl Server for PagerServer {
         }
         donor::spawn_watch(Arc::clone(d))
             .map_err(|e| einval(format!("cannot start the memory watch thread: {e}")))?;
+        let mut status_port = None;
+        let mut own_ports = Vec::new();
         if let Some(l) = LISTENER.lock_or_recover().take() {
+            status_port = l.local_addr().ok().map(|a| a.port());
+            own_ports.extend(status_port);
             status::spawn(l, Arc::clone(d), guard()?.status_auth.clone())
                 .map_err(|e| einval(format!("cannot start the status thread: {e}")))?;
         }
         if let Some(b) = METRICS.lock_or_recover().take() {
+            own_ports.extend(b.local_addr().ok().map(|a| a.port()));
             let d = Arc::clone(d);
             b.spawn(move || metrics::exposition(&d.status(Instant::now()), &d.service_times()))
                 .map_err(|e| einval(format!("cannot start the metrics thread: {e}")))?;
         }
+        if guard()?.announce {
+            let status_port = status_port
+                .ok_or_else(|| einval("announce=true: the status endpoint is not listening"))?;
+            start_announcing(d, status_port, &own_ports)?;
+        }
         Ok(())
+    }
+
+    fn unload() {
+        // Dropped here, so the announcement is withdrawn by a goodbye
+        // packet rather than left to expire in browsers' caches.
+        ANNOUNCER.lock_or_recover().take();
     }
 
     fn open(_readonly: bool) -> Result<Box<dyn Server>> {
@@ -458,6 +484,22 @@ impl Server for PagerServer {
     }
 }
 
+/// Announces the donor with nbdkit's NBD port (the listening port that is
+/// not one of `own_ports`, the plugin's status and metrics ports).
+fn start_announcing(d: &Donor, status_port: u16, own_ports: &[u16]) -> Result<()> {
+    let nbd = announce::own_listening_ports()
+        .and_then(|l| announce::nbd_port(&l, own_ports))
+        .map_err(einval)?;
+    let node = &d.settings().node_id;
+    let a = Announcer::start(node, nbd, status_port)
+        .map_err(|e| einval(format!("announce=true: {e}")))?;
+    sys::log_debug(&format!(
+        "announcing {node} on the network: NBD port {nbd}, status port {status_port}"
+    ));
+    *ANNOUNCER.lock_or_recover() = Some(a);
+    Ok(())
+}
+
 /// The callbacks [`sys::plugin_init`] registers.
 fn register(b: &mut nbdkit::Builder) {
     b.config = true;
@@ -465,6 +507,7 @@ fn register(b: &mut nbdkit::Builder) {
     b.thread_model = true;
     b.get_ready = true;
     b.after_fork = true;
+    b.unload = true;
     b.write_at = true;
     b.flush = true;
     b.trim = true;

@@ -35,12 +35,12 @@ fn plugin() -> PathBuf {
     so
 }
 
+fn listener() -> TcpListener {
+    TcpListener::bind("127.0.0.1:0").unwrap()
+}
+
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    listener().local_addr().unwrap().port()
 }
 
 fn write_meminfo(path: &Path, total: u64, available: u64) {
@@ -76,8 +76,14 @@ impl Nbdkit {
         let meminfo = dir.path().join("meminfo");
         write_meminfo(&meminfo, 8 << 30, 4 << 30);
         let log = dir.path().join("nbdkit.log");
-        let port = free_port();
-        let status = format!("127.0.0.1:{}", free_port());
+        // Bound together, so the two differ.
+        let (a, b) = (listener(), listener());
+        let (port, status) = (
+            a.local_addr().unwrap().port(),
+            b.local_addr().unwrap().port(),
+        );
+        drop((a, b));
+        let status = format!("127.0.0.1:{status}");
         let mut args: Vec<String> = vec![
             "-f".into(),
             "--exit-with-parent".into(),

@@ -6,6 +6,10 @@
 //! its index here): a donor let go and taken back is a new lane with every
 //! slot empty, so nothing decided for an earlier life can touch it, and no
 //! page written in an earlier life is ever read.
+//!
+//! Donors join while the daemon runs (a line added to the donors file, a
+//! donor discovered: [`crate::membership`]) and leave (a line removed): a
+//! donor that leaves is let go as a draining one is, and never taken back.
 
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -17,13 +21,22 @@ use serde_json::{json, Value};
 
 use crate::daemon::Daemon;
 use crate::donor::{DonorArg, DonorLane};
+use crate::membership::Source;
 use crate::plan::engine::DonorSpec;
 use crate::plan::DonorId;
 use crate::watch::{Decision, LaneState, LaneWatch, Seen};
 
+/// A donor of the set, present or gone.
+pub(crate) struct Member {
+    pub(crate) arg: DonorArg,
+    pub(crate) source: Source,
+    /// Left the set: let go, polled no more, never taken back.
+    pub(crate) removed: bool,
+}
+
 /// One life of a donor.
 pub(crate) struct LaneRec {
-    /// Index of the donor in `--donor` order.
+    /// Index of the donor in the set (`--donor` order, then as they joined).
     donor: usize,
     /// 1 for the lane started with the daemon, then 2, 3, ...
     life: u32,
@@ -34,9 +47,12 @@ pub(crate) struct LaneRec {
 
 /// Every lane, and the pollers.
 pub(crate) struct Lanes {
-    args: Vec<DonorArg>,
+    members: Mutex<Vec<Member>>,
     recs: Mutex<Vec<LaneRec>>,
-    poll: Duration,
+    /// Held while a lane is started or let go, so that a donor's poller
+    /// and a change of the set never act on one donor at once.
+    change: Mutex<()>,
+    pub(crate) poll: Duration,
     stopping: Mutex<bool>,
     wake: Condvar,
     pollers: Mutex<Vec<JoinHandle<()>>>,
@@ -55,9 +71,18 @@ impl Lanes {
                 ended: None,
             })
             .collect();
+        let members = args
+            .into_iter()
+            .map(|arg| Member {
+                arg,
+                source: Source::Command,
+                removed: false,
+            })
+            .collect();
         Lanes {
-            args,
+            members: Mutex::new(members),
             recs: Mutex::new(recs),
+            change: Mutex::new(()),
             poll,
             stopping: Mutex::new(false),
             wake: Condvar::new(),
@@ -67,6 +92,14 @@ impl Lanes {
 
     fn recs(&self) -> std::sync::MutexGuard<'_, Vec<LaneRec>> {
         self.recs.lock().expect("donor lanes lock")
+    }
+
+    pub(crate) fn members(&self) -> std::sync::MutexGuard<'_, Vec<Member>> {
+        self.members.lock().expect("donor set lock")
+    }
+
+    fn changing(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.change.lock().expect("donor set change lock")
     }
 
     /// Each engine donor id's donor name (a donor has one id per life).
@@ -97,7 +130,7 @@ impl Lanes {
     }
 
     /// Waits `d`, or less if stopping; true when stopping.
-    fn sleep(&self, d: Duration) -> bool {
+    pub(crate) fn sleep(&self, d: Duration) -> bool {
         let stop = self.stopping.lock().expect("poller lock");
         let (stop, _) = self
             .wake
@@ -133,7 +166,8 @@ impl Lanes {
             "donor": r.donor,
             "life": r.life,
             "state": state,
-            "status_endpoint": self.args[r.donor].status,
+            "status_endpoint": self.members()[r.donor].arg.status,
+            "joined": self.members()[r.donor].source.as_str(),
         })
     }
 }
@@ -141,33 +175,103 @@ impl Lanes {
 impl Daemon {
     /// Starts a status poller for each donor that has a status endpoint.
     pub(crate) fn start_pollers(self: &Arc<Self>) -> Result<()> {
-        for (donor, arg) in self.lanes.args.iter().enumerate() {
-            let Some(addr) = arg.status.clone() else {
-                continue;
-            };
-            let key = match &arg.memory.tls_psk_file {
-                Some(psk) => Some(
-                    LabKey::from_psk_file(psk, arg.memory.tls_username.as_deref())
-                        .with_context(|| format!("donor {addr}: lab key {}", psk.display()))?,
-                ),
-                None => None,
-            };
-            let client = StatusClient {
-                timeout: self.timeouts().connect,
-                key,
-            };
-            let me = self.clone();
-            let t = std::thread::Builder::new()
-                .name(format!("donor{donor}-status"))
-                .spawn(move || me.poll_donor(donor, &addr, &client))?;
-            self.lanes.pollers.lock().expect("pollers lock").push(t);
+        let n = self.lanes.members().len();
+        for donor in 0..n {
+            self.start_poller(donor)?;
         }
         Ok(())
+    }
+
+    /// Starts donor `donor`'s status poller, if it has a status endpoint.
+    fn start_poller(self: &Arc<Self>, donor: usize) -> Result<()> {
+        let arg = self.lanes.members()[donor].arg.clone();
+        let Some(addr) = arg.status.clone() else {
+            return Ok(());
+        };
+        let client = status_client(&arg, self.timeouts().connect)?;
+        let me = self.clone();
+        let t = std::thread::Builder::new()
+            .name(format!("donor{donor}-status"))
+            .spawn(move || me.poll_donor(donor, &addr, &client))?;
+        self.lanes.pollers.lock().expect("pollers lock").push(t);
+        Ok(())
+    }
+
+    /// Hands a thread to the lanes, joined when they stop.
+    pub(crate) fn keep_thread(&self, t: JoinHandle<()>) {
+        self.lanes.pollers.lock().expect("pollers lock").push(t);
+    }
+
+    /// Starts a lane for a donor joining the set; returns its index in it.
+    pub(crate) fn add_member(self: &Arc<Self>, arg: DonorArg, source: Source) -> Result<usize> {
+        let _changing = self.lanes.changing();
+        let next = self.lanes.recs().len();
+        let lane = DonorLane::start(
+            next,
+            &arg,
+            self.block_size(),
+            self.files().replica_size(),
+            self.disk().clone(),
+            self.timeouts(),
+        )?;
+        let donor = {
+            let mut m = self.lanes.members();
+            m.push(Member {
+                arg,
+                source,
+                removed: false,
+            });
+            m.len() - 1
+        };
+        tracing::info!(
+            "donor {} joined ({}): {} slots{}",
+            lane.name,
+            source.as_str(),
+            lane.slots,
+            if lane.has_replica {
+                ", with a replica"
+            } else {
+                ""
+            }
+        );
+        let spec = DonorSpec {
+            slots: lane.slots,
+            replica: lane.has_replica,
+        };
+        self.add_donor(spec, |id| {
+            let mut recs = self.lanes.recs();
+            debug_assert_eq!(recs.len(), id);
+            recs.push(LaneRec {
+                donor,
+                life: 1,
+                lane,
+                ended: None,
+            });
+        });
+        if let Err(e) = self.start_poller(donor) {
+            tracing::warn!("donor {donor}: no status poller: {e:#}");
+        }
+        Ok(donor)
+    }
+
+    /// Donor `donor` leaves the set: its lane is let go as a draining
+    /// donor's is (blocks forgotten, export trimmed), for good.
+    pub(crate) fn remove_member(&self, donor: usize) {
+        let _changing = self.lanes.changing();
+        self.lanes.members()[donor].removed = true;
+        let (id, lane, state) = self.lanes.current(donor);
+        if state == LaneState::LetGo {
+            return;
+        }
+        self.let_go(id, &lane, "removed", true);
     }
 
     fn poll_donor(self: &Arc<Self>, donor: usize, addr: &str, client: &StatusClient) {
         let mut watch = LaneWatch::default();
         while !self.lanes.sleep(self.lanes.poll) {
+            if self.lanes.members()[donor].removed {
+                return;
+            }
             let seen = match client.query(addr) {
                 Ok(s) => Seen::Status {
                     draining: s.state() == DonorState::Draining,
@@ -178,6 +282,10 @@ impl Daemon {
                     Seen::Unreachable
                 }
             };
+            let _changing = self.lanes.changing();
+            if self.lanes.members()[donor].removed {
+                return;
+            }
             let (id, lane, state) = self.lanes.current(donor);
             match watch.observe(state, seen) {
                 Decision::Keep => {}
@@ -213,7 +321,7 @@ impl Daemon {
     /// Starts a fresh lane for donor `donor`, whose last lane is `old`.
     fn take_back(self: &Arc<Self>, donor: usize, old: &DonorLane) {
         old.stop();
-        let arg = &self.lanes.args[donor];
+        let arg = self.lanes.members()[donor].arg.clone();
         let life = self
             .lanes
             .recs()
@@ -224,7 +332,7 @@ impl Daemon {
         let next = self.lanes.recs().len();
         let lane = match DonorLane::start(
             next,
-            arg,
+            &arg,
             self.block_size(),
             self.files().replica_size(),
             self.disk().clone(),
@@ -256,4 +364,21 @@ impl Daemon {
             });
         });
     }
+}
+
+/// A status client for a donor, with its lab key if it has one.
+pub(crate) fn status_client(arg: &DonorArg, timeout: Duration) -> Result<StatusClient> {
+    let key = match &arg.memory.tls_psk_file {
+        Some(psk) => Some(
+            LabKey::from_psk_file(psk, arg.memory.tls_username.as_deref()).with_context(|| {
+                format!(
+                    "donor {}: lab key {}",
+                    arg.status.as_deref().unwrap_or("?"),
+                    psk.display()
+                )
+            })?,
+        ),
+        None => None,
+    };
+    Ok(StatusClient { timeout, key })
 }

@@ -5,7 +5,8 @@
 //! replacement, disk-to-global). The rest is the daemon around it:
 //! [`files`] (the data directory), [`source`] (hint files as block
 //! streams), [`disk`] (io_uring reads), [`donor`] (global memory over NBD),
-//! [`daemon`] (the planner driving them), [`fs`] (the FUSE view),
+//! [`daemon`] (the planner driving them), [`membership`] (donors joining
+//! and leaving while it runs), [`fs`] (the FUSE view),
 //! [`control`] (the control socket), [`table`] (status output) and
 //! [`metrics`] (the `/metrics` families).
 //! All `unsafe` is in [`sys`].
@@ -17,6 +18,7 @@ pub mod donor;
 pub mod files;
 pub mod fs;
 mod lanes;
+pub mod membership;
 pub mod metrics;
 pub mod plan;
 pub mod source;

@@ -24,7 +24,7 @@ const DEFAULT_CONTROL: &str = "/run/prefetchd.sock";
 #[derive(Parser)]
 #[command(
     name = "prefetchd",
-    version,
+    version = netpager_util::version!(),
     about = "netpager cooperative prefetch daemon (PGMS's hybrid policy)"
 )]
 struct Cli {
@@ -38,7 +38,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Serve DATA at MOUNT with prefetching, until SIGTERM/SIGINT.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Per-job hint position, hits per level, prefetches, stall time.
     Status {
         #[arg(long)]
@@ -92,6 +92,24 @@ struct ServeArgs {
     /// A donor: HOST:PORT[/EXPORT][,replica=HOST:PORT[/EXPORT]][,slots=N][,status=HOST:PORT][,psk=FILE][,user=NAME].
     #[arg(long = "donor")]
     donors: Vec<DonorArg>,
+    /// A donors file: one --donor value a line, `#` comments, re-read each
+    /// status-poll period (a line added: a donor joins; a line removed: it
+    /// is let go). A file that does not parse changes nothing.
+    #[arg(long, value_name = "PATH")]
+    donors_file: Option<PathBuf>,
+    /// Use donors announced on the network (pager-server announce=true);
+    /// with --psk only those whose signed status verifies.
+    #[arg(long)]
+    discover: bool,
+    /// The lab key file: TLS to discovered donors and their signed status.
+    #[arg(long, value_name = "FILE", requires = "discover")]
+    psk: Option<PathBuf>,
+    /// The export used on a discovered donor (default prefetchd-HOSTNAME@64M).
+    #[arg(long, value_name = "NAME[@SIZE]", requires = "discover")]
+    discover_export: Option<String>,
+    /// Use discovered donors beyond loopback and the test network without --psk.
+    #[arg(long, requires = "discover")]
+    discover_insecure: bool,
     /// Register a job at start: NAME=HINTFILE.
     #[arg(long = "job")]
     jobs: Vec<String>,
@@ -168,7 +186,7 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Serve(args) => serve(args, &cli.control),
+        Command::Serve(args) => serve(*args, &cli.control),
         Command::Status { json } => {
             let answer = control::request(&cli.control, &json!({"op": "status"}))?;
             if json {
@@ -264,6 +282,16 @@ fn serve(args: ServeArgs, control_path: &Path) -> Result<()> {
     };
     // Local prefetches never take more than half the buffers.
     engine.local_prefetch_depth = engine.local_prefetch_depth.min((local_blocks / 2).max(1));
+    // Checked now, so that a bad key file fails the start.
+    let lab_user = args
+        .psk
+        .as_deref()
+        .map(|p| {
+            netpager_proto::auth::LabKey::from_psk_file(p, None)
+                .map(|k| k.username().to_string())
+                .with_context(|| format!("--psk {}", p.display()))
+        })
+        .transpose()?;
     let cfg = Config {
         data: args.data.clone(),
         block_size: args.block_size,
@@ -275,6 +303,24 @@ fn serve(args: ServeArgs, control_path: &Path) -> Result<()> {
         page_cache: !args.direct_io,
         status_poll: std::time::Duration::from_millis(args.status_poll_ms.max(10)),
         timeouts: daemon::default_timeouts(),
+        membership: prefetchd::membership::Config {
+            donors_file: args
+                .donors_file
+                .as_ref()
+                .map(std::path::absolute)
+                .transpose()?,
+            discover: args.discover.then(|| prefetchd::membership::Discover {
+                psk: args.psk.clone(),
+                user: lab_user.clone(),
+                export: args.discover_export.clone().unwrap_or_else(|| {
+                    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+                        .map(|h| h.trim().to_string())
+                        .unwrap_or_default();
+                    format!("prefetchd-{host}@64M")
+                }),
+                insecure: args.discover_insecure,
+            }),
+        },
     };
     // Bound before the daemon starts, so that a taken port or a refused
     // address fails the start.

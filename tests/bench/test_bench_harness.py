@@ -1,5 +1,5 @@
 """The benchmarks' harness cannot rot: each benchmark of `make bench-client`,
-`make bench-server` and `make bench-prefetch` runs here in its shortest configuration (tiny sizes,
+`make bench-server`, `make bench-prefetch` and `make bench-apps` runs here in its shortest configuration (tiny sizes,
 one round, one front end), in-process so that the test's own exit paths undo
 what it set up. Checks the structure of the files each writes, never timing."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from netpager_testkit import Teardown, bench_client, bench_prefetch, bench_server
+from netpager_testkit import Teardown, bench_apps, bench_client, bench_prefetch, bench_server
 from netpager_testkit.bench import MEMORY_FS, disk_workdir, fs_type
 from netpager_testkit.ci import skip_or_fail
 from netpager_testkit.client import client_plugin
@@ -21,10 +21,16 @@ from netpager_testkit.prefetch import missing_binaries
 # The shortest configuration of every knob the benchmarks read.
 TINY_CLIENT = {"RUNTIME": "1", "RAMP": "0", "FIO_ROUNDS": "1", "ROUNDS": "1", "FIO_SIZE": "16M",
                "LIMIT": "16M", "LINK_RATE": "1G", "MODES": "parity disk", "SWAP_MODES": "parity",
-               "SWAP_SETTINGS": "loopback", "FRONTENDS": "fuse-uring@0"}
+               "SWAP_SETTINGS": "loopback", "FRONTENDS": "fuse-uring@0", "DEPTH_QDS": "16",
+               "DEPTH_MODES": "none", "RESTARTS": "2", "RESTART_EVERY": "1"}
 TINY_PREFETCH = {"BENCH_SCALE": "0.002", "BENCH_DELAY": "1ms", "BENCH_DONORS": "1",
                  "BENCH_WORKLOADS": "render", "BENCH_ROUNDS": "1", "BENCH_APP_ROWS": "2000",
                  "BENCH_APP_DELAY": "1ms", "BENCH_APP_ROUNDS": "1"}
+# Each program once, at its shortest size, through one set-up (netpager
+# parity with the prefetcher, so every part of the netpager path runs).
+TINY_APPS = {"ROUNDS": "1", "FRACTIONS": "50", "SETUPS": "parity+pf", "REDIS_KEYS": "20000",
+             "REDIS_VALUE": "512", "REDIS_GETS": "5000", "GRAPH_VERTICES": "20000",
+             "SORT_MIB": "16", "RUNTIME": "1", "TIMEOUT": "300"}
 FIO_COLUMNS = ["randread_iops", "randwrite_iops", "read_MBps", "write_MBps"]
 
 
@@ -103,6 +109,36 @@ def test_bench_client_tiny(root, tools, donor_plugin, memhog, tmp_path, monkeypa
     assert set(latency) == {"fuse-uring@0", "direct"}
     assert all(len(v["randread"]) == len(v["randwrite"]) == 1 for v in latency.values())
 
+    depth = written(tmp_path, "depth")
+    cols = ["randread QD16", "randwrite QD16", "1M read", "1M write"]
+    assert depth["results"]["columns"] == cols
+    assert list(depth["results"]["best"]) == ["floor", "none", "direct"]
+    assert all(len(v) == 4 and min(v) > 0 for v in depth["results"]["best"].values())
+    assert any(line.startswith("none/direct") for line in depth["table"])
+
+    restart = written(tmp_path, "restart")["results"]
+    assert len(restart["held_ms"]) == len(restart["stall_ms"]) == restart["restarts"] == 2
+    assert restart["jobs"] >= 1
+
+
+def test_bench_client_discard_tiny(root, tools, donor_plugin, memhog, tmp_path, monkeypatch):
+    """`make bench-client WHICH=discard`: the swap job with and without discard."""
+    for path in (pagerctl(), client_plugin()):
+        if not path.exists():
+            skip_or_fail(f"{path} missing (make build)")
+    for k, v in {**TINY_CLIENT, "SETTLE": "1"}.items():
+        monkeypatch.setenv(k, v)
+    assert bench_client.main(["discard", "--out", str(tmp_path)]) == 0
+    doc = written(tmp_path, "discard")
+    assert doc["knobs"]["settle"] == 1
+    r = doc["results"]
+    assert (r["mode"], r["frontend"], r["touch_bytes"]) == ("parity", "fuse-uring@0", 48 << 20)
+    assert list(r["runs"]) == ["discard", "no-discard"]
+    for run in r["runs"].values():
+        assert len(run["seconds"]) == len(run["held_at_exit"]) == len(run["held_after"]) == 1
+        assert run["seconds"][0] > 0
+    assert any(line.startswith("no-discard") for line in doc["table"])
+
 
 def test_bench_prefetch_tiny(root, donor_plugin, tmp_path, monkeypatch):
     for tool in ("nbdkit", "nbdfuse", "fusermount3", "sqlite3", "findmnt"):
@@ -130,3 +166,41 @@ def test_bench_prefetch_tiny(root, donor_plugin, tmp_path, monkeypatch):
     assert all(len(v) == 1 for v in app["rounds_s"].values())
     assert set(app["ratios"]) == {"unhinted", "record", "hinted", "hot_hinted", "hot_buffers"}
     assert app["recorded_reads"] > 0 and app["rows"] == 2000
+
+
+def test_bench_apps_tiny(root, tools, donor_plugin, tmp_path, monkeypatch):
+    if not pagerctl().exists():
+        skip_or_fail(f"{pagerctl()} missing (make build)")
+    for tool in ("redis-server", "redis-benchmark"):
+        if shutil.which(tool) is None:
+            skip_or_fail(f"{tool} not installed (make deps)")
+    for k, v in TINY_APPS.items():
+        monkeypatch.setenv(k, v)
+    assert bench_apps.main(["--out", str(tmp_path)]) == 0
+
+    doc = written(tmp_path, "apps")
+    res = doc["results"]
+    assert res["latency_us"]["disk_us"] > 0 and res["latency_us"]["donor_us"] > 0
+    assert res["readahead"]["page_cluster"] >= 0
+    assert list(res["relative"]) == bench_apps.PROGRAMS
+    for program in bench_apps.PROGRAMS:
+        runs = res["runs"][program]
+        full = runs["100"]["full"]
+        assert len(full) == 1 and full[0]["returncode"] == 0 and runs["peak"] > 0
+        assert full[0]["result"]["program"] == program
+        (r,) = runs["50"]["parity+pf"]
+        assert r["limit_bytes"] == runs["peak"] // 2
+        # A run that failed is reported, with why; one that ran checked itself.
+        if "failed" in r:
+            assert res["relative"][program]["50"]["parity+pf"] is None and r["failed"]
+        else:
+            assert r["result"]["program"] == program and r["reads"] >= 0
+            # Structure only: a tiny run may swap too little for a
+            # donor's status to show it before the pages are freed.
+            assert "donor_bytes" in r and set(r["prefetch"]) == {"issued", "hits", "wasted"}
+            assert 0 < res["relative"][program]["50"]["parity+pf"]
+        assert (tmp_path / f"apps-{program}.png").read_bytes().startswith(b"\x89PNG")
+    assert res["runs"]["redis"]["100"]["full"][0]["result"]["keys"] == 20000
+    md = (tmp_path / "apps.md").read_text()
+    assert all(f"### {p}" in md for p in bench_apps.PROGRAMS)
+    assert any(line.startswith("parity+pf") for line in doc["table"])

@@ -1,6 +1,7 @@
 """The client as swap: 4 donors on loopback, `pagerctl attach --swap` in each
 mode, a job in a memory cgroup touching 3x its limit and verifying every
-page, then `pagerctl detach` leaving nothing behind."""
+page, then `pagerctl detach` leaving nothing behind; the donors' memory
+given back once a job that swapped exits (swap with discard)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from netpager_testkit.client import MIB, donor_spec, run_memhog, run_pagerctl
+from netpager_testkit.procs import wait_for
 from netpager_testkit import swaps
 
 LIMIT = 64 * MIB
@@ -39,6 +41,41 @@ def test_swap_job_in_each_mode(mode, frontend, teardown, donors, client, memhog,
     if mode == "disk":
         wt = client.state_dir / "writethrough.img"
         assert wt.stat().st_blocks > 0, f"{wt} holds nothing"
+
+    client.detach()
+    assert client.leftovers() == []
+    assert device not in swaps()
+
+
+def test_donors_give_memory_back_when_a_swap_job_exits(teardown, donors, client, memhog, tmp_path):
+    """Mode parity swap, attached with discard (the default): when the job
+    exits, the kernel discards the swap clusters it freed, the device trims
+    them (whole parity groups freed, parity log copies dropped) and the
+    donors' used bytes fall back to about what they held before the job."""
+    ds = donors(4)
+    device = client.attach(ds, mode="parity", size="256M", swap=True)
+
+    def used() -> int:
+        return sum(d.status().used_bytes for d in ds)
+
+    before = used()
+    job = run_memhog(teardown, memhog, LIMIT, tmp_path / "memhog.log", device)
+    assert "memhog: OK" in job.finish()
+    assert job.swap_peak > LIMIT, f"only {job.swap_peak} bytes went to {device}"
+    written = sum(d.status().bytes_written for d in ds)
+    assert written >= job.swap_peak, written
+
+    # What swap still holds (swap cache the kernel has not reclaimed yet)
+    # may stay; the rest of the job's pages and their parity must go.
+    def given_back():
+        held, swapped = used() - before, swaps().get(device, 0)
+        return (held, swapped) if held <= 2 * swapped + job.swap_peak // 8 else None
+
+    at_exit = used() - before
+    wait_for(given_back, 180, f"the donors to give back the job's {job.swap_peak >> 20} MiB of swap "
+                             f"(at its exit they held {at_exit >> 20} MiB more than before it)", interval=0.5)
+    st = client.device_status()
+    assert st["totals"]["lost"] == 0, st["totals"]
 
     client.detach()
     assert client.leftovers() == []

@@ -9,6 +9,12 @@ namespaces share the machine's filesystem) and the supervise service
 manager: its daemons are started over SSH, so they live in the host's
 network namespace. The lab's teardown runs undeploy.yml, then closes the
 SSH connections Ansible keeps open.
+
+With `install="deb"` the hosts install the Debian packages (`make deb`'s
+scripts/deb.sh, built into the lab's directory) instead of copying the
+build: as the hosts share the machine's filesystem, the packages are
+installed on the machine once, and undeploy (or, should it fail, the
+teardown) purges them again.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from pathlib import Path
 
 import netlab
 from netpager_testkit import Teardown
-from netpager_testkit.paths import target_dir
+from netpager_testkit.paths import repo_root, target_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ansible"))
 
@@ -39,16 +45,42 @@ CLIENT_SIZE_MIB = 64
 SWAP_PRIORITY = {"busy1": 32767, "busy2": 32766}
 NBD_PORT = 10809
 STATUS_PORT = 10810
+PACKAGES = ["netpager-donor", "netpager-client", "netpager-prefetchd"]
+
+
+def installed_packages() -> list[str]:
+    """The netpager packages dpkg has installed (or half-installed) on this machine."""
+    p = subprocess.run(["dpkg-query", "-W", "-f", "${Package} ${db:Status-Status}\\n", *PACKAGES],
+                       capture_output=True, text=True, timeout=60)
+    return [line.split()[0] for line in p.stdout.splitlines() if not line.endswith(" not-installed")]
+
+
+def purge_packages() -> None:
+    if installed_packages():
+        subprocess.run(["apt-get", "purge", "-y", "-q", *PACKAGES], check=True, capture_output=True,
+                       timeout=600, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
 
 
 class LabRollout:
     """The lab's inventory and ansible-playbook runs against it."""
 
-    def __init__(self, td: Teardown, lab: netlab.Lab, bin_src: Path | None = None):
+    def __init__(self, td: Teardown, lab: netlab.Lab, bin_src: Path | None = None, install: str = "build",
+                 donors: list[str] = DONORS, clients: list[str] = CLIENTS):
         self.lab = lab
+        # The inventory's groups; a test may change them and write_inventory.
+        self.donors, self.clients, self.retired = list(donors), list(clients), []
         self.root = lab.workdir
         self.inv = self.root / "inventory"
-        self.bin_src = self.shipped_binaries(bin_src or target_dir())
+        self.install = install
+        if install == "deb":
+            self.deb_src = self.root / "debs"
+            subprocess.run(["bash", str(repo_root() / "scripts" / "deb.sh"), str(self.deb_src)], check=True,
+                           capture_output=True, timeout=1200)
+            # Undeploy purges them; this is for a run that never got there.
+            td.add("the netpager packages", purge_packages)
+            self.bin_src = Path("/usr/bin")
+        else:
+            self.bin_src = self.shipped_binaries(bin_src or target_dir())
         self.user = "netpager-l" + secrets.token_hex(3)
         self.cp_dir = self.root / "ssh-cp"
         self.cp_dir.mkdir()
@@ -86,12 +118,14 @@ class LabRollout:
                 "netpager_log_dir": str(d / "log"), "netpager_systemd_dir": str(d / "systemd")}
 
     def write_inventory(self, u_star: float) -> None:
-        donors = {}
-        for h in DONORS:
-            donors[h] = {"ansible_host": self.lab[h].addr, "netpager_donor_address": self.lab[h].addr,
-                         **self.paths(h)}
+        def donor(h):
+            return {"ansible_host": self.lab[h].addr, "netpager_donor_address": self.lab[h].addr, **self.paths(h)}
+
+        donors = {h: donor(h) for h in self.donors}
+        # Retired hosts stay donors (their settings apply) until undeployed.
+        retired = {h: {} for h in self.retired}
         clients = {h: {"ansible_host": self.lab[h].addr,
-                       "netpager_client_swap_priority": SWAP_PRIORITY[h], **self.paths(h)} for h in CLIENTS}
+                       "netpager_client_swap_priority": SWAP_PRIORITY[h], **self.paths(h)} for h in self.clients}
         ssh_args = " ".join(["-F", "/dev/null", "-o", "IdentitiesOnly=yes",
                              "-o", f"UserKnownHostsFile={self.lab.known_hosts}",
                              "-o", "StrictHostKeyChecking=yes"])
@@ -100,10 +134,13 @@ class LabRollout:
                      "ansible_ssh_private_key_file": str(self.lab.ssh_key),
                      "ansible_ssh_common_args": ssh_args,
                      "ansible_python_interpreter": "/usr/bin/python3"},
-            "children": {"donors": {"hosts": donors}, "clients": {"hosts": clients}},
+            "children": {"donors": {"hosts": donors}, "clients": {"hosts": clients},
+                         **({"retired": {"hosts": retired}} if retired else {})},
         }}
         common = {
-            "netpager_bin_src": str(self.bin_src),
+            "netpager_install": self.install,
+            **({"netpager_deb_src": str(self.deb_src), "netpager_deb_cache": str(self.root / "deb-cache")}
+               if self.install == "deb" else {"netpager_bin_src": str(self.bin_src)}),
             "netpager_service_manager": "supervise",
             "netpager_user": self.user,
             "netpager_donor_mlock": False,
@@ -127,7 +164,8 @@ class LabRollout:
         """Teardown: undeploy whatever is there; the lab's own teardown then
         removes by namespace whatever undeploy could not."""
         if (self.inv / "hosts.yml").exists() and all(
-                self.lab.ssh(h, "true", check=False, timeout=30).returncode == 0 for h in HOSTS):
+                self.lab.ssh(h, "true", check=False, timeout=30).returncode == 0
+                for h in self.donors + self.clients):
             self.ansible("undeploy.yml", check=False)
 
     def close_connections(self) -> None:
@@ -138,7 +176,7 @@ class LabRollout:
     # --- reading the hosts, over SSH -------------------------------------
 
     def pagerctl(self, host: str, *args: str) -> str:
-        binary = self.host_dir(host) / "opt" / "bin" / "pagerctl"
+        binary = self.bin_src / "pagerctl" if self.install == "deb" else self.host_dir(host) / "opt" / "bin" / "pagerctl"
         return self.lab.ssh(host, " ".join([str(binary), *args])).stdout
 
     def client_status(self, host: str) -> dict:

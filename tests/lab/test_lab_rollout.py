@@ -1,6 +1,8 @@
 """Ansible over SSH on the lab (issue 18): site.yml rolls three donors and
-two clients out to five hosts in network namespaces, with TLS and export
-tokens; the client's swap works across the bridge; plain text, a wrong lab
+two clients out to five hosts in network namespaces, from the Debian
+packages (issue 28; installed on the machine, which the hosts share, and
+purged at the end), with TLS and export tokens; the client's swap works
+across the bridge; plain text, a wrong lab
 key and another client's export are refused from another host; a rolling
 update keeps every page (the full set: NETPAGER_FAULTS=full); undeploy.yml
 leaves nothing. The tests run in order on one lab.
@@ -13,6 +15,7 @@ import re
 import secrets
 import shlex
 import signal
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -20,8 +23,8 @@ from pathlib import Path
 import pytest
 
 import netlab
-from lab_ansible import (BINARIES, CLIENTS, DONORS, HOSTS, NBD_PORT, STATUS_PORT, LabRollout, recap,
-                         ssh_masters)
+from lab_ansible import (BINARIES, CLIENTS, DONORS, HOSTS, NBD_PORT, PACKAGES, STATUS_PORT, LabRollout,
+                         installed_packages, recap, ssh_masters)
 from netpager_testkit import MemoryCgroup, OwnedProcess, StatusClient, Teardown, swaps, wait_for
 from netpager_testkit.ci import skip_or_fail
 from netpager_testkit.paths import target_dir
@@ -39,6 +42,11 @@ def rollout():
     missing = [b for b in BINARIES if not (target_dir() / b).exists()]
     if missing:
         pytest.fail(f"not built in {target_dir()}: {', '.join(missing)} (run `make build`)")
+    if subprocess.run(["cargo", "deb", "--version"], capture_output=True).returncode != 0:
+        skip_or_fail("cargo-deb is not installed (scripts/deps.sh installs it)")
+    if installed_packages():
+        skip_or_fail(f"netpager packages are installed on this machine ({', '.join(installed_packages())}): "
+                     "the rollout would replace and then purge them")
     td = Teardown("lab rollout")
     try:
         parent = Path(tempfile.mkdtemp(prefix="netpager-lab-", dir="/tmp"))
@@ -48,7 +56,7 @@ def rollout():
         # run directories.
         for d in (parent, lab.workdir):
             d.chmod(0o755)
-        yield LabRollout(td, lab)
+        yield LabRollout(td, lab, install="deb")
     finally:
         errors = td.close()
     assert not errors, errors
@@ -99,6 +107,11 @@ def test_rollout_over_ssh_serves_the_clients_across_the_bridge(rollout):
         assert st.node_id == d and st.budget_bytes == 96 * MIB, st
         pid = ro.donor_pid(d)
         assert pid in netlab.netns_pids(lab[d].ns), f"donor {d} (pid {pid}) is not in its host's namespace"
+    # Every host runs the packages' commands, which name their version.
+    versions = {p: subprocess.run(["dpkg-query", "-W", "-f", "${Version}", p], capture_output=True, text=True,
+                                  check=True).stdout for p in PACKAGES}
+    for h in HOSTS:
+        assert ro.pagerctl(h, "--version").startswith(f"pagerctl {versions['netpager-client']} (commit "), h
     lab_key_hex = ro.lab_key().read_text().strip()
     assert lab_key_hex not in out, "the lab key appeared in ansible's output"
     secret = (ro.inv / "netpager-export.secret").read_text().strip()
@@ -199,5 +212,11 @@ def test_undeploy_over_ssh_leaves_nothing(rollout):
         assert [p for p in netlab.netns_pids(lab[h].ns) if comm(p) not in ("sshd", "")] == [], h
         left = [p for p in ("opt", "etc", "var", "run", "log") if (ro.host_dir(h) / p).exists()]
         assert left == [], (h, left)
+    # The packages are purged: nothing of them is left on the machine.
+    assert installed_packages() == []
+    assert not (lab.workdir / "deb-cache").exists()
+    for path in ("/etc/netpager/donor.conf", "/etc/netpager/client.conf", "/etc/netpager/prefetchd.conf",
+                 "/usr/lib/netpager", "/usr/bin/pagerctl"):
+        assert not Path(path).exists(), path
     ro.close_connections()
     wait_for(lambda: not ssh_masters(lab.workdir), 30, "ansible's ssh masters to exit")

@@ -32,8 +32,30 @@
      through the client's loop device (mode none, one donor, each front
      end) against fio's nbd engine straight to that donor over TCP,
      alternating. Target: fuse-uring <= 1.2x direct.
+  5. depth: fio libaio 4 KiB random I/O at QD 1, 4, 16, 64 and 1 MiB
+     sequential through the loop device in modes none (1 donor), parity
+     (3) and ec 4+2 (6), with the FUSE floor and fio's nbd engine straight
+     to the none donor, all attached at once, rounds alternating. Targets:
+     none QD16 >= 0.8x direct; parity QD16 randwrite >= 0.5x none.
+  6. restart: a restartable client (attach --restartable, parity, 3
+     donors, loopback) under the swap job, its serving process killed with
+     -9 every RESTART_EVERY seconds, RESTARTS times: per restart the time
+     from the old process's end to the new one serving (the holder's
+     measure) and the job's stall (from the kill to the loop device's next
+     completed request); median and worst. The job runs again whenever it
+     ends, each run verifying every page. Targets: median < 1 s, worst <
+     3 s. The restartable set-up's cost is the front end "fuse-held" in
+     FRONTENDS of swap and latency (FRONTENDS="fuse-uring fuse-held").
+  discard (only when named: make bench-client WHICH=discard): the swap job
+     through the client (SWAP_MODE, loopback, the first of FRONTENDS)
+     attached with discard (pagerctl's default, swapon --discard=pages)
+     and with --no-discard, alternating: the job's time as a ratio to no
+     discard, and the donors' used bytes at the job's exit and SETTLE
+     (10) seconds later.
 
-  python3 -m netpager_testkit.bench_client                 # all four (make bench-client)
+  python3 -m netpager_testkit.bench_client                 # all five (make bench-client)
+  python3 -m netpager_testkit.bench_client join epochs     # live membership's (bench_join), only when named
+  python3 -m netpager_testkit.bench_client discard          # swap with and without discard, only when named
   python3 -m netpager_testkit.bench_client donors modes    # some of them
   RUNTIME=10 ROUNDS=3 LIMIT=128M ... swap
   SWAP_MODE=none ... swap                  # the client in another mode
@@ -48,7 +70,10 @@ start: 3 s, 2 s for latency), FIO_ROUNDS (2, the best kept), ROUNDS (2,
 rounds of swap and latency), LIMIT (128M, the swap job's memory limit; it
 touches 3x), LINK_RATE (1G bits/s per emulated link), FIO_SIZE (512M),
 SWAP_MODE (parity) / SWAP_MODES, SWAP_SETTINGS ("links loopback"), MODES
-("mirror parity parity-nolog disk ec"), FRONTENDS ("fuse-uring fuse nbd").
+("mirror parity parity-nolog disk ec"), FRONTENDS ("fuse-uring fuse nbd";
+fuse-held: fuse attached --restartable), DEPTH_QDS ("1 4 16 64"),
+DEPTH_MODES ("none parity ec"), RESTARTS (20), RESTART_EVERY (2 s), SETTLE
+(10 s, discard's wait after the job).
 
 Each benchmark writes OUTDIR/NAME.txt and OUTDIR/NAME.json (--out, default
 bench-results/client). The work directory (client state, the disk mode's
@@ -62,16 +87,19 @@ undone, on every exit.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from . import bench_join
 from .attach import FuseFile, LoopDevice, Swap, run
 from .bench import Report, arg_parser, die, disk_workdir, env_int, env_str, fio_json, mean, nbdkit, ratio, require
 from .cgroup import run_job_in_cgroup
 from .cleanup import Teardown, install_handlers
-from .client import PagerClient, client_plugin
+from .client import Job, PagerClient, client_plugin
 from .demo import parse_size
 from .donor import Cluster, Donor
 from .paths import job, pagerctl, server_plugin, target_dir
@@ -95,6 +123,8 @@ class Knobs:
     swap_settings: list[str]
     modes: list[str]
     frontends: list[str]
+    restarts: int
+    restart_every: int
 
     @classmethod
     def from_env(cls) -> "Knobs":
@@ -110,7 +140,9 @@ class Knobs:
                 swap_modes=env_str("SWAP_MODES", swap_mode).split(),
                 swap_settings=env_str("SWAP_SETTINGS", "links loopback").split(),
                 modes=env_str("MODES", "mirror parity parity-nolog disk ec").split(),
-                frontends=env_str("FRONTENDS", "fuse-uring fuse nbd").split())
+                frontends=env_str("FRONTENDS", "fuse-uring fuse nbd").split(),
+                restarts=env_int(PROG, "RESTARTS", 20),
+                restart_every=env_int(PROG, "RESTART_EVERY", 2))
         for s in k.swap_settings:
             if s not in ("links", "loopback"):
                 die(PROG, f"unknown swap setting {s} in SWAP_SETTINGS (links, loopback)")
@@ -135,15 +167,21 @@ class Bench:
         return cluster.start_donors(n, size="2G", budgets="2G", reserve=0, busy_load=1000, **filters)
 
     def attach(self, td: Teardown, tag: str, donors, mode: str, size: str, frontend: str,
-               swap: bool = False, width: int | None = None) -> PagerClient:
+               swap: bool = False, width: int | None = None, client_id: str = "bench",
+               extra=()) -> PagerClient:
         """`pagerctl attach` in mode `mode` (parity-nolog: parity with its
-        log off; disk: its write-through file in the work directory)."""
-        extra = mode_args(mode, self.work / "writethrough.img", width) + spin_args(frontend)
+        log off; disk: its write-through file in the work directory), with
+        `extra` arguments. Clients sharing donors need their own
+        `client_id` (their export)."""
+        extra = [*mode_args(mode, self.work / "writethrough.img", width), *spin_args(frontend), *extra]
+        frontend = frontend.split("@")[0]
+        if frontend == "fuse-held":
+            frontend, extra = "fuse", extra + ["--restartable"]
         state = self.work / f"c-{tag}"
         shutil.rmtree(state, ignore_errors=True)
-        client = PagerClient(td, state, client_id="bench")
+        client = PagerClient(td, state, client_id=client_id)
         client.attach(donors, mode=mode.removesuffix("-nolog"), size=size, swap=swap, extra=extra,
-                      frontend=frontend.split("@")[0])
+                      frontend=frontend)
         return client
 
     # --------------------------------------------------------------- fio
@@ -351,6 +389,10 @@ class SwapTargets:
         floor to swap on: loop charges the file's pages to the swapping job's
         cgroup, which then swaps them to the same loop device, and swap-in
         deadlocks."""
+        return loop_swap(td, self.floor_file(td))
+
+    def floor_file(self, td: Teardown) -> Path:
+        """examples/fuse-memory mounted in the work directory; its file."""
         if URING_SWITCH.exists():
             # On, as pagerctl attach turns it on for the client (and detach back).
             was = URING_SWITCH.read_text().strip()
@@ -368,7 +410,13 @@ class SwapTargets:
             return (mnt / "device").exists()
 
         wait_for(ready, 30, f"fuse-memory (log {proc.log_path})")
-        return loop_swap(td, mnt / "device")
+        return mnt / "device"
+
+    def floor_device(self, td: Teardown) -> str:
+        """The floor as a block device (no swap on it): the FUSE front end
+        from memory under a loop device with direct I/O, as pagerctl attach
+        sets one up."""
+        return LoopDevice(td, self.floor_file(td), direct_io=True).device
 
     def zram(self, td: Teardown, *_) -> str:
         dev = run(["zramctl", "--find", "--size", "1G"]).strip()
@@ -488,16 +536,217 @@ def bench_latency(b: Bench) -> None:
     b.report.results = {"us": lat}
 
 
-RUN = {"donors": bench_donors, "modes": bench_modes, "swap": bench_swap, "latency": bench_latency}
+# ------------------------------------------------------------ 5. depth
+DEPTH_QDS = (1, 4, 16, 64)
+
+
+def depth_jobs(qds) -> list[tuple[str, str, str, int]]:
+    """(column, fio rw, block size, queue depth) of the depth benchmark."""
+    jobs = [(f"{rw} QD{q}", rw, "4k", q) for q in qds for rw in ("randread", "randwrite")]
+    return jobs + [("1M read", "read", "1M", 16), ("1M write", "write", "1M", 16)]
+
+
+def bench_depth(b: Bench) -> None:
+    """Throughput at depth: fio (libaio, direct) 4 KiB random I/O at queue
+    depths 1-64 and 1 MiB sequential I/O through the client's loop device
+    (fuse-uring) in modes none (one donor), parity (3 donors) and ec 4+2 (6
+    donors), beside the same FUSE front end answering from memory (the
+    floor) and fio's nbd engine straight to the none client's donor; every
+    target attached at once, rounds alternating A B C ... A B C."""
+    k = b.knobs
+    qds = [int(q) for q in env_str("DEPTH_QDS", " ".join(map(str, DEPTH_QDS))).split()]
+    modes = env_str("DEPTH_MODES", "none parity ec").split()
+    jobs = depth_jobs(qds)
+    ramp = 2 if k.ramp is None else k.ramp
+    b.report.line(f"== 5. Throughput at depth: fio libaio direct, {k.runtime} s per run, "
+                  f"{k.rounds} rounds alternating, {k.fio_size} region")
+    with Teardown("depth") as td:
+        donors = b.donors(td, 6, None, "depth")
+        # Each target's fio arguments; the region is written once first.
+        targets: dict[str, list[str]] = {"floor": ["--filename=" + SwapTargets(b).floor_device(td)]}
+        for mode in modes:
+            ds = {"none": donors[:1], "parity": donors[:3]}.get(mode, donors)
+            dev = b.attach(td, f"depth-{mode}", ds, mode, "1G", "fuse-uring", width=3,
+                           client_id=f"bench-{mode}").device
+            targets[mode] = [f"--filename={dev}"]
+        d0 = donors[0]
+        targets["direct"] = ["--ioengine=nbd", f"--uri=nbd://{d0.addr}:{d0.port}/direct@{k.fio_size}"]
+        for name, t in targets.items():
+            fio_json(["--name=fill", *t, "--rw=write", "--bs=1M", f"--size={k.fio_size}", "--iodepth=8",
+                      *([] if name == "direct" else ["--ioengine=libaio", "--direct=1"])], b.work)
+        res: dict[str, dict[str, list[float]]] = {n: {j[0]: [] for j in jobs} for n in targets}
+        for _ in range(k.rounds):
+            for name, t in targets.items():
+                engine = [] if name == "direct" else ["--ioengine=libaio", "--direct=1"]
+                for col, rw, bs, q in jobs:
+                    j = fio_json([f"--name={rw}", *t, *engine, f"--rw={rw}", f"--bs={bs}", f"--iodepth={q}",
+                                  f"--size={k.fio_size}", "--time_based", f"--runtime={k.runtime}",
+                                  f"--ramp_time={ramp}", "--randrepeat=0"], b.work)
+                    iops = j["read"]["iops"] + j["write"]["iops"]
+                    mbps = (j["read"]["bw_bytes"] + j["write"]["bw_bytes"]) / 1e6
+                    res[name][col].append(round(mbps, 1) if bs == "1M" else round(iops))
+        td.close_or_raise()
+    best = {n: [max(res[n][c]) for c, *_ in jobs] for n in targets}
+    w = [12, *([11] * len(jobs))]
+    b.report.line(fmt_row(w, ["target", *(c.replace("rand", "") for c, *_ in jobs)]))
+    b.report.line(fmt_row(w, ["", *("MB/s" if bs == "1M" else "IOPS" for _, _, bs, _ in jobs)]))
+    for n in targets:
+        b.report.line(fmt_row(w, [n, *best[n]]))
+    for n, base in [("none", "direct"), ("none", "floor"), ("parity", "none"), ("ec", "none")]:
+        if n in best and base in best:
+            b.report.line(fmt_row(w, [f"{n}/{base}", *(ratio(a, o) for a, o in zip(best[n], best[base]))]))
+    b.report.line("(best of the rounds; targets: none QD16 4 KiB read and write >= 0.8x direct,")
+    b.report.line(" parity QD16 4 KiB write >= 0.5x none)")
+    b.report.line()
+    b.report.results = {"columns": [c for c, *_ in jobs], "rounds": res, "best": best}
+
+
+# ---------------------------------------------------------- 6. restart
+def loop_completions(device: str) -> int:
+    """Requests the block device has completed (reads + writes)."""
+    f = Path("/sys/block") / Path(device).name / "stat"
+    v = f.read_text().split()
+    return int(v[0]) + int(v[4])
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
+
+
+def bench_restart(b: Bench) -> None:
+    k = b.knobs
+    limit = parse_size(k.limit)
+    b.report.line(f"== 6. Restart: the serving process killed (-9) {k.restarts} times, every "
+                  f"{k.restart_every} s, under memhog touching {3 * limit >> 20} MiB in a {k.limit} "
+                  f"cgroup (client, parity, 3 donors, loopback, fuse-held)")
+    held, stall, jobs = [], [], 0
+    memhog = job("memhog")
+    with Teardown("restart") as td:
+        donors = b.donors(td, 3, None, "restart")
+        client = b.attach(td, "restart", donors, "parity", "1G", "fuse-held", swap=True, width=3)
+        device = client.device
+
+        def start_job() -> Job:
+            nonlocal jobs
+            jobs += 1
+            return Job(td, [memhog, 3 * limit, "--passes", "1"], limit, b.work / f"memhog-{jobs}.log", device)
+
+        def finish(j: Job) -> None:
+            out = j.finish()
+            if "memhog: OK" not in out:
+                die(PROG, f"memhog under restarts: {out}")
+
+        j = start_job()
+        wait_for(lambda: j.swapped() >= limit // 2 or not j.alive(), 300, f"the job swapping to {device}")
+        for i in range(1, k.restarts + 1):
+            deadline = time.monotonic() + k.restart_every
+            while time.monotonic() < deadline:
+                j.swapped()
+                time.sleep(0.05)
+            if not j.alive():
+                finish(j)
+                j = start_job()
+                wait_for(lambda: j.swapped() >= limit // 2 or not j.alive(), 300, "the next job swapping")
+            pid = client.serving_pid()
+            t0 = time.monotonic()
+            os.kill(pid, 9)
+            before = loop_completions(device)
+            while loop_completions(device) == before and time.monotonic() - t0 < 60:
+                time.sleep(0.0005)
+            stall.append(round((time.monotonic() - t0) * 1000, 1))
+            new = wait_for(lambda: (lambda r: r if r and r != pid else None)(client.holder().get("ready_pid")),
+                           60, f"restart {i} serving")
+            assert client.holder()["restarts"] >= i, client.holder()
+            held.append(client.holder()["last_held_ms"])
+            print(f"restart {i}: pid {pid} -> {new}, held {held[-1]} ms, job stalled {stall[-1]} ms",
+                  file=sys.stderr, flush=True)
+        finish(j)
+        h = client.holder()
+        td.close_or_raise()
+    w = [58, 10, 10]
+    b.report.line(fmt_row(w, ["", "median ms", "worst ms"]))
+    b.report.line(fmt_row(w, ["kill to the new process serving (holder)", median(held), max(held)]))
+    b.report.line(fmt_row(w, ["job's stall (kill to the device's next completion)", median(stall), max(stall)]))
+    b.report.line(f"restarts {h['restarts']} (after a crash {h['crashes']}), requests resent {h['resent_total']}, "
+                  f"jobs run {jobs}, every one verified")
+    b.report.line("(targets: median < 1000 ms, worst < 3000 ms)")
+    b.report.line()
+    b.report.results = {"held_ms": held, "stall_ms": stall, "restarts": h["restarts"],
+                        "resent": h["resent_total"], "jobs": jobs}
+
+
+# ---------------------------------------------------------- discard
+def bench_discard(b: Bench, out: Path) -> None:
+    """The swap job through the client (SWAP_MODE, its donors on loopback,
+    the first of FRONTENDS) attached with discard (pagerctl's default:
+    swapon --discard=pages) and with --no-discard, alternating round by
+    round: the job's time, and the bytes its donors hold when it exits and
+    SETTLE seconds later (beyond what they held before the attach)."""
+    k = b.knobs
+    mode, frontend = k.swap_modes[0], k.frontends[0]
+    settle = env_int(PROG, "SETTLE", 10)
+    limit = parse_size(k.limit)
+    touch = 3 * limit
+    b.report.knobs["settle"] = settle
+    b.report.line(f"== discard: memhog touching {touch >> 20} MiB in a {k.limit} memory cgroup (1 verify "
+                  f"pass), client {mode} on {swap_donors(mode)} donors, {frontend}, loopback, "
+                  f"{k.rounds} rounds alternating")
+    variants = {"discard": [], "no-discard": ["--no-discard"]}
+    runs = {v: {"seconds": [], "held_at_exit": [], "held_after": []} for v in variants}
+    memhog = job("memhog")
+    for rnd in range(1, k.rounds + 1):
+        for v, extra in variants.items():
+            with Teardown(f"discard {v}") as td:
+                donors = b.donors(td, swap_donors(mode), None, f"discard-{v}-{rnd}")
+
+                def used() -> int:
+                    return sum(d.status().used_bytes for d in donors)
+
+                before = used()
+                device = b.attach(td, f"discard-{v}", donors, mode, "1G", frontend, swap=True, width=3,
+                                  extra=extra).device
+                r = run_job_in_cgroup(td, [memhog, touch, "--passes", "1"], limit,
+                                      b.work / f"memhog-discard-{v}.log", swap_devices=[device])
+                at_exit = used() - before
+                time.sleep(settle)
+                after = used() - before
+                td.close_or_raise()
+            if r.returncode != 0 or r.timed_out:
+                die(PROG, f"memhog through the client with {v} failed: {r.describe()}")
+            for key, x in (("seconds", round(r.seconds, 1)), ("held_at_exit", at_exit), ("held_after", after)):
+                runs[v][key].append(x)
+            print(f"round {rnd}: {v} {r.seconds:.1f}s, donors hold {at_exit >> 20} MiB at its exit, "
+                  f"{after >> 20} MiB {settle} s later", file=sys.stderr, flush=True)
+    w = [12, 20, 8, 15, 22, 22]
+    b.report.line(fmt_row(w, ["swap", "seconds per round", "mean", "vs no-discard", "MiB held at exit",
+                              f"MiB held {settle} s after"]))
+    base = mean(runs["no-discard"]["seconds"])
+    for v, r in runs.items():
+        b.report.line(fmt_row(w, [v, " ".join(map(str, r["seconds"])), f"{mean(r['seconds']):.1f}",
+                                  ratio(mean(r["seconds"]), base),
+                                  " ".join(str(x >> 20) for x in r["held_at_exit"]),
+                                  " ".join(str(x >> 20) for x in r["held_after"])]))
+    b.report.line("(held: the donors' used bytes beyond what they held before the attach)")
+    b.report.line()
+    b.report.results = {"mode": mode, "frontend": frontend, "touch_bytes": touch, "limit_bytes": limit,
+                        "settle_s": settle, "runs": runs}
+
+
+RUN = {"donors": bench_donors, "modes": bench_modes, "swap": bench_swap, "latency": bench_latency,
+       "depth": bench_depth, "restart": bench_restart}
+# Run only when named: live membership's (WHICH=join, WHICH=epochs, in
+# bench_join) and swap with and without discard (WHICH=discard).
+NAMED = {**bench_join.RUN, "discard": bench_discard}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = arg_parser(PROG, __doc__, "client", "NAME.txt and NAME.json")
-    ap.add_argument("bench", nargs="*", help=f"which ({', '.join(RUN)}; default all four)")
+    ap.add_argument("bench", nargs="*", help=f"which ({', '.join([*RUN, *NAMED])}; default all six)")
     args = ap.parse_args(argv)
     for name in args.bench:
-        if name not in RUN:
-            die(PROG, f"unknown benchmark {name} ({', '.join(RUN)})")
+        if name not in RUN and name not in NAMED:
+            die(PROG, f"unknown benchmark {name} ({', '.join([*RUN, *NAMED])})")
     knobs = Knobs.from_env()
     tdir = target_dir()
     require(PROG, ["nbdkit", "nbdfuse", "fio", "losetup", "mkswap", "swapon", "zramctl", "findmnt"],
@@ -508,7 +757,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"work directory {work} (on a real disk)", file=sys.stderr, flush=True)
         for name in args.bench or RUN:
             b = Bench(name, knobs, work)
-            RUN[name](b)
+            if name in NAMED:
+                NAMED[name](b, args.out)
+            else:
+                RUN[name](b)
             b.report.write(args.out)
         top.close_or_raise()
     return 0

@@ -127,6 +127,14 @@ def pid_alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2:].split()[0] != "Z"
 
 
+def parent_pid(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
 def processes_mentioning(text: str) -> list[str]:
     """Live processes whose command line mentions `text` (e.g. a state dir)."""
     out = []
@@ -150,6 +158,8 @@ class PagerClient:
         self.state_dir = Path(state_dir)
         self.client_id = client_id or f"t{uuid.uuid4().hex[:8]}"
         self.device: str | None = None
+        # What the last attach said on stderr (its warnings).
+        self.attach_stderr = ""
         self._registered = False
         self._pids: list[int] = []
 
@@ -186,6 +196,7 @@ class PagerClient:
             self.teardown.add_log(self.state_dir / "serve.log")
             self._registered = True
         p = run_pagerctl(args)
+        self.attach_stderr = p.stderr
         self.device = p.stdout.strip().splitlines()[-1]
         pid = self.server_pid()
         if pid:
@@ -249,6 +260,34 @@ class PagerClient:
         os.kill(pid, 9)
         wait_for(lambda: not pid_alive(pid), 10, f"client server {pid} to die")
 
+    def holder(self) -> dict:
+        """holder.json of a device attached --restartable (pagerctl hold)."""
+        return json.loads((self.state_dir / "holder.json").read_text())
+
+    def serving_pid(self, timeout: float = 30) -> int:
+        """The restartable device's serving process, once one serves: a
+        child of the holder this test started through pagerctl."""
+        holder = self.server_pid()
+        assert holder in self._pids, f"holder pid {holder} is not one this test started"
+
+        def serving():
+            try:
+                pid = json.loads((self.state_dir / "serve.json").read_text())["pid"]
+                h = self.holder()
+            except (FileNotFoundError, json.JSONDecodeError, KeyError):
+                return None
+            return pid if h.get("serve_pid") == pid and pid_alive(pid) and parent_pid(pid) == holder else None
+
+        return wait_for(serving, timeout, "a serving process of the holder")
+
+    def kill_serving_process(self) -> int:
+        """kill -9 of the restartable device's serving process (a child of
+        the holder this test started); returns its pid once it is gone."""
+        pid = self.serving_pid()
+        os.kill(pid, 9)
+        wait_for(lambda: not pid_alive(pid), 10, f"serving process {pid} to die")
+        return pid
+
     def leftovers(self) -> list[str]:
         """What a detach should have removed and is still there."""
         left = []
@@ -265,6 +304,7 @@ class PagerClient:
         left += processes_mentioning(str(self.state_dir))
         if self.socket.exists():
             left.append(f"socket {self.socket}")
-        if (self.state_dir / "serve.json").exists():
-            left.append("serve.json")
+        for name in ("serve.json", "holder.json", "holder.sock"):
+            if (self.state_dir / name).exists():
+                left.append(name)
         return left

@@ -3,12 +3,14 @@
 //! (`[::1]:10809` too). One implementation, so a size or address accepted
 //! by one command is accepted by all of them. Also the one lock-poisoning
 //! policy ([`LockExt`] and its kin): recover, never propagate; and the one
-//! way to lock a swap-path process's memory ([`process::lock_memory`]).
+//! way to lock a swap-path process's memory ([`process::lock_memory`]),
+//! and what `--version` prints on every command ([`version`]).
 
 pub mod process;
 mod sync;
 #[allow(unsafe_code)]
 mod sys;
+pub mod version;
 
 pub use sync::{CondvarExt, LockExt, RwLockExt};
 

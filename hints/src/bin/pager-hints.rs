@@ -17,7 +17,7 @@ const EXIT_STALE: u8 = 3;
 #[derive(Parser)]
 #[command(
     name = "pager-hints",
-    version,
+    version = netpager_util::version!(),
     about = "netpager hint files: validate, convert, stats, check, merge, distinct, gen",
     after_help = "Exit status: 0 ok, 1 error (invalid hint file, i/o), 2 usage, 3 stale hints (check)."
 )]

@@ -174,6 +174,23 @@ pub fn encode_out_header(b: &mut [u8], len: u32, error: i32, unique: u64) {
     put_u64(b, 8, unique);
 }
 
+/// `FUSE_NOTIFY_RESEND` (Linux 6.9+): the kernel puts every request
+/// that a server read from this connection's `/dev/fuse` files and has
+/// not answered back on the queue, to be read again.
+pub const NOTIFY_RESEND: i32 = 7;
+
+/// `FUSE_UNIQUE_RESEND`: the bit the kernel sets in `unique` of a request
+/// it queues again after [`NOTIFY_RESEND`]; the reply carries it too.
+pub const UNIQUE_RESEND: u64 = 1 << 63;
+
+/// The notification [`NOTIFY_RESEND`]: an out header alone, `unique` 0
+/// and the notification code in `error`.
+pub fn notify_resend() -> [u8; OUT_HEADER_LEN] {
+    let mut b = [0u8; OUT_HEADER_LEN];
+    encode_out_header(&mut b, OUT_HEADER_LEN as u32, NOTIFY_RESEND, 0);
+    b
+}
+
 /// Bytes of the per-opcode header at the start of a request's body on
 /// `/dev/fuse` (what io_uring puts in the separate `op_in` area); the rest
 /// of the body is the payload (a name, or write data).
@@ -405,6 +422,16 @@ pub fn lookup_name(payload: &[u8]) -> &[u8] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn resend_notification_matches_fuse_h() {
+        let b = notify_resend();
+        // struct fuse_out_header { u32 len; s32 error; u64 unique }
+        assert_eq!(u32_at(&b, 0), 16);
+        assert_eq!(u32_at(&b, 4) as i32, 7);
+        assert_eq!(u64_at(&b, 8), 0);
+        assert_eq!(UNIQUE_RESEND, 0x8000_0000_0000_0000);
+    }
 
     #[test]
     fn in_header_round_trips() {

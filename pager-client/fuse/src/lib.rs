@@ -13,6 +13,7 @@
 
 pub mod abi;
 pub mod classic;
+pub mod handover;
 pub mod memory;
 pub mod session;
 #[allow(unsafe_code)]
@@ -97,7 +98,8 @@ pub struct Options {
     /// kernel does not offer it.
     pub transport: Transport,
     /// Classic: reader threads. io_uring: serving threads per queue (one
-    /// queue per possible CPU).
+    /// queue per possible CPU), each holding a ring entry: the requests a
+    /// queue answers at once.
     pub threads: usize,
     /// io_uring: ring entries per serving thread.
     pub ring_depth: usize,
@@ -116,7 +118,7 @@ impl Default for Options {
         Options {
             file_name: "device".into(),
             transport: Transport::Uring,
-            threads: 4,
+            threads: 16,
             ring_depth: 1,
             max_pages: 256,
             max_background: 128,
@@ -178,6 +180,26 @@ pub struct Mount {
     fallback: Option<String>,
     mountpoint: PathBuf,
     ring_answers: Arc<AtomicU64>,
+    resent: Arc<AtomicU64>,
+}
+
+fn mount_options(opts: &Options) -> String {
+    format!(
+        "rootmode=40000,user_id={},group_id={},allow_other,default_permissions",
+        opts.uid, opts.gid
+    )
+}
+
+/// Opens a new connection and mounts it on `mountpoint` (a directory),
+/// serving nothing: for a holder that keeps the connection while serving
+/// processes come and go ([`Mount::serve_held`]). Root only.
+pub fn mount_connection(mountpoint: &Path, opts: &Options) -> Result<File, FuseError> {
+    let fd = sys::open_fuse().map_err(io_err("cannot open /dev/fuse"))?;
+    sys::mount(&fd, mountpoint, "fuse.netpager", &mount_options(opts)).map_err(io_err(format!(
+        "cannot mount FUSE on {}",
+        mountpoint.display()
+    )))?;
+    Ok(fd)
 }
 
 impl Mount {
@@ -188,15 +210,7 @@ impl Mount {
         mountpoint: &Path,
         opts: &Options,
     ) -> Result<Mount, FuseError> {
-        let fd = sys::open_fuse().map_err(io_err("cannot open /dev/fuse"))?;
-        let mount_opts = format!(
-            "rootmode=40000,user_id={},group_id={},allow_other,default_permissions",
-            opts.uid, opts.gid
-        );
-        sys::mount(&fd, mountpoint, "fuse.netpager", &mount_opts).map_err(io_err(format!(
-            "cannot mount FUSE on {}",
-            mountpoint.display()
-        )))?;
+        let fd = mount_connection(mountpoint, opts)?;
         match Self::serve(backend, fd, mountpoint, opts) {
             Ok(m) => Ok(m),
             Err(e) => {
@@ -215,6 +229,7 @@ impl Mount {
         let uring = negotiate(&fd, opts)?;
         let fd = Arc::new(fd);
         let session = Arc::new(Session::new(backend, &opts.file_name, opts.uid, opts.gid));
+        let resent = session.resent_counter();
         let classic_buf = opts.max_write() as usize + 4096;
         let mut threads = Vec::new();
         let mut fallback = None;
@@ -260,7 +275,75 @@ impl Mount {
             fallback,
             mountpoint: mountpoint.to_path_buf(),
             ring_answers,
+            resent,
         })
+    }
+
+    /// Serves a connection that a holder keeps open too, so that it
+    /// outlives this process. Classic `/dev/fuse` only, every thread on
+    /// `fd`'s own open file: a request read there and left unanswered by a
+    /// server that died stays on that file's processing queue, which
+    /// FUSE_NOTIFY_RESEND puts back (one read on a clone would be failed
+    /// when the dead server's clone closed, and one in an io_uring entry
+    /// is never resent: pagerctl(1) RESTARTS). `fresh`: no server has
+    /// answered the kernel's INIT yet; otherwise one served before, and the
+    /// kernel is asked to resend what it left unanswered.
+    pub fn serve_held<B: Backend>(
+        backend: B,
+        fd: File,
+        mountpoint: &Path,
+        opts: &Options,
+        fresh: bool,
+    ) -> Result<Mount, FuseError> {
+        let opts = Options {
+            transport: Transport::Classic,
+            ..opts.clone()
+        };
+        if fresh {
+            negotiate(&fd, &opts)?;
+        }
+        let session = Arc::new(Session::new(backend, &opts.file_name, opts.uid, opts.gid));
+        let resent = session.resent_counter();
+        let buf = opts.max_write() as usize + 4096;
+        let mut threads = Vec::new();
+        for i in 0..opts.threads.max(1) {
+            // A dup, not a clone: the same open file as the holder's.
+            let reader = fd
+                .try_clone()
+                .map_err(io_err("cannot dup the /dev/fuse fd"))?;
+            let s = session.clone();
+            threads.push(spawn(format!("fuse-read-{i}"), move || {
+                classic::serve(&s, &reader, buf)
+            })?);
+        }
+        if !fresh {
+            (&fd)
+                .write_all(&abi::notify_resend())
+                .map_err(|e| FuseError::Io {
+                    what: "sending FUSE_NOTIFY_RESEND (Linux 6.9 or newer)".into(),
+                    source: e,
+                })?;
+        }
+        Ok(Mount {
+            threads,
+            transport: Transport::Classic,
+            fallback: None,
+            mountpoint: mountpoint.to_path_buf(),
+            ring_answers: Arc::new(AtomicU64::new(0)),
+            resent,
+        })
+    }
+
+    /// Requests answered so far that the kernel had sent before, to a
+    /// server that died with them unanswered.
+    pub fn resent(&self) -> u64 {
+        self.resent.load(Ordering::Relaxed)
+    }
+
+    /// [`Mount::resent`] for another thread, after [`Mount::wait`] took
+    /// the mount.
+    pub fn resent_counter(&self) -> Arc<AtomicU64> {
+        self.resent.clone()
     }
 
     pub fn transport(&self) -> Transport {
@@ -297,12 +380,19 @@ impl Mount {
     }
 }
 
+/// Stack of a serving thread: a request's path through the device keeps
+/// its bookkeeping on the stack but needs far less than Rust's default 2
+/// MiB, which a locked process (mlockall) would hold for each of its many
+/// serving threads.
+const SERVE_STACK: usize = 512 << 10;
+
 fn spawn(
     name: String,
     f: impl FnOnce() -> std::io::Result<()> + Send + 'static,
 ) -> Result<JoinHandle<std::io::Result<()>>, FuseError> {
     std::thread::Builder::new()
         .name(name.clone())
+        .stack_size(SERVE_STACK)
         .spawn(f)
         .map_err(io_err(format!("cannot start thread {name}")))
 }
@@ -331,6 +421,12 @@ fn negotiate(mut fd: &File, opts: &Options) -> Result<bool, FuseError> {
 
 /// Starts `opts.threads` serving threads per possible CPU, each with its
 /// ring registered on that CPU's queue. Fails if any queue cannot register.
+///
+/// The threads are not pinned to their queue's CPU: the kernel queues a
+/// request on the queue of the CPU that issued it (under a loop device,
+/// the loop worker's, so one queue carries a whole device's depth), and
+/// pinned threads would answer all of it on that one CPU while the
+/// others' sit idle.
 fn start_rings<B: Backend>(
     fd: &Arc<File>,
     session: &Arc<Session<B>>,
@@ -349,11 +445,9 @@ fn start_rings<B: Backend>(
         for t in 0..opts.threads.max(1) {
             let (fd, s, tx, n) = (fd.clone(), session.clone(), tx.clone(), answered.clone());
             let depth = opts.ring_depth.max(1);
-            threads.push(spawn(format!("fuse-ring-{cpu}.{t}"), move || {
-                if let Err(e) = sys::pin_to_cpu(cpu) {
-                    tracing::warn!("cannot pin ring thread to CPU {cpu}: {e}");
-                }
-                match uring::Queue::register(&fd, cpu as u16, depth, payload) {
+            threads.push(spawn(
+                format!("fuse-ring-{cpu}.{t}"),
+                move || match uring::Queue::register(&fd, cpu as u16, depth, payload) {
                     Ok((q, refused)) => {
                         let _ =
                             tx.send(refused.map_or(Ok(()), |e| Err(format!("queue {cpu}: {e}"))));
@@ -363,8 +457,8 @@ fn start_rings<B: Backend>(
                         let _ = tx.send(Err(format!("queue {cpu}: {e}")));
                         Ok(())
                     }
-                }
-            })?);
+                },
+            )?);
             started += 1;
         }
     }

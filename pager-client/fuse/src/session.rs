@@ -4,7 +4,8 @@
 //! its per-opcode header and its payload; the reply is written into the
 //! payload buffer. Nothing here allocates.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 
 use crate::abi::{self, op, Attr, InHeader};
 use crate::Backend;
@@ -38,6 +39,9 @@ pub struct Session<B> {
     gid: u32,
     mounted_at: u64,
     destroyed: AtomicBool,
+    /// Requests the kernel sent again after FUSE_NOTIFY_RESEND (a server
+    /// before this one had read them and died).
+    resent: Arc<AtomicU64>,
 }
 
 impl<B: Backend> Session<B> {
@@ -54,11 +58,17 @@ impl<B: Backend> Session<B> {
             gid,
             mounted_at,
             destroyed: AtomicBool::new(false),
+            resent: Arc::new(AtomicU64::new(0)),
         }
     }
 
     pub fn backend(&self) -> &B {
         &self.backend
+    }
+
+    /// Counts the requests that came again after FUSE_NOTIFY_RESEND.
+    pub fn resent_counter(&self) -> Arc<AtomicU64> {
+        self.resent.clone()
     }
 
     /// Whether the kernel said DESTROY (the mount is going away).
@@ -93,6 +103,9 @@ impl<B: Backend> Session<B> {
         payload: &mut [u8],
         payload_in: usize,
     ) -> Outcome {
+        if h.unique & abi::UNIQUE_RESEND != 0 {
+            self.resent.fetch_add(1, Ordering::Relaxed);
+        }
         match self.dispatch(h, op_in, payload, payload_in) {
             Ok(o) => o,
             Err(errno) => Outcome::Error(errno),

@@ -1,6 +1,7 @@
 //! Every unsafe call of the front end: mount(2), the `/dev/fuse` clone
-//! ioctl, io_uring submissions whose buffers the kernel keeps, CPU
-//! affinity, and the swap-path process set-up (PR_SET_IO_FLUSHER).
+//! ioctl, io_uring submissions whose buffers the kernel keeps (one owner
+//! type, [`FuseRing`]), the swap-path process set-up (PR_SET_IO_FLUSHER),
+//! and passing the connection's fd between processes (SCM_RIGHTS).
 
 use std::ffi::CString;
 use std::fs::File;
@@ -9,7 +10,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
-use io_uring::{opcode, squeue, types, IoUring};
+use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
 use crate::abi::ring;
 
@@ -75,19 +76,6 @@ pub fn clone_fuse(fd: &File) -> io::Result<File> {
     Ok(clone)
 }
 
-/// Runs the calling thread on `cpu` only.
-pub fn pin_to_cpu(cpu: usize) -> io::Result<()> {
-    // SAFETY: cpu_set_t is plain data; zeroed is the empty set.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    if cpu >= libc::CPU_SETSIZE as usize {
-        return Err(io::ErrorKind::InvalidInput.into());
-    }
-    // SAFETY: CPU_SET writes within the set for a cpu below CPU_SETSIZE.
-    unsafe { libc::CPU_SET(cpu, &mut set) };
-    // SAFETY: the set is live for the call; 0 is the calling thread.
-    check(unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) })
-}
-
 /// `PR_SET_IO_FLUSHER` (linux/prctl.h, 5.6+), which the libc crate lacks.
 const PR_SET_IO_FLUSHER: libc::c_int = 57;
 
@@ -99,16 +87,16 @@ pub fn set_io_flusher() -> io::Result<()> {
 }
 
 /// A ring entry's buffers: the header (`struct fuse_uring_req_header`)
-/// and the payload, at addresses that never move while the kernel holds
-/// them.
-pub struct RingBuffers {
-    pub header: Box<[u8]>,
-    pub payload: Box<[u8]>,
+/// and the payload, boxed, so their addresses never move while the kernel
+/// holds them. Only [`FuseRing`] has them.
+struct RingBuffers {
+    header: Box<[u8]>,
+    payload: Box<[u8]>,
     iov: Box<[libc::iovec; 2]>,
 }
 
 impl RingBuffers {
-    pub fn new(payload_len: usize) -> RingBuffers {
+    fn new(payload_len: usize) -> RingBuffers {
         // Non-zero fill: the pages are really there (and locked) now.
         let mut header = vec![0xa5u8; ring::HEADER_LEN.next_multiple_of(64)].into_boxed_slice();
         let mut payload = vec![0xa5u8; payload_len].into_boxed_slice();
@@ -130,6 +118,116 @@ impl RingBuffers {
     }
 }
 
+/// One FUSE queue's io_uring and the buffers of its entries, owned
+/// together because the kernel keeps the buffers' addresses from an
+/// entry's REGISTER until the entry ends (-ENOTCONN at unmount). The
+/// buffers are never handed out but as borrows of the owner, never moved
+/// and never freed while the kernel may still hold one: `Drop` leaks them
+/// if an entry has not ended (an error path), and the ring is dropped
+/// after that (fields drop in declaration order: `ring`, then `entries`).
+pub struct FuseRing {
+    ring: IoUring<squeue::Entry128, cqueue::Entry>,
+    entries: Vec<RingBuffers>,
+    /// Entries registered with the kernel and not yet ended.
+    held: Vec<bool>,
+}
+
+impl FuseRing {
+    /// A ring for `depth` entries of `payload_len` bytes on `fd`'s
+    /// connection (fixed file 0).
+    pub fn new(fd: &File, depth: usize, payload_len: usize) -> io::Result<FuseRing> {
+        let ring = IoUring::<squeue::Entry128, cqueue::Entry>::builder()
+            .setup_cqsize(2 * depth as u32)
+            .build(depth as u32)?;
+        ring.submitter().register_files(&[fd.as_raw_fd()])?;
+        Ok(FuseRing {
+            ring,
+            entries: (0..depth).map(|_| RingBuffers::new(payload_len)).collect(),
+            held: vec![false; depth],
+        })
+    }
+
+    /// Entry `i`'s header and payload buffers. The kernel writes a request
+    /// into them before completing the entry's SQE and reads the reply
+    /// after its COMMIT_AND_FETCH: use them only in between.
+    pub fn entry(&mut self, i: usize) -> (&mut [u8], &mut [u8]) {
+        let e = &mut self.entries[i];
+        (&mut e.header, &mut e.payload)
+    }
+
+    /// Entry `i` completed with an error that ends it (or its REGISTER was
+    /// refused): the kernel no longer holds its buffers.
+    pub fn ended(&mut self, i: usize) {
+        self.held[i] = false;
+    }
+
+    /// Queues FUSE_IO_URING_CMD_REGISTER for entry `i` on queue `qid`
+    /// (user data `i`).
+    pub fn push_register(&mut self, i: usize, qid: u16) -> io::Result<()> {
+        let entry = opcode::UringCmd80::new(types::Fixed(0), ring::CMD_REGISTER)
+            .cmd(cmd_req(qid, 0))
+            .addr(Some(self.entries[i].iov.as_ptr() as u64))
+            .build()
+            .user_data(i as u64);
+        // The crate has no setter for `len`, which must count the two iovecs.
+        // SAFETY: Entry128 is repr(C) over two plain-data halves of 64 bytes
+        // (the SQE and its extension); every bit pattern is a valid value.
+        let mut raw: [u8; 128] = unsafe { std::mem::transmute(entry) };
+        raw[SQE_LEN_AT..SQE_LEN_AT + 4].copy_from_slice(&2u32.to_ne_bytes());
+        // SAFETY: as above, the bytes came from an Entry128.
+        let entry: squeue::Entry128 = unsafe { std::mem::transmute(raw) };
+        self.push(&entry)?;
+        self.held[i] = true;
+        Ok(())
+    }
+
+    /// Queues FUSE_IO_URING_CMD_COMMIT_AND_FETCH for entry `i`: the reply
+    /// in its buffers goes back for `commit_id`, and the entry waits for
+    /// the next request.
+    pub fn push_commit(&mut self, i: usize, qid: u16, commit_id: u64) -> io::Result<()> {
+        let entry = opcode::UringCmd80::new(types::Fixed(0), ring::CMD_COMMIT_AND_FETCH)
+            .cmd(cmd_req(qid, commit_id))
+            .build()
+            .user_data(i as u64);
+        self.push(&entry)
+    }
+
+    fn push(&mut self, entry: &squeue::Entry128) -> io::Result<()> {
+        // SAFETY: the buffers the entry points at are `self.entries`',
+        // boxed (they never move), freed only after the ring is gone and
+        // leaked while the kernel may still hold them (see `Drop`).
+        unsafe { self.ring.submission().push(entry) }
+            .map_err(|_| io::Error::other("io_uring submission queue full"))
+    }
+
+    pub fn submit(&mut self) -> io::Result<usize> {
+        self.ring.submit()
+    }
+
+    pub fn submit_and_wait(&mut self, want: usize) -> io::Result<usize> {
+        self.ring.submit_and_wait(want)
+    }
+
+    /// The next completion: its entry and result.
+    pub fn completion(&mut self) -> Option<(usize, i32)> {
+        self.ring
+            .completion()
+            .next()
+            .map(|c| (c.user_data() as usize, c.result()))
+    }
+}
+
+impl Drop for FuseRing {
+    fn drop(&mut self) {
+        if self.held.iter().any(|&h| h) {
+            // An entry the kernel still holds (we stopped on an error):
+            // its buffers must outlive whatever the kernel does with the
+            // ring, so they are never freed.
+            std::mem::forget(std::mem::take(&mut self.entries));
+        }
+    }
+}
+
 /// The 80-byte command of a FUSE ring SQE (`struct fuse_uring_cmd_req`).
 fn cmd_req(qid: u16, commit_id: u64) -> [u8; 80] {
     let mut c = [0u8; 80];
@@ -141,59 +239,88 @@ fn cmd_req(qid: u16, commit_id: u64) -> [u8; 80] {
 /// Byte offset of `len` in `struct io_uring_sqe`.
 const SQE_LEN_AT: usize = 24;
 
-/// Queues FUSE_IO_URING_CMD_REGISTER for `bufs` on queue `qid`. The file
-/// at fixed index 0 must be the FUSE connection.
-///
-/// The kernel keeps `bufs`' addresses until the entry completes with an
-/// error (-ENOTCONN at unmount): the caller must keep `bufs` alive and in
-/// place until then.
-pub fn push_register(
-    ring: &mut IoUring<squeue::Entry128>,
-    bufs: &RingBuffers,
-    qid: u16,
-    user_data: u64,
-) -> io::Result<()> {
-    let entry = opcode::UringCmd80::new(types::Fixed(0), ring::CMD_REGISTER)
-        .cmd(cmd_req(qid, 0))
-        .addr(Some(bufs.iov.as_ptr() as u64))
-        .build()
-        .user_data(user_data);
-    // The crate has no setter for `len`, which must count the two iovecs.
-    // SAFETY: Entry128 is repr(C) over two plain-data halves of 64 bytes
-    // (the SQE and its extension); every bit pattern is a valid value.
-    let mut raw: [u8; 128] = unsafe { std::mem::transmute(entry) };
-    raw[SQE_LEN_AT..SQE_LEN_AT + 4].copy_from_slice(&2u32.to_ne_bytes());
-    // SAFETY: as above, the bytes came from an Entry128.
-    let entry: squeue::Entry128 = unsafe { std::mem::transmute(raw) };
-    push(ring, &entry)
+/// Sends `msg` on the connected unix socket `sock`, with `fd` attached
+/// (SCM_RIGHTS) when given: the receiver gets its own fd on the same open
+/// file.
+pub fn send_with_fd(sock: RawFd, msg: &[u8], fd: Option<RawFd>) -> io::Result<()> {
+    let mut iov = libc::iovec {
+        iov_base: msg.as_ptr() as *mut libc::c_void,
+        iov_len: msg.len(),
+    };
+    // Room for one cmsghdr carrying one int, u64-aligned as cmsghdr wants.
+    let mut control = [0u64; 4];
+    // SAFETY: msghdr is plain data; zeroed is "no name, no control".
+    let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
+    hdr.msg_iov = &mut iov;
+    hdr.msg_iovlen = 1;
+    if let Some(fd) = fd {
+        // SAFETY: CMSG_SPACE/CMSG_LEN are pure arithmetic.
+        let (space, len) = unsafe {
+            (
+                libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32),
+                libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32),
+            )
+        };
+        hdr.msg_control = control.as_mut_ptr().cast();
+        hdr.msg_controllen = space as usize;
+        // SAFETY: the control buffer (32 bytes) holds CMSG_SPACE(4) = 24
+        // bytes and outlives the calls; CMSG_FIRSTHDR of a msghdr whose
+        // controllen covers one header is non-null and points into it.
+        unsafe {
+            let c = libc::CMSG_FIRSTHDR(&hdr);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = len as usize;
+            std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<RawFd>(), fd);
+        }
+    }
+    // SAFETY: hdr points at iov, msg and control, all live for the call;
+    // the kernel only reads them.
+    let n = unsafe { libc::sendmsg(sock, &hdr, libc::MSG_NOSIGNAL) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if n as usize != msg.len() {
+        return Err(io::Error::other("short sendmsg on a unix socket"));
+    }
+    Ok(())
 }
 
-/// Queues FUSE_IO_URING_CMD_COMMIT_AND_FETCH: the reply in the entry's
-/// buffers goes back for `commit_id`, and the entry waits for the next
-/// request. The buffers' lifetime rule of [`push_register`] holds.
-pub fn push_commit(
-    ring: &mut IoUring<squeue::Entry128>,
-    qid: u16,
-    commit_id: u64,
-    user_data: u64,
-) -> io::Result<()> {
-    let entry = opcode::UringCmd80::new(types::Fixed(0), ring::CMD_COMMIT_AND_FETCH)
-        .cmd(cmd_req(qid, commit_id))
-        .build()
-        .user_data(user_data);
-    push(ring, &entry)
-}
-
-fn push(ring: &mut IoUring<squeue::Entry128>, entry: &squeue::Entry128) -> io::Result<()> {
-    // SAFETY: the buffers the entry points at belong to RingBuffers that
-    // the caller keeps alive until the entry completes (see above).
-    unsafe { ring.submission().push(entry) }
-        .map_err(|_| io::Error::other("io_uring submission queue full"))
-}
-
-/// The raw fd, for the ring's fixed-file table.
-pub fn raw(fd: &File) -> RawFd {
-    fd.as_raw_fd()
+/// Receives one message into `buf` from the unix socket `sock`, and the fd
+/// attached to it (SCM_RIGHTS), if any; close-on-exec.
+pub fn recv_with_fd(sock: RawFd, buf: &mut [u8]) -> io::Result<(usize, Option<File>)> {
+    use std::os::fd::FromRawFd;
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    let mut control = [0u64; 4];
+    // SAFETY: msghdr is plain data; zeroed is "no name".
+    let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
+    hdr.msg_iov = &mut iov;
+    hdr.msg_iovlen = 1;
+    hdr.msg_control = control.as_mut_ptr().cast();
+    hdr.msg_controllen = std::mem::size_of_val(&control);
+    // SAFETY: hdr points at buf and control, live and writable for the call.
+    let n = unsafe { libc::recvmsg(sock, &mut hdr, libc::MSG_CMSG_CLOEXEC) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut file = None;
+    // SAFETY: the kernel filled control and set controllen; CMSG_FIRSTHDR
+    // and CMSG_NXTHDR stay within it and return null past its end.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&hdr);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let fd = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<RawFd>());
+                // The fd is new in this process and nobody else owns it.
+                file = Some(File::from_raw_fd(fd));
+            }
+            c = libc::CMSG_NXTHDR(&hdr, c);
+        }
+    }
+    Ok((n as usize, file))
 }
 
 #[cfg(test)]

@@ -5,26 +5,25 @@
 //! one COMMIT_AND_FETCH SQE.
 //!
 //! Each serving thread owns a ring and one entry per unit of depth, all
-//! registered on one queue, and runs on that queue's CPU, so the wake-up
-//! that hands it a request stays on the CPU that made it. Several threads
-//! per queue let requests from one CPU be answered in parallel (each
-//! answer waits on a donor's round trip).
+//! registered on one queue. The kernel hands a request to a free entry of
+//! its queue (the one committed last first), so the threads of a queue are
+//! its pool of workers with no hand-off in user space: a lone request is
+//! answered by the thread its entry woke, and a queue answers as many at
+//! once as it has threads, each waiting on its donor round trip (which
+//! shares the donor's connections with the others: netpager-nbd).
 
 use std::fs::File;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use io_uring::{cqueue, squeue, IoUring};
-
 use crate::abi::{self, ring, InHeader};
 use crate::session::{Outcome, Session};
-use crate::sys::{self, RingBuffers};
+use crate::sys::FuseRing;
 use crate::Backend;
 
 /// A thread's ring, registered on queue `qid`.
 pub struct Queue {
-    ring: IoUring<squeue::Entry128, cqueue::Entry>,
-    entries: Vec<RingBuffers>,
+    ring: FuseRing,
     /// Each entry's last command: 0 for REGISTER, else the commit id of
     /// its COMMIT_AND_FETCH (to send again if the kernel asks for a retry).
     last: Vec<u64>,
@@ -33,6 +32,35 @@ pub struct Queue {
     /// Entries registered and not yet ended.
     live: usize,
     qid: u16,
+}
+
+/// What the completions seen right after registering said.
+#[derive(Debug, Default)]
+struct Registered {
+    /// Entries whose request arrived at once.
+    arrived: Vec<u64>,
+    /// Entries whose REGISTER was refused (they are not live).
+    refused: Vec<u64>,
+    /// The first refusal's error.
+    error: Option<io::Error>,
+}
+
+impl Registered {
+    fn note(&mut self, entry: u64, result: i32) {
+        match result {
+            0 => self.arrived.push(entry),
+            err => {
+                self.refused.push(entry);
+                self.error.get_or_insert(io::Error::from_raw_os_error(-err));
+            }
+        }
+    }
+
+    /// Entries still registered out of `depth`: every refusal counts, or
+    /// `serve` would wait at unmount for entries that never were.
+    fn live(&self, depth: usize) -> usize {
+        depth - self.refused.len()
+    }
 }
 
 impl Queue {
@@ -47,36 +75,29 @@ impl Queue {
         depth: usize,
         payload_len: usize,
     ) -> io::Result<(Queue, Option<io::Error>)> {
-        let mut ring = IoUring::<squeue::Entry128, cqueue::Entry>::builder()
-            .setup_cqsize(2 * depth as u32)
-            .build(depth as u32)?;
-        ring.submitter().register_files(&[sys::raw(fd)])?;
-        let entries: Vec<RingBuffers> = (0..depth).map(|_| RingBuffers::new(payload_len)).collect();
-        for (i, e) in entries.iter().enumerate() {
-            sys::push_register(&mut ring, e, qid, i as u64)?;
+        let mut ring = FuseRing::new(fd, depth, payload_len)?;
+        for i in 0..depth {
+            ring.push_register(i, qid)?;
         }
         ring.submit()?;
         // A refused REGISTER completes at once; an accepted one only when a
         // request arrives, which can be at once too (the other queues made
         // the ring ready): such a request is answered first by `serve`.
-        let mut arrived = Vec::new();
-        let mut refused = None;
-        for cqe in ring.completion() {
-            match cqe.result() {
-                0 => arrived.push(cqe.user_data()),
-                err => refused = Some(io::Error::from_raw_os_error(-err)),
-            }
+        let mut reg = Registered::default();
+        while let Some((i, result)) = ring.completion() {
+            reg.note(i as u64, result);
         }
-        let live = depth - usize::from(refused.is_some());
+        for &i in &reg.refused {
+            ring.ended(i as usize);
+        }
         let queue = Queue {
             ring,
-            entries,
             last: vec![0; depth],
-            arrived,
-            live,
+            live: reg.live(depth),
+            arrived: reg.arrived,
             qid,
         };
-        Ok((queue, refused))
+        Ok((queue, reg.error))
     }
 
     /// Answers requests until the connection ends (every entry completes
@@ -91,23 +112,17 @@ impl Queue {
         }
         while self.live > 0 {
             self.ring.submit_and_wait(1)?;
-            loop {
-                let Some(cqe) = self.ring.completion().next() else {
-                    break;
-                };
-                let i = cqe.user_data() as usize;
-                match -cqe.result() {
+            while let Some((i, result)) = self.ring.completion() {
+                match -result {
                     0 => self.reply(i, session, answered)?,
                     libc::EAGAIN | libc::EINTR => match self.last[i] {
-                        0 => sys::push_register(
-                            &mut self.ring,
-                            &self.entries[i],
-                            self.qid,
-                            i as u64,
-                        )?,
-                        id => sys::push_commit(&mut self.ring, self.qid, id, i as u64)?,
+                        0 => self.ring.push_register(i, self.qid)?,
+                        id => self.ring.push_commit(i, self.qid, id)?,
                     },
-                    libc::ENOTCONN | libc::ECONNABORTED | libc::ECANCELED => self.live -= 1,
+                    libc::ENOTCONN | libc::ECONNABORTED | libc::ECANCELED => {
+                        self.ring.ended(i);
+                        self.live -= 1;
+                    }
                     errno => {
                         return Err(io::Error::from_raw_os_error(errno));
                     }
@@ -127,14 +142,12 @@ impl Queue {
     ) -> io::Result<()> {
         self.last[i] = self.answer(i, session);
         answered.fetch_add(1, Ordering::Relaxed);
-        sys::push_commit(&mut self.ring, self.qid, self.last[i], i as u64)
+        self.ring.push_commit(i, self.qid, self.last[i])
     }
 
     /// Answers the request in entry `i`; returns its commit id.
     fn answer<B: Backend>(&mut self, i: usize, session: &Session<B>) -> u64 {
-        let RingBuffers {
-            header, payload, ..
-        } = &mut self.entries[i];
+        let (header, payload) = self.ring.entry(i);
         let commit_id = abi::u64_at(header, ring::COMMIT_ID);
         let payload_in = (abi::u32_at(header, ring::PAYLOAD_SZ) as usize).min(payload.len());
         let (error, len) = match InHeader::parse(&header[ring::IN_OUT..]) {
@@ -164,5 +177,30 @@ impl Queue {
         );
         abi::put_u32(header, ring::PAYLOAD_SZ, len as u32);
         commit_id
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Before, one refused REGISTER or five left `live` at depth - 1, and
+    /// `serve` waited at unmount for entries the kernel never had.
+    #[test]
+    fn every_refused_register_counts() {
+        let mut reg = Registered::default();
+        for (entry, result) in [
+            (0, -libc::EINVAL),
+            (1, 0),
+            (2, -libc::EINVAL),
+            (3, -libc::ENOTCONN),
+        ] {
+            reg.note(entry, result);
+        }
+        assert_eq!(reg.arrived, [1]);
+        assert_eq!(reg.refused, [0, 2, 3]);
+        assert_eq!(reg.live(4), 1);
+        assert_eq!(reg.error.unwrap().raw_os_error(), Some(libc::EINVAL));
+        assert_eq!(Registered::default().live(4), 4);
     }
 }

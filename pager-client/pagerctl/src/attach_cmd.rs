@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use pagerctl::attach::commands;
-use pagerctl::attach::record::{ServeInfo, StateLayout};
+use pagerctl::attach::record::{HolderInfo, ServeInfo, StateLayout};
 use pagerctl::attach::{AttachRecord, Frontend, Step, Via};
 
 use netpager_nbd::Connection;
@@ -27,7 +27,12 @@ pub struct Plan {
     pub via: Via,
     /// `pagerctl serve`'s threads (per queue with io_uring).
     pub serve_threads: usize,
+    /// A holder keeps the FUSE connection; serving processes may come and go.
+    pub restartable: bool,
+    /// Swap at this priority.
     pub swap: Option<i32>,
+    /// Swap with `--discard=pages`.
+    pub swap_discard: bool,
     pub start_timeout: Duration,
     pub queue_depth: Option<u32>,
 }
@@ -80,7 +85,7 @@ fn run_steps(plan: &Plan, record: &mut AttachRecord) -> Result<PathBuf> {
     }
     if let Some(priority) = plan.swap {
         procs::run(&commands::mkswap(&device, "netpager"))?;
-        procs::run(&commands::swapon(&device, priority))?;
+        procs::run(&commands::swapon(&device, priority, plan.swap_discard))?;
         push(
             layout,
             record,
@@ -187,16 +192,27 @@ fn free_fuse_dir(layout: &StateLayout, what: &str, unmount: &str) -> Result<(Pat
 
 /// Starts `pagerctl serve` (this same program) serving the device on its
 /// own FUSE mount, log in the state directory, and waits until it serves.
+/// A restartable device gets `pagerctl hold` instead, which mounts and
+/// starts `pagerctl serve --held`; the step records the holder.
 fn start_server(plan: &Plan, record: &mut AttachRecord) -> Result<()> {
     let layout = &plan.layout;
     let (mountpoint, file) = free_fuse_dir(layout, "server", "umount")?;
     let info_path = layout.serve_json();
     let _ = std::fs::remove_file(&info_path);
     let me = std::env::current_exe().context("cannot find pagerctl's own path")?;
-    let mut cmd = commands::serve_command(&me, &layout.dir, plan.frontend);
-    cmd.extend(["--threads".into(), plan.serve_threads.to_string()]);
+    let (cmd, what) = if plan.restartable {
+        let _ = std::fs::remove_file(layout.holder_json());
+        (
+            commands::hold_command(&me, &layout.dir, plan.serve_threads),
+            "pagerctl hold",
+        )
+    } else {
+        let mut cmd = commands::serve_command(&me, &layout.dir, plan.frontend);
+        cmd.extend(["--threads".into(), plan.serve_threads.to_string()]);
+        (cmd, "pagerctl serve")
+    };
     let log = layout.serve_log();
-    let (child, pid, started) = spawn_watched(&cmd, &log, "pagerctl serve")?;
+    let (child, pid, started) = spawn_watched(&cmd, &log, what)?;
     push(
         layout,
         record,
@@ -206,11 +222,19 @@ fn start_server(plan: &Plan, record: &mut AttachRecord) -> Result<()> {
             mountpoint: mountpoint.clone(),
             file: file.clone(),
             transport: plan.frontend.to_string(),
+            restartable: plan.restartable,
         },
     )?;
-    wait_ready(child, "pagerctl serve", &log, plan.start_timeout, || {
-        ServeInfo::load(&info_path).is_some_and(|i| i.pid == pid)
-            && is_mounted(&mountpoint)
+    let holder_json = layout.holder_json();
+    let restartable = plan.restartable;
+    wait_ready(child, what, &log, plan.start_timeout, || {
+        ServeInfo::load(&info_path).is_some_and(|i| {
+            if restartable {
+                HolderInfo::load(&holder_json).is_some_and(|h| h.serve_pid == Some(i.pid))
+            } else {
+                i.pid == pid
+            }
+        }) && is_mounted(&mountpoint)
             && file.metadata().is_ok_and(|m| m.len() > 0)
     })?;
     let info = ServeInfo::load(&info_path).context("serve.json vanished")?;
@@ -544,8 +568,10 @@ pub fn undo_all(layout: &StateLayout, record: &mut AttachRecord, grace: Duration
     }
     std::fs::remove_file(layout.attach_json())
         .with_context(|| format!("cannot remove {}", layout.attach_json().display()))?;
-    // Left by a server that was killed.
+    // Left by a server (or holder) that was killed.
     let _ = std::fs::remove_file(layout.serve_json());
+    let _ = std::fs::remove_file(layout.holder_json());
+    let _ = std::fs::remove_file(layout.holder_socket());
     let fuse = layout.fuse_dir();
     if fuse.is_dir() && !is_mounted(&fuse) {
         let _ = std::fs::remove_dir(&fuse);
@@ -631,8 +657,10 @@ fn undo(step: &Step, export: &str, grace: Duration) -> Result<()> {
             pid,
             started,
             mountpoint,
+            restartable,
             ..
         } => {
+            let holder_json = mountpoint.with_file_name("holder.json");
             let start = Instant::now();
             while is_mounted(mountpoint) {
                 // A server that died leaves a dead connection: detach it.
@@ -647,7 +675,17 @@ fn undo(step: &Step, export: &str, grace: Duration) -> Result<()> {
                     Err(_) => std::thread::sleep(Duration::from_millis(100)),
                 }
             }
-            // The server exits by itself once unmounted, its map synced.
+            // The server exits by itself once unmounted, its map synced
+            // (and a holder right after its serving process). Not when
+            // another mount namespace keeps a copy of the mount (the
+            // connection lives on): a restartable device's serving process
+            // is then told to exit.
+            if *restartable && !procs::wait_gone(*pid, *started, Duration::from_secs(2)) {
+                if let Some(serving) = HolderInfo::load(&holder_json).and_then(|h| h.serve_pid) {
+                    tracing::info!("asking serving process {serving} to exit");
+                    let _ = crate::sys::signal(serving, libc::SIGTERM);
+                }
+            }
             if !procs::wait_gone(*pid, *started, grace) {
                 procs::stop(*pid, *started, "pagerctl serve", Duration::from_secs(5))?;
             }

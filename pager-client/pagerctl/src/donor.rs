@@ -107,6 +107,41 @@ pub fn status(addrs: &[String], json: bool, client: &StatusClient) -> Result<()>
     Ok(())
 }
 
+/// A progress line on standard error: on a terminal redrawn in place, in a
+/// log a new line only when it changed.
+pub struct Progress {
+    tty: bool,
+    last: Option<String>,
+}
+
+impl Default for Progress {
+    fn default() -> Self {
+        Progress {
+            tty: std::io::stderr().is_terminal(),
+            last: None,
+        }
+    }
+}
+
+impl Progress {
+    pub fn show(&mut self, line: String) {
+        if self.tty {
+            eprint!("\r{line}\x1b[K");
+            let _ = std::io::stderr().flush();
+        } else if self.last.as_ref() != Some(&line) {
+            eprintln!("{line}");
+        }
+        self.last = Some(line);
+    }
+
+    /// Ends the redrawn line.
+    pub fn done(&self) {
+        if self.tty && self.last.is_some() {
+            eprintln!();
+        }
+    }
+}
+
 /// The progress line of a drain: how much is left and how much has moved.
 pub fn drain_progress(addr: &str, initial_used: u64, used: u64) -> String {
     let moved = initial_used.saturating_sub(used);
@@ -147,10 +182,9 @@ pub fn drain(
     if !wait {
         return Ok(());
     }
-    let tty = std::io::stderr().is_terminal();
+    let mut progress = Progress::default();
     let initial = s.used_bytes;
     let start = Instant::now();
-    let mut last = None;
     let mut used = initial;
     while used > 0 {
         if start.elapsed() > wait_limit {
@@ -161,19 +195,9 @@ pub fn drain(
         }
         std::thread::sleep(Duration::from_millis(500));
         used = query(client, addr)?.used_bytes;
-        // On a terminal the line is redrawn in place; in a log, a new line
-        // only when something changed.
-        if tty {
-            eprint!("\r{}\x1b[K", drain_progress(addr, initial, used));
-            let _ = std::io::stderr().flush();
-        } else if last != Some(used) {
-            eprintln!("{}", drain_progress(addr, initial, used));
-        }
-        last = Some(used);
+        progress.show(drain_progress(addr, initial, used));
     }
-    if tty {
-        eprintln!();
-    }
+    progress.done();
     println!(
         "donor {addr} is empty after {:.1} s",
         start.elapsed().as_secs_f64()

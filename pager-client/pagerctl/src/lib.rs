@@ -3,5 +3,6 @@
 //! `pager-client` library.
 
 pub mod attach;
+pub mod lost;
 pub mod sim;
 pub mod top;

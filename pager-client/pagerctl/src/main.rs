@@ -2,9 +2,14 @@
 //! talk to donors. See pagerctl(1) (`pager-client/pagerctl/pagerctl.1.md`).
 
 mod attach_cmd;
+mod discover_cmd;
 mod donor;
 mod durability;
+mod forget_lost_cmd;
+mod hold_cmd;
+mod membership_cmd;
 mod procs;
+mod restart_cmd;
 mod serve_cmd;
 mod simulate;
 mod status_cmd;
@@ -23,7 +28,7 @@ use pagerctl::attach::{self, AttachRecord, DeviceOptions, DonorSpec, Frontend, M
 
 /// Remote memory as swap or a block device (netpager client).
 #[derive(Parser)]
-#[command(name = "pagerctl", version, about, max_term_width = 100)]
+#[command(name = "pagerctl", version = netpager_util::version!(), about, max_term_width = 100)]
 struct Cli {
     /// Log more (-v: debug, -vv: trace); RUST_LOG overrides.
     #[arg(short, long, action = clap::ArgAction::Count, global = true)]
@@ -41,6 +46,13 @@ enum Cmd {
     /// Serve a device to the kernel on this process's own FUSE mount
     /// (started by attach; runs until unmounted).
     Serve(ServeArgs),
+    /// Replace the serving process of a device attached --restartable (an
+    /// upgrade: --binary) while it stays attached and swap stays on.
+    Restart(RestartArgs),
+    /// Keep a restartable device's FUSE connection and run its serving
+    /// processes one after another (started by attach).
+    #[command(hide = true)]
+    Hold(HoldArgs),
     /// Show the device's status (donors, placement, rebuild, drain).
     Status(StatusArgs),
     /// A live view of the device (donors, rates, latency, rebuild and
@@ -50,11 +62,35 @@ enum Cmd {
     DonorStatus(DonorStatusArgs),
     /// Ask a donor to drain (clients move their extents away), or stop.
     DonorDrain(DonorDrainArgs),
+    /// Add a donor to an attached device (it stays attached).
+    DonorAdd(membership_cmd::AddArgs),
+    /// Remove a donor from an attached device: its extents move to the
+    /// other donors first.
+    DonorRemove(membership_cmd::RemoveArgs),
+    /// Give up on an attached device's lost data: lost extents are placed
+    /// again and read as zeros, as do pages that read as lost.
+    ForgetLost(forget_lost_cmd::Args),
+    /// List the donors announced on the network (DNS-SD) and whether a
+    /// device would use each.
+    Discover(discover_cmd::Args),
     /// Compare donor-selection policies on a simulated cluster.
     Simulate(simulate::Args),
     /// The chance of data loss per mode (none, mirror, parity, ec) from a
     /// donor failure rate and a rebuild time.
     Durability(durability::Args),
+}
+
+/// Seconds, 0 allowed (0 turns the thing off).
+fn parse_secs_or_zero(s: &str) -> Result<Duration, String> {
+    if s.trim() == "0" {
+        return Ok(Duration::ZERO);
+    }
+    parse_secs(s)
+}
+
+/// `p` from the working directory: the serving process runs elsewhere.
+fn absolute(p: &Path) -> std::io::Result<PathBuf> {
+    Ok(std::env::current_dir()?.join(p))
 }
 
 fn parse_secs(s: &str) -> Result<Duration, String> {
@@ -99,6 +135,24 @@ struct AttachArgs {
     /// A donor: HOST:PORT[/EXPORT][,status=HOST:PORT][,name=NAME]. Repeat.
     #[arg(long = "donor", value_name = "SPEC", value_parser = |s: &str| s.parse::<DonorSpec>().map_err(|e| e.to_string()))]
     donors: Vec<DonorSpec>,
+    /// A file of donor specs, one a line (`#` comments), that the device's
+    /// set follows while attached: a line added joins, a line removed
+    /// leaves (its extents moved off first). Re-read every epoch.
+    #[arg(long, value_name = "PATH")]
+    donors_file: Option<PathBuf>,
+    /// Add donors announced on the lab's network (DNS-SD, `_netpager._tcp`,
+    /// as `pagerctl discover` lists them) once their status verifies with
+    /// --psk; without a key only on loopback and the test network.
+    #[arg(long)]
+    discover: bool,
+    /// With --discover: use announced donors without a lab key, on any
+    /// network (anyone there can then lend this device memory).
+    #[arg(long, requires = "discover")]
+    insecure: bool,
+    /// Forget a donor dead this long (its pages already rebuilt
+    /// elsewhere); 0 keeps it in the set for ever. Default 600.
+    #[arg(long, value_parser = parse_secs_or_zero, value_name = "SECS")]
+    forget_after: Option<Duration>,
     /// Unit of placement (power of two, 4K..64M; default 1M, in modes parity
     /// and ec the largest that keeps a full stripe's data within 1M).
     #[arg(long, value_parser = netpager_util::parse_size, value_name = "SIZE")]
@@ -139,6 +193,9 @@ struct AttachArgs {
     /// sleeps (0: sleep at once; default 50).
     #[arg(long, value_name = "US")]
     spin_us: Option<u64>,
+    /// Pages read ahead when reads follow a stride (0: off, the default).
+    #[arg(long, value_name = "PAGES")]
+    prefetch_pages: Option<u32>,
     /// mkswap and swapon the device.
     #[arg(long)]
     swap: bool,
@@ -151,14 +208,31 @@ struct AttachArgs {
         allow_negative_numbers = true
     )]
     priority: i32,
+    /// Swap without discard: freed swap pages stay on the donors until the
+    /// kernel writes their slots again or the device is detached. By
+    /// default swapon runs with `--discard=pages`, so every swap cluster
+    /// the kernel frees is trimmed and the donors free its memory.
+    #[arg(long, requires = "swap")]
+    no_discard: bool,
     /// How the kernel reaches the device: auto, fuse-uring, fuse or nbd.
     /// auto: fuse-uring where the kernel has it, else nbd where kernel nbd
     /// exists, else fuse.
     #[arg(long, default_value = "auto", value_parser = |s: &str| s.parse::<Frontend>().map_err(|e| e.to_string()))]
     frontend: Frontend,
-    /// Threads serving the kernel (fuse: readers; fuse-uring: per CPU).
-    #[arg(long, default_value_t = 4, value_name = "N")]
+    /// Threads serving the kernel (fuse: readers; fuse-uring: per CPU,
+    /// the requests one CPU's queue answers at once).
+    #[arg(long, default_value_t = 16, value_name = "N")]
     serve_threads: usize,
+    /// Keep the device's FUSE connection in a holder process, so that the
+    /// serving process can crash (it is restarted at once) or be replaced
+    /// (pagerctl restart) while swap stays on. Classic /dev/fuse only:
+    /// --frontend auto then means fuse (pagerctl(1) RESTARTS).
+    #[arg(long, overrides_with = "no_restartable")]
+    restartable: bool,
+    /// The serving process is the device: if it dies, the device is lost
+    /// (the default).
+    #[arg(long, overrides_with = "restartable")]
+    no_restartable: bool,
     /// With --frontend nbd: how the kernel reaches the client's nbdkit:
     /// auto, nbd-client or nbdfuse.
     #[arg(long, default_value = "auto", value_parser = |s: &str| s.parse::<Via>().map_err(|e| e.to_string()))]
@@ -200,6 +274,16 @@ impl AttachArgs {
             connect_timeout: self.connect_timeout,
             request_timeout: self.request_timeout,
             spin_us: self.spin_us,
+            donors_file: self
+                .donors_file
+                .as_deref()
+                .map(absolute)
+                .transpose()
+                .expect("the working directory is readable"),
+            forget_after: self.forget_after,
+            discover: self.discover,
+            insecure: self.insecure,
+            prefetch_pages: self.prefetch_pages,
         }
     }
 }
@@ -222,8 +306,34 @@ struct ServeArgs {
     #[arg(long, default_value = "fuse-uring", value_parser = parse_transport)]
     transport: pager_fuse::Transport,
     /// Reader threads (fuse), or serving threads per CPU (fuse-uring).
+    #[arg(long, default_value_t = 16, value_name = "N")]
+    threads: usize,
+    /// Take the FUSE connection from the holder (`pagerctl hold`) of a
+    /// restartable device instead of mounting one.
+    #[arg(long)]
+    held: bool,
+}
+
+#[derive(clap::Args)]
+struct HoldArgs {
+    #[arg(long, value_name = "DIR")]
+    state_dir: PathBuf,
+    /// Each serving process's reader threads.
     #[arg(long, default_value_t = 4, value_name = "N")]
     threads: usize,
+}
+
+#[derive(clap::Args)]
+struct RestartArgs {
+    #[arg(long, value_name = "DIR")]
+    state_dir: PathBuf,
+    /// The pagerctl the new serving process runs (default: the one running
+    /// now); later restarts after a crash use it too.
+    #[arg(long, value_name = "PATH")]
+    binary: Option<PathBuf>,
+    /// How long to wait for the new process to serve.
+    #[arg(long, default_value = "60", value_parser = parse_secs, value_name = "SECS")]
+    timeout: Duration,
 }
 
 fn parse_transport(s: &str) -> Result<pager_fuse::Transport, String> {
@@ -329,7 +439,13 @@ fn main() {
             state_dir: a.state_dir,
             transport: a.transport,
             threads: a.threads,
+            held: a.held,
         }),
+        Cmd::Hold(a) => hold_cmd::run(hold_cmd::HoldArgs {
+            state_dir: a.state_dir,
+            threads: a.threads.max(1),
+        }),
+        Cmd::Restart(a) => restart_cmd::run(&StateLayout::new(a.state_dir), a.binary, a.timeout),
         Cmd::Status(a) => status_cmd::run(&StateLayout::new(a.state_dir), a.json),
         Cmd::Top(a) => top_cmd::run(&StateLayout::new(a.state_dir), a.interval),
         Cmd::DonorStatus(a) => a
@@ -340,6 +456,10 @@ fn main() {
             .endpoint
             .client()
             .and_then(|c| donor::drain(&a.addr, a.undo, a.wait, &c, a.wait_timeout)),
+        Cmd::DonorAdd(a) => membership_cmd::add(a),
+        Cmd::DonorRemove(a) => membership_cmd::remove(a),
+        Cmd::ForgetLost(a) => forget_lost_cmd::run(a),
+        Cmd::Discover(a) => discover_cmd::run(a),
         Cmd::Simulate(a) => simulate::run(a),
         Cmd::Durability(a) => durability::run(a),
     };
@@ -374,15 +494,24 @@ fn host_name() -> String {
 }
 
 /// The client plugin: --plugin, else $NETPAGER_PLUGIN_DIR, else next to
-/// pagerctl (cargo puts both in target/release).
+/// pagerctl (cargo puts both in target/release), else in ../lib/netpager
+/// from pagerctl's directory (the package's /usr/lib/netpager).
 fn find_plugin(given: Option<&Path>) -> Result<PathBuf> {
     const NAME: &str = "libpager_client_plugin.so";
     let path = match (given, std::env::var_os("NETPAGER_PLUGIN_DIR")) {
         (Some(p), _) => p.to_path_buf(),
         (None, Some(dir)) => PathBuf::from(dir).join(NAME),
-        (None, None) => std::env::current_exe()
-            .context("cannot find pagerctl's own path")?
-            .with_file_name(NAME),
+        (None, None) => {
+            let beside = std::env::current_exe()
+                .context("cannot find pagerctl's own path")?
+                .with_file_name(NAME);
+            let packaged = beside.with_file_name("../lib/netpager").join(NAME);
+            if !beside.is_file() && packaged.is_file() {
+                packaged
+            } else {
+                beside
+            }
+        }
     };
     if !path.is_file() {
         bail!(
@@ -442,9 +571,12 @@ fn attach(a: AttachArgs) -> Result<()> {
         );
     }
     let kernel_nbd = Path::new("/dev/nbd0").exists() && procs::on_path("nbd-client");
-    let frontend = a
-        .frontend
-        .resolve(Path::new(pager_fuse::ENABLE_URING).exists(), kernel_nbd);
+    let restartable = a.restartable && !a.no_restartable;
+    let frontend = a.frontend.resolve_restartable(
+        restartable,
+        Path::new(pager_fuse::ENABLE_URING).exists(),
+        kernel_nbd,
+    )?;
     if a.frontend == Frontend::Auto {
         tracing::info!("front end: {frontend}");
     }
@@ -455,6 +587,15 @@ fn attach(a: AttachArgs) -> Result<()> {
         PathBuf::new()
     };
     let cfg = prepare_config(&a, &layout)?;
+    if a.swap {
+        // Swap's contents never outlive a detach: whatever an old map says
+        // is lost there is garbage, and mkswap must be able to write.
+        pager_client::extent_map::ExtentMap::start_empty(
+            &layout.dir,
+            pager_client::extent_map::Layout::from_config(&cfg),
+        )
+        .with_context(|| format!("starting {} with an empty extent map", layout.dir.display()))?;
+    }
     let via = a.via.resolve(
         Path::new("/dev/nbd0").exists(),
         procs::on_path("nbd-client"),
@@ -466,12 +607,27 @@ fn attach(a: AttachArgs) -> Result<()> {
         frontend,
         via,
         serve_threads: a.serve_threads.max(1),
+        restartable,
         swap: a.swap.then_some(a.priority),
+        swap_discard: !a.no_discard,
         start_timeout: a.start_timeout,
         queue_depth: (a.queue_depth > 0).then_some(a.queue_depth),
     };
+    let state_dir = plan.layout.dir.clone();
     let device = attach_cmd::attach(&plan)?;
     println!("{}", device.display());
+    // Written by the device as it opened, before it served.
+    match pager_client::status::ClientStatus::read(&state_dir) {
+        Ok(s) => {
+            if let Some(w) = pagerctl::lost::attach_warning(&s, &device, &state_dir) {
+                eprintln!("{w}");
+            }
+        }
+        Err(e) => tracing::warn!(
+            "reading {}/status.json: {e}; pagerctl status shows whether anything is lost",
+            state_dir.display()
+        ),
+    }
     Ok(())
 }
 

@@ -2,50 +2,111 @@
 //! as the file `STATE_DIR/fuse/device` on its own FUSE mount, calling the
 //! device directly. `attach` starts it; it runs until the mount goes away.
 //!
+//! With `--held` it serves a restartable device instead: the connection
+//! comes from the holder (`pagerctl hold`, which mounted it), the device is
+//! opened as after a crash, the kernel is asked to resend what a dead
+//! predecessor left unanswered, and SIGUSR1 hands over to the next process
+//! (`pagerctl restart`).
+//!
 //! It sits on the swap path, so it locks its memory, marks itself an I/O
 //! flusher, leaves every memory cgroup (the job that swaps is limited, not
 //! its pager) and is exempt from the OOM killer.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use pager_client::config::DeviceConfig;
 use pager_client::device::Device;
+use pager_fuse::handover::{self, Request};
 use pager_fuse::{Backend, Mount, Options, Transport};
 use pagerctl::attach::record::{frontend_info, ServeInfo, StateLayout};
 
 use crate::{procs, sys};
 
+/// Closed when the process hands over to the next one: a request that
+/// reaches the device after that waits forever, unanswered, and the
+/// kernel sends it again to the next process. Counts the requests inside.
+#[derive(Default)]
+struct Gate {
+    closed: AtomicBool,
+    inside: AtomicUsize,
+}
+
+struct Inside<'a>(&'a Gate);
+
+impl Drop for Inside<'_> {
+    fn drop(&mut self) {
+        self.0.inside.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Gate {
+    fn enter(&self) -> Inside<'_> {
+        self.inside.fetch_add(1, Ordering::SeqCst);
+        if self.closed.load(Ordering::SeqCst) {
+            self.inside.fetch_sub(1, Ordering::SeqCst);
+            loop {
+                std::thread::park();
+            }
+        }
+        Inside(self)
+    }
+
+    /// Closes the gate and waits until no request is inside (at most
+    /// `limit`); whether none is.
+    fn close_and_drain(&self, limit: Duration) -> bool {
+        self.closed.store(true, Ordering::SeqCst);
+        let start = Instant::now();
+        while self.inside.load(Ordering::SeqCst) > 0 {
+            if start.elapsed() > limit {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
+    }
+}
+
 /// The device as the FUSE front end sees it.
-struct DeviceBackend(Arc<Device>);
+struct DeviceBackend {
+    device: Arc<Device>,
+    gate: Arc<Gate>,
+}
 
 impl Backend for DeviceBackend {
     fn size(&self) -> u64 {
-        self.0.size()
+        self.device.size()
     }
     fn read(&self, buf: &mut [u8], offset: u64) -> Result<(), i32> {
-        self.0
+        let _in = self.gate.enter();
+        self.device
             .read(buf, offset)
             .map_err(|e| log_errno("read", offset, e))
     }
     fn write(&self, data: &[u8], offset: u64) -> Result<(), i32> {
-        self.0
+        let _in = self.gate.enter();
+        self.device
             .write(data, offset)
             .map_err(|e| log_errno("write", offset, e))
     }
     fn zero(&self, len: u64, offset: u64) -> Result<(), i32> {
-        self.0
+        let _in = self.gate.enter();
+        self.device
             .zero(len, offset)
             .map_err(|e| log_errno("zero", offset, e))
     }
     fn trim(&self, len: u64, offset: u64) -> Result<(), i32> {
-        self.0
+        let _in = self.gate.enter();
+        self.device
             .trim(len, offset)
             .map_err(|e| log_errno("trim", offset, e))
     }
     fn flush(&self) -> Result<(), i32> {
-        self.0.flush().map_err(|e| log_errno("flush", 0, e))
+        let _in = self.gate.enter();
+        self.device.flush().map_err(|e| log_errno("flush", 0, e))
     }
 }
 
@@ -59,7 +120,12 @@ pub struct ServeArgs {
     pub state_dir: PathBuf,
     pub transport: Transport,
     pub threads: usize,
+    /// Take the connection from the holder (a restartable device).
+    pub held: bool,
 }
+
+/// How long a hand-over waits for the requests being answered.
+const DRAIN_LIMIT: Duration = Duration::from_secs(20);
 
 pub fn run(a: ServeArgs) -> Result<()> {
     let layout = StateLayout::new(&a.state_dir);
@@ -80,23 +146,37 @@ pub fn run(a: ServeArgs) -> Result<()> {
     // instead of cutting the kernel's device off.
     sys::block_stop_signals().context("cannot block SIGTERM and SIGINT")?;
     let device = Arc::new(Device::open(cfg, &layout.dir)?);
+    let gate = Arc::new(Gate::default());
+    let backend = DeviceBackend {
+        device: device.clone(),
+        gate: gate.clone(),
+    };
     let mountpoint = layout.fuse_dir();
-    std::fs::create_dir_all(&mountpoint)
-        .with_context(|| format!("cannot create {}", mountpoint.display()))?;
     let opts = Options {
         transport: a.transport,
         threads: a.threads,
         ..Options::default()
     };
-    let mount = Mount::start(DeviceBackend(device.clone()), &mountpoint, &opts)
-        .with_context(|| format!("cannot serve {}", mountpoint.display()))?;
+    let mount = if a.held {
+        let socket = layout.holder_socket();
+        let (fd, fresh) = handover::take(&socket, Duration::from_secs(10))
+            .with_context(|| format!("cannot take the connection from {}", socket.display()))?;
+        Mount::serve_held(backend, fd, &mountpoint, &opts, fresh)
+            .with_context(|| format!("cannot serve {}", mountpoint.display()))?
+    } else {
+        std::fs::create_dir_all(&mountpoint)
+            .with_context(|| format!("cannot create {}", mountpoint.display()))?;
+        Mount::start(backend, &mountpoint, &opts)
+            .with_context(|| format!("cannot serve {}", mountpoint.display()))?
+    };
     if let Some(why) = mount.fallback_reason() {
         tracing::warn!("using classic /dev/fuse: {why}");
     }
     tracing::info!(
-        "serving {} over {}",
+        "serving {} over {}{}",
         layout.fuse_file().display(),
-        mount.transport()
+        mount.transport(),
+        if a.held { " (restartable)" } else { "" }
     );
     let info = ServeInfo {
         pid: me,
@@ -105,10 +185,25 @@ pub fn run(a: ServeArgs) -> Result<()> {
     };
     info.save(&layout.serve_json())?;
     device.set_frontend(frontend_info(&layout));
+    if a.held {
+        let socket = layout.holder_socket();
+        handover::ask(
+            &socket,
+            &Request::Ready { pid: me },
+            Duration::from_secs(10),
+        )
+        .with_context(|| format!("cannot tell the holder at {}", socket.display()))?;
+        let resent = mount.resent_counter();
+        std::thread::Builder::new()
+            .name("resent".into())
+            .spawn(move || report_resent(&socket, me, &resent))
+            .context("cannot start the resent thread")?;
+    }
     let stopper = mountpoint.clone();
+    let (held, to_flush) = (a.held, device.clone());
     std::thread::Builder::new()
         .name("signals".into())
-        .spawn(move || unmount_on_signal(&stopper))
+        .spawn(move || on_signals(&stopper, held, &gate, &to_flush))
         .context("cannot start the signal thread")?;
     let served = mount.wait();
     let _ = std::fs::remove_file(layout.serve_json());
@@ -118,28 +213,84 @@ pub fn run(a: ServeArgs) -> Result<()> {
     Ok(())
 }
 
+/// Tells the holder how many requests came again after
+/// FUSE_NOTIFY_RESEND: they all come at once, so for the first seconds.
+fn report_resent(socket: &Path, me: u32, resent: &std::sync::atomic::AtomicU64) {
+    let mut told = 0;
+    for _ in 0..50 {
+        std::thread::sleep(Duration::from_millis(100));
+        let n = resent.load(Ordering::Relaxed);
+        if n != told {
+            let r = Request::Resent { pid: me, count: n };
+            match handover::ask(socket, &r, Duration::from_secs(5)) {
+                Ok(_) => told = n,
+                Err(e) => tracing::warn!("cannot tell the holder of {n} resent requests: {e}"),
+            }
+        }
+    }
+    if told > 0 {
+        tracing::info!("answered {told} requests a dead serving process had left");
+    }
+}
+
+/// SIGUSR1 (from the holder, for pagerctl restart): hand over. Requests
+/// stop reaching the device; once those inside are answered and the
+/// device quiesced (background work stopped, flushed: no request left in
+/// flight to a donor), the process exits leaving the mount to the next
+/// one.
+fn hand_over(gate: &Gate, device: &Device) -> ! {
+    let t0 = Instant::now();
+    if !gate.close_and_drain(DRAIN_LIMIT) {
+        tracing::warn!(
+            "requests still running after {DRAIN_LIMIT:?}: the next process answers them again"
+        );
+    }
+    if let Err(e) = device.quiesce() {
+        tracing::warn!("flush before the hand-over: {e} (the next process resyncs)");
+    }
+    tracing::info!(
+        "handing over to the next serving process ({} ms to drain and flush)",
+        t0.elapsed().as_millis()
+    );
+    std::process::exit(0)
+}
+
+fn on_signals(mountpoint: &Path, held: bool, gate: &Gate, device: &Device) {
+    loop {
+        match sys::wait_stop_signal() {
+            libc::SIGUSR1 if held => hand_over(gate, device),
+            libc::SIGUSR1 => tracing::warn!("SIGUSR1: not restartable (attach --restartable)"),
+            // Unmounted here while another mount namespace still holds a
+            // copy of the mount: the connection lives on, and no request
+            // will end the threads. The holder exits after this process.
+            sig if held && !crate::attach_cmd::is_mounted(mountpoint) => {
+                tracing::info!(
+                    "signal {sig}: {} is unmounted here: exiting",
+                    mountpoint.display()
+                );
+                hand_over(gate, device)
+            }
+            sig => unmount_on_signal(mountpoint, sig),
+        }
+    }
+}
+
 /// On SIGTERM or SIGINT, unmounts (which ends the serving threads) unless
 /// the device is still in use: pulling it from under a loop device would
 /// fail every swapped page.
-fn unmount_on_signal(mountpoint: &Path) {
-    loop {
-        let sig = sys::wait_stop_signal();
-        match pager_fuse::unmount(mountpoint, false) {
-            Ok(()) => {
-                tracing::info!("signal {sig}: unmounted {}", mountpoint.display());
-                return;
-            }
-            Err(e) => tracing::warn!(
-                "signal {sig}: cannot unmount {} ({e}); it is still in use: run pagerctl detach",
-                mountpoint.display()
-            ),
-        }
+fn unmount_on_signal(mountpoint: &Path, sig: libc::c_int) {
+    match pager_fuse::unmount(mountpoint, false) {
+        Ok(()) => tracing::info!("signal {sig}: unmounted {}", mountpoint.display()),
+        Err(e) => tracing::warn!(
+            "signal {sig}: cannot unmount {} ({e}); it is still in use: run pagerctl detach",
+            mountpoint.display()
+        ),
     }
 }
 
 /// Moves `pid` to the root of every memory cgroup hierarchy (v1 and v2):
 /// the pager must not be reclaimed by the limit of the job it pages for.
-fn leave_memory_cgroups(pid: u32) {
+pub(crate) fn leave_memory_cgroups(pid: u32) {
     for procs_file in [
         "/sys/fs/cgroup/memory/cgroup.procs",
         "/sys/fs/cgroup/cgroup.procs",

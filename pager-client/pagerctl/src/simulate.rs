@@ -15,7 +15,8 @@ pub struct Args {
     /// Number of clients placing pages.
     #[arg(long, default_value_t = 8)]
     pub clients: usize,
-    /// Number of epochs (status periods); donor 0 turns idle after a third.
+    /// Number of epochs (status periods); donor 0 turns idle after a third
+    /// (shape join: the last donor joins then).
     #[arg(long, default_value_t = 60)]
     pub epochs: u32,
     /// Load-balancing rates to simulate, comma-separated.

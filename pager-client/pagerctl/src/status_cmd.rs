@@ -6,8 +6,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Result};
 use pager_client::status::{render_table, ClientStatus};
-use pagerctl::attach::record::{ServeInfo, StateLayout};
-use pagerctl::attach::{AttachRecord, Frontend};
+use pagerctl::attach::record::{HolderInfo, ServeInfo, StateLayout};
+use pagerctl::attach::{AttachRecord, Frontend, Step};
 
 use crate::procs;
 
@@ -24,6 +24,22 @@ pub fn run(layout: &StateLayout, json: bool) -> Result<()> {
     let server_alive = server.is_some_and(|(pid, started)| procs::owned(pid, started));
     let frontend = record.as_ref().map(|r| r.frontend);
     let serve = ServeInfo::load(&layout.serve_json());
+    let restartable = record.as_ref().is_some_and(|r| {
+        r.steps.iter().any(|s| {
+            matches!(
+                s,
+                Step::FuseServer {
+                    restartable: true,
+                    ..
+                }
+            )
+        })
+    });
+    // A restartable device's `server` is its holder; the serving process
+    // is the one serve.json names.
+    let holder = restartable.then(|| HolderInfo::load(&layout.holder_json()));
+    let serving = serve.as_ref().map(|s| s.pid).filter(|&p| procs::alive(p));
+    let warning = restartable.then(|| holder_warning(server_alive)).flatten();
     let log = match frontend {
         Some(Frontend::Nbd) => layout.nbdkit_log(),
         _ => layout.serve_log(),
@@ -56,6 +72,13 @@ pub fn run(layout: &StateLayout, json: bool) -> Result<()> {
             "status": status,
             "status_age_ms": age_ms,
             "stale": stale,
+            "restartable": restartable,
+            "holder": holder.as_ref().map(|h| serde_json::json!({
+                "alive": server_alive,
+                "info": h,
+                "serving_pid": serving,
+            })),
+            "warning": warning,
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
@@ -78,7 +101,25 @@ pub fn run(layout: &StateLayout, json: bool) -> Result<()> {
             None => println!("front end: {f}"),
         }
     }
-    match server {
+    if let (true, Some((pid, _))) = (restartable, server) {
+        let h = holder.flatten().unwrap_or_default();
+        let line = match serving {
+            Some(s) => format!("running, pid {s}"),
+            None => "NOT RUNNING (being restarted)".to_string(),
+        };
+        let held = h
+            .last_held_ms
+            .map(|ms| format!(", requests held {ms} ms at the last"))
+            .unwrap_or_default();
+        println!(
+            "server: {line}; restartable, connection held by pid {pid}; {} restarts ({} after a crash){held}; {} requests resent ({} at the last)",
+            h.restarts, h.crashes, h.resent_total, h.resent_last
+        );
+    }
+    if let Some(w) = &warning {
+        println!("WARNING: {w}");
+    }
+    match server.filter(|_| !restartable) {
         Some((pid, _)) if server_alive => println!("server: running, pid {pid}"),
         Some((pid, _)) => {
             println!(
@@ -105,4 +146,12 @@ pub fn run(layout: &StateLayout, json: bool) -> Result<()> {
         ),
     }
     Ok(())
+}
+
+/// What status says when a restartable device's holder is gone: the
+/// promise is broken before anything is lost, and the operator can act.
+fn holder_warning(holder_alive: bool) -> Option<String> {
+    (!holder_alive).then(|| {
+        "the connection holder is gone: the device is no longer restartable, and if the serving process exits now the device is lost (its swapped pages with it); detach and attach again when swap can go off".to_string()
+    })
 }

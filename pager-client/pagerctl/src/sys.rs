@@ -24,11 +24,13 @@ fn stop_signals() -> libc::sigset_t {
         libc::sigemptyset(&mut set);
         libc::sigaddset(&mut set, libc::SIGTERM);
         libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGUSR1);
     }
     set
 }
 
-/// Blocks SIGTERM and SIGINT in this thread and every thread it starts
+/// Blocks SIGTERM, SIGINT and SIGUSR1 (hand over to the next serving
+/// process) in this thread and every thread it starts
 /// later, so that only [`wait_stop_signal`] receives them.
 pub fn block_stop_signals() -> io::Result<()> {
     let set = stop_signals();
@@ -41,7 +43,7 @@ pub fn block_stop_signals() -> io::Result<()> {
     }
 }
 
-/// Waits for SIGTERM or SIGINT (blocked by [`block_stop_signals`]).
+/// Waits for SIGTERM, SIGINT or SIGUSR1 (blocked by [`block_stop_signals`]).
 pub fn wait_stop_signal() -> libc::c_int {
     let set = stop_signals();
     let mut sig: libc::c_int = 0;

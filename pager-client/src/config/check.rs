@@ -65,6 +65,16 @@ impl DeviceConfig {
                 format!("{} must be at least 2", self.io_buffers),
             );
         }
+        if self.prefetch_pages > crate::readahead::MAX_PREFETCH_PAGES {
+            return bad(
+                "prefetch_pages",
+                format!(
+                    "{} must be at most {}",
+                    self.prefetch_pages,
+                    crate::readahead::MAX_PREFETCH_PAGES
+                ),
+            );
+        }
         let p = &self.policy;
         if !(0.0..=1.0).contains(&p.b) {
             return bad("policy.b", format!("{} must be within [0, 1]", p.b));
@@ -185,7 +195,9 @@ impl DeviceConfig {
             }
         }
         let need = self.mode.donors_needed();
-        if self.donors.len() < need {
+        // With a donors file the set fills at run time: the file's donors
+        // join at the first epoch.
+        if self.donors.len() < need && self.donors_file.is_none() && !self.discover {
             let what = match self.mode {
                 Mode::Mirror => "mirror needs at least 2 distinct donors".to_string(),
                 Mode::Parity { width } => {
@@ -197,7 +209,13 @@ impl DeviceConfig {
                 ),
                 _ => "at least one donor is needed".to_string(),
             };
-            return bad("donors", format!("{what}, {} given", self.donors.len()));
+            return bad(
+                "donors",
+                format!(
+                    "{what}, {} given (or name a donors_file)",
+                    self.donors.len()
+                ),
+            );
         }
         Ok(())
     }

@@ -167,6 +167,18 @@ impl DonorConfig {
         self
     }
 
+    /// The donor a spec names (`attach --donor`, `donor-add`, the donors
+    /// file), with TLS when a lab key is given.
+    pub fn from_spec(spec: &netpager_membership::DonorSpec, psk: Option<&Path>) -> Self {
+        let mut d = DonorConfig::new(spec.name.clone(), spec.addr.clone());
+        d.export = spec.export.clone();
+        d.status = spec.status.clone();
+        if let Some(p) = psk {
+            d = d.with_tls(p, None);
+        }
+        d
+    }
+
     pub fn with_tls(mut self, psk_file: impl Into<PathBuf>, username: Option<String>) -> Self {
         self.tls_psk_file = Some(psk_file.into());
         self.tls_username = username;
@@ -311,8 +323,35 @@ pub struct DeviceConfig {
     /// until the cleaner needs room.
     #[serde(default = "default_log_idle_ms")]
     pub parity_log_idle_ms: u64,
+    /// Pages read ahead when the device's reads follow a stride (Leap's
+    /// majority vote, `crate::readahead`), into a locked cache of eight
+    /// times as many pages; 0 (the default) turns it off.
+    #[serde(default)]
+    pub prefetch_pages: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metrics: Option<MetricsConfig>,
+    /// The lab's TLS-PSK file: donors that join at run time (donor-add,
+    /// the donors file, discovery) are reached with it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lab_key: Option<PathBuf>,
+    /// A file of donor specs, one a line, re-read every epoch: a line added
+    /// joins the set, a line removed leaves it (drained first).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub donors_file: Option<PathBuf>,
+    /// Add donors announced on the lab's network (DNS-SD, `_netpager._tcp`)
+    /// once their status verifies with `lab_key`; without a key, only on
+    /// loopback and the project's test network unless `discover_insecure`.
+    #[serde(default)]
+    pub discover: bool,
+    /// Use announced donors without a lab key to verify them, anywhere.
+    #[serde(default)]
+    pub discover_insecure: bool,
+    /// A donor dead this long is forgotten once nothing depends on it
+    /// (0: never).
+    #[serde(default = "default_forget_after_ms")]
+    pub forget_after_ms: u64,
+    /// The donors that join at attach; the set then changes at run time
+    /// (donor-add, donor-remove, the donors file), kept in the map's journal.
     pub donors: Vec<DonorConfig>,
 }
 
@@ -380,6 +419,9 @@ fn default_connect_ms() -> u64 {
 fn default_spin_us() -> u64 {
     50
 }
+fn default_forget_after_ms() -> u64 {
+    10 * 60 * 1000
+}
 fn default_request_ms() -> u64 {
     5000
 }
@@ -428,7 +470,13 @@ impl DeviceConfig {
             parity_log: None,
             write_intent_quiet_ms: default_write_intent_quiet_ms(),
             parity_log_idle_ms: default_log_idle_ms(),
+            prefetch_pages: 0,
             metrics: None,
+            lab_key: None,
+            donors_file: None,
+            discover: false,
+            discover_insecure: false,
+            forget_after_ms: default_forget_after_ms(),
             donors: Vec::new(),
         }
     }
@@ -471,6 +519,14 @@ impl DeviceConfig {
             .and_then(|_| f.sync_all())
             .map_err(werr)?;
         std::fs::rename(&tmp, path).map_err(werr)
+    }
+
+    /// The lab key for donors that join at run time: `lab_key`, else the
+    /// key of the donors named at attach (files written before `lab_key`).
+    pub fn lab_key(&self) -> Option<PathBuf> {
+        self.lab_key
+            .clone()
+            .or_else(|| self.donors.iter().find_map(|d| d.tls_psk_file.clone()))
     }
 
     /// Bytes of data the parity log may hold (0: no log).

@@ -1,8 +1,10 @@
 //! One donor as the device sees it: its connection pool, health, last
-//! reported status and counters; attaching, labelling and reviving it.
+//! reported status and counters; attaching, labelling and reviving it; and
+//! the table of every donor the running device knows.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::Instant;
 
 use netpager_proto::{DonorStatus, StatusClient};
 use netpager_util::{LockExt, RwLockExt};
@@ -10,6 +12,7 @@ use netpager_util::{LockExt, RwLockExt};
 use super::{Inner, Result};
 use crate::config::DonorConfig;
 use crate::extent_map::{CopyState, SlotOwner};
+use netpager_membership::Joined;
 use netpager_nbd::{Endpoint, Op, Pool, Timeouts};
 
 /// Bytes at the start of slot 0 that name the incarnation of our export.
@@ -23,6 +26,8 @@ const TRIM_CHUNK: u64 = 1 << 30;
 pub(crate) struct Health {
     /// Why the donor was marked failed.
     pub failure: Option<String>,
+    /// Since when (for `forget_after`).
+    pub failed_at: Option<Instant>,
     /// Its copies have been marked lost and its slots forgotten, so it may
     /// come back as a new donor.
     pub marked: bool,
@@ -38,10 +43,19 @@ pub(crate) struct Remote {
 }
 
 pub(crate) struct Donor {
+    /// Its entry in the [`DonorTable`], never reused.
     pub idx: usize,
     /// Its id in the extent map.
     pub id: u16,
     pub cfg: DonorConfig,
+    /// How and when (seconds since the Unix epoch) it joined the set.
+    pub joined: Joined,
+    pub joined_unix: u64,
+    /// Being removed: its extents move off, nothing new goes there.
+    pub leaving: AtomicBool,
+    /// Out of the set: removed or forgotten. Its entry stays (requests may
+    /// still hold a reference), closed.
+    pub retired: AtomicBool,
     pub pool: Pool,
     /// Reads the donor's status endpoint, signing with the lab key if any.
     pub status_client: StatusClient,
@@ -55,6 +69,9 @@ pub(crate) struct Donor {
     pub attached: AtomicBool,
     pub remote: Mutex<Remote>,
     pub errors: AtomicU64,
+    /// Requests sent a second time after a fast failure (a reset
+    /// connection) instead of failing the donor.
+    pub retries: AtomicU64,
     pub reads: AtomicU64,
     pub writes: AtomicU64,
     /// Serialises writing a new label.
@@ -62,10 +79,12 @@ pub(crate) struct Donor {
 }
 
 impl Donor {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         idx: usize,
         id: u16,
         cfg: DonorConfig,
+        (joined, joined_unix): (Joined, u64),
         ep: Endpoint,
         timeouts: Timeouts,
         conns: usize,
@@ -75,6 +94,11 @@ impl Donor {
             idx,
             id,
             cfg,
+            joined,
+            joined_unix,
+            leaving: AtomicBool::new(false),
+            retired: AtomicBool::new(false),
+            // Entries are never reused, so no two pools share an order.
             pool: Pool::new(idx, ep, timeouts, conns),
             status_client,
             failed: AtomicBool::new(false),
@@ -84,6 +108,7 @@ impl Donor {
             attached: AtomicBool::new(false),
             remote: Mutex::new(Remote::default()),
             errors: AtomicU64::new(0),
+            retries: AtomicU64::new(0),
             reads: AtomicU64::new(0),
             writes: AtomicU64::new(0),
             label_lock: Mutex::new(()),
@@ -94,12 +119,106 @@ impl Donor {
         self.failed.load(Ordering::Acquire)
     }
 
+    pub fn is_leaving(&self) -> bool {
+        self.leaving.load(Ordering::Acquire)
+    }
+
+    pub fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::Acquire)
+    }
+
     pub fn health(&self) -> std::sync::MutexGuard<'_, Health> {
         self.health.lock_or_recover()
     }
 
     pub fn remote(&self) -> std::sync::MutexGuard<'_, Remote> {
         self.remote.lock_or_recover()
+    }
+}
+
+/// Donor entries one serving process can hold over its life (a donor that
+/// is removed and joins again takes a new one).
+pub(crate) const MAX_DONOR_ENTRIES: usize = 4096;
+/// Map donor ids are `u16`.
+const MAP_IDS: usize = 1 << 16;
+
+/// Every donor the running device knows, in entries that never move or get
+/// reused: a request borrows a donor without taking a lock, while the set
+/// changes (a join appends an entry, a removal retires one).
+pub(crate) struct DonorTable {
+    entries: Box<[OnceLock<Box<Donor>>]>,
+    len: AtomicUsize,
+    /// Map donor id -> entry + 1 of the donor in the set under that id (0:
+    /// none).
+    by_id: Box<[AtomicU32]>,
+    /// Serialises appends.
+    grow: Mutex<()>,
+}
+
+impl DonorTable {
+    pub fn new() -> DonorTable {
+        DonorTable {
+            entries: (0..MAX_DONOR_ENTRIES).map(|_| OnceLock::new()).collect(),
+            len: AtomicUsize::new(0),
+            by_id: (0..MAP_IDS).map(|_| AtomicU32::new(0)).collect(),
+            grow: Mutex::new(()),
+        }
+    }
+
+    /// Entries so far, retired ones included (frequencies are indexed by
+    /// entry).
+    pub fn len(&self) -> usize {
+        self.len.load(Ordering::Acquire)
+    }
+
+    /// Every entry, retired ones included.
+    pub fn all(&self) -> impl Iterator<Item = &Donor> {
+        (0..self.len()).map(|i| &self[i])
+    }
+
+    /// The donors in the set (not retired).
+    pub fn iter(&self) -> impl Iterator<Item = &Donor> {
+        self.all().filter(|d| !d.is_retired())
+    }
+
+    /// The entry of the donor in the set under map id `id`.
+    pub fn by_id(&self, id: u16) -> Option<usize> {
+        match self.by_id[id as usize].load(Ordering::Acquire) {
+            0 => None,
+            i => Some(i as usize - 1),
+        }
+    }
+
+    /// Appends the donor `make` builds for the next entry; `None` when the
+    /// table is full.
+    pub fn push(&self, make: impl FnOnce(usize) -> Donor) -> Option<&Donor> {
+        let _g = self.grow.lock_or_recover();
+        let i = self.len();
+        let slot = self.entries.get(i)?;
+        let d = slot.get_or_init(|| Box::new(make(i)));
+        self.by_id[d.id as usize].store(i as u32 + 1, Ordering::Release);
+        self.len.store(i + 1, Ordering::Release);
+        Some(d)
+    }
+
+    /// Takes `d` out of the set: nothing finds it by its map id any more.
+    pub fn retire(&self, d: &Donor) {
+        d.retired.store(true, Ordering::Release);
+        let _ = self.by_id[d.id as usize].compare_exchange(
+            d.idx as u32 + 1,
+            0,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+        d.pool.close();
+    }
+}
+
+impl std::ops::Index<usize> for DonorTable {
+    type Output = Donor;
+
+    fn index(&self, i: usize) -> &Donor {
+        self.entries[i].get().expect("an entry below len")
     }
 }
 
@@ -144,6 +263,7 @@ impl Inner {
         {
             let mut h = d.health();
             h.failure = Some(reason.to_string());
+            h.failed_at = Some(Instant::now());
             h.marked = false;
         }
         d.pool.close();
@@ -162,31 +282,41 @@ impl Inner {
 
     /// Connects to donor `d` at startup and checks that its export still
     /// holds our data (its label matches the map); a donor that lost it is
-    /// failed at once, a donor without our data is cleared.
-    pub(crate) fn attach(&self, d: &Donor) {
-        if let Err(reason) = self.try_attach(d) {
-            self.fail_donor(d, &reason);
+    /// failed at once, a donor without our data is cleared. True when the
+    /// donor answered but lost our data (it restarted).
+    pub(crate) fn attach(&self, d: &Donor) -> bool {
+        match self.try_attach(d) {
+            Ok(()) => false,
+            Err((reason, answered)) => {
+                self.fail_donor(d, &reason);
+                answered
+            }
         }
     }
 
-    fn try_attach(&self, d: &Donor) -> std::result::Result<(), String> {
-        let mut lease = d.pool.checkout().map_err(|e| e.to_string())?;
-        let size = lease.conn().size();
+    /// Attaches `d`; on failure, why and whether the donor answered.
+    fn try_attach(&self, d: &Donor) -> std::result::Result<(), (String, bool)> {
+        let unreachable = |e: netpager_nbd::NbdError| (e.to_string(), false);
+        let mut lease = d.pool.checkout().map_err(unreachable)?;
+        let size = lease.size();
         let expected = self.map.donor_label(d.id);
         if expected != 0 {
             let mut b = vec![0u8; LABEL_BYTES];
-            lease.run(0, Op::Read(&mut b)).map_err(|e| e.to_string())?;
+            lease.run(0, Op::Read(&mut b)).map_err(unreachable)?;
             if decode_label(&b) != Some(expected) {
                 drop(lease);
-                return Err(format!(
-                    "its export {:?} no longer holds our data (label mismatch: the donor restarted or lost its memory)",
-                    d.pool.endpoint().export
+                return Err((
+                    format!(
+                        "its export {:?} no longer holds our data (label mismatch: the donor restarted or lost its memory)",
+                        d.pool.endpoint().export
+                    ),
+                    true,
                 ));
             }
             drop(lease);
             self.set_capacity(d, size, false);
         } else {
-            let cleared = clear_export(&mut lease, size).map_err(|e| e.to_string())?;
+            let cleared = clear_export(&mut lease, size).map_err(unreachable)?;
             drop(lease);
             self.set_capacity(d, size, cleared);
         }
@@ -212,7 +342,7 @@ impl Inner {
     /// After its copies were marked lost: reconnect a failed donor as a new
     /// one (its export is cleared, its old pages never trusted).
     pub(crate) fn revive(&self, d: &Donor) {
-        if !d.is_failed() || !d.health().marked {
+        if d.is_retired() || !d.is_failed() || !d.health().marked {
             return;
         }
         d.pool.reopen();
@@ -221,7 +351,7 @@ impl Inner {
             .checkout()
             .map_err(|e| e.to_string())
             .and_then(|mut lease| {
-                let size = lease.conn().size();
+                let size = lease.size();
                 let cleared = clear_export(&mut lease, size).map_err(|e| e.to_string())?;
                 Ok((size, cleared))
             });
@@ -230,7 +360,11 @@ impl Inner {
                 self.set_capacity(d, size, cleared);
                 d.full.store(false, Ordering::Release);
                 d.attached.store(true, Ordering::Release);
-                d.health().failure = None;
+                {
+                    let mut h = d.health();
+                    h.failure = None;
+                    h.failed_at = None;
+                }
                 d.failed.store(false, Ordering::Release);
                 tracing::info!(
                     "donor {} ({}) is back; using it as a new donor",

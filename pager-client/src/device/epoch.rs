@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use netpager_proto::DonorState;
 use netpager_util::LockExt;
 
+use super::donor::Donor;
 use super::Inner;
 use crate::policy::{self, DonorView, PolicyParams};
 use netpager_nbd::{self as nbd, Op};
@@ -17,6 +18,11 @@ use netpager_nbd::{self as nbd, Op};
 /// the same (capacity unknown).
 const UNKNOWN_GIVE_PAGES: u64 = 1 << 20;
 const DEFAULT_SERVICE_US: f64 = 100.0;
+/// Threads reading donors' status endpoints at once.
+const POLLERS: usize = 8;
+const POLLER_STACK: usize = 256 << 10;
+/// Epochs kept for status (what they cost, and when they ran).
+const EPOCHS_KEPT: usize = 64;
 
 impl Inner {
     pub(crate) fn epoch_loop(&self) {
@@ -31,20 +37,49 @@ impl Inner {
 
     /// One epoch; `window` is the time since the previous one (for T_j).
     pub(crate) fn run_epoch(&self, window: Duration) {
+        let (t0, at) = (Instant::now(), super::membership::unix_now_ms());
+        self.follow_donors_file();
+        self.follow_discovery();
         self.poll_status();
         self.heartbeat();
-        for d in &self.donors {
+        for d in self.donors.iter() {
             self.revive(d);
         }
         self.update_frequencies(window);
+        let mut j = self.jobs.lock_or_recover();
+        if j.epochs.len() == EPOCHS_KEPT {
+            j.epochs.pop_front();
+        }
+        j.epochs.push_back((at, t0.elapsed().as_micros() as u64));
     }
 
+    /// Reads every donor's status endpoint, up to [`POLLERS`] at once: one
+    /// slow or unreachable donor (a connect timeout each) must not stretch
+    /// the epoch by the number of donors.
     fn poll_status(&self) {
-        for d in &self.donors {
+        let donors: Vec<&Donor> = self.donors.iter().collect();
+        let per = donors.len().div_ceil(POLLERS).max(1);
+        std::thread::scope(|s| {
+            for chunk in donors.chunks(per) {
+                let poll = move || chunk.iter().for_each(|d| self.poll_one(d));
+                // Small stacks: the serving process locks every page it maps.
+                let spawned = std::thread::Builder::new()
+                    .name("pager-poll".into())
+                    .stack_size(POLLER_STACK)
+                    .spawn_scoped(s, poll);
+                if spawned.is_err() {
+                    poll();
+                }
+            }
+        });
+    }
+
+    fn poll_one(&self, d: &Donor) {
+        {
             let Some(addr) = &d.cfg.status else {
                 // Only our own ENOSPC marks such a donor full: retry it.
                 d.full.store(false, Ordering::Release);
-                continue;
+                return;
             };
             match d.status_client.query(addr) {
                 Ok(s) => {
@@ -91,15 +126,42 @@ impl Inner {
     }
 
     /// A small read (inside the label block) from every donor that is up; one that does not answer
-    /// in time is marked failed.
+    /// in time is marked failed. A fast failure (a reset connection) is
+    /// tried once more first, as for data requests.
     fn heartbeat(&self) {
-        let up: Vec<&super::donor::Donor> = self
+        let up: Vec<&Donor> = self
             .donors
             .iter()
             .filter(|d| !d.is_failed() && d.attached.load(Ordering::Acquire))
             .collect();
-        let mut bufs = vec![[0u8; 512]; up.len()];
-        let mut batch: Vec<nbd::Request<'_, '_>> = up
+        let mut failed: Vec<(&Donor, nbd::NbdError)> = up
+            .iter()
+            .zip(Self::read_labels(&up))
+            .filter_map(|(d, r)| r.err().map(|e| (*d, e)))
+            .collect();
+        let again: Vec<&Donor> = failed
+            .iter()
+            .filter(|(d, e)| super::io::retry_once(d, e))
+            .map(|(d, _)| *d)
+            .collect();
+        if !again.is_empty() {
+            failed.retain(|(d, _)| !again.iter().any(|a| std::ptr::eq(*a, *d)));
+            failed.extend(
+                again
+                    .iter()
+                    .zip(Self::read_labels(&again))
+                    .filter_map(|(d, r)| r.err().map(|e| (*d, e))),
+            );
+        }
+        for (d, e) in failed {
+            self.fail_donor(d, &format!("heartbeat: {e}"));
+        }
+    }
+
+    /// Reads 512 bytes at offset 0 from each of `donors` in one batch.
+    fn read_labels(donors: &[&Donor]) -> Vec<Result<(), nbd::NbdError>> {
+        let mut bufs = vec![[0u8; 512]; donors.len()];
+        let mut batch: Vec<nbd::Request<'_, '_>> = donors
             .iter()
             .zip(bufs.iter_mut())
             .map(|(d, b)| nbd::Request {
@@ -108,18 +170,15 @@ impl Inner {
                 op: Op::Read(&mut b[..]),
             })
             .collect();
-        for (d, r) in up.iter().zip(nbd::run(&mut batch)) {
-            if let Err(e) = r {
-                self.fail_donor(d, &format!("heartbeat: {e}"));
-            }
-        }
+        nbd::run(&mut batch)
     }
 
     fn update_frequencies(&self, window: Duration) {
         let mut service = Vec::new();
+        // Indexed by table entry: donors that left the set weigh nothing.
         let views: Vec<DonorView> = self
             .donors
-            .iter()
+            .all()
             .map(|d| {
                 let eligible = self.ineligible_reason(d.idx).is_none();
                 let r = d.remote();
@@ -180,7 +239,7 @@ impl Inner {
             n_clients: self.cfg.policy.n_clients,
             borrowing: self.cfg.policy.borrowing,
         };
-        let freqs = match policy::frequencies(&views, &params) {
+        let mut freqs = match policy::frequencies(&views, &params) {
             Ok(f) => f,
             Err(e) => {
                 tracing::warn!("selection frequencies: {e}; using equal weights");
@@ -194,6 +253,12 @@ impl Inner {
                 }
             }
         };
+        // With no request in the window there is no T_j, so nothing to
+        // bound: an idle device is never throttled (nor sent to its
+        // fallback for it).
+        if requests == 0 {
+            freqs.all_capped = false;
+        }
         let throttle = (freqs.all_capped && views.iter().any(|v| v.eligible)).then(|| {
             format!(
                 "every donor is capped by its load bound (T_j = {:.1} us between requests, S = {s_us:.1} us, N_g = {})",

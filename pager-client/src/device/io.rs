@@ -244,14 +244,38 @@ impl IoFail {
     }
 }
 
+/// Whether a failed request is worth sending once more before its donor is
+/// failed: not a refusal for space, not a timeout (its deadline is spent),
+/// not a donor marked failed already.
+fn retryable(e: &nbd::NbdError) -> bool {
+    !e.is_no_space()
+        && !matches!(
+            e,
+            nbd::NbdError::Timeout { .. }
+                | nbd::NbdError::ConnectTimeout { .. }
+                | nbd::NbdError::Unavailable { .. }
+        )
+}
+
+/// Whether to send a request that failed with `e` on `d` once more (see
+/// [`retryable`]); counts the retry.
+pub(crate) fn retry_once(d: &super::donor::Donor, e: &nbd::NbdError) -> bool {
+    let again = retryable(e) && !d.is_failed();
+    if again {
+        d.retries.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!("donor {}: {e}; retrying once", d.cfg.name);
+    }
+    again
+}
+
 /// What became of one request.
 pub(crate) type IoResult = std::result::Result<(), IoFail>;
 
 impl Inner {
-    /// The configured donor holding `loc`, if it is on a donor we know.
+    /// The entry of the donor in the set holding `loc`, if it is on one.
     pub(crate) fn loc_donor(&self, loc: Loc) -> Option<usize> {
         match loc {
-            Loc::Donor { donor, .. } => self.donor_index.get(donor as usize).copied().flatten(),
+            Loc::Donor { donor, .. } => self.donors.by_id(donor),
             Loc::Fallback { .. } => None,
         }
     }
@@ -298,7 +322,7 @@ impl Inner {
                 }
                 Loc::Donor { slot, .. } => {
                     let Some(d) = self.loc_donor(r.loc).map(|i| &self.donors[i]) else {
-                        *res = Some(Err(IoFail::Failed("donor no longer configured".into())));
+                        *res = Some(Err(IoFail::Failed("donor no longer in the set".into())));
                         continue;
                     };
                     if d.is_failed() {
@@ -326,6 +350,39 @@ impl Inner {
             let mut out: [std::result::Result<(), nbd::NbdError>; N] =
                 std::array::from_fn(|_| Ok(()));
             nbd::run_into(&mut batch, &mut out);
+            // One failed request is not a failed donor: a connection reset
+            // or a torn reply fails fast, and the pool has retired that
+            // connection, so it is sent once more (on another or a fresh
+            // one) before the donor is failed. A timeout has used the
+            // request's deadline already and is not retried.
+            let mut retry: [Option<nbd::Request<'_, '_>>; N] = std::array::from_fn(|_| None);
+            let mut again = false;
+            for (((o, d), r), slot) in out.iter().zip(&who).zip(reqs.iter_mut()).zip(&mut retry) {
+                let (Some(d), Some(r), Err(e)) = (d, r.as_mut(), o) else {
+                    continue;
+                };
+                let Loc::Donor { slot: s, .. } = r.loc else {
+                    continue;
+                };
+                if retry_once(d, e) {
+                    *slot = Some(nbd::Request {
+                        pool: &d.pool,
+                        offset: s as u64 * self.layout.extent + r.off,
+                        op: r.op.reborrow(),
+                    });
+                    again = true;
+                }
+            }
+            if again {
+                let mut second: [std::result::Result<(), nbd::NbdError>; N] =
+                    std::array::from_fn(|_| Ok(()));
+                nbd::run_into(&mut retry, &mut second);
+                for ((o, s), b) in out.iter_mut().zip(second).zip(&retry) {
+                    if b.is_some() {
+                        *o = s;
+                    }
+                }
+            }
             for ((d, o), res) in who.iter().zip(out).zip(&mut results) {
                 let Some(d) = d else { continue };
                 *res = Some(o.map_err(|e| {

@@ -268,11 +268,13 @@ impl Inner {
         self.run_job(MoveWhy::Rebuild, |m| m.state == CopyState::Lost);
     }
 
+    /// Moves extents off donors that are draining (their owner wants the
+    /// memory back) or leaving the set.
     fn drain_pass(&self) {
         let draining: Vec<u16> = self
             .donors
             .iter()
-            .filter(|d| d.draining.load(Ordering::Acquire) && !d.is_failed())
+            .filter(|d| (d.draining.load(Ordering::Acquire) || d.is_leaving()) && !d.is_failed())
             .map(|d| d.id)
             .collect();
         let on_draining = |m: &Member| {
@@ -301,6 +303,7 @@ impl Inner {
             self.mark_failed_donors();
             self.rebuild_pass();
             self.drain_pass();
+            self.settle_membership();
             self.clean_parity_log();
             self.drain_idle_log();
             self.sweep_write_intents();
@@ -337,6 +340,9 @@ impl Inner {
     }
 
     pub(crate) fn write_status(&self) {
+        // Several threads write it (maintenance, membership changes): one
+        // at a time, or their temporary files tear each other.
+        let _one = self.status_write.lock_or_recover();
         let s = self.build_status();
         self.jobs.lock_or_recover().last_status = Some(Instant::now());
         if let Err(e) = s.write_atomic(&self.state_dir) {

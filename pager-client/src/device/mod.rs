@@ -10,14 +10,18 @@
 //! failed donor's copies lost, rebuild, drain, `status.json`, journal
 //! compaction) and, in mode disk, the write-through writer.
 
+pub mod control;
 mod donor;
 mod epoch;
 mod io;
+mod lost;
 mod maintenance;
+mod membership;
 mod parity;
 mod parity_log;
 mod parity_read;
 mod placement;
+mod prefetch;
 mod replica;
 mod report;
 mod resync;
@@ -29,14 +33,17 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::config::{ConfigError, DeviceConfig, Mode};
+use crate::config::{ConfigError, DeviceConfig, DonorConfig, Mode};
 use crate::extent_map::{ExtentMap, Layout, MapError, Redundancy};
 use crate::metrics::{FrontendInfo, RequestKind, RequestStats};
 use crate::page_log::PAGE;
 use crate::status::ClientStatus;
+use crate::zero_pages::ZeroPages;
 
-use donor::Donor;
+use donor::DonorTable;
 use io::{BufPool, CodecPool, Fallback};
+pub use lost::Forgotten;
+use netpager_membership::Joined;
 use netpager_util::{CondvarExt, LockExt, RwLockExt};
 use parity_log::ParityLog;
 use placement::Placement;
@@ -71,6 +78,12 @@ pub enum DeviceError {
     },
     #[error(transparent)]
     Metrics(#[from] netpager_proto::metrics::EndpointError),
+    #[error("{0}")]
+    Membership(String),
+    #[error("extents {first}..{last}: the device has extents 0..{} only", extents.saturating_sub(1))]
+    NoSuchExtents { first: u64, last: u64, extents: u64 },
+    #[error("nothing is lost in extents {first}..{last}")]
+    NothingLost { first: u64, last: u64 },
     #[error("donor {donor}: lab key for its status endpoint: {source}")]
     StatusKey {
         donor: String,
@@ -139,9 +152,12 @@ pub(crate) struct Inner {
     pub(crate) state_dir: PathBuf,
     pub(crate) layout: Layout,
     pub(crate) map: ExtentMap,
-    pub(crate) donors: Vec<Donor>,
-    /// Map donor id -> index in `donors` (`None`: not configured).
-    pub(crate) donor_index: Vec<Option<usize>>,
+    /// Every donor the device knows; the set changes while it runs.
+    pub(crate) donors: DonorTable,
+    /// Membership's own state: the donors file, recent departures.
+    pub(crate) membership: Mutex<membership::Book>,
+    /// Browses the lab's network for announced donors (`discover`).
+    pub(crate) browser: Option<netpager_membership::discovery::Browser>,
     pub(crate) fallback: Option<Fallback>,
     pub(crate) wt: Option<WriteThrough>,
     /// Mode parity with a parity log.
@@ -169,14 +185,25 @@ pub(crate) struct Inner {
     pub(crate) frontend: Mutex<FrontendInfo>,
     /// Groups whose parity was recomputed at start (left open by a crash).
     pub(crate) resynced: AtomicU64,
+    /// Held while `status.json` is written.
+    pub(crate) status_write: Mutex<()>,
     /// When write intents were last swept.
     pub(crate) intent_sweep: Mutex<Instant>,
+    /// The stride prefetcher (`prefetch_pages` > 0).
+    pub(crate) prefetch: Option<prefetch::Prefetch>,
+    /// Striped modes: pages known to read as zeros, so a group trimmed
+    /// piece by piece is freed once nothing in it is left.
+    pub(crate) zero_pages: Option<ZeroPages>,
+    /// The last status found lost extents: writes then recover the units
+    /// they touch first (`lost.rs`); one relaxed load otherwise.
+    pub(crate) lost_seen: AtomicBool,
 }
 
 /// A running device. Dropping it stops its threads and syncs its map.
 pub struct Device {
     inner: Arc<Inner>,
-    threads: Vec<JoinHandle<()>>,
+    /// Taken (and joined) by [`Device::quiesce`].
+    threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl Device {
@@ -187,43 +214,6 @@ impl Device {
         cfg.validate()?;
         let layout = Layout::from_config(&cfg);
         let map = ExtentMap::open(state_dir, layout)?;
-        let timeouts = cfg.nbd_timeouts();
-        let mut donors = Vec::with_capacity(cfg.donors.len());
-        for (i, d) in cfg.donors.iter().enumerate() {
-            let id = map.donor_id(&d.name)?;
-            // The TLS key file doubles as the status endpoint's key: donors
-            // started with psk= answer only signed requests.
-            let key = d
-                .tls_psk_file
-                .as_deref()
-                .map(|f| netpager_proto::LabKey::from_psk_file(f, None))
-                .transpose()
-                .map_err(|source| DeviceError::StatusKey {
-                    donor: d.name.clone(),
-                    source,
-                })?;
-            let status_client = netpager_proto::StatusClient {
-                timeout: std::time::Duration::from_millis(cfg.timeouts.connect_ms),
-                key,
-            };
-            donors.push(Donor::new(
-                i,
-                id,
-                d.clone(),
-                cfg.endpoint(d),
-                timeouts,
-                cfg.connections_per_donor as usize,
-                status_client,
-            ));
-        }
-        let mut donor_index = Vec::new();
-        for d in &donors {
-            let id = d.id as usize;
-            if donor_index.len() <= id {
-                donor_index.resize(id + 1, None);
-            }
-            donor_index[id] = Some(d.idx);
-        }
         let fallback = match &cfg.fallback {
             Some(fb) => Some(Fallback::open(fb, layout.extent, &map)?),
             None => None,
@@ -259,8 +249,27 @@ impl Device {
         } else {
             None
         };
+        let mut book = membership::Book::default();
+        let browser = if cfg.discover {
+            match netpager_membership::discovery::Browser::start() {
+                Ok(b) => Some(b),
+                Err(e) => {
+                    tracing::error!("discovery: {e}; only the configured donors are used");
+                    book.discovery_error = Some(e.to_string());
+                    None
+                }
+            }
+        } else {
+            None
+        };
         let inner = Arc::new(Inner {
+            browser,
+            prefetch: (cfg.prefetch_pages > 0).then(|| prefetch::Prefetch::new(cfg.prefetch_pages)),
             plog,
+            zero_pages: layout
+                .mode
+                .striped()
+                .then(|| ZeroPages::new(layout.size.div_ceil(PAGE))),
             // Room for a whole stripe's parity (full-stripe writes).
             bufs: BufPool::new(
                 cfg.io_buffers as usize,
@@ -268,12 +277,12 @@ impl Device {
             ),
             codecs,
             placement: Mutex::new(Placement::new(cfg.donors.len())),
+            donors: DonorTable::new(),
+            membership: Mutex::new(book),
             cfg,
             state_dir: state_dir.to_path_buf(),
             layout,
             map,
-            donors,
-            donor_index,
             fallback,
             wt,
             stop: AtomicBool::new(false),
@@ -288,13 +297,25 @@ impl Device {
             frontend: Mutex::new(FrontendInfo::default()),
             resynced: AtomicU64::new(0),
             intent_sweep: Mutex::new(Instant::now()),
+            status_write: Mutex::new(()),
+            lost_seen: AtomicBool::new(false),
         });
+        inner.join_initial_donors()?;
         inner.forget_unconfigured_donors()?;
-        for d in &inner.donors {
-            inner.attach(d);
-        }
+        let restarted: Vec<usize> = inner
+            .donors
+            .iter()
+            .filter(|d| inner.attach(d))
+            .map(|d| d.idx)
+            .collect();
         inner.run_epoch(Duration::from_millis(inner.cfg.policy.epoch_ms));
         inner.mark_failed_donors();
+        // A donor that restarted serves again at once, as a new donor:
+        // writes into the extents it lost need somewhere to go now, not
+        // an epoch later.
+        for i in restarted {
+            inner.revive(&inner.donors[i]);
+        }
         inner.resync_open_groups()?;
         let mut threads = Vec::new();
         let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
@@ -313,6 +334,23 @@ impl Device {
             "pager-maint",
             Box::new(move || i.maintenance_loop()),
         )?);
+        match control::Server::bind(state_dir) {
+            Ok(server) => {
+                let i = inner.clone();
+                threads.push(spawn("pager-control", Box::new(move || server.run(i)))?);
+            }
+            Err(e) => tracing::warn!(
+                "{}: {e}; pagerctl donor-add, donor-remove and forget-lost cannot reach this device",
+                state_dir.join(control::SOCKET_FILE).display()
+            ),
+        }
+        for _ in 0..inner.prefetch.as_ref().map_or(0, |_| prefetch::THREADS) {
+            let i = inner.clone();
+            threads.push(spawn(
+                "pager-prefetch",
+                Box::new(move || i.prefetch_loop()),
+            )?);
+        }
         if inner.wt.is_some() {
             let i = inner.clone();
             threads.push(spawn(
@@ -324,7 +362,10 @@ impl Device {
         if let Some(m) = &inner.cfg.metrics {
             report::serve_metrics(&inner, m)?;
         }
-        Ok(Device { inner, threads })
+        Ok(Device {
+            inner,
+            threads: Mutex::new(threads),
+        })
     }
 
     pub fn size(&self) -> u64 {
@@ -365,8 +406,13 @@ impl Device {
         self.timed(RequestKind::Zero, len, t0, r)
     }
 
-    /// Discards `len` bytes at `offset`; whole extents are freed, partial
-    /// ones are passed to the donors (parity: ignored, trim is advisory).
+    /// Discards `len` bytes at `offset`: the range reads as zeros after
+    /// (in modes parity and ec its whole pages; the bytes of a partial page
+    /// stay, trim being advisory). Whole units are freed; in modes none,
+    /// mirror and disk partial ones are passed to the donors, in parity
+    /// and ec the pages are zeroed at home with the parity kept, trimmed
+    /// on their donors and dropped from the parity log, and a group is
+    /// freed once nothing written in it is left.
     pub fn trim(&self, len: u64, offset: u64) -> Result<()> {
         let t0 = Instant::now();
         let r = self.inner.modify(offset, Payload::Trim(len));
@@ -402,23 +448,61 @@ impl Device {
     pub fn poll_donors_now(&self) {
         self.inner.epoch_wake.notify();
     }
+
+    /// Adds donor `cfg` to the running device's set, journaled (`pagerctl
+    /// donor-add`): connected now, polled from the next epoch (run at
+    /// once), new extents go to it by the weighted age/load rule. A donor
+    /// that cannot be reached is not added.
+    pub fn add_donor(&self, cfg: DonorConfig, how: Joined) -> Result<()> {
+        self.inner.add_member(cfg, how, true).map(|_| ())
+    }
+
+    /// Starts removing the donor named (or at address) `key` (`pagerctl
+    /// donor-remove`): its extents move to the other donors, then it leaves
+    /// the set (status then lists it under `left`). Refused with the reason
+    /// when the mode could not place a unit without it.
+    pub fn remove_donor(&self, key: &str) -> Result<String> {
+        self.inner.remove_member(key).map(|d| d.cfg.name.clone())
+    }
+
+    /// Gives up on the lost data in `extents` (inclusive; all when `None`),
+    /// journaled (`pagerctl forget-lost`): lost extents are placed again
+    /// and, with pages that read as lost, read as zeros from now on.
+    /// [`DeviceError::NothingLost`] when there was nothing to forget.
+    pub fn forget_lost(&self, extents: Option<std::ops::RangeInclusive<u64>>) -> Result<Forgotten> {
+        self.inner.forget_lost(extents)
+    }
 }
 
-impl Drop for Device {
-    fn drop(&mut self) {
+impl Device {
+    /// Stops the background threads (epochs, maintenance, prefetch, the
+    /// control socket, the disk writer) and flushes. Once the caller's own
+    /// requests are done too, nothing of this device is in flight to a
+    /// donor, so the process may exit: closing a connection under replies
+    /// can abort a donor (nbdkit 1.32). Requests still work afterwards,
+    /// without maintenance. Dropping the device does the same.
+    pub fn quiesce(&self) -> Result<()> {
         self.inner.stop.store(true, Ordering::SeqCst);
         self.inner.maint_wake.notify();
         self.inner.epoch_wake.notify();
         if let Some(wt) = &self.inner.wt {
             wt.stop();
         }
-        for t in self.threads.drain(..) {
+        let threads = std::mem::take(&mut *self.threads.lock_or_recover());
+        for t in threads {
             let _ = t.join();
         }
-        if let Err(e) = self.inner.flush() {
+        let flushed = self.inner.flush();
+        self.inner.write_status();
+        flushed
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        if let Err(e) = self.quiesce() {
             tracing::error!("final flush of device {}: {e}", self.inner.cfg.client_id);
         }
-        self.inner.write_status();
     }
 }
 
@@ -460,6 +544,21 @@ impl Inner {
     fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         self.check_range(offset, buf.len() as u64)?;
         self.requests.fetch_add(1, Ordering::Relaxed);
+        // Before the prefetch cache too: it may hold an unfound page's zeros.
+        if self.map.any_unfound() {
+            self.check_found(offset, buf.len() as u64)?;
+        }
+        let took = self.read_prefetched(buf, offset);
+        if took == crate::readahead::Take::Hit {
+            return Ok(());
+        }
+        self.read_device(buf, offset)?;
+        self.read_done(offset, buf.len() as u64, took);
+        Ok(())
+    }
+
+    /// A read from the donors (the prefetch thread's too).
+    fn read_device(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         if self.layout.mode.striped() {
             return self.read_striped(buf, offset);
         }
@@ -471,8 +570,42 @@ impl Inner {
     fn modify(&self, offset: u64, p: Payload<'_>) -> Result<()> {
         self.check_range(offset, p.len())?;
         self.requests.fetch_add(1, Ordering::Relaxed);
-        if let (true, Payload::Data(d)) = (self.layout.mode.striped(), p) {
-            return self.write_parity_range(offset, d);
+        let writes = matches!(p, Payload::Data(_) | Payload::Zero(_));
+        if writes {
+            self.replace_lost_for_write(offset, p.len())?;
+        }
+        // After the change too: a prefetch that read the old page while
+        // it was being written must not be served.
+        self.written(offset, p.len());
+        let mut r = self.modify_device(offset, p);
+        if writes && matches!(r, Err(DeviceError::Lost { .. })) {
+            // A logged page it had to merge with is lost, or a unit was
+            // lost meanwhile.
+            if self.recover_range_for_write(offset, p.len())? {
+                r = self.modify_device(offset, p);
+            }
+        }
+        self.written(offset, p.len());
+        if r.is_ok() && writes && self.map.any_unfound() && p.len() > 0 {
+            // The pages it touched hold what was written now (the rest of
+            // a page written in part reads as zeros: its old data is gone).
+            let (first, last) = (offset / PAGE, (offset + p.len() - 1) / PAGE);
+            self.map.set_unfound(first, last - first + 1, false)?;
+        }
+        r
+    }
+
+    fn modify_device(&self, offset: u64, p: Payload<'_>) -> Result<()> {
+        if self.layout.mode.striped() {
+            return match p {
+                Payload::Data(d) => self.write_parity_range(offset, d),
+                // Group by group: a trim that covers a whole group frees it
+                // without zeroing its extents one by one first.
+                Payload::Trim(n) => self.trim_striped(offset, n),
+                Payload::Zero(n) => {
+                    self.pieces(offset, n, |e, in_off, _, n| self.zero_parity(e, in_off, n))
+                }
+            };
         }
         self.pieces(offset, p.len(), |e, in_off, at, n| {
             let piece = match p {
@@ -480,11 +613,7 @@ impl Inner {
                 Payload::Zero(_) => Payload::Zero(n),
                 Payload::Trim(_) => Payload::Trim(n),
             };
-            if self.layout.mode.striped() {
-                self.modify_parity(e, in_off, piece)
-            } else {
-                self.modify_replica(e, in_off, piece)
-            }
+            self.modify_replica(e, in_off, piece)
         })
     }
 

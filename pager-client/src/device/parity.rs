@@ -13,7 +13,7 @@ use std::sync::RwLockWriteGuard;
 
 use super::io::{batch, xor_into, IoFail, IoReq, ZEROS};
 use super::maintenance::MoveWhy;
-use super::{DeviceError, Inner, Payload, Result};
+use super::{DeviceError, Inner, Result};
 use crate::erasure::{aligned, ALIGN, MAX_SHARDS};
 use crate::extent_map::{CopyState, Loc, Member, Unit};
 use crate::page_log::PAGE;
@@ -68,11 +68,12 @@ impl Inner {
         guard: &mut GroupGuard<'_>,
         to_log: bool,
     ) -> Result<()> {
+        let at = e * self.layout.extent + in_off;
+        let end = at + data.len() as u64;
+        self.forget_zeros(at, end);
         if self.plog.is_none() {
             return self.write_parity_locked(e, in_off, data, guard);
         }
-        let at = e * self.layout.extent + in_off;
-        let end = at + data.len() as u64;
         let (first, last) = (at / PAGE, (end - 1) / PAGE);
         // The partial first and last pages, merged.
         let mut head = [0u8; PAGE as usize];
@@ -131,6 +132,8 @@ impl Inner {
         let ext = self.layout.extent as usize;
         let first = g * self.layout.data_per_unit();
         let mut guard = self.map.unit(g).write_or_recover();
+        let at = first * ext as u64;
+        self.forget_zeros(at, at + data.len() as u64);
         if guard.is_none() {
             // Every member is written in full below: no zeroing.
             self.place_group(first, g, &mut guard, false)?;
@@ -193,30 +196,135 @@ impl Inner {
         Ok(())
     }
 
-    pub(crate) fn modify_parity(&self, e: u64, in_off: u64, p: Payload<'_>) -> Result<()> {
-        match p {
-            Payload::Data(d) => self.write_parity_range(e * self.layout.extent + in_off, d),
-            // Trim is advisory; freeing one extent of a group would need
-            // its parity rewritten, which costs more than it saves.
-            Payload::Trim(_) => Ok(()),
-            Payload::Zero(n) => {
-                let (g, _) = self.layout.locate(e);
-                let at = e * self.layout.extent + in_off;
-                let (first, last) = (at / PAGE, (at + n - 1) / PAGE);
-                let placed = self.map.unit(g).read_or_recover().is_some();
-                // Never written: reads as zeros already.
-                if !placed && !self.map.log_any_in(first, last - first + 1) {
-                    return Ok(());
-                }
-                let mut done = 0;
-                while done < n {
-                    let k = (n - done).min(ZEROS.len() as u64);
-                    self.write_small(e, in_off + done, &ZEROS[..k as usize])?;
-                    done += k;
-                }
-                Ok(())
+    /// Forgets that the pages `[at, end)` touches read as zeros: they are
+    /// about to be written (their group write-locked).
+    fn forget_zeros(&self, at: u64, end: u64) {
+        if let Some(z) = &self.zero_pages {
+            z.clear(at / PAGE, end.div_ceil(PAGE) - at / PAGE);
+        }
+    }
+
+    /// Group `g`, just placed with its members zeroed, reads as zeros but
+    /// for its pages in the parity log.
+    fn placed_zeroed(&self, g: u64) {
+        let Some(z) = &self.zero_pages else { return };
+        let per = self.layout.data_per_unit() * self.layout.extent / PAGE;
+        let first = g * per;
+        let pages = per.min((self.layout.size / PAGE).saturating_sub(first));
+        let mut slots = vec![None; pages as usize];
+        self.map.log_lookup_run(first, &mut slots);
+        for (p, s) in (first..).zip(&slots) {
+            if s.is_none() {
+                z.mark(p, 1);
             }
         }
+    }
+
+    /// Writes `n` zero bytes at `in_off` in extent `e`, as a write.
+    pub(crate) fn zero_parity(&self, e: u64, in_off: u64, n: u64) -> Result<()> {
+        let (g, _) = self.layout.locate(e);
+        let at = e * self.layout.extent + in_off;
+        let (first, last) = (at / PAGE, (at + n - 1) / PAGE);
+        let placed = self.map.unit(g).read_or_recover().is_some();
+        // Never written: reads as zeros already.
+        if !placed && !self.map.log_any_in(first, last - first + 1) {
+            return Ok(());
+        }
+        let mut done = 0;
+        while done < n {
+            let k = (n - done).min(ZEROS.len() as u64);
+            self.write_small(e, in_off + done, &ZEROS[..k as usize])?;
+            done += k;
+        }
+        Ok(())
+    }
+
+    /// Trims the whole pages of `[offset, offset + len)`, group by group
+    /// under its write lock (the bytes of a partial page stay: trim is
+    /// advisory, and swap frees whole pages). See [`Inner::trim_group`].
+    pub(crate) fn trim_striped(&self, offset: u64, len: u64) -> Result<()> {
+        let (first, end) = (offset.div_ceil(PAGE), (offset + len) / PAGE);
+        let group_pages = self.layout.data_per_unit() * self.layout.extent / PAGE;
+        let mut p = first;
+        while p < end {
+            let g = p / group_pages;
+            let to = ((g + 1) * group_pages).min(end);
+            self.trim_group(g, p, to)?;
+            p = to;
+        }
+        Ok(())
+    }
+
+    /// Trims pages `first..end` of group `g`. Their copies in the parity
+    /// log are dropped (journaled), so neither a read nor the idle drain
+    /// ever sees them again. If every other data page of the group reads
+    /// as zeros already, the group is freed: its members trimmed on their
+    /// donors and their slots given back. Otherwise the pages not known to
+    /// be zeros are zeroed at home by the usual read-modify-write (write
+    /// intent and all), so the parity counts them as zeros, and then
+    /// trimmed on their data member, whose donor frees them.
+    fn trim_group(&self, g: u64, first: u64, end: u64) -> Result<()> {
+        let zero = self.zero_pages.as_ref().expect("a striped mode");
+        let ext_pages = self.layout.extent / PAGE;
+        let (g_first, g_end) = (
+            g * self.layout.data_per_unit() * ext_pages,
+            (g + 1) * self.layout.data_per_unit() * ext_pages,
+        );
+        let mut guard = self.map.unit(g).write_or_recover();
+        self.map.log_drop(first, end - first)?;
+        if guard.is_some() && zero.all(g_first, first - g_first) && zero.all(end, g_end - end) {
+            self.free_unit_locked(g, &mut guard)?;
+            tracing::debug!("parity group {g}: nothing left after a trim, members freed");
+        }
+        if guard.is_none() {
+            // Reads as zeros: unplaced, and out of the log.
+            zero.mark(first, end - first);
+            return Ok(());
+        }
+        let mut p = first;
+        while p < end {
+            if zero.get(p) {
+                p += 1;
+                continue;
+            }
+            let e = p / ext_pages;
+            let stop = ((e + 1) * ext_pages).min(end);
+            let mut q = p + 1;
+            while q < stop && !zero.get(q) {
+                q += 1;
+            }
+            self.trim_home_locked(e, (p - e * ext_pages) * PAGE, (q - p) * PAGE, &mut guard)?;
+            zero.mark(p, q - p);
+            p = q;
+        }
+        Ok(())
+    }
+
+    /// Zeroes `len` bytes at `in_off` in extent `e` at home, parity
+    /// updated, then trims them on the data member (group placed and
+    /// write-locked).
+    fn trim_home_locked(
+        &self,
+        e: u64,
+        in_off: u64,
+        len: u64,
+        guard: &mut GroupGuard<'_>,
+    ) -> Result<()> {
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(ZEROS.len() as u64);
+            self.write_parity_locked(e, in_off + done, &ZEROS[..n as usize], guard)?;
+            done += n;
+        }
+        let (_, pos) = self.layout.locate(e);
+        let m = guard.as_ref().expect("placed by the caller").members[pos];
+        // It reads as zeros whether or not the donor frees the pages.
+        if self.usable(&m) {
+            if let Err(f) = self.exec1(m.loc, in_off, Op::Trim(len)) {
+                tracing::debug!("trim of extent {e} at {in_off}: {}", f.reason());
+            }
+        }
+        Ok(())
     }
 
     /// Read-modify-write of `data` at home, group `g` write-locked.
@@ -230,7 +338,10 @@ impl Inner {
         let (g, pos) = self.layout.locate(e);
         if guard.is_none() {
             self.place_group(e, g, guard, true)?;
+            self.placed_zeroed(g);
         }
+        let at = e * self.layout.extent + in_off;
+        self.forget_zeros(at, at + data.len() as u64);
         self.map.mark_written(g)?;
         if self.layout.parity_count() > 1 {
             return self.write_stripe_locked(e, in_off, data, guard);

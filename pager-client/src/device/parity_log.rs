@@ -5,7 +5,9 @@
 //! them as new rows of a log unit: `k` pages per row, no reads, and
 //! one request per member for up to [`MAX_ROWS`] consecutive rows. The page table (see
 //! [`crate::page_log`]) says which pages live in the log; their home copies
-//! are stale until the page is written home again.
+//! are stale until the page is written home again. A trimmed page leaves
+//! the table (`Inner::trim_group`), so neither a read nor the cleaner nor
+//! the idle drain sees its logged copy again.
 //!
 //! Locking: a writer holds its pages' home group write lock while it waits
 //! for the row, so no one else reads or writes those pages meanwhile; a row

@@ -37,10 +37,14 @@ impl Inner {
     /// Why donor `i` cannot take a new extent now, or `None` if it can.
     pub(crate) fn ineligible_reason(&self, i: usize) -> Option<&'static str> {
         let d = &self.donors[i];
-        if d.is_failed() {
+        if d.is_retired() {
+            Some("left the set")
+        } else if d.is_failed() {
             Some("failed")
         } else if !d.attached.load(Ordering::Acquire) {
             Some("not connected")
+        } else if d.is_leaving() {
+            Some("leaving")
         } else if d.draining.load(Ordering::Acquire) {
             Some("draining")
         } else if d.full.load(Ordering::Acquire) {
@@ -160,14 +164,18 @@ impl Inner {
     fn pick_donors(&self, k: usize, exclude: &[u16]) -> (Vec<usize>, String) {
         let mut pl = self.placement.lock_or_recover();
         let n = self.donors.len();
-        let f: Vec<f64> = if pl.freqs.f.len() == n && pl.freqs.f.iter().any(|&x| x > 0.0) {
-            pl.freqs.f.clone()
+        // A donor that joined since the epoch gets nothing until the next
+        // one has polled it (and runs at once after a join).
+        let f: Vec<f64> = if pl.freqs.f.len() <= n && pl.freqs.f.iter().any(|&x| x > 0.0) {
+            let mut f = pl.freqs.f.clone();
+            f.resize(n, 0.0);
+            f
         } else {
             vec![1.0; n]
         };
         let eligible =
             |i: usize| !exclude.contains(&self.donors[i].id) && self.ineligible_reason(i).is_none();
-        if pl.freqs.all_capped && self.fallback.is_some() && pl.freqs.f.len() == n {
+        if pl.freqs.all_capped && self.fallback.is_some() {
             return (Vec::new(), "every donor is capped by its load bound".into());
         }
         if let Some(v) = pl.selector.pick_distinct(&f, k, eligible) {

@@ -272,9 +272,16 @@ impl Inner {
     pub(crate) fn free_unit(&self, u: u64) -> Result<()> {
         let mut g = self.map.unit(u).write_or_recover();
         if let Some(wt) = &self.wt {
-            // Parity never gets here; in disk mode a unit is one extent.
+            // In disk mode a unit is one extent.
             wt.enqueue_zero(u * self.layout.extent, self.extent_len(u));
         }
+        self.free_unit_locked(u, &mut g)
+    }
+
+    /// Unit `u` (write-locked as `g`) becomes unplaced, journaled first;
+    /// then its members are trimmed on their donors and their slots given
+    /// back.
+    pub(crate) fn free_unit_locked(&self, u: u64, g: &mut Option<Unit>) -> Result<()> {
         let Some(unit) = g.take() else { return Ok(()) };
         self.map.commit(u, &None)?;
         let owned: Vec<Member> = unit

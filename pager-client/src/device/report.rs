@@ -22,6 +22,9 @@ pub(crate) struct Jobs {
     pub rebuild: Progress,
     pub drain: Progress,
     pub last_status: Option<Instant>,
+    /// The latest epochs: when each started (ms since the Unix epoch) and
+    /// how long it took (us), oldest first.
+    pub epochs: std::collections::VecDeque<(u64, u64)>,
 }
 
 /// Starts `/metrics` (`[metrics]` of device.toml). The endpoint holds the
@@ -116,8 +119,22 @@ impl Inner {
         lost.sort_unstable();
         lost.dedup();
         t.lost = lost.len() as u64;
+        self.lost_seen.store(t.lost > 0, Ordering::Relaxed);
         lost.truncate(LOST_LISTED);
         t.lost_extents = lost;
+        let unfound = self.map.unfound();
+        t.unfound_pages = unfound.pages();
+        let page_extent = |p: u64| p * crate::page_log::PAGE / layout.extent;
+        for r in unfound.ranges() {
+            let (a, b) = (page_extent(r.start), page_extent(r.end - 1));
+            let last = t.unfound_extents.last().copied();
+            let from = last.map_or(a, |l| a.max(l + 1));
+            t.unfound_extents.extend(from..=b);
+            if t.unfound_extents.len() >= LOST_LISTED {
+                t.unfound_extents.truncate(LOST_LISTED);
+                break;
+            }
+        }
         t.can_lose = levels.iter().position(|&n| n > 0).unwrap_or(spare) as u32;
         t.can_lose_units = levels;
         {
@@ -145,6 +162,14 @@ impl Inner {
         if let Some(geo) = geo {
             t.parity_log_bytes = geo.units * log_unit_bytes;
             t.parity_log_live_bytes = self.map.log_census().0 * crate::page_log::PAGE;
+        }
+        if let Some(pf) = &self.prefetch {
+            let n = pf.cache.counters();
+            t.prefetch_pages = self.cfg.prefetch_pages;
+            t.prefetch_issued = n.issued;
+            t.prefetch_hits = n.hits;
+            t.prefetch_wasted = n.wasted;
+            t.prefetch_cache_bytes = pf.cache.ready_bytes();
         }
         if layout.mode.striped() {
             t.groups_open = self.map.open_intents().len() as u64;
@@ -190,11 +215,16 @@ impl Inner {
                     capped: pl.freqs.capped.get(d.idx).copied().unwrap_or(false),
                     utilisation: r.status.as_ref().map_or(0.0, |s| s.utilisation),
                     errors: d.errors.load(Ordering::Relaxed),
+                    retries: d.retries.load(Ordering::Relaxed),
                     reads: d.reads.load(Ordering::Relaxed),
                     writes: d.writes.load(Ordering::Relaxed),
+                    joined: d.joined,
+                    joined_unix: d.joined_unix,
+                    leaving: d.is_leaving(),
                 }
             })
             .collect();
+        let book = self.membership.lock_or_recover();
         let (width, b, epoch_ms) = (
             match layout.mode {
                 Redundancy::Parity { width } => width,
@@ -218,6 +248,18 @@ impl Inner {
             epoch_ms,
             b,
             donors,
+            epochs: self.jobs.lock_or_recover().epochs.iter().copied().collect(),
+            left: book.left.clone(),
+            donors_file: self
+                .cfg
+                .donors_file
+                .as_ref()
+                .map(|p| p.display().to_string()),
+            donors_file_error: book.file_error.clone(),
+            donors_file_pending: book.file_pending.clone(),
+            discover: self.cfg.discover,
+            discovery_error: book.discovery_error.clone(),
+            not_admitted: book.not_admitted.clone(),
             totals: t,
             requests: self.stats.reports(),
         }

@@ -70,7 +70,7 @@ impl Inner {
     /// Recomputes group `g`'s parity members from its data members and
     /// writes them (group write-locked, `unit` its placement); false if
     /// the group has no placement.
-    fn resync_group(&self, g: u64, unit: Option<&Unit>) -> Result<bool> {
+    pub(crate) fn resync_group(&self, g: u64, unit: Option<&Unit>) -> Result<bool> {
         let Some(unit) = unit else {
             return Ok(false);
         };
@@ -154,8 +154,37 @@ impl Inner {
             }
             *last = Instant::now();
         }
-        if let Err(e) = self.map.sweep_intents() {
-            tracing::error!("closing parity groups' write intents: {e}");
+        let poisoned = match self.map.sweep_intents() {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::error!("closing parity groups' write intents: {e}");
+                return;
+            }
+        };
+        for g in poisoned {
+            self.resync_poisoned(g);
+        }
+    }
+
+    /// A request panicked while it held group `g`'s lock: its data and
+    /// parity may disagree. Recompute the parity, and only then trust the
+    /// group again (lock unpoisoned, intent closed).
+    fn resync_poisoned(&self, g: u64) {
+        let lock = self.map.unit(g);
+        let guard = lock.write_or_recover();
+        match self.resync_group(g, guard.as_ref()) {
+            Ok(_) => {
+                self.resynced.fetch_add(1, Ordering::Relaxed);
+                lock.clear_poison();
+                if let Err(e) = self.map.clear_intent(g) {
+                    tracing::error!("closing parity group {g}'s write intent: {e}");
+                }
+                tracing::warn!(
+                    "parity group {g}: a request failed mid-write (panic); parity recomputed"
+                );
+            }
+            // Left open: the next sweep, or the next start, tries again.
+            Err(e) => tracing::error!("resync of parity group {g} after a panic mid-write: {e}"),
         }
     }
 }

@@ -38,11 +38,12 @@ mod record;
 mod slots;
 #[cfg(test)]
 mod tests;
+mod unfound;
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Mutex, MutexGuard, RwLock, TryLockError};
 
 use netpager_util::LockExt;
@@ -54,6 +55,7 @@ pub use record::crc32;
 use record::{encode, encode_into, frame_into, log_row_payload, Record};
 pub use slots::SlotOwner;
 use slots::{SlotSet, Slots};
+pub use unfound::PageRanges;
 
 pub const SNAPSHOT_FILE: &str = "map.snap";
 pub const JOURNAL_FILE: &str = "map.journal";
@@ -69,11 +71,57 @@ const INTENT_TOUCHED: u8 = 2;
 
 /// A donor as the map knows it: ids are stable across restarts and config
 /// changes, the label says which incarnation of our export holds our data
-/// (0: none).
+/// (0: none), and `member` whether (and how) it belongs to the device's
+/// donor set (`None` in maps written before live membership).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DonorEntry {
     pub name: String,
     pub label: u128,
+    pub member: Option<Membership>,
+}
+
+/// Where a donor stands in the device's set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemberState {
+    /// In the set: new extents may go to it.
+    Member,
+    /// Being removed: its extents are moving off, nothing new goes there.
+    Leaving,
+    /// Out of the set: forgotten after it died, or its line left the
+    /// donors file.
+    Gone,
+    /// Removed by the admin (`donor-remove`): discovery never brings it
+    /// back; `donor-add` does.
+    Removed,
+}
+
+impl MemberState {
+    /// Out of the set, however it left.
+    pub fn left(self) -> bool {
+        matches!(self, MemberState::Gone | MemberState::Removed)
+    }
+
+    pub fn word(self) -> &'static str {
+        match self {
+            MemberState::Member => "member",
+            MemberState::Leaving => "leaving",
+            MemberState::Gone => "gone",
+            MemberState::Removed => "removed",
+        }
+    }
+}
+
+/// A donor's membership as the journal keeps it, so a restart (or a
+/// re-attach) finds the same donor set.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Membership {
+    pub joined: netpager_membership::Joined,
+    /// When it joined (or left, for `Gone`), seconds since the Unix epoch.
+    pub since_unix: u64,
+    pub state: MemberState,
+    /// How to reach it: its `device.toml` donor entry as JSON (donors that
+    /// joined at run time are in no configuration file).
+    pub config: String,
 }
 
 /// Errors of the extent map, naming the file and offset.
@@ -131,6 +179,12 @@ pub struct ExtentMap {
     /// The parity log's page table. Changes update it, release it, then
     /// append to the journal; only compaction holds both (`persist` first).
     log: Option<Mutex<PageTable>>,
+    /// Pages that read as lost until written (`unfound.rs`); changed like
+    /// the page table: update, release, then append to the journal.
+    unfound: Mutex<PageRanges>,
+    /// Pages in `unfound`, so that reads and writes skip its lock while
+    /// nothing is unfound (always, but after a loss).
+    unfound_pages: AtomicU64,
 }
 
 fn io_err(path: &Path) -> impl Fn(io::Error) -> MapError + '_ {
@@ -204,8 +258,9 @@ impl ExtentMap {
         // harmless), never to the old one.
         let mut p = self.persist.lock_or_recover();
         let table = self.log.as_ref().map(|t| t.lock_or_recover().clone());
+        let unfound = self.unfound.lock_or_recover().clone();
         let g = p.generation + 1;
-        self.write_snapshot(&p, table.as_ref(), g)?;
+        self.write_snapshot(&p, table.as_ref(), &unfound, g)?;
         write_journal_header(&self.dir, g, &self.layout)?;
         let jpath = self.dir.join(JOURNAL_FILE);
         p.journal = OpenOptions::new()
@@ -221,6 +276,7 @@ impl ExtentMap {
         &self,
         p: &Persist,
         table: Option<&PageTable>,
+        unfound: &PageRanges,
         generation: u64,
     ) -> Result<(), MapError> {
         let tmp = self.dir.join(format!("{SNAPSHOT_FILE}.tmp"));
@@ -275,6 +331,13 @@ impl ExtentMap {
                     }));
                 }
             }
+        }
+        for r in unfound.ranges() {
+            data.extend(encode(&Record::Unfound {
+                first: r.start,
+                count: r.end - r.start,
+                lost: true,
+            }));
         }
         data.extend(encode(&Record::End { units: n }));
         let mut f = File::create(&tmp).map_err(io_err(&tmp))?;
@@ -339,15 +402,22 @@ impl ExtentMap {
 
     /// Closes the intent of every open group not written since the last
     /// sweep (taking its write lock, so no write is in flight; a group
-    /// whose lock is busy waits for the next sweep).
-    pub fn sweep_intents(&self) -> Result<(), MapError> {
+    /// whose lock is busy waits for the next sweep). Returns the open
+    /// groups whose lock is poisoned: a request panicked mid-write there,
+    /// so their parity may not match their data, and they stay open until
+    /// the caller has resynced them.
+    pub fn sweep_intents(&self) -> Result<Vec<u64>, MapError> {
+        let mut poisoned = Vec::new();
         for (g, i) in self.intents.iter().enumerate() {
             if i.load(Ordering::Relaxed) & INTENT_OPEN == 0 {
                 continue;
             }
             let guard = match self.units[g].try_write() {
                 Ok(guard) => guard,
-                Err(TryLockError::Poisoned(e)) => e.into_inner(),
+                Err(TryLockError::Poisoned(_)) => {
+                    poisoned.push(g as u64);
+                    continue;
+                }
                 Err(TryLockError::WouldBlock) => continue,
             };
             if i.load(Ordering::Relaxed) & INTENT_TOUCHED != 0 {
@@ -357,7 +427,7 @@ impl ExtentMap {
             }
             drop(guard);
         }
-        Ok(())
+        Ok(poisoned)
     }
 
     /// Home groups whose write intent is open (at start: those a crash may
@@ -469,6 +539,86 @@ impl ExtentMap {
         )
     }
 
+    // ---- unfound pages ----
+
+    /// Whether any page is unfound: one relaxed load, for the I/O path.
+    pub fn any_unfound(&self) -> bool {
+        self.unfound_pages.load(Ordering::Relaxed) > 0
+    }
+
+    /// The first unfound page of `[first, first + count)`.
+    pub fn first_unfound_in(&self, first: u64, count: u64) -> Option<u64> {
+        if !self.any_unfound() {
+            return None;
+        }
+        self.unfound
+            .lock_or_recover()
+            .first_in(first..first + count)
+    }
+
+    /// The unfound pages.
+    pub fn unfound(&self) -> PageRanges {
+        self.unfound.lock_or_recover().clone()
+    }
+
+    /// Journals pages `[first, first + count)` as unfound (`lost`: they
+    /// read as lost until written) or found again (written, or forgotten);
+    /// returns how many pages changed. Only a change is journaled.
+    pub fn set_unfound(&self, first: u64, count: u64, lost: bool) -> Result<u64, MapError> {
+        let changed = {
+            let mut u = self.unfound.lock_or_recover();
+            let changed = if lost {
+                u.insert(first..first + count)
+            } else {
+                u.remove(first..first + count)
+            };
+            if changed == 0 {
+                return Ok(0);
+            }
+            self.unfound_pages.store(u.pages(), Ordering::Relaxed);
+            changed
+        };
+        self.append(
+            &mut self.persist.lock_or_recover(),
+            &Record::Unfound { first, count, lost },
+        )?;
+        Ok(changed)
+    }
+
+    // ---- starting afresh ----
+
+    /// Forgets every placement, write intent, logged page and unfound page
+    /// of the map in `dir` (created if missing), keeping its donors and
+    /// their membership; their labels are dropped, so the next open clears
+    /// their exports (what was stored there is garbage now). For a swap
+    /// attach: swap's contents never outlive a detach, so an old map's
+    /// lost extents must not be carried into the new swap area.
+    pub fn start_empty(dir: &Path, layout: Layout) -> Result<(), MapError> {
+        let map = ExtentMap::open(dir, layout)?;
+        {
+            let mut p = map.persist.lock_or_recover();
+            for u in &mut p.mirror {
+                *u = None;
+            }
+            p.parity_held.clear();
+            for d in &mut p.donors {
+                d.label = 0;
+            }
+        }
+        for i in &map.intents {
+            i.store(0, Ordering::Relaxed);
+        }
+        if let Some(t) = &map.log {
+            let mut t = t.lock_or_recover();
+            for lu in 0..t.geometry().units {
+                t.clear_unit(lu);
+            }
+        }
+        *map.unfound.lock_or_recover() = PageRanges::default();
+        map.unfound_pages.store(0, Ordering::Relaxed);
+        map.compact()
+    }
+
     // ---- donors ----
 
     /// The map id of donor `name`, registering (and journaling) it if new.
@@ -481,6 +631,7 @@ impl ExtentMap {
         let entry = DonorEntry {
             name: name.to_string(),
             label: 0,
+            member: None,
         };
         self.append_donor(&mut p, id, &entry)?;
         p.donors.push(entry);
@@ -500,6 +651,21 @@ impl ExtentMap {
         self.append_donor(&mut p, id, &entry)?;
         p.donors[id as usize] = entry;
         Ok(())
+    }
+
+    /// Journals donor `id`'s membership.
+    pub fn set_donor_member(&self, id: u16, member: Membership) -> Result<(), MapError> {
+        let mut p = self.persist.lock_or_recover();
+        let mut entry = p.donors[id as usize].clone();
+        entry.member = Some(member);
+        self.append_donor(&mut p, id, &entry)?;
+        p.donors[id as usize] = entry;
+        Ok(())
+    }
+
+    /// Every donor the map has recorded, by id.
+    pub fn donor_entries(&self) -> Vec<DonorEntry> {
+        self.persist.lock_or_recover().donors.clone()
     }
 
     fn append_donor(&self, p: &mut Persist, id: u16, entry: &DonorEntry) -> Result<(), MapError> {

@@ -3,11 +3,12 @@
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::path::Path;
-use std::sync::atomic::AtomicU8;
+use std::sync::atomic::{AtomicU64, AtomicU8};
 use std::sync::{Mutex, RwLock};
 
 use super::record::{encode, parse_records, Record};
 use super::slots::{SlotSet, Slots};
+use super::unfound::PageRanges;
 use super::{
     count_parity, fsync_dir, io_err, CopyState, DonorEntry, ExtentMap, Layout, Loc, MapError,
     Persist, Unit, INTENT_OPEN, JOURNAL_FILE, JOURNAL_SCRATCH, SNAPSHOT_FILE,
@@ -20,6 +21,7 @@ struct Replay {
     intents: Vec<bool>,
     donors: Vec<DonorEntry>,
     log: Option<PageTable>,
+    unfound: PageRanges,
 }
 
 impl Replay {
@@ -115,6 +117,21 @@ impl Replay {
                 *slot = open;
                 Ok(())
             }
+            Record::Unfound { first, count, lost } => {
+                let pages = layout.size.div_ceil(PAGE);
+                let end = first
+                    .checked_add(count)
+                    .filter(|&end| end <= pages)
+                    .ok_or_else(|| {
+                        format!("unfound pages {first}+{count} are past the device's {pages} pages")
+                    })?;
+                if lost {
+                    self.unfound.insert(first..end);
+                } else {
+                    self.unfound.remove(first..end);
+                }
+                Ok(())
+            }
         }
     }
 }
@@ -164,6 +181,7 @@ impl ExtentMap {
             intents: vec![false; layout.home_units() as usize],
             donors: Vec::new(),
             log: layout.log_geometry().and_then(|g| PageTable::new(g, pages)),
+            unfound: PageRanges::default(),
         };
 
         let mut generation = 0u64;
@@ -354,6 +372,8 @@ impl ExtentMap {
             }),
             slots: Mutex::new(slots),
             log: st.log.map(Mutex::new),
+            unfound_pages: AtomicU64::new(st.unfound.pages()),
+            unfound: Mutex::new(st.unfound),
         })
     }
 }

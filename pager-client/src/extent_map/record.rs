@@ -1,7 +1,9 @@
 //! The journal's and snapshot's records: framing (length, CRC-32), encoding
 //! and decoding.
 
-use super::{CopyState, DonorEntry, Layout, Loc, Member, Redundancy, Unit};
+use super::{
+    CopyState, DonorEntry, Layout, Loc, Member, MemberState, Membership, Redundancy, Unit,
+};
 
 const MAGIC: &[u8; 8] = b"NPMAP001";
 
@@ -69,6 +71,13 @@ pub(super) enum Record {
         group: u32,
         open: bool,
     },
+    /// Pages `[first, first + count)` read as lost until written (`lost`),
+    /// or not any more (see `unfound.rs`).
+    Unfound {
+        first: u64,
+        count: u64,
+        lost: bool,
+    },
 }
 
 /// Appends one framed record to `out`: length, CRC, then the payload that
@@ -129,6 +138,19 @@ fn encode_payload(r: &Record, p: &mut Vec<u8>) {
             p.extend_from_slice(&entry.label.to_le_bytes());
             p.extend_from_slice(&(entry.name.len() as u16).to_le_bytes());
             p.extend_from_slice(entry.name.as_bytes());
+            // Optional tail: maps written before live membership end here.
+            if let Some(m) = &entry.member {
+                p.push(m.joined.code());
+                p.push(match m.state {
+                    MemberState::Member => 0,
+                    MemberState::Leaving => 1,
+                    MemberState::Gone => 2,
+                    MemberState::Removed => 3,
+                });
+                p.extend_from_slice(&m.since_unix.to_le_bytes());
+                p.extend_from_slice(&(m.config.len() as u32).to_le_bytes());
+                p.extend_from_slice(m.config.as_bytes());
+            }
         }
         Record::Unit { index, unit } => {
             p.push(3);
@@ -166,6 +188,12 @@ fn encode_payload(r: &Record, p: &mut Vec<u8>) {
             p.push(7);
             p.extend_from_slice(&group.to_le_bytes());
             p.push(u8::from(*open));
+        }
+        Record::Unfound { first, count, lost } => {
+            p.push(8);
+            p.extend_from_slice(&first.to_le_bytes());
+            p.extend_from_slice(&count.to_le_bytes());
+            p.push(u8::from(*lost));
         }
     }
 }
@@ -245,9 +273,37 @@ fn decode(payload: &[u8]) -> Result<Record, String> {
             let n = c.u16()? as usize;
             let name = String::from_utf8(c.take(n)?.to_vec())
                 .map_err(|_| "donor name is not UTF-8".to_string())?;
+            let member = if c.0.is_empty() {
+                None
+            } else {
+                let code = c.u8()?;
+                let joined = netpager_membership::Joined::from_code(code)
+                    .ok_or_else(|| format!("donor {name:?}: unknown way of joining {code}"))?;
+                let state = match c.u8()? {
+                    0 => MemberState::Member,
+                    1 => MemberState::Leaving,
+                    2 => MemberState::Gone,
+                    3 => MemberState::Removed,
+                    s => return Err(format!("donor {name:?}: unknown membership state {s}")),
+                };
+                let since_unix = c.u64()?;
+                let n = c.u32()? as usize;
+                let config = String::from_utf8(c.take(n)?.to_vec())
+                    .map_err(|_| format!("donor {name:?}: its configuration is not UTF-8"))?;
+                Some(Membership {
+                    joined,
+                    since_unix,
+                    state,
+                    config,
+                })
+            };
             Record::Donor {
                 id,
-                entry: DonorEntry { name, label },
+                entry: DonorEntry {
+                    name,
+                    label,
+                    member,
+                },
             }
         }
         3 => {
@@ -294,6 +350,15 @@ fn decode(payload: &[u8]) -> Result<Record, String> {
                 0 => false,
                 1 => true,
                 b => return Err(format!("write intent flag {b} is neither 0 nor 1")),
+            },
+        },
+        8 => Record::Unfound {
+            first: c.u64()?,
+            count: c.u64()?,
+            lost: match c.u8()? {
+                0 => false,
+                1 => true,
+                b => return Err(format!("unfound flag {b} is neither 0 nor 1")),
             },
         },
         t => return Err(format!("unknown record type {t}")),
@@ -343,5 +408,18 @@ mod tests {
     #[test]
     fn crc_matches_the_standard_check_value() {
         assert_eq!(crc32(b"123456789"), 0xCBF4_3926);
+    }
+
+    #[test]
+    fn unfound_records_round_trip() {
+        for lost in [true, false] {
+            let r = Record::Unfound {
+                first: 1 << 40,
+                count: 256,
+                lost,
+            };
+            let (recs, _, err) = parse_records(&encode(&r));
+            assert_eq!((recs, err), (vec![r], None));
+        }
     }
 }

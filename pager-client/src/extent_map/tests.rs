@@ -138,7 +138,8 @@ fn compaction_and_a_crash_between_snapshot_and_journal_reset() {
     // Crash in the middle of the next compaction: the new snapshot is in
     // place, the old journal (already folded in) is not reset.
     let p = m.persist.lock_or_recover();
-    m.write_snapshot(&p, None, p.generation + 1).unwrap();
+    m.write_snapshot(&p, None, &PageRanges::default(), p.generation + 1)
+        .unwrap();
     drop(p);
     drop(m);
     let m = reopen(&dir);
@@ -320,6 +321,28 @@ fn write_intents_survive_reopen_and_compaction_until_swept() {
 }
 
 #[test]
+fn a_group_poisoned_mid_write_stays_open_until_resynced() {
+    let (_dir, m) = mirror_map();
+    m.mark_written(3).unwrap();
+    m.mark_written(4).unwrap();
+    // A request panics while it holds group 3's write lock.
+    std::thread::scope(|s| {
+        let _ = s
+            .spawn(|| {
+                let _g = m.unit(3).write().unwrap();
+                panic!("a request panicked mid-write");
+            })
+            .join();
+    });
+    assert!(m.unit(3).is_poisoned());
+    for _ in 0..2 {
+        assert_eq!(m.sweep_intents().unwrap(), vec![3]);
+    }
+    // Group 4 closed as usual; group 3 is still open for the resync.
+    assert_eq!(m.open_intents(), vec![3]);
+}
+
+#[test]
 fn parity_members_are_counted_per_donor_through_changes_and_reopen() {
     let dir = tempfile::tempdir().unwrap();
     let l = log_layout();
@@ -351,4 +374,122 @@ fn parity_members_are_counted_per_donor_through_changes_and_reopen() {
     }
     let m = ExtentMap::open(dir.path(), l).unwrap();
     assert_eq!(m.parity_held(), vec![1, 0, 1]);
+}
+
+fn member(state: MemberState, joined: netpager_membership::Joined, since: u64) -> Membership {
+    Membership {
+        joined,
+        since_unix: since,
+        state,
+        config: format!(r#"{{"name":"x{since}","address":"127.0.0.9:1"}}"#),
+    }
+}
+
+#[test]
+fn the_journal_replays_joins_and_departures_through_compaction() {
+    use netpager_membership::Joined;
+    let (dir, m) = mirror_map();
+    let c = m.donor_id("c").unwrap();
+    m.set_donor_member(0, member(MemberState::Member, Joined::Attach, 1))
+        .unwrap();
+    m.set_donor_member(c, member(MemberState::Member, Joined::Added, 2))
+        .unwrap();
+    m.set_donor_member(1, member(MemberState::Leaving, Joined::Attach, 1))
+        .unwrap();
+    m.set_donor_label(c, 77).unwrap();
+    drop(m);
+    let m = reopen(&dir);
+    let e = m.donor_entries();
+    assert_eq!(e.len(), 3);
+    assert_eq!(e[1].member.as_ref().unwrap().state, MemberState::Leaving);
+    // A label change keeps the membership it was journaled with.
+    assert_eq!(e[2].label, 77);
+    assert_eq!(
+        e[2].member,
+        Some(member(MemberState::Member, Joined::Added, 2))
+    );
+    m.set_donor_member(1, member(MemberState::Gone, Joined::Attach, 3))
+        .unwrap();
+    m.compact().unwrap();
+    drop(m);
+    let e = reopen(&dir).donor_entries();
+    assert_eq!(e[1].member.as_ref().unwrap().state, MemberState::Gone);
+    assert_eq!(e[1].member.as_ref().unwrap().since_unix, 3);
+    assert_eq!(e[0].member.as_ref().unwrap().joined, Joined::Attach);
+}
+
+#[test]
+fn donor_records_from_before_membership_still_replay() {
+    // The old record: type, id, label, name and nothing after.
+    let mut old = Vec::new();
+    record::frame_into(&mut old, |p| {
+        p.push(2);
+        p.extend_from_slice(&4u16.to_le_bytes());
+        p.extend_from_slice(&9u128.to_le_bytes());
+        p.extend_from_slice(&(3u16).to_le_bytes());
+        p.extend_from_slice(b"old");
+    });
+    let r = record::parse_records(&old).0;
+    assert_eq!(
+        r,
+        vec![Record::Donor {
+            id: 4,
+            entry: DonorEntry {
+                name: "old".into(),
+                label: 9,
+                member: None
+            }
+        }]
+    );
+}
+
+#[test]
+fn unfound_pages_survive_a_restart_and_a_compaction() {
+    let (dir, m) = mirror_map();
+    assert!(!m.any_unfound());
+    m.set_unfound(256, 256, true).unwrap();
+    m.set_unfound(300, 4, false).unwrap();
+    drop(m);
+    let m = reopen(&dir);
+    assert_eq!(m.first_unfound_in(0, 1000), Some(256));
+    assert_eq!(m.first_unfound_in(300, 100), Some(304));
+    assert_eq!(m.first_unfound_in(300, 4), None);
+    assert_eq!(m.first_unfound_in(512, 100), None);
+    assert_eq!(m.unfound().pages(), 252);
+    m.compact().unwrap();
+    assert_eq!(m.set_unfound(256, 44, false).unwrap(), 44);
+    drop(m);
+    let m = reopen(&dir);
+    let ranges: Vec<_> = m.unfound().ranges().map(|r| (r.start, r.end)).collect();
+    assert_eq!(ranges, [(304, 512)]);
+    // Past the device's 4096 pages: the journal is corrupt there.
+    m.set_unfound(4095, 2, true).unwrap();
+    drop(m);
+    let e = ExtentMap::open(dir.path(), layout())
+        .err()
+        .expect("refused");
+    assert!(
+        e.to_string().contains("past the device's 4096 pages"),
+        "{e}"
+    );
+}
+
+#[test]
+fn starting_empty_keeps_the_donors_and_nothing_else() {
+    let (dir, m) = mirror_map();
+    m.set_donor_label(1, 77).unwrap();
+    *m.unit(3).write().unwrap() = unit(0, 1, 1, 1);
+    m.commit(3, &unit(0, 1, 1, 1)).unwrap();
+    m.set_unfound(0, 256, true).unwrap();
+    drop(m);
+    ExtentMap::start_empty(dir.path(), layout()).unwrap();
+    let m = reopen(&dir);
+    assert_eq!(get(&m, 3), None);
+    assert!(!m.any_unfound());
+    let names: Vec<_> = m
+        .donor_entries()
+        .into_iter()
+        .map(|d| (d.name, d.label))
+        .collect();
+    assert_eq!(names, [("a".to_string(), 0), ("b".to_string(), 0)]);
 }

@@ -26,6 +26,23 @@ pub fn pager_server(params: &[&str]) -> Option<Nbdkit> {
     Some(Nbdkit::start(&args, true))
 }
 
+/// `n` small pager-server donors (16 MiB exports, never busy) that report
+/// their state and used bytes on a status endpoint, or `None` as
+/// [`pager_server`].
+pub fn pager_servers(n: usize) -> Option<Vec<Nbdkit>> {
+    (0..n)
+        .map(|_| {
+            pager_server(&[
+                "size=16M",
+                "budget=64M",
+                "reserve=0",
+                "busy-load=1000",
+                "poll-ms=100",
+            ])
+        })
+        .collect()
+}
+
 /// The pager-server plugin: `$NETPAGER_TARGET_DIR`, then the usual target
 /// directories. Tests that need it say so on stderr and return when it is
 /// missing, unless `NETPAGER_REQUIRE_SERVER=1` (every `make` target sets it)

@@ -17,11 +17,11 @@ fn next_ip() -> String {
     format!("127.0.0.{}", 10 + n % 240)
 }
 
-fn free_port(ip: &str) -> u16 {
-    TcpListener::bind((ip, 0))
-        .and_then(|l| l.local_addr())
-        .expect("bind a free port")
-        .port()
+/// Two distinct ports free on `ip` now (held open together, so they differ).
+fn free_ports(ip: &str) -> [u16; 2] {
+    let bind = || TcpListener::bind((ip, 0)).expect("bind a free port");
+    let held = [bind(), bind()];
+    held.map(|l| l.local_addr().expect("bound").port())
 }
 
 /// The user name of [`Nbdkit::memory_tls`]'s key.
@@ -40,18 +40,18 @@ pub struct Nbdkit {
 impl Nbdkit {
     pub fn start(plugin_args: &[String], status_port: bool) -> Nbdkit {
         let ip = next_ip();
-        let port = free_port(&ip);
-        Nbdkit::start_at(&ip, port, plugin_args, status_port)
+        let [port, status] = free_ports(&ip);
+        Nbdkit::start_at(&ip, port, plugin_args, status_port.then_some(status))
     }
 
-    fn start_at(ip: &str, port: u16, plugin_args: &[String], status_port: bool) -> Nbdkit {
+    fn start_at(ip: &str, port: u16, plugin_args: &[String], status_port: Option<u16>) -> Nbdkit {
         let listen = [
             "-i".into(),
             ip.to_string(),
             "--port".into(),
             port.to_string(),
         ];
-        let status = status_port.then(|| format!("{ip}:{}", free_port(ip)));
+        let status = status_port.map(|p| format!("{ip}:{p}"));
         Nbdkit::spawn(&listen, format!("{ip}:{port}"), plugin_args, status)
     }
 
@@ -123,8 +123,13 @@ impl Nbdkit {
             ip,
             port.parse().expect("port"),
             &["memory".into(), size.into()],
-            false,
+            None,
         )
+    }
+
+    /// How the process ended, if it has (a donor that aborted).
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().expect("wait for nbdkit")
     }
 
     pub fn pid(&self) -> u32 {

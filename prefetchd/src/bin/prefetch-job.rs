@@ -21,6 +21,7 @@ use serde_json::{json, Value};
 #[derive(Parser)]
 #[command(
     name = "prefetch-job",
+    version = netpager_util::version!(),
     about = "replay a hint file's reads with compute time between them, verifying bytes"
 )]
 struct Cli {

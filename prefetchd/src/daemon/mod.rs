@@ -47,6 +47,8 @@ pub struct Config {
     /// How often donors' status endpoints are polled.
     pub status_poll: Duration,
     pub timeouts: netpager_nbd::Timeouts,
+    /// Donors joining and leaving while the daemon runs.
+    pub membership: crate::membership::Config,
 }
 
 struct JobInfo {
@@ -102,6 +104,7 @@ impl Daemon {
     /// donors and preallocates the local cache.
     pub fn start(cfg: Config) -> Result<Arc<Daemon>> {
         let bs = cfg.block_size as usize;
+        let membership = cfg.membership.clone();
         if !cfg.block_size.is_power_of_two() || cfg.block_size < 512 {
             bail!(
                 "block size {} must be a power of two of at least 512",
@@ -174,7 +177,10 @@ impl Daemon {
             page_cache: cfg.page_cache,
             started: Instant::now(),
         });
-        if let Err(e) = d.start_pollers() {
+        if let Err(e) = d
+            .start_pollers()
+            .and_then(|()| d.start_membership(membership))
+        {
             d.stop();
             return Err(e);
         }

@@ -21,12 +21,17 @@ const USAGE: &str = "usage: netpager-token SECRET_FILE CLIENT\n\
 prints CLIENT~TOKEN, the export name (before any @SIZE) that donors started\n\
 with export-secret=SECRET_FILE open for CLIENT\n\
 usage: netpager-token --metrics PSK_FILE\n\
-prints the bearer token of /metrics endpoints keyed with PSK_FILE's lab key";
+prints the bearer token of /metrics endpoints keyed with PSK_FILE's lab key\n\
+usage: netpager-token --version";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.iter().any(|a| a == "-h" || a == "--help") {
         println!("{USAGE}");
+        return Ok(());
+    }
+    if args.iter().any(|a| a == "-V" || a == "--version") {
+        println!("netpager-token {}", netpager_util::version!());
         return Ok(());
     }
     if let [flag, psk] = args.as_slice() {

@@ -62,6 +62,34 @@ impl Frontend {
             f => f,
         }
     }
+
+    /// [`Frontend::resolve`] for a device whose serving process is to
+    /// survive its own crash and upgrades (`restartable`): that needs
+    /// classic `/dev/fuse`, so `Auto` is `Fuse` then, and io_uring or
+    /// kernel nbd are refused with the reason.
+    pub fn resolve_restartable(
+        self,
+        restartable: bool,
+        kernel_uring: bool,
+        kernel_nbd: bool,
+    ) -> Result<Frontend, AttachError> {
+        if !restartable {
+            return Ok(self.resolve(kernel_uring, kernel_nbd));
+        }
+        let refuse = |reason: &str| AttachError::BadOption {
+            option: "--restartable",
+            reason: reason.to_string(),
+        };
+        match self {
+            Frontend::Auto | Frontend::Fuse => Ok(Frontend::Fuse),
+            Frontend::FuseUring => Err(refuse(
+                "needs --frontend fuse: the kernel resends the requests a dead server left in /dev/fuse, never those in its io_uring entries (pagerctl(1) RESTARTS); or attach --no-restartable",
+            )),
+            Frontend::Nbd => Err(refuse(
+                "the nbd front end's serving process is nbdkit, which is not restartable: use --frontend fuse, or --no-restartable",
+            )),
+        }
+    }
 }
 
 /// `pagerctl serve` for the FUSE front ends, run by `pagerctl` itself.
@@ -74,6 +102,28 @@ pub fn serve_command(pagerctl: &Path, state_dir: &Path, frontend: Frontend) -> V
         "--transport".into(),
         frontend.to_string(),
     ]
+}
+
+/// `pagerctl hold`: keeps a restartable device's FUSE connection and runs
+/// `pagerctl serve --held` processes on it, one after another.
+pub fn hold_command(pagerctl: &Path, state_dir: &Path, threads: usize) -> Vec<String> {
+    vec![
+        s(pagerctl),
+        "hold".into(),
+        "--state-dir".into(),
+        s(state_dir),
+        "--threads".into(),
+        threads.to_string(),
+    ]
+}
+
+/// `pagerctl serve --held`: a serving process that takes the connection
+/// from the holder (classic `/dev/fuse`: the only transport whose
+/// unanswered requests the kernel resends).
+pub fn held_serve_command(pagerctl: &Path, state_dir: &Path, threads: usize) -> Vec<String> {
+    let mut cmd = serve_command(pagerctl, state_dir, Frontend::Fuse);
+    cmd.extend(["--threads".into(), threads.to_string(), "--held".into()]);
+    cmd
 }
 
 /// How the local kernel reaches the client's nbdkit.
@@ -256,14 +306,16 @@ pub fn mkswap(device: &Path, label: &str) -> Vec<String> {
     ]
 }
 
-/// Enables swap on the device with the given priority (higher is used first).
-pub fn swapon(device: &Path, priority: i32) -> Vec<String> {
-    vec![
-        "swapon".into(),
-        "--priority".into(),
-        priority.to_string(),
-        s(device),
-    ]
+/// Enables swap on the device with the given priority (higher is used
+/// first); with `discard`, the kernel trims each swap cluster it frees
+/// (`--discard=pages`), so the donors free the memory behind it.
+pub fn swapon(device: &Path, priority: i32, discard: bool) -> Vec<String> {
+    let mut c = vec!["swapon".into(), "--priority".into(), priority.to_string()];
+    if discard {
+        c.push("--discard=pages".into());
+    }
+    c.push(s(device));
+    c
 }
 
 /// Disables swap on the device (reads every swapped page back in).
@@ -300,6 +352,20 @@ mod tests {
         assert_eq!(Frontend::Auto.resolve(false, true), Frontend::Nbd);
         assert_eq!(Frontend::Auto.resolve(false, false), Frontend::Fuse);
         assert_eq!(Frontend::Fuse.resolve(true, true), Frontend::Fuse);
+        let r = |f: Frontend, on| f.resolve_restartable(on, true, true);
+        assert_eq!(r(Frontend::Auto, true).unwrap(), Frontend::Fuse);
+        assert_eq!(r(Frontend::Fuse, true).unwrap(), Frontend::Fuse);
+        assert!(r(Frontend::FuseUring, true).is_err());
+        assert!(r(Frontend::Nbd, true).is_err());
+        assert_eq!(r(Frontend::Auto, false).unwrap(), Frontend::FuseUring);
+        assert_eq!(
+            held_serve_command(&p("/bin/pagerctl"), &p("/st"), 2)[5..],
+            ["fuse", "--threads", "2", "--held"]
+        );
+        assert_eq!(
+            hold_command(&p("/bin/pagerctl"), &p("/st"), 2)[1..],
+            ["hold", "--state-dir", "/st", "--threads", "2"]
+        );
         for f in ["auto", "fuse-uring", "fuse", "nbd"] {
             assert_eq!(f.parse::<Frontend>().unwrap().to_string(), f);
         }
@@ -438,8 +504,18 @@ mod tests {
             ["mkswap", "--label", "netpager", "/dev/loop4"]
         );
         assert_eq!(
-            swapon(&p("/dev/loop4"), 100),
+            swapon(&p("/dev/loop4"), 100, false),
             ["swapon", "--priority", "100", "/dev/loop4"]
+        );
+        assert_eq!(
+            swapon(&p("/dev/loop4"), 100, true),
+            [
+                "swapon",
+                "--priority",
+                "100",
+                "--discard=pages",
+                "/dev/loop4"
+            ]
         );
         assert_eq!(swapoff(&p("/dev/loop4")), ["swapoff", "/dev/loop4"]);
         assert_eq!(

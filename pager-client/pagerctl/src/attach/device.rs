@@ -72,19 +72,16 @@ pub struct DeviceOptions {
     pub request_timeout: Option<Duration>,
     /// Microseconds a request's waiter spins for the donor's reply.
     pub spin_us: Option<u64>,
-}
-
-impl DonorSpec {
-    /// The donor's entry in `device.toml`.
-    pub fn to_config(&self, psk: Option<&Path>) -> DonorConfig {
-        let mut d = DonorConfig::new(self.name.clone(), self.addr.clone());
-        d.export = self.export.clone();
-        d.status = self.status.clone();
-        if let Some(p) = psk {
-            d = d.with_tls(p, None);
-        }
-        d
-    }
+    /// A file of donor specs the device's set follows while attached.
+    pub donors_file: Option<PathBuf>,
+    /// How long a dead donor stays in the set (0: for ever).
+    pub forget_after: Option<Duration>,
+    /// Add donors announced on the lab's network (verified with `psk`).
+    pub discover: bool,
+    /// With `discover`: use announced donors without a key, anywhere.
+    pub insecure: bool,
+    /// Pages the stride prefetcher reads ahead (0: off).
+    pub prefetch_pages: Option<u32>,
 }
 
 impl ModeChoice {
@@ -108,14 +105,14 @@ fn bad(option: &'static str, reason: &str) -> AttachError {
 
 /// Builds and validates the configuration of a new device.
 pub fn build_config(o: &DeviceOptions, state_dir: &Path) -> Result<DeviceConfig, AttachError> {
-    let (Some(id), Some(size), Some(choice), false) =
-        (&o.client_id, o.size, o.mode, o.donors.is_empty())
+    let no_donors = o.donors.is_empty() && o.donors_file.is_none() && !o.discover;
+    let (Some(id), Some(size), Some(choice), false) = (&o.client_id, o.size, o.mode, no_donors)
     else {
         let missing: Vec<&str> = [
             ("--client-id", o.client_id.is_none()),
             ("--size", o.size.is_none()),
             ("--mode", o.mode.is_none()),
-            ("--donor", o.donors.is_empty()),
+            ("--donor, --donors-file or --discover", no_donors),
         ]
         .iter()
         .filter(|(_, m)| *m)
@@ -123,7 +120,8 @@ pub fn build_config(o: &DeviceOptions, state_dir: &Path) -> Result<DeviceConfig,
         .collect();
         return Err(AttachError::Missing(missing.join(", ")));
     };
-    let base = DeviceConfig::new(id.clone(), size, mode_of(choice, o, None, state_dir)?);
+    let mut base = DeviceConfig::new(id.clone(), size, mode_of(choice, o, None, state_dir)?);
+    base.lab_key = o.psk.clone();
     let c = apply_options(&base, o, state_dir)?;
     c.validate().map_err(AttachError::Config)?;
     Ok(c)
@@ -174,6 +172,19 @@ pub fn apply_options(
     if let Some(us) = o.spin_us {
         c.timeouts.spin_us = us;
     }
+    if let Some(f) = &o.donors_file {
+        c.donors_file = Some(f.clone());
+    }
+    if let Some(t) = o.forget_after {
+        c.forget_after_ms = t.as_millis() as u64;
+    }
+    if o.discover {
+        c.discover = true;
+        c.discover_insecure = o.insecure;
+    }
+    if let Some(n) = o.prefetch_pages {
+        c.prefetch_pages = n;
+    }
     if let Some((path, size)) = &o.fallback {
         c.fallback = Some(FallbackConfig {
             path: path.clone(),
@@ -197,7 +208,7 @@ pub fn apply_options(
         c.donors = o
             .donors
             .iter()
-            .map(|d| d.to_config(psk.as_deref()))
+            .map(|d| DonorConfig::from_spec(d, psk.as_deref()))
             .collect();
     } else if let Some(p) = &o.psk {
         c.donors = old
@@ -414,7 +425,10 @@ mod tests {
             ..DeviceOptions::default()
         };
         let e = build_config(&o, Path::new("/st")).unwrap_err().to_string();
-        assert_eq!(e, "a new device needs --client-id, --mode, --donor");
+        assert_eq!(
+            e,
+            "a new device needs --client-id, --mode, --donor, --donors-file or --discover"
+        );
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! Attaching a device is a short chain of steps (start the client's nbdkit,
 //! connect a kernel nbd device or an nbdfuse file plus a loop device, make it
 //! swap). This module holds everything about those steps that is pure and
-//! testable: parsing donor specs ([`spec`]), building each command line
+//! testable: building each command line
 //! ([`commands`]) and the record of steps done that `detach` undoes in
 //! reverse ([`record`]), and the device configuration built from attach's
 //! options ([`device`]). Running the commands is `pagerctl`'s thin layer.
@@ -11,18 +11,15 @@
 pub mod commands;
 pub mod device;
 pub mod record;
-pub mod spec;
 
 pub use commands::{Frontend, Via};
 pub use device::{apply_options, build_config, differences, DeviceOptions, ModeChoice};
+pub use netpager_membership::DonorSpec;
 pub use record::{AttachRecord, Step};
-pub use spec::DonorSpec;
 
 /// Errors of parsing attach arguments and reading attach records.
 #[derive(Debug, thiserror::Error)]
 pub enum AttachError {
-    #[error("donor spec {spec:?}: {reason}")]
-    BadDonorSpec { spec: String, reason: String },
     #[error("--via {0:?}: expected auto, nbd-client or nbdfuse")]
     BadVia(String),
     #[error("{option}: {reason}")]

@@ -65,6 +65,15 @@ impl StateLayout {
     pub fn serve_log(&self) -> PathBuf {
         self.dir.join("serve.log")
     }
+    /// What the holder of a restartable device's FUSE connection says
+    /// ([`HolderInfo`]).
+    pub fn holder_json(&self) -> PathBuf {
+        self.dir.join("holder.json")
+    }
+    /// The holder hands the connection to serving processes here.
+    pub fn holder_socket(&self) -> PathBuf {
+        self.dir.join("holder.sock")
+    }
     /// The socket path, refused when the kernel could not bind it.
     pub fn checked_socket(&self) -> Result<PathBuf, String> {
         let sock = self.socket();
@@ -106,12 +115,16 @@ pub enum Step {
     },
     /// `pagerctl serve` serving the device as `file` on its own FUSE
     /// mount over `mountpoint`, over `transport` (fuse-uring or fuse).
+    /// `restartable`: `pid` is the holder (`pagerctl hold`), which keeps
+    /// the connection and starts serving processes one after another.
     FuseServer {
         pid: u32,
         started: u64,
         mountpoint: PathBuf,
         file: PathBuf,
         transport: String,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        restartable: bool,
     },
     /// The kernel's FUSE over io_uring switch, turned on from `old`.
     UringSwitch { path: PathBuf, old: String },
@@ -163,9 +176,20 @@ impl Step {
                 pid,
                 file,
                 transport,
+                restartable: false,
                 ..
             } => format!(
                 "pagerctl serve pid {pid} serving {} over {transport}",
+                file.display()
+            ),
+            Step::FuseServer {
+                pid,
+                file,
+                transport,
+                restartable: true,
+                ..
+            } => format!(
+                "pagerctl hold pid {pid} keeping the connection of {} (restartable, {transport})",
                 file.display()
             ),
             Step::UringSwitch { path, old } => {
@@ -200,6 +224,45 @@ pub struct ServeInfo {
 
 impl ServeInfo {
     pub fn load(path: &Path) -> Option<ServeInfo> {
+        serde_json::from_slice(&std::fs::read(path).ok()?).ok()
+    }
+
+    pub fn save(&self, path: &Path) -> Result<(), AttachError> {
+        save_json(self, path)
+    }
+}
+
+/// The content of `holder.json`, written by the holder of a restartable
+/// device's FUSE connection (`pagerctl hold`) and removed when it exits.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct HolderInfo {
+    pub pid: u32,
+    /// Start time in clock ticks since boot.
+    pub started: u64,
+    /// The serving process now, if one runs.
+    pub serve_pid: Option<u32>,
+    /// The last serving process that said it serves (took the connection,
+    /// asked for the resend).
+    pub ready_pid: Option<u32>,
+    /// The pagerctl the next serving process runs.
+    pub binary: PathBuf,
+    /// Serving processes started after the first.
+    pub restarts: u32,
+    /// Of those, how many followed a serving process that died (the others
+    /// were asked to hand over: pagerctl restart).
+    pub crashes: u32,
+    /// How long the kernel's requests waited at the last restart: from the
+    /// old process's end (or its hand-over) to the new one serving.
+    pub last_held_ms: Option<u64>,
+    /// Requests the newest serving process answered that a dead one had
+    /// read and left unanswered (FUSE_NOTIFY_RESEND).
+    pub resent_last: u64,
+    /// The same over every restart.
+    pub resent_total: u64,
+}
+
+impl HolderInfo {
+    pub fn load(path: &Path) -> Option<HolderInfo> {
         serde_json::from_slice(&std::fs::read(path).ok()?).ok()
     }
 
@@ -363,7 +426,10 @@ mod tests {
             mountpoint: l.fuse_dir(),
             file: l.fuse_file(),
             transport: "fuse-uring".into(),
+            restartable: false,
         });
+        // Written before restartable devices: the field is absent.
+        assert!(!serde_json::to_string(&r).unwrap().contains("restartable"));
         let back: AttachRecord = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
         assert_eq!(back, r);
         assert_eq!(back.steps[0].process(), Some((5, 50)));

@@ -64,6 +64,8 @@ impl Fenwick {
 }
 
 struct Donor {
+    /// In the cluster (shape join: the last donor only from `idle_epoch`).
+    present: bool,
     capacity: u64,
     budget: u64,
     busy: bool,
@@ -78,7 +80,9 @@ struct Donor {
 
 impl Donor {
     fn give(&self) -> u64 {
-        if self.busy {
+        if !self.present {
+            0
+        } else if self.busy {
             self.budget
         } else {
             self.capacity
@@ -164,6 +168,7 @@ pub(super) struct Cluster<'a> {
 impl<'a> Cluster<'a> {
     pub(super) fn new(config: &'a SimConfig) -> Self {
         let mut rng = Rng(config.seed);
+        let last = config.donors - 1;
         let donors: Vec<Donor> = (0..config.donors)
             .map(|i| {
                 let (capacity, busy) = match config.shape {
@@ -172,8 +177,11 @@ impl<'a> Cluster<'a> {
                         i == 0 || i % 2 == 1,
                     ),
                     ClusterShape::Uniform => (config.pages_per_donor, i == 0),
+                    ClusterShape::Join if i == last => (2 * config.pages_per_donor, false),
+                    ClusterShape::Join => (config.pages_per_donor, false),
                 };
                 Donor {
+                    present: !(config.shape == ClusterShape::Join && i == last),
                     capacity,
                     budget: capacity / 4,
                     busy,
@@ -185,7 +193,12 @@ impl<'a> Cluster<'a> {
                 }
             })
             .collect();
-        let owner_pages = (donors[0].capacity - donors[0].budget) / 2;
+        // Shape join has no owner leaving: the newcomer comes empty.
+        let owner_pages = if config.shape == ClusterShape::Join {
+            0
+        } else {
+            (donors[0].capacity - donors[0].budget) / 2
+        };
         let initial: u64 = donors.iter().map(Donor::give).sum();
         let requests =
             u64::from(config.epochs) * config.requests_per_client * (config.clients as u64 + 2);
@@ -252,7 +265,7 @@ impl<'a> Cluster<'a> {
             busy: d.busy,
             u_star: d.u_star,
             u_unused: (d.allowed() - d.last_utilisation).clamp(0.0, 1.0),
-            eligible: true,
+            eligible: d.present,
         }
     }
 
@@ -361,7 +374,14 @@ impl<'a> Cluster<'a> {
 
         for epoch in 0..config.epochs {
             if epoch == config.idle_epoch {
-                self.owner_leaves();
+                match config.shape {
+                    ClusterShape::Join => {
+                        if let Some(d) = self.donors.last_mut() {
+                            d.present = true;
+                        }
+                    }
+                    _ => self.owner_leaves(),
+                }
             }
             let mut plans = match placement {
                 Placement::Weighted(b) => self.plans(b, &mut tally)?,
@@ -435,7 +455,9 @@ impl Tally {
             .iter()
             .map(|d| d.epoch_requests as f64 * config.service_time_s / config.epoch_s)
             .collect();
-        let mean = utilisation.iter().sum::<f64>() / donors.len() as f64;
+        // A donor not yet in the cluster is not part of its balance.
+        let present = donors.iter().filter(|d| d.present).count().max(1);
+        let mean = utilisation.iter().sum::<f64>() / present as f64;
         let mut skew = 0.0;
         if mean > 0.0 {
             skew = utilisation.iter().copied().fold(0.0, f64::max) / mean;
@@ -457,6 +479,7 @@ impl Tally {
             slowdown: ratio(response, placed as f64),
             age_deviation: ratio(self.rank_sum - rank_before, placed as f64),
             fallback: ratio(fallback as f64, (placed + fallback) as f64),
+            held: donors.iter().map(Donor::held).collect(),
         });
         // Each client rounds its share to whole requests.
         let slack = config.clients as f64 * config.service_time_s / config.epoch_s;

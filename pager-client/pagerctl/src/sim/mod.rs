@@ -25,6 +25,9 @@
 //!   jumps to its whole capacity, half of the new pages are free and half
 //!   are the owner's pages, last used long ago and now the oldest in the
 //!   cluster (Voelker's thesis §3.4.1: new idle memory concentrates requests).
+//!   [`ClusterShape::Join`] instead: equal idle donors, and at `idle_epoch`
+//!   one more of twice their size joins, empty (§3.4.3, "Naive Load
+//!   Balancing": a third idle node joins a third of the way through).
 //!
 //! Measured per run:
 //!
@@ -80,7 +83,8 @@ pub struct SimConfig {
     pub age_x: u64,
     /// Borrowing unused capacity (Voelker's thesis §3.6.2).
     pub borrowing: bool,
-    /// Epoch at whose start donor 0 turns idle; none if ≥ `epochs`.
+    /// Epoch at whose start donor 0 turns idle (shape join: the last donor
+    /// joins); none if ≥ `epochs`.
     pub idle_epoch: u32,
     pub shape: ClusterShape,
 }
@@ -94,6 +98,9 @@ pub enum ClusterShape {
     Mixed,
     /// Donors of equal size; only donor 0 busy.
     Uniform,
+    /// Idle donors of equal size, and the last of twice their size, which
+    /// joins the cluster empty at `idle_epoch`.
+    Join,
 }
 
 impl Default for SimConfig {
@@ -142,6 +149,8 @@ pub struct EpochPoint {
     pub slowdown: f64,
     pub age_deviation: f64,
     pub fallback: f64,
+    /// Pages each donor holds at the epoch's end.
+    pub held: Vec<u64>,
 }
 
 /// Result of [`run`]: the configuration and one row per placement.

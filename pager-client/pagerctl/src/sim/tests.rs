@@ -98,6 +98,46 @@ fn age_weights_use_new_idle_memory_first() {
     assert!(after_idle(0.0) < after_idle(1.0), "{report:?}");
 }
 
+/// First epoch in which the last donor holds at least 90% of `share` of
+/// the pages held.
+fn epoch_holding_share(r: &SimRow, share: f64) -> Option<usize> {
+    r.per_epoch.iter().position(|e| {
+        let total: u64 = e.held.iter().sum();
+        *e.held.last().unwrap() as f64 >= 0.9 * share * total as f64
+    })
+}
+
+#[test]
+fn a_joining_donor_fills_faster_by_age_than_by_balance() {
+    let config = SimConfig {
+        shape: ClusterShape::Join,
+        donors: 3,
+        clients: 1,
+        epochs: 20,
+        b_values: vec![0.0, 1.0],
+        ..small()
+    };
+    let report = run(&config).unwrap();
+    let (b0, b1) = (
+        row(&report, "weighted", Some(0.0)),
+        row(&report, "weighted", Some(1.0)),
+    );
+    let join = config.idle_epoch as usize;
+    for r in [b0, b1] {
+        // Absent until it joins, then taking pages.
+        assert!(r.per_epoch[..join].iter().all(|e| e.held[2] == 0), "{r:?}");
+        assert!(r.per_epoch[join].held[2] > 0, "{r:?}");
+    }
+    // Its share is its capacity, 2 of 4 units. Its free pages are the
+    // cluster's oldest: b = 0 sends every page there (300 an epoch, its
+    // share after 3 epochs), b = 1 half of them (after 6).
+    let (at0, at1) = (
+        epoch_holding_share(b0, 0.5).unwrap(),
+        epoch_holding_share(b1, 0.5).unwrap(),
+    );
+    assert_eq!((at0 - join, at1 - join), (2, 5), "{b0:?} {b1:?}");
+}
+
 #[test]
 fn tight_bounds_fall_back_to_local_disk() {
     // The donors can serve only about half of the offered load.

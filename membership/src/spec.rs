@@ -1,4 +1,5 @@
-//! Donor specs as `pagerctl attach --donor` takes them.
+//! Donor specs as `pagerctl attach --donor`, `pagerctl donor-add` and the
+//! donors file take them.
 //!
 //! A donor spec is `HOST:PORT[/EXPORT][,status=HOST:PORT][,name=NAME]`: the
 //! donor's NBD address; optionally the export to use on it (default
@@ -11,7 +12,13 @@
 
 use netpager_util::HostPort;
 
-use super::AttachError;
+/// A donor spec that does not parse, and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("donor spec {spec:?}: {reason}")]
+pub struct SpecError {
+    pub spec: String,
+    pub reason: String,
+}
 
 /// One `--donor` argument.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,10 +34,10 @@ pub struct DonorSpec {
 }
 
 impl std::str::FromStr for DonorSpec {
-    type Err = AttachError;
+    type Err = SpecError;
 
-    fn from_str(spec: &str) -> Result<Self, AttachError> {
-        let bad = |reason: &str| AttachError::BadDonorSpec {
+    fn from_str(spec: &str) -> Result<Self, SpecError> {
+        let bad = |reason: &str| SpecError {
             spec: spec.to_string(),
             reason: reason.to_string(),
         };

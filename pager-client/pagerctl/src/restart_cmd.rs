@@ -1,0 +1,62 @@
+//! `pagerctl restart`: replaces the serving process of a restartable
+//! device (an upgrade: `--binary` names the new pagerctl) while the device
+//! stays attached and swap stays on. The holder asks the old process to
+//! hand over, starts the new one on the same FUSE connection and answers
+//! once it serves, with how long the kernel's requests waited.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context, Result};
+use pager_fuse::handover::{self, Request, Restarted};
+use pagerctl::attach::record::{HolderInfo, StateLayout};
+use pagerctl::attach::{AttachRecord, Step};
+
+use crate::procs;
+
+pub fn run(layout: &StateLayout, binary: Option<PathBuf>, timeout: Duration) -> Result<()> {
+    let record = AttachRecord::load(&layout.attach_json())?
+        .ok_or_else(|| anyhow!("{} is not attached", layout.dir.display()))?;
+    let holder = record.steps.iter().find_map(|s| match s {
+        Step::FuseServer {
+            pid,
+            started,
+            restartable: true,
+            ..
+        } => Some((*pid, *started)),
+        _ => None,
+    });
+    let Some((pid, started)) = holder else {
+        bail!(
+            "{} was not attached --restartable: its serving process cannot be replaced without a detach",
+            layout.dir.display()
+        );
+    };
+    if !procs::owned(pid, started) {
+        bail!(
+            "the connection holder (pid {pid}) is gone: replacing the serving process now would lose the device; detach and attach again when swap can go off"
+        );
+    }
+    let binary = binary
+        .map(|b| {
+            b.canonicalize()
+                .with_context(|| format!("cannot resolve {}", b.display()))
+        })
+        .transpose()?;
+    let old = HolderInfo::load(&layout.holder_json()).and_then(|h| h.serve_pid);
+    let socket = layout.holder_socket();
+    let answer = handover::ask(&socket, &Request::Restart { binary }, timeout)
+        .with_context(|| format!("asking the holder at {}", socket.display()))?;
+    let r = Restarted::parse(&answer).map_err(|e| anyhow!("the holder: {e}"))?;
+    match old {
+        Some(old) => println!(
+            "serving process {old} replaced by {}; requests were held {} ms",
+            r.pid, r.held_ms
+        ),
+        None => println!(
+            "serving process {} started; requests were held {} ms",
+            r.pid, r.held_ms
+        ),
+    }
+    Ok(())
+}

@@ -1,0 +1,137 @@
+//! `announce=true`: the donor's DNS-SD announcement on the lab's network
+//! (netpager_membership::discovery). The announcement names the NBD port
+//! nbdkit listens on, which nbdkit does not tell its plugins: it is found
+//! among the process's listening TCP sockets (`/proc/self/fd` and
+//! `/proc/self/net/tcp{,6}`) once nbdkit has bound them, at `after_fork`.
+
+use std::collections::{BTreeSet, HashSet};
+use std::path::Path;
+
+/// The local ports of the sockets in LISTEN state among `inodes`, from the
+/// text of `/proc/net/tcp` or `/proc/net/tcp6` tables.
+pub fn listening_ports<'a>(
+    tables: impl IntoIterator<Item = &'a str>,
+    inodes: &HashSet<u64>,
+) -> BTreeSet<u16> {
+    let mut ports = BTreeSet::new();
+    for table in tables {
+        // sl local_address rem_address st tx:rx tr:tm retrnsmt uid timeout inode ...
+        for line in table.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() < 10 || f[3] != "0A" {
+                continue;
+            }
+            let port = f[1]
+                .rsplit_once(':')
+                .and_then(|(_, p)| u16::from_str_radix(p, 16).ok());
+            let inode = f[9].parse::<u64>().ok();
+            if let (Some(port), Some(inode)) = (port, inode) {
+                if inodes.contains(&inode) {
+                    ports.insert(port);
+                }
+            }
+        }
+    }
+    ports
+}
+
+/// nbdkit's NBD port: the one listening port that is not one of the
+/// plugin's own (`own`: status, metrics).
+pub fn nbd_port(listening: &BTreeSet<u16>, own: &[u16]) -> Result<u16, String> {
+    let left: Vec<u16> = listening
+        .iter()
+        .copied()
+        .filter(|p| !own.contains(p))
+        .collect();
+    match left[..] {
+        [p] => Ok(p),
+        [] => Err(
+            "announce=true: nbdkit listens on no TCP port (a Unix socket cannot be announced)"
+                .into(),
+        ),
+        _ => Err(format!(
+            "announce=true: nbdkit listens on several TCP ports {left:?}; announce needs one"
+        )),
+    }
+}
+
+/// The inodes of this process's sockets.
+fn socket_inodes(fd_dir: &Path) -> std::io::Result<HashSet<u64>> {
+    let mut inodes = HashSet::new();
+    for e in std::fs::read_dir(fd_dir)? {
+        // An fd closed since the listing is simply not a socket of ours.
+        let Ok(target) = std::fs::read_link(e?.path()) else {
+            continue;
+        };
+        if let Some(n) = target
+            .to_str()
+            .and_then(|t| t.strip_prefix("socket:["))
+            .and_then(|t| t.strip_suffix(']'))
+            .and_then(|t| t.parse().ok())
+        {
+            inodes.insert(n);
+        }
+    }
+    Ok(inodes)
+}
+
+/// The TCP ports this process listens on.
+pub fn own_listening_ports() -> Result<BTreeSet<u16>, String> {
+    let inodes = socket_inodes(Path::new("/proc/self/fd"))
+        .map_err(|e| format!("announce=true: cannot list /proc/self/fd: {e}"))?;
+    let mut tables = Vec::new();
+    for t in ["/proc/self/net/tcp", "/proc/self/net/tcp6"] {
+        match std::fs::read_to_string(t) {
+            Ok(s) => tables.push(s),
+            // No IPv6 in this kernel or namespace.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(format!("announce=true: cannot read {t}: {e}")),
+        }
+    }
+    Ok(listening_ports(tables.iter().map(String::as_str), &inodes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    const TCP: &str = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0200007F:2A41 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1001 1 0000000000000000 100 0 0 10 0
+   1: 0200007F:2A42 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1002 1 0000000000000000 100 0 0 10 0
+   2: 0200007F:2A41 0100007F:D431 01 00000000:00000000 00:00000000 00000000     0        0 1003 1 0000000000000000 20 4 30 10 -1
+   3: 0300007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 2001 1 0000000000000000 100 0 0 10 0
+";
+    const TCP6: &str = "  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000000000000000000000000000:2A41 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1004 1 0000000000000000 100 0 0 10 0
+";
+
+    #[test]
+    fn listening_ports_are_ours_and_in_listen_state() {
+        let ours: HashSet<u64> = [1001, 1002, 1003, 1004].into();
+        let ports = listening_ports([TCP, TCP6], &ours);
+        // 10817 (IPv4 and IPv6), 10818; not the connection (1003), not
+        // another process's listener (2001, port 8080).
+        assert_eq!(ports, BTreeSet::from([0x2A41, 0x2A42]));
+    }
+
+    #[test]
+    fn the_nbd_port_is_the_one_left() {
+        let l = BTreeSet::from([10809, 10810, 10811]);
+        assert_eq!(nbd_port(&l, &[10810, 10811]), Ok(10809));
+        let e = nbd_port(&l, &[10810]).unwrap_err();
+        assert!(e.contains("several") && e.contains("10811"), "{e}");
+        assert!(nbd_port(&BTreeSet::from([10810]), &[10810])
+            .unwrap_err()
+            .contains("no TCP port"));
+    }
+
+    #[test]
+    fn finds_a_listener_of_this_process() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        assert!(own_listening_ports().unwrap().contains(&port));
+        drop(l);
+        assert!(!own_listening_ports().unwrap().contains(&port));
+    }
+}

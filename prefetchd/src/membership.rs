@@ -1,0 +1,371 @@
+//! prefetchd follows the same membership as a client's device (the crate
+//! `netpager-membership`): donors come from `--donor` (fixed), from a
+//! donors file re-read while the daemon runs (`--donors-file`, one
+//! `--donor` value a line) and from discovery on the lab's network
+//! (`--discover`). A line added starts a lane; a line removed lets the
+//! donor go as a draining donor is let go (its blocks dropped, its export
+//! trimmed). A discovered donor joins once its status, signed with the lab
+//! key, verifies; one that stops announcing is not removed for that alone.
+//!
+//! The decisions are pure ([`parse_donors_file`], [`changes`],
+//! [`discovered_arg`]); [`Watcher`] applies them each status-poll period.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::Result;
+use netpager_membership::discovery::{admit, Announced, Browser, Check};
+use netpager_membership::{parse_lines, DonorsFileError};
+use netpager_nbd::Endpoint;
+
+use crate::daemon::Daemon;
+use crate::donor::DonorArg;
+use crate::lanes::status_client;
+
+/// How a donor joined prefetchd's set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// `--donor`.
+    Command,
+    /// A line of the donors file.
+    File,
+    /// Announced and verified.
+    Discovered,
+}
+
+impl Source {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Source::Command => "command",
+            Source::File => "file",
+            Source::Discovered => "discovered",
+        }
+    }
+}
+
+/// Discovery's settings (`--discover`).
+#[derive(Debug, Clone)]
+pub struct Discover {
+    /// The lab key: TLS to discovered donors, and their status must verify.
+    pub psk: Option<PathBuf>,
+    /// The user name of the key in `psk` (its first line's).
+    pub user: Option<String>,
+    /// The export prefetchd uses on a discovered donor.
+    pub export: String,
+    /// Use discovered donors beyond loopback and the test network without a key.
+    pub insecure: bool,
+}
+
+/// Where the set's changes come from.
+#[derive(Debug, Clone, Default)]
+pub struct Config {
+    pub donors_file: Option<PathBuf>,
+    pub discover: Option<Discover>,
+}
+
+/// A donor's name: its memory endpoint (as its lane is named).
+pub fn donor_name(arg: &DonorArg) -> String {
+    format!("{}/{}", arg.memory.addr(), arg.memory.export)
+}
+
+/// Parses a donors file: one `--donor` value a line, `#` comments.
+pub fn parse_donors_file(path: &Path, text: &str) -> Result<Vec<DonorArg>, DonorsFileError> {
+    parse_lines(
+        path,
+        text,
+        |l| l.parse::<DonorArg>().map_err(|e| format!("{e:#}")),
+        donor_name,
+    )
+}
+
+/// What turns the file's donors in the set (`applied`: name and argument)
+/// into the file's new donors (`wanted`).
+#[derive(Debug, Default, PartialEq)]
+pub struct Changes {
+    pub add: Vec<DonorArg>,
+    /// Names. A line changed in place is removed and added again: its lane's
+    /// blocks were placed under the old options.
+    pub remove: Vec<String>,
+}
+
+pub fn changes(applied: &[(String, DonorArg)], wanted: &[DonorArg]) -> Changes {
+    let mut c = Changes::default();
+    for (name, arg) in applied {
+        if !wanted.contains(arg) {
+            c.remove.push(name.clone());
+        }
+    }
+    for w in wanted {
+        if !applied.iter().any(|(_, a)| a == w) {
+            c.add.push(w.clone());
+        }
+    }
+    c
+}
+
+/// The donor argument for an announced donor.
+pub fn discovered_arg(a: &Announced, d: &Discover) -> DonorArg {
+    DonorArg {
+        memory: Endpoint {
+            host: a.nbd.ip().to_string(),
+            port: a.nbd.port(),
+            export: d.export.clone(),
+            tls_psk_file: d.psk.clone(),
+            tls_username: d.user.clone(),
+        },
+        replica: None,
+        slots: None,
+        status: Some(a.status.to_string()),
+    }
+}
+
+/// Logs a message the first time, and again only when it changes, so a
+/// bad file or a stranger's announcement is said once, not every period.
+#[derive(Default)]
+struct Said(HashMap<String, String>);
+
+impl Said {
+    fn warn(&mut self, key: &str, msg: String) {
+        if self.0.get(key) != Some(&msg) {
+            tracing::warn!("{msg}");
+            self.0.insert(key.to_string(), msg);
+        }
+    }
+
+    fn clear(&mut self, key: &str) {
+        self.0.remove(key);
+    }
+}
+
+/// Applies the donors file's and discovery's changes to the running set.
+pub(crate) struct Watcher {
+    cfg: Config,
+    browser: Option<Browser>,
+    said: Said,
+}
+
+impl Watcher {
+    pub(crate) fn new(cfg: Config) -> Result<Watcher> {
+        let browser = cfg
+            .discover
+            .as_ref()
+            .map(|_| Browser::start())
+            .transpose()?;
+        Ok(Watcher {
+            cfg,
+            browser,
+            said: Said::default(),
+        })
+    }
+
+    /// One pass: the donors file, then what is announced.
+    pub(crate) fn pass(&mut self, d: &Arc<Daemon>) {
+        if let Some(path) = self.cfg.donors_file.clone() {
+            self.follow_file(d, &path);
+        }
+        if let (Some(b), Some(disc)) = (&self.browser, self.cfg.discover.clone()) {
+            for a in b.announced() {
+                self.consider(d, &a, &disc);
+            }
+        }
+    }
+
+    fn follow_file(&mut self, d: &Arc<Daemon>, path: &Path) {
+        let wanted = match std::fs::read_to_string(path)
+            .map_err(|source| DonorsFileError::Read {
+                path: path.to_path_buf(),
+                source,
+            })
+            .and_then(|text| parse_donors_file(path, &text))
+        {
+            Ok(w) => {
+                self.said.clear("file");
+                w
+            }
+            Err(e) => {
+                self.said.warn(
+                    "file",
+                    format!("donors file not taken, nothing changes: {e}"),
+                );
+                return;
+            }
+        };
+        let applied: Vec<(usize, String, DonorArg)> = d
+            .lanes
+            .members()
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.source == Source::File && !m.removed)
+            .map(|(i, m)| (i, donor_name(&m.arg), m.arg.clone()))
+            .collect();
+        let by_name: Vec<(String, DonorArg)> = applied
+            .iter()
+            .map(|(_, n, a)| (n.clone(), a.clone()))
+            .collect();
+        let c = changes(&by_name, &wanted);
+        for name in &c.remove {
+            if let Some((i, _, _)) = applied.iter().find(|(_, n, _)| n == name) {
+                tracing::info!("donor {name}: its line left the donors file; letting it go");
+                d.remove_member(*i);
+            }
+        }
+        for arg in c.add {
+            let name = donor_name(&arg);
+            match d.add_member(arg, Source::File) {
+                Ok(_) => self.said.clear(&name),
+                // Retried next period: the donor may not be up yet.
+                Err(e) => self.said.warn(
+                    &name,
+                    format!("donor {name} (donors file): not joined yet: {e:#}"),
+                ),
+            }
+        }
+    }
+
+    fn consider(&mut self, d: &Arc<Daemon>, a: &Announced, disc: &Discover) {
+        let arg = discovered_arg(a, disc);
+        let name = donor_name(&arg);
+        if d.lanes.members().iter().any(|m| donor_name(&m.arg) == name) {
+            return;
+        }
+        let key = format!("announced {}", a.node_id);
+        let verdict = match status_client(&arg, d.timeouts().connect) {
+            Err(e) => Err(format!("{e:#}")),
+            Ok(client) if client.key.is_none() => admit(a, Check::NoKey, disc.insecure),
+            Ok(client) => match client.query(&a.status.to_string()) {
+                Ok(s) => admit(a, Check::Signed(Ok(&s.node_id)), disc.insecure),
+                Err(e) => admit(a, Check::Signed(Err(&e.to_string())), disc.insecure),
+            },
+        };
+        match verdict {
+            Ok(why) => match d.add_member(arg, Source::Discovered) {
+                Ok(_) => {
+                    tracing::info!("donor {} ({name}) discovered: {why}", a.node_id);
+                    self.said.clear(&key);
+                }
+                Err(e) => self.said.warn(
+                    &key,
+                    format!(
+                        "discovered donor {} ({name}): not joined yet: {e:#}",
+                        a.node_id
+                    ),
+                ),
+            },
+            Err(why) => self.said.warn(
+                &key,
+                format!("discovered donor {} not used: {why}", a.node_id),
+            ),
+        }
+    }
+}
+
+impl Daemon {
+    /// Starts the thread that follows the donors file and discovery, one
+    /// pass at once and then one each status-poll period.
+    pub(crate) fn start_membership(self: &Arc<Self>, cfg: Config) -> Result<()> {
+        if cfg.donors_file.is_none() && cfg.discover.is_none() {
+            return Ok(());
+        }
+        let mut w = Watcher::new(cfg)?;
+        let me = self.clone();
+        let t = std::thread::Builder::new()
+            .name("membership".into())
+            .spawn(move || {
+                w.pass(&me);
+                while !me.lanes.sleep(me.lanes.poll) {
+                    w.pass(&me);
+                }
+            })?;
+        self.keep_thread(t);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::SocketAddr;
+
+    fn arg(s: &str) -> DonorArg {
+        s.parse().unwrap()
+    }
+
+    fn named(args: &[&str]) -> Vec<(String, DonorArg)> {
+        args.iter().map(|s| (donor_name(&arg(s)), arg(s))).collect()
+    }
+
+    #[test]
+    fn donors_file_lines_are_donor_args_and_bad_lines_are_numbered() {
+        let p = Path::new("/etc/netpager/prefetchd.donors");
+        let ds = parse_donors_file(
+            p,
+            "# donors\n127.0.0.2:10809/pf@64M,status=127.0.0.2:7070\n\n127.0.0.3:10809/pf,slots=8 # d3\n",
+        )
+        .unwrap();
+        assert_eq!(
+            ds,
+            vec![
+                arg("127.0.0.2:10809/pf@64M,status=127.0.0.2:7070"),
+                arg("127.0.0.3:10809/pf,slots=8")
+            ]
+        );
+        let e = parse_donors_file(p, "127.0.0.2:10809/pf\n127.0.0.3:10809/pf,slots=x\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("prefetchd.donors, line 2") && e.contains("bad slots"),
+            "{e}"
+        );
+        let e = parse_donors_file(p, "127.0.0.2:1/pf\n127.0.0.2:1/pf,slots=4\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("line 2") && e.contains("already on line 1"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn changes_add_remove_and_replace_a_changed_line() {
+        let applied = named(&["127.0.0.2:1/pf", "127.0.0.3:1/pf", "127.0.0.4:1/pf"]);
+        let wanted = vec![
+            arg("127.0.0.3:1/pf"),
+            arg("127.0.0.4:1/pf,slots=8"),
+            arg("127.0.0.5:1/pf"),
+        ];
+        let c = changes(&applied, &wanted);
+        assert_eq!(
+            c.remove,
+            vec!["127.0.0.2:1/pf".to_string(), "127.0.0.4:1/pf".to_string()]
+        );
+        assert_eq!(
+            c.add,
+            vec![arg("127.0.0.4:1/pf,slots=8"), arg("127.0.0.5:1/pf")]
+        );
+        assert_eq!(
+            changes(&named(&["127.0.0.3:1/pf"]), &[arg("127.0.0.3:1/pf")]),
+            Changes::default()
+        );
+    }
+
+    #[test]
+    fn a_discovered_donor_uses_the_lab_key_and_its_status_endpoint() {
+        let a = Announced {
+            node_id: "idle1".into(),
+            nbd: "10.213.47.11:10809".parse::<SocketAddr>().unwrap(),
+            status: "10.213.47.11:10810".parse().unwrap(),
+        };
+        let d = Discover {
+            psk: Some("/etc/netpager/netpager.psk".into()),
+            user: Some("lab".into()),
+            export: "prefetchd-busy1@256M".into(),
+            insecure: false,
+        };
+        let g = discovered_arg(&a, &d);
+        assert_eq!(donor_name(&g), "10.213.47.11:10809/prefetchd-busy1@256M");
+        assert_eq!(g.status.as_deref(), Some("10.213.47.11:10810"));
+        assert_eq!(g.memory.tls_psk_file, d.psk);
+        assert_eq!(g.memory.tls_username.as_deref(), Some("lab"));
+    }
+}

@@ -1,0 +1,165 @@
+"""A restartable device (`attach --restartable`, pagerctl(1) RESTARTS): the
+serving process killed with -9 while a job swaps through parity on 3 donors
+(with requests in flight), the same with a donor killed right after the
+restart (4 donors: room to rebuild), five kills in a row, `pagerctl
+restart` onto a second binary, and the holder itself killed. The job
+verifies every page each time."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+from netpager_testkit.client import MIB, Job, busiest, pid_alive, run_pagerctl
+from netpager_testkit.paths import pagerctl
+from netpager_testkit import swaps, wait_for
+
+LIMIT = 32 * MIB
+
+
+def attach_restartable(client, ds, extra=()):
+    device = client.attach(ds, mode="parity", size="256M", swap=True,
+                           extra=["--restartable", *extra])
+    assert client.frontend() == "fuse", client.status()
+    assert client.status()["restartable"]
+    return device
+
+
+def swapping_job(teardown, memhog, tmp_path, device, passes: int = 1, at_least: int = 16 * MIB):
+    """memhog touching 3x LIMIT in a memory cgroup, in the background, once
+    `at_least` of it is on the swap device."""
+    job = Job(teardown, [memhog, str(3 * LIMIT), "--passes", str(passes)], LIMIT,
+              tmp_path / "memhog.log", device)
+    wait_for(lambda: job.swapped() >= at_least or not job.alive(), 300,
+             f"{at_least >> 20} MiB swapped out to {device}")
+    assert job.alive(), f"the job ended before it swapped enough: {job.proc.log_tail()}"
+    return job
+
+
+def loop_inflight(device: str) -> int:
+    reads, writes = Path(f"/sys/block/{Path(device).name}/inflight").read_text().split()
+    return int(reads) + int(writes)
+
+
+def kill_with_requests_in_flight(client, device) -> int:
+    """kill -9 of the serving process at a moment the loop device has
+    requests in flight (so some are read and unanswered at the kill)."""
+    client.serving_pid()
+    wait_for(lambda: loop_inflight(device) > 0, 60, f"requests in flight on {device}", interval=0.001)
+    return client.kill_serving_process()
+
+
+def test_kill9_of_the_serving_process_while_swapping(teardown, donors, client, memhog, tmp_path):
+    ds = donors(3)
+    device = attach_restartable(client, ds)
+    job = swapping_job(teardown, memhog, tmp_path, device)
+    old = kill_with_requests_in_flight(client, device)
+    new = client.serving_pid()
+    assert new != old
+    assert "memhog: OK" in job.finish()
+    h = client.holder()
+    assert h["restarts"] == 1 and h["crashes"] == 1, h
+    assert h["resent_total"] >= 1, f"no request was resent after the kill: {h}"
+    st = client.status()
+    assert st["holder"]["info"]["restarts"] == 1 and st["warning"] is None, st["holder"]
+    text = run_pagerctl(["status", "--state-dir", client.state_dir]).stdout
+    assert "1 restarts (1 after a crash)" in text and "requests resent" in text, text
+    assert client.device_status()["totals"]["lost"] == 0
+    client.detach()
+    assert client.leftovers() == []
+    assert device not in swaps()
+
+
+def test_kill9_then_a_donor_killed_during_recovery(teardown, donors, client, memhog, tmp_path):
+    # A fourth donor to rebuild onto (parity groups are 3 wide).
+    ds = donors(4)
+    device = attach_restartable(client, ds, extra=["--request-timeout", "2", "--connect-timeout", "2"])
+    job = swapping_job(teardown, memhog, tmp_path, device)
+    victim = busiest(client, ds)
+    kill_with_requests_in_flight(client, device)
+    client.serving_pid()
+    victim.kill9()
+    assert "memhog: OK" in job.finish()
+    st = client.device_status()
+    assert st["totals"]["lost"] == 0, st["totals"]
+    assert client.holder()["crashes"] == 1
+    client.detach()
+    assert client.leftovers() == []
+
+
+def test_five_kills_in_a_row(teardown, donors, client, memhog, tmp_path):
+    ds = donors(3)
+    device = attach_restartable(client, ds)
+    job = swapping_job(teardown, memhog, tmp_path, device, passes=3)
+    for i in range(5):
+        assert job.alive(), f"the job ended after {i} kills: run it longer"
+        client.kill_serving_process()
+        time.sleep(2)
+    assert "memhog: OK" in job.finish()
+    h = client.holder()
+    assert h["restarts"] == 5 and h["crashes"] == 5, h
+    client.detach()
+    assert client.leftovers() == []
+
+
+def test_restart_onto_a_second_binary_under_the_job(teardown, donors, client, memhog, tmp_path):
+    """`pagerctl restart --binary` (an upgrade): the pid changes, the new
+    process runs the new binary, swap is never off, every page verifies."""
+    ds = donors(3)
+    device = attach_restartable(client, ds)
+    second = tmp_path / "second" / "pagerctl"
+    second.parent.mkdir()
+    shutil.copy2(pagerctl(), second)
+    job = swapping_job(teardown, memhog, tmp_path, device)
+    old = client.serving_pid()
+    off = []
+    done = threading.Event()
+
+    def watch_swap():
+        while not done.is_set():
+            if device not in swaps():
+                off.append(time.monotonic())
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch_swap)
+    watcher.start()
+    try:
+        out = run_pagerctl(["restart", "--state-dir", client.state_dir, "--binary", second]).stdout
+    finally:
+        done.set()
+        watcher.join()
+    assert "requests were held" in out, out
+    new = client.serving_pid()
+    assert new != old
+    assert Path(f"/proc/{new}/exe").resolve() == second.resolve()
+    assert "memhog: OK" in job.finish()
+    assert not off, "swap went off during the restart"
+    h = client.holder()
+    assert h["restarts"] == 1 and h["crashes"] == 0 and h["binary"] == str(second.resolve()), h
+    client.detach()
+    assert client.leftovers() == []
+
+
+def test_holder_killed_status_warns_before_anything_is_lost(teardown, donors, client):
+    ds = donors(3)
+    client.attach(ds, mode="parity", size="64M", extra=["--restartable"])
+    serving = client.serving_pid()
+    holder = client.server_pid()
+    assert json.loads(run_pagerctl(["status", "--state-dir", client.state_dir,
+                                    "--json"]).stdout)["warning"] is None
+    os.kill(holder, 9)
+    wait_for(lambda: not pid_alive(holder), 10, f"holder {holder} to die")
+    assert pid_alive(serving), "the serving process went with its holder"
+    st = client.status()
+    assert st["warning"] and "holder is gone" in st["warning"], st
+    text = run_pagerctl(["status", "--state-dir", client.state_dir]).stdout
+    assert "WARNING: the connection holder is gone" in text, text
+    p = run_pagerctl(["restart", "--state-dir", client.state_dir], check=False)
+    assert p.returncode != 0 and "holder" in p.stderr, p.stderr
+    client.detach()
+    wait_for(lambda: not pid_alive(serving), 30, f"serving process {serving} to exit")
+    assert client.leftovers() == []

@@ -1,0 +1,189 @@
+"""Discovery on the lab's network (DNS-SD over multicast DNS): donors on lab
+hosts started with `announce=true` are seen by `pagerctl discover` on
+another host; one whose status is signed with another lab key is seen but
+never usable; a donor that stops says goodbye and is no longer announced.
+prefetchd and a client device with discovery on use the verified donor and
+never the other."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import time
+
+import pytest
+
+import netlab
+from netpager_testkit import Teardown, nbdio, wait_for
+from netpager_testkit.ci import skip_or_fail
+from netpager_testkit.client import client_plugin
+from netpager_testkit.paths import pagerctl
+from netpager_testkit.prefetch import Prefetchd, finish_job, generate, missing_binaries, start_job
+from netpager_testkit.procs import OwnedProcess
+
+
+@pytest.fixture
+def lab_root(tmp_path):
+    if os.geteuid() != 0:
+        skip_or_fail("needs root (network namespaces, a bridge)")
+    if not pagerctl().exists():
+        skip_or_fail(f"pagerctl not built: {pagerctl()} missing (run `make build`)")
+    return tmp_path / "lab"
+
+
+def discover(lab: netlab.Lab, host: str, *args: str, expect=(), listen: float = 15) -> dict:
+    """`pagerctl discover --json` on a lab host: {node id: row}."""
+    argv = [pagerctl(), "discover", "--json", "--for", str(listen), "--timeout", "3", *args]
+    for node in expect:
+        argv += ["--expect", node]
+    p = lab.netns_run(host, argv, timeout=listen + 30)
+    return {row["node_id"]: row for row in json.loads(p.stdout)}
+
+
+def test_announced_donors_are_discovered_and_verified_with_the_lab_key(lab_root, donor_plugin):
+    td = Teardown("discovery")
+    try:
+        lab = netlab.Lab(td, lab_root, ["d1", "d2", "d3", "c1"], ssh=False)
+        key, wrong = lab_root / "lab.psk", lab_root / "wrong.psk"
+        key.write_text(f"lab:{secrets.token_hex(32)}\n")
+        wrong.write_text(f"lab:{secrets.token_hex(32)}\n")
+        params = {"size": "64M", "budget": "64M", "mlock": False}
+        good = netlab.LabDonor(lab["d1"], td, lab_root, donor_plugin,
+                               {**params, "psk": key, "announce": True}, tls_psk=key).start()
+        stranger = netlab.LabDonor(lab["d2"], td, lab_root, donor_plugin,
+                                   {**params, "psk": wrong, "announce": True}, tls_psk=wrong).start()
+        # A donor without announce=true is never seen.
+        netlab.LabDonor(lab["d3"], td, lab_root, donor_plugin, {**params, "psk": key}, tls_psk=key).start()
+
+        seen = discover(lab, "c1", "--psk", str(key), expect=["d1", "d2"])
+        assert sorted(seen) == ["d1", "d2"], seen
+        d1, d2 = seen["d1"], seen["d2"]
+        assert (d1["nbd"], d1["status"]) == (f"{lab['d1'].addr}:{good.port}",
+                                             f"{lab['d1'].addr}:{good.status_addr[1]}")
+        assert d1["usable"] and d1["why"] == "verified with the lab key", d1
+        assert d1["spec"] == f"{d1['nbd']},status={d1['status']},name=d1"
+        assert not d2["usable"] and "status not verified with the lab key" in d2["why"], d2
+        assert stranger.alive()
+
+        # Without a key, the test network's donors count as usable (the rule
+        # of attach --discover without --psk), both of them.
+        seen = discover(lab, "c1", expect=["d1", "d2"])
+        assert [seen[n]["usable"] for n in ("d1", "d2")] == [True, True], seen
+        assert seen["d1"]["why"] == "no lab key: on loopback or the test network"
+
+        # A donor that stops withdraws its announcement (nbdkit's unload).
+        good.terminate()
+        deadline = time.monotonic() + 30
+        while "d1" in (seen := discover(lab, "c1", "--psk", str(key), listen=3)):
+            assert time.monotonic() < deadline, f"d1 still announced after it stopped: {seen}"
+        assert "d2" in seen
+    finally:
+        errors = td.close()
+    assert errors == []
+
+
+def test_announce_needs_a_status_endpoint(lab_root, donor_plugin):
+    p = subprocess.run(["nbdkit", "-f", "-U", "-", str(donor_plugin), "budget=1M", "mlock=false",
+                        "announce=true", "--run", "true"], capture_output=True, text=True, timeout=30)
+    assert p.returncode != 0
+    assert "announce=true needs status=ADDR:PORT" in p.stderr, p.stderr
+
+
+def test_prefetchd_uses_a_discovered_donor_only_when_its_status_verifies(lab_root, donor_plugin, tmp_path):
+    if missing_binaries():
+        skip_or_fail(f"not built: {missing_binaries()} (run `make build`)")
+    td = Teardown("prefetchd discovery")
+    try:
+        lab = netlab.Lab(td, lab_root, ["d1", "d2"], ssh=False)
+        key, wrong = lab_root / "lab.psk", lab_root / "wrong.psk"
+        key.write_text(f"lab:{secrets.token_hex(32)}\n")
+        wrong.write_text(f"lab:{secrets.token_hex(32)}\n")
+        params = {"size": "4M", "budget": "4M", "mlock": False, "poll_ms": 100, "announce": True}
+        good = netlab.LabDonor(lab["d1"], td, lab_root, donor_plugin, {**params, "psk": key},
+                               tls_psk=key).start()
+        netlab.LabDonor(lab["d2"], td, lab_root, donor_plugin, {**params, "psk": wrong}, tls_psk=wrong).start()
+        ds = generate("cyclic-random", tmp_path / "ds", 0.025)
+        pd = Prefetchd(td, tmp_path, ds["data"], local_cache="256K",
+                       extra=["--discover", "--psk", key, "--discover-export", "prefetchd@2M",
+                              "--status-poll-ms", "100"])
+        name = f"{lab['d1'].addr}:{good.port}/prefetchd@2M"
+        lane = wait_for(lambda: next((d for d in pd.status()["donors"] if d["name"] == name), None), 30,
+                        f"a lane for the discovered donor {name}")
+        assert (lane["joined"], lane["state"], lane["status_endpoint"]) == \
+            ("discovered", "serving", f"{lab['d1'].addr}:{good.status_addr[1]}"), lane
+        pd.add_job("j", ds["hints_path"])
+        result = finish_job(start_job(td, tmp_path, ds["hints_path"], pd.mount / "jobs" / "j",
+                                      manifest=ds["manifest_path"], compute_us=500))
+        assert result["mismatches"] == 0 and result["records"] > 0, result
+        assert good.status().used_bytes > 0
+        # The host announcing with another key was seen and refused, never used.
+        log = pd.proc.log_path.read_text()
+        assert "discovered donor d2 not used: status not verified with the lab key" in log, log[-3000:]
+        assert [d["name"] for d in pd.status()["donors"]] == [name]
+        assert pd.stop() == 0
+    finally:
+        errors = td.close()
+    assert errors == []
+
+
+
+def test_a_device_with_discover_adds_the_verified_donor_and_never_the_stranger(lab_root, donor_plugin,
+                                                                                 tmp_path):
+    """A client device (nbdkit with the client plugin on host c1, so nothing
+    is mounted) with `discover = true` and the lab key and no donors of its
+    own: the donor announcing with the lab key joins as discovered within a
+    few epochs and takes the device's extents; the one announcing with
+    another key is listed as not used, never joins."""
+    plugin = client_plugin()
+    if not plugin.exists():
+        skip_or_fail(f"client plugin not built: {plugin} missing (run `make build`)")
+    td = Teardown("device discovery")
+    try:
+        lab = netlab.Lab(td, lab_root, ["d1", "d2", "c1"], ssh=False)
+        key, wrong = lab_root / "lab.psk", lab_root / "wrong.psk"
+        key.write_text(f"lab:{secrets.token_hex(32)}\n")
+        wrong.write_text(f"lab:{secrets.token_hex(32)}\n")
+        params = {"size": "64M", "budget": "64M", "mlock": False, "poll_ms": 100, "announce": True}
+        netlab.LabDonor(lab["d1"], td, lab_root, donor_plugin, {**params, "psk": key}, tls_psk=key).start()
+        netlab.LabDonor(lab["d2"], td, lab_root, donor_plugin, {**params, "psk": wrong},
+                        tls_psk=wrong).start()
+        state = tmp_path / "state"
+        state.mkdir(mode=0o700)
+        (state / "device.toml").write_text(
+            'client_id = "c1"\nsize = "16M"\nmlock = false\n'
+            f'lab_key = "{key}"\ndiscover = true\ndonors = []\n'
+            '[mode]\nkind = "none"\n[policy]\nepoch_ms = 1000\n')
+        sock = state / "nbd.sock"
+        OwnedProcess(lab["c1"].netns_argv(["nbdkit", "-f", "-U", sock, plugin, f"state={state}"]),
+                     state / "nbdkit.log", td, "client nbdkit on c1")
+
+        def status() -> dict:
+            try:
+                return json.loads((state / "status.json").read_text())
+            except (FileNotFoundError, json.JSONDecodeError):
+                return {}
+
+        st = wait_for(lambda: (lambda s: s if [d["name"] for d in s.get("donors", [])] == ["d1"]
+                               and "d2" in s.get("not_admitted", {}) else None)(status()),
+                      60, "d1 to join and d2 to be refused")
+        d1 = st["donors"][0]
+        assert d1["joined"] == "discovered" and not d1["failed"], d1
+        assert "status not verified with the lab key" in st["not_admitted"]["d2"], st["not_admitted"]
+        # Epochs run between the device's start and d1's join (one a second).
+        assert len([e for e in st["epochs"] if e[0] // 1000 <= d1["joined_unix"]]) <= 10, st["epochs"]
+
+        data = secrets.token_bytes(1 << 20)
+        with nbdio.connect(f"nbd+unix:///c1?socket={sock}") as h:
+            for off in range(0, 8 << 20, 1 << 20):
+                h.pwrite(data, off)
+            h.flush()
+            for off in range(0, 8 << 20, 1 << 20):
+                assert h.pread(1 << 20, off) == data, f"mismatch at {off}"
+        st = wait_for(lambda: (lambda s: s if s["donors"][0]["extents_held"] > 0 else None)(status()),
+                      30, "d1 to hold extents")
+        assert [d["name"] for d in st["donors"]] == ["d1"], st["donors"]
+    finally:
+        errors = td.close()
+    assert errors == []
