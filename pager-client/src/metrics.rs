@@ -100,10 +100,14 @@ fn one(v: impl Into<Value>) -> Vec<(Labels, Value)> {
 /// Labelled `activity`, not `job`: Prometheus's own `job` label would
 /// rename ours to `exported_job`.
 fn per_job(s: &ClientStatus, f: impl Fn(&Progress) -> Value) -> Vec<(Labels, Value)> {
-    [("rebuild", &s.totals.rebuild), ("drain", &s.totals.drain)]
-        .into_iter()
-        .map(|(activity, p)| (labels([("activity", activity)]), f(p)))
-        .collect()
+    [
+        ("rebuild", &s.totals.rebuild),
+        ("drain", &s.totals.drain),
+        ("off_fallback", &s.totals.off_fallback),
+    ]
+    .into_iter()
+    .map(|(activity, p)| (labels([("activity", activity)]), f(p)))
+    .collect()
 }
 
 /// Every family of one scrape.
@@ -236,7 +240,7 @@ pub fn exposition(s: &ClientStatus, fe: &FrontendInfo) -> Exposition {
     );
     e.gauge(
         "client_background_active",
-        "1 while the background job (rebuild or drain) has work left.",
+        "1 while the background job (rebuild, drain, off_fallback) has work left.",
         None,
         per_job(s, |p| p.active.into()),
     );
@@ -458,6 +462,7 @@ mod tests {
             "netpager_client_background_active{activity=\"rebuild\"} 1\n",
             "netpager_client_background_stalled{activity=\"rebuild\"} 1\n",
             "netpager_client_background_stalled{activity=\"drain\"} 0\n",
+            "netpager_client_background_active{activity=\"off_fallback\"} 0\n",
             "netpager_client_background_members_done{activity=\"rebuild\"} 1\n",
             "netpager_client_donor_extents{donor=\"d1\"} 3\n",
             "netpager_client_donor_frequency{donor=\"d1\"} 0.5\n",

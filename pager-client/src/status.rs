@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 /// File name inside the state directory.
 pub const FILE_NAME: &str = "status.json";
 
-/// Progress of a background job (rebuild or drain).
+/// Progress of a background job (rebuild, drain, off the fallback).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Progress {
     /// Extent copies (members) moved or re-created so far in this pass.
@@ -118,6 +118,9 @@ pub struct Totals {
     pub degraded: u64,
     pub rebuild: Progress,
     pub drain: Progress,
+    /// Copies moving from the local fallback to donors with room again.
+    #[serde(default)]
+    pub off_fallback: Progress,
     /// Every donor is capped by its load bound: the client is throttled.
     pub all_capped: bool,
     pub throttled: bool,
@@ -383,9 +386,10 @@ pub fn render_table(s: &ClientStatus) -> String {
     w(
         &mut out,
         format!(
-            "rebuild {}, drain {}",
+            "rebuild {}, drain {}, off the fallback {}",
             progress(&t.rebuild),
-            progress(&t.drain)
+            progress(&t.drain),
+            progress(&t.off_fallback)
         ),
     );
     if t.throttled || t.all_capped {

@@ -1,7 +1,8 @@
 //! Live membership with real pager-server donors: donors join and leave a
 //! device while I/O goes on, removals drain first and are refused below a
 //! mode's minimum, the set survives a restart, dead donors are forgotten,
-//! and the donors file drives the set. Skipped with a note when
+//! the donors file drives the set, and copies spilled to the fallback
+//! move to donors that join. Skipped with a note when
 //! libpager_server.so has not been built (see common::pager_server_so).
 
 mod common;
@@ -11,9 +12,9 @@ use std::time::Duration;
 
 use common::{config, wait_status, Model, Nbdkit, Rng, Workers};
 use netpager_membership::Joined;
-use pager_client::config::{DonorConfig, Mode};
+use pager_client::config::{ByteSize, DonorConfig, FallbackConfig, Mode};
 use pager_client::device::Device;
-use pager_client::status::ClientStatus;
+use pager_client::status::{render_table, ClientStatus};
 
 const EXTENT: u64 = 64 << 10;
 const SIZE: u64 = 4 << 20;
@@ -280,4 +281,65 @@ fn the_donors_file_drives_the_set() {
     });
     assert!(s.donors_file_error.is_none());
     model.check_all(&dev, EXTENT);
+}
+
+/// A device whose `small` donors (three extents each) are full, with the
+/// rest of it on the fallback; `joiners` roomy donors then join while
+/// writes go on, and the spilled copies move onto them until the fallback
+/// holds nothing. Every byte reads back, with nothing lost.
+fn spilled_copies_move_to_joining_donors(mode: Mode, small: usize, joiners: usize, seed: u64) {
+    let budget = format!("budget={}", 3 * EXTENT + 4096);
+    let params = [
+        "size=8M",
+        &budget,
+        "reserve=0",
+        "busy-load=1000",
+        "poll-ms=100",
+    ];
+    let Some(ds) = (0..small)
+        .map(|_| common::pager_server(&params))
+        .collect::<Option<Vec<_>>>()
+    else {
+        return;
+    };
+    let Some(roomy) = common::pager_servers(joiners) else {
+        return;
+    };
+    let (state, fb) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let size = 16 * EXTENT;
+    let mut cfg = config(mode, size, EXTENT, &ds.iter().collect::<Vec<_>>());
+    cfg.fallback = Some(FallbackConfig {
+        path: fb.path().join("fb.img"),
+        size: ByteSize(4 * size),
+    });
+    let dev = Arc::new(Device::open(cfg, state.path()).unwrap());
+    let mut model = Model::new(size);
+    let mut rng = Rng::new(seed);
+    model.fill(&dev, &mut rng, EXTENT);
+    let s = dev.status();
+    assert!(s.totals.on_fallback > 0, "{}", render_table(&s));
+
+    let workers = Workers::start(&dev, &model, EXTENT, 3 * EXTENT, seed);
+    for (i, d) in roomy.iter().enumerate() {
+        dev.add_donor(donor_config(&format!("j{i}"), d), Joined::Added)
+            .unwrap();
+    }
+    workers.join(&mut model);
+    let s = wait_status(&dev, "every copy to leave the fallback", |s| {
+        s.totals.on_fallback == 0 && !s.totals.off_fallback.active
+    });
+    assert!(s.totals.off_fallback.done > 0, "{}", render_table(&s));
+    assert_eq!(s.totals.fallback_used_bytes, 0, "{}", render_table(&s));
+    assert_eq!(s.totals.lost, 0, "{}", render_table(&s));
+    model.check_all(&dev, 3 * EXTENT);
+}
+
+#[test]
+fn spilled_extents_move_to_a_donor_that_joins() {
+    spilled_copies_move_to_joining_donors(Mode::None, 2, 1, 61);
+}
+
+#[test]
+fn spilled_parity_members_move_to_donors_that_join() {
+    spilled_copies_move_to_joining_donors(Mode::Parity { width: 3 }, 3, 3, 62);
 }

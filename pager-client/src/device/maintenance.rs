@@ -1,15 +1,18 @@
 //! Background repair: copies of failed donors are re-created elsewhere
-//! (rebuild), extents leave draining donors (drain), and a copy whose donor
-//! ran out of room moves (relocation). All three move one member of one
-//! unit at a time under that unit's write lock.
+//! (rebuild), extents leave draining donors (drain), a copy whose donor
+//! ran out of room moves (relocation), and copies spilled to the local
+//! fallback move to donors that have room again (off the fallback). All
+//! four move one member of one unit at a time under that unit's write lock.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use netpager_util::{LockExt, RwLockExt};
 
+use super::placement::Spill;
+use super::report::Job;
 use super::{DeviceError, Inner, Result};
-use crate::extent_map::{CopyState, Loc, Member, Redundancy, Unit};
+use crate::extent_map::{CopyState, Loc, Member, Redundancy, SlotOwner, Unit};
 use crate::status::Progress;
 use netpager_nbd::Op;
 
@@ -23,7 +26,38 @@ pub(crate) enum MoveWhy {
     /// Its donor refused a write for lack of room: the other members (or,
     /// failing that, the member itself) have the data that belongs there.
     Full,
+    /// It is on the local fallback and a donor has room: copy it there.
+    OffFallback,
 }
+
+impl MoveWhy {
+    /// The member being moved holds the data itself (read it first).
+    fn reads_itself_first(self) -> bool {
+        matches!(self, MoveWhy::Drain | MoveWhy::OffFallback)
+    }
+
+    fn job(self) -> Job {
+        match self {
+            MoveWhy::Rebuild | MoveWhy::Full => Job::Rebuild,
+            MoveWhy::Drain => Job::Drain,
+            MoveWhy::OffFallback => Job::OffFallback,
+        }
+    }
+}
+
+/// How a pass of moves ended.
+#[derive(Debug, PartialEq, Eq)]
+enum Ended {
+    Done,
+    /// Its time is up; the next pass goes on.
+    OutOfTime,
+    /// Why it cannot go on now.
+    Stalled(String),
+}
+
+/// How long one pass off the fallback may run: rebuilds, drains and status
+/// wait behind it.
+const OFF_FALLBACK_PASS: Duration = Duration::from_secs(1);
 
 impl Inner {
     /// What member `j` of unit `u` should hold, into `out` (one extent).
@@ -44,7 +78,7 @@ impl Inner {
                 .iter()
                 .enumerate()
                 .all(|(k, m)| k == j || usable(m));
-            let from_self = usable(&me) && (why == MoveWhy::Drain || !others_ok);
+            let from_self = usable(&me) && (why.reads_itself_first() || !others_ok);
             if from_self && self.exec1(me.loc, 0, Op::Read(out)).is_ok() {
                 return Ok(());
             }
@@ -56,7 +90,7 @@ impl Inner {
         }
         let mut order: Vec<usize> = (0..unit.members.len()).filter(|&k| k != j).collect();
         match why {
-            MoveWhy::Drain => order.insert(0, j),
+            MoveWhy::Drain | MoveWhy::OffFallback => order.insert(0, j),
             MoveWhy::Full => order.push(j),
             MoveWhy::Rebuild => {}
         }
@@ -112,7 +146,14 @@ impl Inner {
         exclude.sort_unstable();
         exclude.dedup();
         let first_extent = u * self.layout.data_per_unit();
-        let (dest, _) = self.allocate(1, &exclude, first_extent)?.remove(0);
+        let spill = if why == MoveWhy::OffFallback {
+            Spill::DonorsOnly
+        } else {
+            Spill::Allowed
+        };
+        let (dest, _) = self
+            .allocate_where(1, &exclude, first_extent, spill)?
+            .remove(0);
         let mut next = unit.clone();
         next.members[j] = Member {
             loc: dest,
@@ -174,9 +215,8 @@ impl Inner {
         Ok(())
     }
 
-    fn set_job(&self, drain: bool, f: impl FnOnce(&mut Progress)) {
-        let mut j = self.jobs.lock_or_recover();
-        f(if drain { &mut j.drain } else { &mut j.rebuild });
+    fn set_job(&self, job: Job, f: impl FnOnce(&mut Progress)) {
+        f(self.jobs.lock_or_recover().of(job));
     }
 
     /// Members to move: (unit, member) pairs matching `want`.
@@ -197,17 +237,23 @@ impl Inner {
         out
     }
 
-    /// Moves the listed members; returns why it stopped early, if it did.
+    /// Moves the listed members, until `until` if given. Off the fallback,
+    /// a copy no donor can take now stays where it is and the rest go on.
     fn move_all(
         &self,
         work: Vec<(u64, usize)>,
         why: MoveWhy,
         still: impl Fn(&Member) -> bool,
-    ) -> Option<String> {
-        let drain = why == MoveWhy::Drain;
+        until: Option<Instant>,
+    ) -> Ended {
+        let job = why.job();
+        let mut stays = None;
         for (u, j) in work {
             if self.stop.load(Ordering::Relaxed) {
-                return Some("device stopping".into());
+                return Ended::Stalled("device stopping".into());
+            }
+            if until.is_some_and(|t| Instant::now() >= t) {
+                return Ended::OutOfTime;
             }
             let mut g = self.map.unit(u).write_or_recover();
             if !g
@@ -218,32 +264,40 @@ impl Inner {
                 continue;
             }
             match self.move_member(u, &mut g, j, why) {
-                Ok(()) => self.set_job(drain, |p| p.done += 1),
+                Ok(()) => self.set_job(job, |p| p.done += 1),
                 Err(DeviceError::Lost { extent, reason }) => {
                     // Nothing to copy from: counted as lost in the status.
                     tracing::debug!("cannot re-create a copy of extent {extent}: {reason}");
-                    self.set_job(drain, |p| p.total = p.total.saturating_sub(1));
+                    self.set_job(job, |p| p.total = p.total.saturating_sub(1));
                 }
-                Err(e) => return Some(e.to_string()),
+                Err(e @ DeviceError::NoSpace { .. }) if why == MoveWhy::OffFallback => {
+                    self.set_job(job, |p| p.total = p.total.saturating_sub(1));
+                    stays = Some(e.to_string());
+                }
+                Err(e) => return Ended::Stalled(e.to_string()),
             }
             drop(g);
             self.maybe_write_status();
         }
-        None
+        match stays {
+            Some(why) => Ended::Stalled(why),
+            None => Ended::Done,
+        }
     }
 
-    fn run_job(&self, why: MoveWhy, want: impl Fn(&Member) -> bool + Copy) {
-        let drain = why == MoveWhy::Drain;
+    fn run_job(&self, why: MoveWhy, want: impl Fn(&Member) -> bool + Copy, until: Option<Instant>) {
+        let job = why.job();
+        let warned = self.jobs.lock_or_recover().of(job).stalled.clone();
         let work = self.scan(want);
         if work.is_empty() {
             // Keep the last pass's numbers on show.
-            self.set_job(drain, |p| {
+            self.set_job(job, |p| {
                 p.active = false;
                 p.stalled = None;
             });
             return;
         }
-        self.set_job(drain, |p| {
+        self.set_job(job, |p| {
             if !p.active {
                 p.done = 0;
             }
@@ -251,11 +305,16 @@ impl Inner {
             p.active = true;
             p.stalled = None;
         });
-        let stalled = self.move_all(work, why, want);
-        self.set_job(drain, |p| {
-            p.active = stalled.is_some();
-            if let Some(s) = &stalled {
-                tracing::warn!("{} stalled: {s}", if drain { "drain" } else { "rebuild" });
+        let ended = self.move_all(work, why, want, until);
+        self.set_job(job, |p| {
+            p.active = ended != Ended::Done;
+            let stalled = match ended {
+                Ended::Stalled(s) => Some(s),
+                Ended::Done | Ended::OutOfTime => None,
+            };
+            // Once per reason, not once a pass.
+            if let Some(s) = stalled.as_ref().filter(|&s| warned.as_ref() != Some(s)) {
+                tracing::warn!("{} stalled: {s}", job.name());
             }
             p.stalled = stalled;
         });
@@ -265,7 +324,7 @@ impl Inner {
         if self.layout.mode == Redundancy::None {
             return;
         }
-        self.run_job(MoveWhy::Rebuild, |m| m.state == CopyState::Lost);
+        self.run_job(MoveWhy::Rebuild, |m| m.state == CopyState::Lost, None);
     }
 
     /// Moves extents off donors that are draining (their owner wants the
@@ -281,11 +340,9 @@ impl Inner {
             m.state == CopyState::Ok
                 && matches!(m.loc, Loc::Donor { donor, .. } if draining.contains(&donor))
         };
-        self.run_job(MoveWhy::Drain, on_draining);
+        self.run_job(MoveWhy::Drain, on_draining, None);
         for d in self.donors.iter().filter(|d| draining.contains(&d.id)) {
-            let (held, _) = self
-                .map
-                .slot_usage(crate::extent_map::SlotOwner::Donor(d.id));
+            let (held, _) = self.map.slot_usage(SlotOwner::Donor(d.id));
             if held == 0 && self.map.donor_label(d.id) != 0 {
                 tracing::info!(
                     "donor {} drained: nothing of ours is left on it",
@@ -298,11 +355,43 @@ impl Inner {
         }
     }
 
+    /// Moves copies spilled to the local fallback onto donors that have
+    /// room again (a donor joined, one stopped draining, a job freed its
+    /// pages): the fallback is for when the lab has no memory to give, not
+    /// where pages stay once it has. Donors are picked by the same
+    /// weighted age/load rule as new extents, so a capped or busy donor
+    /// gets nothing; each pass runs for at most [`OFF_FALLBACK_PASS`].
+    fn off_fallback_pass(&self) {
+        if self.fallback.is_none() || self.map.slot_usage(SlotOwner::Fallback).0 == 0 {
+            self.set_job(Job::OffFallback, |p| p.active = false);
+            return;
+        }
+        let room = self
+            .donors
+            .iter()
+            .any(|d| self.ineligible_reason(d.idx).is_none());
+        if !room || self.placement.lock_or_recover().freqs.all_capped {
+            self.set_job(Job::OffFallback, |p| {
+                p.active = false;
+                p.stalled = None;
+            });
+            return;
+        }
+        let on_fallback =
+            |m: &Member| m.state == CopyState::Ok && matches!(m.loc, Loc::Fallback { .. });
+        self.run_job(
+            MoveWhy::OffFallback,
+            on_fallback,
+            Some(Instant::now() + OFF_FALLBACK_PASS),
+        );
+    }
+
     pub(crate) fn maintenance_loop(&self) {
         while self.maint_wake.wait(Duration::from_secs(1), &self.stop) {
             self.mark_failed_donors();
             self.rebuild_pass();
             self.drain_pass();
+            self.off_fallback_pass();
             self.settle_membership();
             self.clean_parity_log();
             self.drain_idle_log();

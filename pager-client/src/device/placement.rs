@@ -10,6 +10,15 @@ use super::{DeviceError, Inner, Result};
 use crate::extent_map::{Loc, SlotOwner};
 use crate::policy::{Frequencies, Selector};
 
+/// Whether a placement may use the local fallback when donors cannot
+/// take it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Spill {
+    Allowed,
+    /// Moving off the fallback: a donor or nothing.
+    DonorsOnly,
+}
+
 pub(crate) struct Placement {
     selector: Selector,
     /// This epoch's frequencies, indexed like the configured donors.
@@ -87,6 +96,18 @@ impl Inner {
         exclude: &[u16],
         extent: u64,
     ) -> Result<Vec<(Loc, bool)>> {
+        self.allocate_where(k, exclude, extent, Spill::Allowed)
+    }
+
+    /// [`Self::allocate`], with `spill` saying whether the fallback may
+    /// fill in for donors.
+    pub(crate) fn allocate_where(
+        &self,
+        k: usize,
+        exclude: &[u16],
+        extent: u64,
+        spill: Spill,
+    ) -> Result<Vec<(Loc, bool)>> {
         // Each failed try rules out a donor (now full or failed).
         for _ in 0..self.donors.len() + 2 {
             let (picked, why) = self.pick_donors(k, exclude);
@@ -97,6 +118,12 @@ impl Inner {
             } else {
                 missing
             };
+            if missing > 0 && spill == Spill::DonorsOnly {
+                return Err(DeviceError::NoSpace {
+                    extent,
+                    reason: format!("no donor has room ({why})"),
+                });
+            }
             if missing > 0 && self.fallback.is_none() {
                 let reason = format!(
                     "no {k} distinct donors can take it ({why}) and no fallback is configured"

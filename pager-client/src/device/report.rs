@@ -21,10 +21,39 @@ const LOST_LISTED: usize = 1000;
 pub(crate) struct Jobs {
     pub rebuild: Progress,
     pub drain: Progress,
+    pub off_fallback: Progress,
     pub last_status: Option<Instant>,
     /// The latest epochs: when each started (ms since the Unix epoch) and
     /// how long it took (us), oldest first.
     pub epochs: std::collections::VecDeque<(u64, u64)>,
+}
+
+/// The background jobs whose progress status shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Job {
+    Rebuild,
+    Drain,
+    OffFallback,
+}
+
+impl Job {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Job::Rebuild => "rebuild",
+            Job::Drain => "drain",
+            Job::OffFallback => "the move off the fallback",
+        }
+    }
+}
+
+impl Jobs {
+    pub(crate) fn of(&mut self, job: Job) -> &mut Progress {
+        match job {
+            Job::Rebuild => &mut self.rebuild,
+            Job::Drain => &mut self.drain,
+            Job::OffFallback => &mut self.off_fallback,
+        }
+    }
 }
 
 /// Starts `/metrics` (`[metrics]` of device.toml). The endpoint holds the
@@ -141,6 +170,7 @@ impl Inner {
             let j = self.jobs.lock_or_recover();
             t.rebuild = j.rebuild.clone();
             t.drain = j.drain.clone();
+            t.off_fallback = j.off_fallback.clone();
         }
         let pl = self.placement.lock_or_recover();
         t.all_capped = pl.freqs.all_capped;
