@@ -2,7 +2,7 @@
 //! device while I/O goes on, removals drain first and are refused below a
 //! mode's minimum, the set survives a restart, dead donors are forgotten,
 //! and the donors file drives the set. Skipped with a note when
-//! libpager_server.so has not been built (see common::pager_server_so).
+//! libpager_server.so has not been built (see netpager_test_support::pager_server_so).
 
 mod common;
 
@@ -65,7 +65,7 @@ fn has_left(s: &ClientStatus, name: &str) -> bool {
 /// nothing and leaves the set, and every byte reads back.
 #[test]
 fn a_donor_joins_and_another_leaves_while_writes_go_on() {
-    let Some(mut ds) = common::pager_servers(4) else {
+    let Some(mut ds) = netpager_test_support::pager_servers(4) else {
         return;
     };
     let fourth = ds.pop().expect("four donors");
@@ -110,7 +110,7 @@ fn a_donor_joins_and_another_leaves_while_writes_go_on() {
 
 #[test]
 fn a_removal_below_the_modes_width_is_refused_with_what_to_do() {
-    let Some(ds) = common::pager_servers(3) else {
+    let Some(ds) = netpager_test_support::pager_servers(3) else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
@@ -135,7 +135,7 @@ fn a_removal_below_the_modes_width_is_refused_with_what_to_do() {
 /// keeps an added donor and not a removed one, and the data.
 #[test]
 fn a_restart_keeps_added_donors_and_not_removed_ones() {
-    let Some(mut ds) = common::pager_servers(3) else {
+    let Some(mut ds) = netpager_test_support::pager_servers(3) else {
         return;
     };
     let third = ds.pop().expect("three");
@@ -164,7 +164,7 @@ fn a_restart_keeps_added_donors_and_not_removed_ones() {
 /// extents are rebuilt from parity, it leaves the set, nothing is lost.
 #[test]
 fn a_donor_killed_while_it_leaves_loses_nothing_in_parity() {
-    let Some(so) = common::pager_server_so() else {
+    let Some(so) = netpager_test_support::pager_server_so() else {
         return;
     };
     // Slow writes, so the drain is still going when the kill comes.
@@ -205,7 +205,7 @@ fn a_donor_killed_while_it_leaves_loses_nothing_in_parity() {
 /// rebuilt elsewhere; its slots are free for nobody and it leaves status.
 #[test]
 fn a_dead_donor_is_forgotten_after_forget_after() {
-    let Some(mut ds) = common::pager_servers(3) else {
+    let Some(mut ds) = netpager_test_support::pager_servers(3) else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
@@ -229,7 +229,7 @@ fn a_dead_donor_is_forgotten_after_forget_after() {
 /// its line number.
 #[test]
 fn the_donors_file_drives_the_set() {
-    let Some(ds) = common::pager_servers(3) else {
+    let Some(ds) = netpager_test_support::pager_servers(3) else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
