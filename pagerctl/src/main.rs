@@ -1,5 +1,5 @@
 //! pagerctl: attach remote memory as a swap or block device, watch it, and
-//! talk to donors. See pagerctl(1) (`pager-client/pagerctl/pagerctl.1.md`).
+//! talk to donors. See pagerctl(1) (`pagerctl/pagerctl.1.md`).
 //!
 //! One module per subcommand in `cmd/` (its arguments and `run`); the
 //! machinery they share is the `pagerctl` library (`attach`, `sim`, `top`,
