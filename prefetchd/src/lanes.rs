@@ -17,9 +17,8 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use netpager_proto::{auth::LabKey, DonorState, StatusClient};
-use serde_json::{json, Value};
 
-use crate::daemon::Daemon;
+use crate::daemon::{Daemon, Lane};
 use crate::donor::{DonorArg, DonorLane};
 use crate::membership::Source;
 use crate::plan::engine::DonorSpec;
@@ -153,7 +152,7 @@ impl Lanes {
     }
 
     /// Per-lane fields of the status: donor index, life, and state.
-    pub(crate) fn describe(&self, id: DonorId, alive: bool) -> Value {
+    pub(crate) fn describe(&self, id: DonorId, alive: bool) -> Lane {
         let recs = self.recs();
         let r = &recs[id];
         let state = match (r.ended, alive) {
@@ -161,14 +160,15 @@ impl Lanes {
             (None, true) => "serving".to_owned(),
             (None, false) => "failed".to_owned(),
         };
-        json!({
-            "name": r.lane.name,
-            "donor": r.donor,
-            "life": r.life,
-            "state": state,
-            "status_endpoint": self.members()[r.donor].arg.status,
-            "joined": self.members()[r.donor].source.as_str(),
-        })
+        let members = self.members();
+        Lane {
+            name: r.lane.name.clone(),
+            donor: r.donor,
+            life: r.life,
+            state,
+            status_endpoint: members[r.donor].arg.status.clone(),
+            joined: members[r.donor].source.as_str(),
+        }
     }
 }
 

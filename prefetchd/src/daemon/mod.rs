@@ -27,6 +27,9 @@ use crate::source::{open_hints, SourceReport};
 use hints::{FileDecl, Recorder};
 
 mod fills;
+mod status;
+
+pub use status::{Costs, Donor, HintStream, Job, Lane, Local, Registered, Status};
 
 /// Answers a read: its bytes, or an errno.
 pub type Reply = Box<dyn FnOnce(Result<Vec<u8>, i32>) + Send>;
@@ -463,7 +466,6 @@ impl Daemon {
         self.execute(actions);
     }
 
-    /// Status of every job and level, as JSON.
     /// What `/metrics` shows (crate::metrics).
     pub fn metrics_snapshot(&self) -> crate::metrics::Snapshot {
         let st = self.lock();
@@ -474,55 +476,57 @@ impl Daemon {
         }
     }
 
-    pub fn status(&self) -> Value {
+    /// Status of every job and level.
+    pub fn status(&self) -> Status {
         let st = self.lock();
         let es = st.engine.status();
-        let by_id: HashMap<JobId, (&String, &JobInfo)> =
-            st.jobs.iter().map(|(n, j)| (j.id, (n, j))).collect();
-        let jobs: Vec<Value> = es
+        let by_id: HashMap<JobId, &JobInfo> = st.jobs.values().map(|j| (j.id, j)).collect();
+        let jobs = es
             .jobs
-            .iter()
+            .into_iter()
             .map(|j| {
-                let mut v = serde_json::to_value(j).expect("job status serialises");
-                if let Some((_, info)) = by_id.get(&j.id) {
-                    v["hints"] = json!(info.hints);
-                    v["recording"] = json!(info.recorder.as_ref().map(Recorder::path));
-                    v["record_error"] = json!(info.record_error);
-                    v["stale"] = json!(info.stale);
-                    v["hint_stream"] = info.report.snapshot();
+                let registered = by_id.get(&j.id).map(|info| Registered {
+                    hints: info.hints.clone(),
+                    recording: info.recorder.as_ref().map(|r| r.path().to_path_buf()),
+                    record_error: info.record_error.clone(),
+                    stale: info.stale.clone(),
+                    hint_stream: info.report.snapshot(),
+                });
+                Job {
+                    engine: j,
+                    registered,
                 }
-                v
             })
             .collect();
-        let donors: Vec<Value> = es
+        let donors = es
             .donors
-            .iter()
-            .map(|d| {
-                let mut v = serde_json::to_value(d).expect("donor status serialises");
-                let lane = self.lanes.describe(d.id, d.alive);
-                for (k, x) in lane.as_object().expect("an object") {
-                    v[k] = x.clone();
-                }
-                v
+            .into_iter()
+            .map(|d| Donor {
+                lane: self.lanes.describe(d.id, d.alive),
+                engine: d,
             })
             .collect();
-        json!({
-            "data": self.files.root(),
-            "block_size": self.bs,
-            "uptime_s": self.started.elapsed().as_secs_f64(),
-            "prefetch": st.engine.config().prefetch,
-            "page_cache": self.page_cache,
-            "local": {
-                "blocks": es.local_blocks,
-                "resident": es.local_resident,
-                "filling": es.local_filling,
+        Status {
+            data: self.files.root().to_path_buf(),
+            block_size: self.bs,
+            uptime_s: self.started.elapsed().as_secs_f64(),
+            prefetch: st.engine.config().prefetch,
+            page_cache: self.page_cache,
+            local: Local {
+                blocks: es.local_blocks,
+                resident: es.local_resident,
+                filling: es.local_filling,
             },
-            "costs_ns": { "local": es.f_local_ns, "global": es.f_global_ns, "disk": es.f_disk_ns },
-            "pending_reads": st.reads.len(),
-            "donors": donors,
-            "jobs": jobs,
-            "unhinted": es.unhinted,
-        })
+            costs_ns: Costs {
+                local: es.f_local_ns,
+                global: es.f_global_ns,
+                disk: es.f_disk_ns,
+            },
+            pending_reads: st.reads.len(),
+            donors,
+            jobs,
+            unhinted: es.unhinted,
+        }
     }
 }
 
