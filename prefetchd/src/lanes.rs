@@ -340,7 +340,7 @@ impl Daemon {
         ) {
             Ok(l) => l,
             Err(e) => {
-                tracing::info!("donor {}: not back yet: {e:#}", old.name);
+                tracing::info!("donor {}: not back yet: {}", old.name, e.chain());
                 return;
             }
         };

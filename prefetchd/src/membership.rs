@@ -74,7 +74,7 @@ pub fn parse_donors_file(path: &Path, text: &str) -> Result<Vec<DonorArg>, Donor
     parse_lines(
         path,
         text,
-        |l| l.parse::<DonorArg>().map_err(|e| format!("{e:#}")),
+        |l| l.parse::<DonorArg>().map_err(|e| e.chain()),
         donor_name,
     )
 }

@@ -132,7 +132,7 @@ impl Daemon {
                         l.stop();
                     }
                     disk.stop();
-                    return Err(e);
+                    return Err(e.into());
                 }
             }
         }
