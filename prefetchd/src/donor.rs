@@ -81,7 +81,14 @@ pub enum DonorError {
         size: u64,
         needed: u64,
     },
-    /// A worker thread that did not start.
+    #[error("donor {status}: lab key {}", psk.display())]
+    LabKey {
+        /// The donor's status endpoint, or "?".
+        status: String,
+        psk: PathBuf,
+        source: netpager_proto::auth::AuthError,
+    },
+    /// A worker or poller thread that did not start.
     #[error(transparent)]
     Thread(#[from] std::io::Error),
 }

@@ -217,7 +217,7 @@ impl Watcher {
                 // Retried next period: the donor may not be up yet.
                 Err(e) => self.said.warn(
                     &name,
-                    format!("donor {name} (donors file): not joined yet: {e:#}"),
+                    format!("donor {name} (donors file): not joined yet: {}", e.chain()),
                 ),
             }
         }
@@ -231,7 +231,7 @@ impl Watcher {
         }
         let key = format!("announced {}", a.node_id);
         let verdict = match status_client(&arg, d.timeouts().connect) {
-            Err(e) => Err(format!("{e:#}")),
+            Err(e) => Err(e.chain()),
             Ok(client) if client.key.is_none() => admit(a, Check::NoKey, disc.insecure),
             Ok(client) => match client.query(&a.status.to_string()) {
                 Ok(s) => admit(a, Check::Signed(Ok(&s.node_id)), disc.insecure),
@@ -247,8 +247,9 @@ impl Watcher {
                 Err(e) => self.said.warn(
                     &key,
                     format!(
-                        "discovered donor {} ({name}): not joined yet: {e:#}",
-                        a.node_id
+                        "discovered donor {} ({name}): not joined yet: {}",
+                        a.node_id,
+                        e.chain()
                     ),
                 ),
             },

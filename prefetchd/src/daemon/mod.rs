@@ -182,6 +182,7 @@ impl Daemon {
         });
         if let Err(e) = d
             .start_pollers()
+            .map_err(anyhow::Error::from)
             .and_then(|()| d.start_membership(membership))
         {
             d.stop();
