@@ -14,8 +14,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::Result;
-use netpager_membership::discovery::{admit, Announced, Browser, Check};
+use netpager_membership::discovery::{admit, Announced, Browser, Check, DiscoveryError};
 use netpager_membership::{parse_lines, DonorsFileError};
 use netpager_nbd::Endpoint;
 
@@ -138,6 +137,16 @@ impl Said {
     }
 }
 
+/// Why following the donors file and discovery could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum MembershipError {
+    #[error(transparent)]
+    Discovery(#[from] DiscoveryError),
+    /// The membership thread did not start.
+    #[error(transparent)]
+    Thread(#[from] std::io::Error),
+}
+
 /// Applies the donors file's and discovery's changes to the running set.
 pub(crate) struct Watcher {
     cfg: Config,
@@ -146,7 +155,7 @@ pub(crate) struct Watcher {
 }
 
 impl Watcher {
-    pub(crate) fn new(cfg: Config) -> Result<Watcher> {
+    pub(crate) fn new(cfg: Config) -> Result<Watcher, MembershipError> {
         let browser = cfg
             .discover
             .as_ref()
@@ -264,7 +273,7 @@ impl Watcher {
 impl Daemon {
     /// Starts the thread that follows the donors file and discovery, one
     /// pass at once and then one each status-poll period.
-    pub(crate) fn start_membership(self: &Arc<Self>, cfg: Config) -> Result<()> {
+    pub(crate) fn start_membership(self: &Arc<Self>, cfg: Config) -> Result<(), MembershipError> {
         if cfg.donors_file.is_none() && cfg.discover.is_none() {
             return Ok(());
         }

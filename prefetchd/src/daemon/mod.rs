@@ -183,7 +183,7 @@ impl Daemon {
         if let Err(e) = d
             .start_pollers()
             .map_err(anyhow::Error::from)
-            .and_then(|()| d.start_membership(membership))
+            .and_then(|()| Ok(d.start_membership(membership)?))
         {
             d.stop();
             return Err(e);
