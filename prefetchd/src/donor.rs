@@ -93,21 +93,6 @@ pub enum DonorError {
     Thread(#[from] std::io::Error),
 }
 
-impl DonorError {
-    /// The error and its causes, joined by ": " as anyhow's `{:#}` prints
-    /// them: where the text goes to a log or a status, not up to anyhow.
-    pub fn chain(&self) -> String {
-        let mut out = self.to_string();
-        let mut cause = std::error::Error::source(self);
-        while let Some(c) = cause {
-            out.push_str(": ");
-            out.push_str(&c.to_string());
-            cause = c.source();
-        }
-        out
-    }
-}
-
 fn parse_endpoint(
     s: &str,
     psk: &Option<PathBuf>,
@@ -580,7 +565,7 @@ mod tests {
     fn ipv6_donors_lose_their_brackets() {
         let d: DonorArg = "[::1]:10809/mem".parse().unwrap();
         assert_eq!((d.memory.host.as_str(), d.memory.port), ("::1", 10809));
-        let e = "::1:10809".parse::<DonorArg>().unwrap_err().chain();
+        let e = crate::error_chain(&"::1:10809".parse::<DonorArg>().unwrap_err());
         assert!(e.contains("brackets"), "{e}");
     }
 }

@@ -252,7 +252,10 @@ impl Daemon {
             });
         });
         if let Err(e) = self.start_poller(donor) {
-            tracing::warn!("donor {donor}: no status poller: {}", e.chain());
+            tracing::warn!(
+                "donor {donor}: no status poller: {}",
+                crate::error_chain(&e)
+            );
         }
         Ok(donor)
     }
@@ -343,7 +346,11 @@ impl Daemon {
         ) {
             Ok(l) => l,
             Err(e) => {
-                tracing::info!("donor {}: not back yet: {}", old.name, e.chain());
+                tracing::info!(
+                    "donor {}: not back yet: {}",
+                    old.name,
+                    crate::error_chain(&e)
+                );
                 return;
             }
         };

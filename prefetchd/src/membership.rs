@@ -73,7 +73,7 @@ pub fn parse_donors_file(path: &Path, text: &str) -> Result<Vec<DonorArg>, Donor
     parse_lines(
         path,
         text,
-        |l| l.parse::<DonorArg>().map_err(|e| e.chain()),
+        |l| l.parse::<DonorArg>().map_err(|e| crate::error_chain(&e)),
         donor_name,
     )
 }
@@ -226,7 +226,10 @@ impl Watcher {
                 // Retried next period: the donor may not be up yet.
                 Err(e) => self.said.warn(
                     &name,
-                    format!("donor {name} (donors file): not joined yet: {}", e.chain()),
+                    format!(
+                        "donor {name} (donors file): not joined yet: {}",
+                        crate::error_chain(&e)
+                    ),
                 ),
             }
         }
@@ -240,7 +243,7 @@ impl Watcher {
         }
         let key = format!("announced {}", a.node_id);
         let verdict = match status_client(&arg, d.timeouts().connect) {
-            Err(e) => Err(e.chain()),
+            Err(e) => Err(crate::error_chain(&e)),
             Ok(client) if client.key.is_none() => admit(a, Check::NoKey, disc.insecure),
             Ok(client) => match client.query(&a.status.to_string()) {
                 Ok(s) => admit(a, Check::Signed(Ok(&s.node_id)), disc.insecure),
@@ -258,7 +261,7 @@ impl Watcher {
                     format!(
                         "discovered donor {} ({name}): not joined yet: {}",
                         a.node_id,
-                        e.chain()
+                        crate::error_chain(&e)
                     ),
                 ),
             },
