@@ -402,7 +402,7 @@ fn serve_mounted(d: &std::sync::Arc<Daemon>, args: &ServeArgs, control_path: &Pa
             server.stop();
             Ok(())
         }
-        Err(e) => Err(e),
+        Err(e) => Err(e.into()),
     };
     if let Err(e) = unmounter.unmount() {
         tracing::warn!("unmounting {}: {e}", args.mount.display());
