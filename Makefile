@@ -15,7 +15,7 @@ FUZZ_SECONDS ?= 300
 export PATH := /usr/sbin:/usr/bin:/sbin:/bin:$(PATH)
 export NETPAGER_ROOT := $(CURDIR)
 # Every target builds first: a Rust test that finds no libpager_server.so
-# fails instead of skipping (pager-client/tests/common).
+# fails instead of skipping (test-support, pager_server_so).
 export NETPAGER_REQUIRE_SERVER := 1
 # What every command's --version prints and the packages' version
 # (netpager_util::version!, scripts/version.sh).

@@ -13,8 +13,8 @@ version=$(bash "$root/scripts/version.sh")
 mkdir -p "$out"
 
 pages=(
-  pager-client/pagerctl/pagerctl.1.md
-  pager-client/plugin/pager-client-plugin.1.md
+  pagerctl/pagerctl.1.md
+  client-plugin/pager-client-plugin.1.md
   pager-server/pager-server.1.md
   prefetchd/prefetchd.8.md
 )

@@ -573,14 +573,10 @@ fn to_result(
     }
 }
 
-/// Real nbdkit servers for the unit tests (the integration tests' harness).
-#[cfg(test)]
-#[path = "../../pager-client/tests/common/nbdkit.rs"]
-mod nbdkit;
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use netpager_test_support::{Nbdkit, PSK_USER};
 
     const T: Duration = Duration::from_secs(5);
 
@@ -591,7 +587,7 @@ mod tests {
             port: hp.port,
             export: String::new(),
             tls_psk_file: psk.map(Path::to_path_buf),
-            tls_username: psk.map(|_| nbdkit::PSK_USER.into()),
+            tls_username: psk.map(|_| PSK_USER.into()),
         }
     }
 
@@ -602,8 +598,8 @@ mod tests {
     #[test]
     fn a_failed_poll_fails_the_request_and_retires_the_connection() {
         let dir = tempfile::tempdir().unwrap();
-        let mut plain = nbdkit::Nbdkit::memory("1M");
-        let (mut tls, psk) = nbdkit::Nbdkit::memory_tls("1M", dir.path());
+        let mut plain = Nbdkit::memory("1M");
+        let (mut tls, psk) = Nbdkit::memory_tls("1M", dir.path());
         let (plain_ep, tls_ep) = (endpoint(&plain.addr, None), endpoint(&tls.addr, Some(&psk)));
         for (server, ep) in [(&mut plain, plain_ep), (&mut tls, tls_ep)] {
             let mut c = Connection::connect(&ep, T).unwrap();

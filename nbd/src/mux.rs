@@ -516,8 +516,8 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Barrier;
 
-    use crate::nbdkit::Nbdkit;
     use crate::{Endpoint, NbdError, Op, Pool, Timeouts};
+    use netpager_test_support::Nbdkit;
 
     const T: Duration = Duration::from_secs(20);
     /// Requests in flight at once, all on one connection.

@@ -2,13 +2,10 @@
 //! transports (plain and TLS with a pre-shared key), export names, parallel
 //! batches, and timeouts on a hung (SIGSTOPped) server.
 
-#[path = "../../pager-client/tests/common/nbdkit.rs"]
-mod nbdkit;
-
 use std::time::Duration;
 
-use nbdkit::Nbdkit;
 use netpager_nbd::{self as nbd, Connection, Endpoint, NbdError, Op, Pool, Timeouts};
+use netpager_test_support::{Nbdkit, PSK_USER};
 use netpager_util::HostPort;
 
 const T: Duration = Duration::from_secs(2);
@@ -55,7 +52,7 @@ fn tls_with_a_pre_shared_key() {
         "plain NBD must be refused"
     );
     ep.tls_psk_file = Some(psk.clone());
-    ep.tls_username = Some(nbdkit::PSK_USER.into());
+    ep.tls_username = Some(PSK_USER.into());
     let mut c = Connection::connect(&ep, T).unwrap();
     c.pwrite(&[7u8; 512], 0, T).unwrap();
     let mut b = [0u8; 512];

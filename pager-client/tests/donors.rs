@@ -1,7 +1,7 @@
 //! With real pager-server donors (status endpoint, budget, draining): a
 //! draining donor is emptied while writes go on, and a donor whose budget
 //! runs out mid-extent makes that extent move. Skipped with a note when
-//! libpager_server.so has not been built (see common::pager_server_so).
+//! libpager_server.so has not been built (see netpager_test_support::pager_server_so).
 
 mod common;
 
@@ -16,7 +16,7 @@ use pager_client::status::render_table;
 const EXTENT: u64 = 64 << 10;
 
 fn server(budget: &str) -> Option<Nbdkit> {
-    common::pager_server(&[
+    netpager_test_support::pager_server(&[
         "size=8M",
         &format!("budget={budget}"),
         "reserve=0",
@@ -71,7 +71,7 @@ fn memory_pressure_on_a_donor_empties_it_without_losing_a_page() {
     let path = dir.path().join("meminfo");
     std::fs::write(&path, meminfo(8_000_000)).unwrap();
     let watched = format!("meminfo={}", path.display());
-    let Some(d0) = common::pager_server(&[
+    let Some(d0) = netpager_test_support::pager_server(&[
         "size=8M",
         "budget=16M",
         "reserve=1G",
@@ -261,7 +261,7 @@ fn donors_filling_up_between_epochs_send_new_extents_to_the_fallback() {
 fn an_idle_device_is_not_throttled_and_a_busy_one_is() {
     let Some(ds) = (0..2)
         .map(|_| {
-            common::pager_server(&[
+            netpager_test_support::pager_server(&[
                 "size=8M",
                 "budget=16M",
                 "reserve=0",

@@ -3,7 +3,7 @@
 //! mode's minimum, the set survives a restart, dead donors are forgotten,
 //! the donors file drives the set, and copies spilled to the fallback
 //! move to donors that join. Skipped with a note when
-//! libpager_server.so has not been built (see common::pager_server_so).
+//! libpager_server.so has not been built (see netpager_test_support::pager_server_so).
 
 mod common;
 
@@ -66,7 +66,7 @@ fn has_left(s: &ClientStatus, name: &str) -> bool {
 /// nothing and leaves the set, and every byte reads back.
 #[test]
 fn a_donor_joins_and_another_leaves_while_writes_go_on() {
-    let Some(mut ds) = common::pager_servers(4) else {
+    let Some(mut ds) = netpager_test_support::pager_servers(4) else {
         return;
     };
     let fourth = ds.pop().expect("four donors");
@@ -111,7 +111,7 @@ fn a_donor_joins_and_another_leaves_while_writes_go_on() {
 
 #[test]
 fn a_removal_below_the_modes_width_is_refused_with_what_to_do() {
-    let Some(ds) = common::pager_servers(3) else {
+    let Some(ds) = netpager_test_support::pager_servers(3) else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
@@ -136,7 +136,7 @@ fn a_removal_below_the_modes_width_is_refused_with_what_to_do() {
 /// keeps an added donor and not a removed one, and the data.
 #[test]
 fn a_restart_keeps_added_donors_and_not_removed_ones() {
-    let Some(mut ds) = common::pager_servers(3) else {
+    let Some(mut ds) = netpager_test_support::pager_servers(3) else {
         return;
     };
     let third = ds.pop().expect("three");
@@ -165,7 +165,7 @@ fn a_restart_keeps_added_donors_and_not_removed_ones() {
 /// extents are rebuilt from parity, it leaves the set, nothing is lost.
 #[test]
 fn a_donor_killed_while_it_leaves_loses_nothing_in_parity() {
-    let Some(so) = common::pager_server_so() else {
+    let Some(so) = netpager_test_support::pager_server_so() else {
         return;
     };
     // Slow writes, so the drain is still going when the kill comes.
@@ -206,7 +206,7 @@ fn a_donor_killed_while_it_leaves_loses_nothing_in_parity() {
 /// rebuilt elsewhere; its slots are free for nobody and it leaves status.
 #[test]
 fn a_dead_donor_is_forgotten_after_forget_after() {
-    let Some(mut ds) = common::pager_servers(3) else {
+    let Some(mut ds) = netpager_test_support::pager_servers(3) else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
@@ -230,7 +230,7 @@ fn a_dead_donor_is_forgotten_after_forget_after() {
 /// its line number.
 #[test]
 fn the_donors_file_drives_the_set() {
-    let Some(ds) = common::pager_servers(3) else {
+    let Some(ds) = netpager_test_support::pager_servers(3) else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
@@ -297,12 +297,12 @@ fn spilled_copies_move_to_joining_donors(mode: Mode, small: usize, joiners: usiz
         "poll-ms=100",
     ];
     let Some(ds) = (0..small)
-        .map(|_| common::pager_server(&params))
+        .map(|_| netpager_test_support::pager_server(&params))
         .collect::<Option<Vec<_>>>()
     else {
         return;
     };
-    let Some(roomy) = common::pager_servers(joiners) else {
+    let Some(roomy) = netpager_test_support::pager_servers(joiners) else {
         return;
     };
     let (state, fb) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());

@@ -5,7 +5,7 @@
 //! a partial trim keeps the parity right, so a failed donor's pages still
 //! decode; and the parity log's copies of trimmed pages are dropped, never
 //! moved home by the idle drain. Skipped with a note when
-//! libpager_server.so has not been built (see common::pager_server_so).
+//! libpager_server.so has not been built (see netpager_test_support::pager_server_so).
 
 mod common;
 
@@ -167,7 +167,7 @@ fn nothing_held(s: &ClientStatus, ds: usize) -> bool {
 /// back and the donors' used bytes fall to their labels.
 fn whole_groups_trimmed_free_their_members(mode: Mode) {
     let n = width(&mode);
-    let Some(ds) = common::pager_servers(n) else {
+    let Some(ds) = netpager_test_support::pager_servers(n) else {
         return;
     };
     let state = tempfile::tempdir().unwrap();
@@ -213,7 +213,7 @@ fn ec_groups_trimmed_whole_free_their_members() {
 /// units are freed.
 fn logged_trimmed_pages_stay_out_of_home(mode: Mode) {
     let n = width(&mode);
-    let Some(ds) = common::pager_servers(n) else {
+    let Some(ds) = netpager_test_support::pager_servers(n) else {
         return;
     };
     let state = tempfile::tempdir().unwrap();

@@ -1,16 +1,17 @@
 //! The plugin in a real nbdkit on loopback: data through NBD (nbdsh,
 //! nbdinfo), state and counters through the status endpoint.
 //!
-//! The plugin is `libpager_server.so` next to this test's profile
-//! directory (cargo builds it with the tests), or `$NETPAGER_SERVER_SO`.
+//! The plugin is `libpager_server.so` beside this test (cargo builds it
+//! with the tests), or `$NETPAGER_SERVER_SO`.
 
 use std::io::Write;
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use netpager_proto::{query_status, set_draining, DonorState, DonorStatus};
+use netpager_test_support::{built_beside_test, Nbdkit};
 
 const TIMEOUT: Duration = Duration::from_secs(10);
 const MIB: u64 = 1 << 20;
@@ -18,21 +19,9 @@ const MIB: u64 = 1 << 20;
 const PATH: &str = "/usr/sbin:/usr/bin:/sbin:/bin";
 
 fn plugin() -> PathBuf {
-    if let Some(p) = std::env::var_os("NETPAGER_SERVER_SO") {
-        return PathBuf::from(p);
-    }
-    let exe = std::env::current_exe().expect("test executable path");
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps/<test>");
-    let so = profile_dir.join("libpager_server.so");
-    assert!(
-        so.exists(),
-        "{} missing: run `cargo build -p pager-server` first",
-        so.display()
-    );
-    so
+    std::env::var_os("NETPAGER_SERVER_SO")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| built_beside_test("libpager_server.so"))
 }
 
 fn listener() -> TcpListener {
@@ -58,44 +47,28 @@ fn write_meminfo(path: &Path, total: u64, available: u64) {
     std::fs::rename(&tmp, path).unwrap();
 }
 
-/// One nbdkit serving the plugin; killed (by pid) when dropped.
-struct Nbdkit {
-    child: Child,
-    port: u16,
+/// One nbdkit serving the plugin (the shared harness, which kills it by
+/// pid when dropped) with a fake meminfo this test rewrites.
+struct Donor {
+    nbdkit: Nbdkit,
     status: String,
     meminfo: PathBuf,
-    log: PathBuf,
     _dir: tempfile::TempDir,
 }
 
-impl Nbdkit {
+impl Donor {
     /// Plugin with a fake meminfo (8 GiB total, 4 GiB available), reserve
     /// 1 GiB, budget 1 MiB (256 pages), default size 16 MiB, plus `extra`.
-    fn start(extra: &[&str]) -> Nbdkit {
+    fn start(extra: &[&str]) -> Donor {
         let dir = tempfile::tempdir().unwrap();
         let meminfo = dir.path().join("meminfo");
         write_meminfo(&meminfo, 8 << 30, 4 << 30);
-        let log = dir.path().join("nbdkit.log");
-        // Bound together, so the two differ.
-        let (a, b) = (listener(), listener());
-        let (port, status) = (
-            a.local_addr().unwrap().port(),
-            b.local_addr().unwrap().port(),
-        );
-        drop((a, b));
-        let status = format!("127.0.0.1:{status}");
         let mut args: Vec<String> = vec![
-            "-f".into(),
             "--exit-with-parent".into(),
-            "-p".into(),
-            port.to_string(),
-            "-i".into(),
-            "127.0.0.1".into(),
             plugin().display().to_string(),
             "size=16M".into(),
             "budget=1M".into(),
             "reserve=1G".into(),
-            format!("status={status}"),
             "node-id=it-donor".into(),
             format!("meminfo={}", meminfo.display()),
             "poll-ms=20".into(),
@@ -103,40 +76,27 @@ impl Nbdkit {
             "age-x=4".into(),
         ];
         args.extend(extra.iter().map(|s| s.to_string()));
-        let child = Command::new("nbdkit")
-            .args(&args)
-            .env("PATH", PATH)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .expect("nbdkit is installed");
-        let mut n = Nbdkit {
-            child,
-            port,
-            status,
-            meminfo,
-            log,
-            _dir: dir,
-        };
+        let mut nbdkit = Nbdkit::start(&args, true);
+        let status = nbdkit.status.clone().expect("a status endpoint");
         for _ in 0..100 {
-            if query_status(&n.status, TIMEOUT).is_ok() {
-                return n;
+            if query_status(&status, TIMEOUT).is_ok() {
+                return Donor {
+                    nbdkit,
+                    status,
+                    meminfo,
+                    _dir: dir,
+                };
             }
-            if let Some(code) = n.child.try_wait().unwrap() {
-                panic!("nbdkit exited with {code}: {}", n.log_text());
+            if let Some(code) = nbdkit.exited() {
+                panic!("nbdkit exited with {code}: {}", nbdkit.log());
             }
             std::thread::sleep(Duration::from_millis(100));
         }
-        panic!("nbdkit did not answer on {}: {}", n.status, n.log_text());
-    }
-
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
+        panic!("nbdkit did not answer on {status}: {}", nbdkit.log());
     }
 
     fn uri(&self, export: &str) -> String {
-        format!("nbd://127.0.0.1:{}/{export}", self.port)
+        format!("nbd://{}/{export}", self.nbdkit.addr)
     }
 
     /// Runs Python `code` in nbdsh connected to `export` (handle `h`).
@@ -156,7 +116,7 @@ impl Nbdkit {
             "nbdsh on {export} failed:\n{}\n{}\nnbdkit log:\n{}",
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr),
-            self.log_text()
+            self.nbdkit.log()
         );
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
@@ -178,15 +138,8 @@ impl Nbdkit {
     }
 }
 
-impl Drop for Nbdkit {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// Bytes nbdinfo --map reports as data.
-fn mapped_data(n: &Nbdkit, export: &str) -> u64 {
+fn mapped_data(n: &Donor, export: &str) -> u64 {
     let out = Command::new("nbdinfo")
         .args(["--map", &n.uri(export)])
         .env("PATH", PATH)
@@ -206,7 +159,7 @@ fn mapped_data(n: &Nbdkit, export: &str) -> u64 {
 
 #[test]
 fn serves_pages_counts_them_and_refuses_beyond_budget() {
-    let n = Nbdkit::start(&[]);
+    let n = Donor::start(&[]);
     let s = n.status();
     assert_eq!(
         (s.node_id.as_str(), s.state()),
@@ -295,7 +248,7 @@ assert h.pread(12288, 0) == b"\0" * 8192 + b"A" * 4096
         let out = n.nbdsh(bad, "pass");
         assert!(!out.status.success(), "export {bad:?} was accepted");
     }
-    let log = n.log_text();
+    let log = n.nbdkit.log();
     assert!(log.contains("character '/' not allowed"), "{log}");
     assert!(
         log.contains("export alpha exists with size 16777216 bytes"),
@@ -305,7 +258,7 @@ assert h.pread(12288, 0) == b"\0" * 8192 + b"A" * 4096
 
 #[test]
 fn drains_under_memory_pressure_and_on_command_without_losing_pages() {
-    let n = Nbdkit::start(&[]);
+    let n = Donor::start(&[]);
     n.nbdsh_ok("d", "h.pwrite(b'K' * 4096, 0)");
     write_meminfo(&n.meminfo, 8 << 30, 512 << 20);
     let s = n.wait_state(DonorState::Draining);
@@ -342,7 +295,7 @@ assert h.pread(4096, 0) == b"L" * 4096
 
 #[test]
 fn status_port_survives_garbage() {
-    let n = Nbdkit::start(&[]);
+    let n = Donor::start(&[]);
     let junk: [&[u8]; 4] = [
         b"GET / HTTP/1.0\r\n\r\n",
         &[0xff; 64],

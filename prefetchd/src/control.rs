@@ -19,10 +19,57 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
-use crate::daemon::Daemon;
+use crate::daemon::{Daemon, JobError};
+
+/// The control socket not listening, a request refused, or the daemon not
+/// answering one.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error("control socket {}: exists and is not a socket", path.display())]
+    NotASocket { path: PathBuf },
+    #[error("control socket {}: another prefetchd answers on it", path.display())]
+    InUse { path: PathBuf },
+    #[error("removing stale socket {}", path.display())]
+    RemoveStale {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("control socket {}", path.display())]
+    Socket {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// The accept thread not starting, or a request not sent.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error("request without \"op\"")]
+    NoOp,
+    #[error("job-add without \"hints\" or \"record\"")]
+    JobAddWithoutFile,
+    #[error("job-remove without \"name\"")]
+    JobRemoveWithoutName,
+    #[error("unknown op {0:?} (status, job-add, job-remove, job-list)")]
+    UnknownOp(String),
+    #[error(transparent)]
+    Job(#[from] JobError),
+    #[error("cannot reach prefetchd on {} (is it running?)", path.display())]
+    Unreachable {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("reading the answer")]
+    ReadAnswer(#[source] std::io::Error),
+    #[error("answer is not JSON: {line:?}")]
+    AnswerNotJson {
+        line: String,
+        source: serde_json::Error,
+    },
+    /// The daemon's `error`.
+    #[error("{0}")]
+    Refused(String),
+}
 
 /// The listening socket and its accept thread.
 pub struct ControlServer {
@@ -33,27 +80,26 @@ pub struct ControlServer {
 
 impl ControlServer {
     /// Listens on `path` (replacing a stale socket nobody answers on).
-    pub fn start(path: &Path, daemon: Arc<Daemon>) -> Result<ControlServer> {
+    pub fn start(path: &Path, daemon: Arc<Daemon>) -> Result<ControlServer, ControlError> {
+        let path_buf = || path.to_path_buf();
         if let Ok(meta) = std::fs::symlink_metadata(path) {
             if !meta.file_type().is_socket() {
-                bail!(
-                    "control socket {}: exists and is not a socket",
-                    path.display()
-                );
+                return Err(ControlError::NotASocket { path: path_buf() });
             }
             if UnixStream::connect(path).is_ok() {
-                bail!(
-                    "control socket {}: another prefetchd answers on it",
-                    path.display()
-                );
+                return Err(ControlError::InUse { path: path_buf() });
             }
-            std::fs::remove_file(path)
-                .with_context(|| format!("removing stale socket {}", path.display()))?;
+            std::fs::remove_file(path).map_err(|source| ControlError::RemoveStale {
+                path: path_buf(),
+                source,
+            })?;
         }
-        let listener = UnixListener::bind(path)
-            .with_context(|| format!("control socket {}", path.display()))?;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-            .with_context(|| format!("control socket {}", path.display()))?;
+        let socket = |source| ControlError::Socket {
+            path: path_buf(),
+            source,
+        };
+        let listener = UnixListener::bind(path).map_err(socket)?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(socket)?;
         let stopping = Arc::new(AtomicBool::new(false));
         let stop = stopping.clone();
         let thread = std::thread::Builder::new()
@@ -112,7 +158,7 @@ fn serve_conn(conn: UnixStream, daemon: &Arc<Daemon>) {
         }
         let answer = match serde_json::from_str::<Value>(&line) {
             Ok(req) => handle(&req, daemon)
-                .unwrap_or_else(|e| json!({"ok": false, "error": format!("{e:#}")})),
+                .unwrap_or_else(|e| json!({"ok": false, "error": crate::error_chain(&e)})),
             Err(e) => json!({"ok": false, "error": format!("request is not JSON: {e}")}),
         };
         if writeln!(writer, "{answer}").is_err() {
@@ -121,8 +167,8 @@ fn serve_conn(conn: UnixStream, daemon: &Arc<Daemon>) {
     }
 }
 
-fn handle(req: &Value, daemon: &Arc<Daemon>) -> Result<Value> {
-    let op = req["op"].as_str().context("request without \"op\"")?;
+fn handle(req: &Value, daemon: &Arc<Daemon>) -> Result<Value, ControlError> {
+    let op = req["op"].as_str().ok_or(ControlError::NoOp)?;
     let name = req["name"].as_str();
     Ok(match op {
         "status" => json!({"ok": true, "status": daemon.status()}),
@@ -130,44 +176,45 @@ fn handle(req: &Value, daemon: &Arc<Daemon>) -> Result<Value> {
             let hints = req["hints"].as_str().map(Path::new);
             let record = req["record"].as_str().map(Path::new);
             if hints.is_none() && record.is_none() {
-                bail!("job-add without \"hints\" or \"record\"");
+                return Err(ControlError::JobAddWithoutFile);
             }
             let added = daemon.add_job(name, hints, record)?;
             json!({"ok": true, "added": added})
         }
         "job-remove" => {
-            let recorded = daemon.remove_job(name.context("job-remove without \"name\"")?)?;
+            let recorded = daemon.remove_job(name.ok_or(ControlError::JobRemoveWithoutName)?)?;
             json!({"ok": true, "recorded": recorded})
         }
         "job-list" => json!({"ok": true, "jobs": daemon.job_names()}),
-        other => bail!("unknown op {other:?} (status, job-add, job-remove, job-list)"),
+        other => return Err(ControlError::UnknownOp(other.to_owned())),
     })
 }
 
 /// Sends one request to the daemon at `path` and returns its answer, or
 /// the daemon's error.
-pub fn request(path: &Path, req: &Value) -> Result<Value> {
-    let mut conn = UnixStream::connect(path).with_context(|| {
-        format!(
-            "cannot reach prefetchd on {} (is it running?)",
-            path.display()
-        )
+pub fn request(path: &Path, req: &Value) -> Result<Value, ControlError> {
+    let mut conn = UnixStream::connect(path).map_err(|source| ControlError::Unreachable {
+        path: path.to_path_buf(),
+        source,
     })?;
     conn.set_read_timeout(Some(Duration::from_secs(60)))?;
     writeln!(conn, "{req}")?;
     let mut line = String::new();
     BufReader::new(&conn)
         .read_line(&mut line)
-        .context("reading the answer")?;
+        .map_err(ControlError::ReadAnswer)?;
     let answer: Value =
-        serde_json::from_str(&line).with_context(|| format!("answer is not JSON: {line:?}"))?;
+        serde_json::from_str(&line).map_err(|source| ControlError::AnswerNotJson {
+            line: line.clone(),
+            source,
+        })?;
     if answer["ok"].as_bool() != Some(true) {
-        bail!(
-            "{}",
+        return Err(ControlError::Refused(
             answer["error"]
                 .as_str()
                 .unwrap_or("prefetchd refused the request")
-        );
+                .to_owned(),
+        ));
     }
     Ok(answer)
 }

@@ -28,9 +28,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
 use netpager_nbd::{Connection, Endpoint, NbdError};
-use netpager_util::HostPort;
+use netpager_util::{HostPort, HostPortError};
 
 use crate::disk::{Disk, Urgency};
 
@@ -45,10 +44,65 @@ pub struct DonorArg {
     pub status: Option<String>,
 }
 
-fn parse_endpoint(s: &str, psk: &Option<PathBuf>, user: &Option<String>) -> Result<Endpoint> {
+/// A `--donor` value that does not parse, or a donor that cannot serve.
+#[derive(Debug, thiserror::Error)]
+pub enum DonorError {
+    #[error("donor address {spec:?}: expected HOST:PORT[/EXPORT]")]
+    Address { spec: String, source: HostPortError },
+    #[error("donor {spec:?}: option {option:?} is not KEY=VALUE")]
+    NotKeyValue { spec: String, option: String },
+    #[error("donor {spec:?}: bad slots {value:?}")]
+    Slots {
+        spec: String,
+        value: String,
+        source: std::num::ParseIntError,
+    },
+    #[error("donor {spec:?}: status endpoint {value:?}: expected HOST:PORT")]
+    StatusEndpoint {
+        spec: String,
+        value: String,
+        source: HostPortError,
+    },
+    #[error("donor {spec:?}: unknown option {key:?} (replica, slots, status, psk, user)")]
+    UnknownOption { spec: String, key: String },
+    #[error("donor {name}")]
+    Connect { name: String, source: NbdError },
+    #[error("donor {name}: export smaller than one {block_size}-byte block")]
+    ExportTooSmall { name: String, block_size: usize },
+    #[error("replica of donor {name}")]
+    ReplicaConnect { name: String, source: NbdError },
+    #[error(
+        "replica {replica} of donor {name} holds {size} bytes but the data set's replica layout needs {needed} \
+         (the data files concatenated in byte order of their paths)"
+    )]
+    ReplicaTooSmall {
+        replica: String,
+        name: String,
+        size: u64,
+        needed: u64,
+    },
+    #[error("donor {status}: lab key {}", psk.display())]
+    LabKey {
+        /// The donor's status endpoint, or "?".
+        status: String,
+        psk: PathBuf,
+        source: netpager_proto::auth::AuthError,
+    },
+    /// A worker or poller thread that did not start.
+    #[error(transparent)]
+    Thread(#[from] std::io::Error),
+}
+
+fn parse_endpoint(
+    s: &str,
+    psk: &Option<PathBuf>,
+    user: &Option<String>,
+) -> Result<Endpoint, DonorError> {
     let (addr, export) = s.split_once('/').unwrap_or((s, ""));
-    let HostPort { host, port } = HostPort::parse(addr)
-        .with_context(|| format!("donor address {s:?}: expected HOST:PORT[/EXPORT]"))?;
+    let HostPort { host, port } = HostPort::parse(addr).map_err(|source| DonorError::Address {
+        spec: s.to_owned(),
+        source,
+    })?;
     Ok(Endpoint {
         host,
         port,
@@ -59,35 +113,44 @@ fn parse_endpoint(s: &str, psk: &Option<PathBuf>, user: &Option<String>) -> Resu
 }
 
 impl FromStr for DonorArg {
-    type Err = anyhow::Error;
+    type Err = DonorError;
 
     /// `HOST:PORT[/EXPORT][,replica=HOST:PORT[/EXPORT]][,slots=N][,status=HOST:PORT][,psk=FILE][,user=NAME]`
-    fn from_str(s: &str) -> Result<DonorArg> {
+    fn from_str(s: &str) -> Result<DonorArg, DonorError> {
         let mut parts = s.split(',');
         let memory = parts.next().unwrap_or_default();
         let (mut replica, mut slots, mut status, mut psk, mut user) =
             (None, None, None, None, None);
         for p in parts {
-            let (k, v) = p
-                .split_once('=')
-                .with_context(|| format!("donor {s:?}: option {p:?} is not KEY=VALUE"))?;
+            let (k, v) = p.split_once('=').ok_or_else(|| DonorError::NotKeyValue {
+                spec: s.to_owned(),
+                option: p.to_owned(),
+            })?;
             match k {
                 "replica" => replica = Some(v.to_owned()),
                 "slots" => {
-                    slots = Some(
-                        v.parse()
-                            .with_context(|| format!("donor {s:?}: bad slots {v:?}"))?,
-                    )
+                    slots = Some(v.parse().map_err(|source| DonorError::Slots {
+                        spec: s.to_owned(),
+                        value: v.to_owned(),
+                        source,
+                    })?)
                 }
                 "status" => {
-                    let hp = HostPort::parse(v).with_context(|| {
-                        format!("donor {s:?}: status endpoint {v:?}: expected HOST:PORT")
+                    let hp = HostPort::parse(v).map_err(|source| DonorError::StatusEndpoint {
+                        spec: s.to_owned(),
+                        value: v.to_owned(),
+                        source,
                     })?;
                     status = Some(hp.to_string());
                 }
                 "psk" => psk = Some(PathBuf::from(v)),
                 "user" => user = Some(v.to_owned()),
-                _ => bail!("donor {s:?}: unknown option {k:?} (replica, slots, status, psk, user)"),
+                _ => {
+                    return Err(DonorError::UnknownOption {
+                        spec: s.to_owned(),
+                        key: k.to_owned(),
+                    })
+                }
             }
         }
         Ok(DonorArg {
@@ -186,10 +249,14 @@ impl DonorLane {
         replica_size: u64,
         disk: Arc<Disk>,
         timeouts: netpager_nbd::Timeouts,
-    ) -> Result<Arc<DonorLane>> {
+    ) -> Result<Arc<DonorLane>, DonorError> {
         let name = format!("{}/{}", arg.memory.addr(), arg.memory.export);
-        let probe = Connection::connect(&arg.memory, timeouts.connect)
-            .with_context(|| format!("donor {name}"))?;
+        let probe = Connection::connect(&arg.memory, timeouts.connect).map_err(|source| {
+            DonorError::Connect {
+                name: name.clone(),
+                source,
+            }
+        })?;
         let export_slots = probe.size() / block_size as u64;
         drop(probe);
         let slots = arg
@@ -197,19 +264,22 @@ impl DonorLane {
             .map_or(export_slots, |s| u64::from(s).min(export_slots));
         let slots = u32::try_from(slots).unwrap_or(u32::MAX);
         if slots == 0 {
-            bail!("donor {name}: export smaller than one {block_size}-byte block");
+            return Err(DonorError::ExportTooSmall { name, block_size });
         }
         if let Some(r) = &arg.replica {
-            let c = Connection::connect(r, timeouts.connect)
-                .with_context(|| format!("replica of donor {name}"))?;
+            let c = Connection::connect(r, timeouts.connect).map_err(|source| {
+                DonorError::ReplicaConnect {
+                    name: name.clone(),
+                    source,
+                }
+            })?;
             if c.size() < replica_size {
-                bail!(
-                    "replica {}/{} of donor {name} holds {} bytes but the data set's replica layout needs {replica_size} \
-                     (the data files concatenated in byte order of their paths)",
-                    r.addr(),
-                    r.export,
-                    c.size()
-                );
+                return Err(DonorError::ReplicaTooSmall {
+                    replica: format!("{}/{}", r.addr(), r.export),
+                    name,
+                    size: c.size(),
+                    needed: replica_size,
+                });
             }
         }
         let lane = Arc::new(DonorLane {
@@ -495,7 +565,7 @@ mod tests {
     fn ipv6_donors_lose_their_brackets() {
         let d: DonorArg = "[::1]:10809/mem".parse().unwrap();
         assert_eq!((d.memory.host.as_str(), d.memory.port), ("::1", 10809));
-        let e = format!("{:#}", "::1:10809".parse::<DonorArg>().unwrap_err());
+        let e = crate::error_chain(&"::1:10809".parse::<DonorArg>().unwrap_err());
         assert!(e.contains("brackets"), "{e}");
     }
 }

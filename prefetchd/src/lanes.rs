@@ -15,12 +15,10 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
 use netpager_proto::{auth::LabKey, DonorState, StatusClient};
-use serde_json::{json, Value};
 
-use crate::daemon::Daemon;
-use crate::donor::{DonorArg, DonorLane};
+use crate::daemon::{Daemon, Lane};
+use crate::donor::{DonorArg, DonorError, DonorLane};
 use crate::membership::Source;
 use crate::plan::engine::DonorSpec;
 use crate::plan::DonorId;
@@ -153,7 +151,7 @@ impl Lanes {
     }
 
     /// Per-lane fields of the status: donor index, life, and state.
-    pub(crate) fn describe(&self, id: DonorId, alive: bool) -> Value {
+    pub(crate) fn describe(&self, id: DonorId, alive: bool) -> Lane {
         let recs = self.recs();
         let r = &recs[id];
         let state = match (r.ended, alive) {
@@ -161,20 +159,21 @@ impl Lanes {
             (None, true) => "serving".to_owned(),
             (None, false) => "failed".to_owned(),
         };
-        json!({
-            "name": r.lane.name,
-            "donor": r.donor,
-            "life": r.life,
-            "state": state,
-            "status_endpoint": self.members()[r.donor].arg.status,
-            "joined": self.members()[r.donor].source.as_str(),
-        })
+        let members = self.members();
+        Lane {
+            name: r.lane.name.clone(),
+            donor: r.donor,
+            life: r.life,
+            state,
+            status_endpoint: members[r.donor].arg.status.clone(),
+            joined: members[r.donor].source.as_str(),
+        }
     }
 }
 
 impl Daemon {
     /// Starts a status poller for each donor that has a status endpoint.
-    pub(crate) fn start_pollers(self: &Arc<Self>) -> Result<()> {
+    pub(crate) fn start_pollers(self: &Arc<Self>) -> Result<(), DonorError> {
         let n = self.lanes.members().len();
         for donor in 0..n {
             self.start_poller(donor)?;
@@ -183,7 +182,7 @@ impl Daemon {
     }
 
     /// Starts donor `donor`'s status poller, if it has a status endpoint.
-    fn start_poller(self: &Arc<Self>, donor: usize) -> Result<()> {
+    fn start_poller(self: &Arc<Self>, donor: usize) -> Result<(), DonorError> {
         let arg = self.lanes.members()[donor].arg.clone();
         let Some(addr) = arg.status.clone() else {
             return Ok(());
@@ -203,7 +202,11 @@ impl Daemon {
     }
 
     /// Starts a lane for a donor joining the set; returns its index in it.
-    pub(crate) fn add_member(self: &Arc<Self>, arg: DonorArg, source: Source) -> Result<usize> {
+    pub(crate) fn add_member(
+        self: &Arc<Self>,
+        arg: DonorArg,
+        source: Source,
+    ) -> Result<usize, DonorError> {
         let _changing = self.lanes.changing();
         let next = self.lanes.recs().len();
         let lane = DonorLane::start(
@@ -249,7 +252,10 @@ impl Daemon {
             });
         });
         if let Err(e) = self.start_poller(donor) {
-            tracing::warn!("donor {donor}: no status poller: {e:#}");
+            tracing::warn!(
+                "donor {donor}: no status poller: {}",
+                crate::error_chain(&e)
+            );
         }
         Ok(donor)
     }
@@ -340,7 +346,11 @@ impl Daemon {
         ) {
             Ok(l) => l,
             Err(e) => {
-                tracing::info!("donor {}: not back yet: {e:#}", old.name);
+                tracing::info!(
+                    "donor {}: not back yet: {}",
+                    old.name,
+                    crate::error_chain(&e)
+                );
                 return;
             }
         };
@@ -367,15 +377,15 @@ impl Daemon {
 }
 
 /// A status client for a donor, with its lab key if it has one.
-pub(crate) fn status_client(arg: &DonorArg, timeout: Duration) -> Result<StatusClient> {
+pub(crate) fn status_client(arg: &DonorArg, timeout: Duration) -> Result<StatusClient, DonorError> {
     let key = match &arg.memory.tls_psk_file {
         Some(psk) => Some(
-            LabKey::from_psk_file(psk, arg.memory.tls_username.as_deref()).with_context(|| {
-                format!(
-                    "donor {}: lab key {}",
-                    arg.status.as_deref().unwrap_or("?"),
-                    psk.display()
-                )
+            LabKey::from_psk_file(psk, arg.memory.tls_username.as_deref()).map_err(|source| {
+                DonorError::LabKey {
+                    status: arg.status.as_deref().unwrap_or("?").to_owned(),
+                    psk: psk.clone(),
+                    source,
+                }
             })?,
         ),
         None => None,

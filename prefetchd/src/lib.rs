@@ -26,3 +26,16 @@ pub mod source;
 pub mod sys;
 pub mod table;
 pub mod watch;
+
+/// An error and its causes, joined by ": " as anyhow's `{:#}` prints them:
+/// for library errors whose text goes to a log, a status or a reply.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        out.push_str(": ");
+        out.push_str(&c.to_string());
+        cause = c.source();
+    }
+    out
+}

@@ -346,11 +346,12 @@ fn serve(args: ServeArgs, control_path: &Path) -> Result<()> {
         .context("starting the metrics thread")?;
     }
     let window = args.window.unwrap_or_else(|| {
-        let global = d.status()["donors"].as_array().map_or(0, |ds| {
-            ds.iter()
-                .map(|x| x["slots"].as_u64().unwrap_or(0))
-                .sum::<u64>()
-        });
+        let global: u64 = d
+            .status()
+            .donors
+            .iter()
+            .map(|x| u64::from(x.engine.slots))
+            .sum();
         (2 * (u64::from(local_blocks) + global)).clamp(1024, 1 << 20) as usize
     });
     d.set_window(window);
@@ -401,7 +402,7 @@ fn serve_mounted(d: &std::sync::Arc<Daemon>, args: &ServeArgs, control_path: &Pa
             server.stop();
             Ok(())
         }
-        Err(e) => Err(e),
+        Err(e) => Err(e.into()),
     };
     if let Err(e) = unmounter.unmount() {
         tracing::warn!("unmounting {}: {e}", args.mount.display());

@@ -14,8 +14,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::Result;
-use netpager_membership::discovery::{admit, Announced, Browser, Check};
+use netpager_membership::discovery::{admit, Announced, Browser, Check, DiscoveryError};
 use netpager_membership::{parse_lines, DonorsFileError};
 use netpager_nbd::Endpoint;
 
@@ -74,7 +73,7 @@ pub fn parse_donors_file(path: &Path, text: &str) -> Result<Vec<DonorArg>, Donor
     parse_lines(
         path,
         text,
-        |l| l.parse::<DonorArg>().map_err(|e| format!("{e:#}")),
+        |l| l.parse::<DonorArg>().map_err(|e| crate::error_chain(&e)),
         donor_name,
     )
 }
@@ -138,6 +137,16 @@ impl Said {
     }
 }
 
+/// Why following the donors file and discovery could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum MembershipError {
+    #[error(transparent)]
+    Discovery(#[from] DiscoveryError),
+    /// The membership thread did not start.
+    #[error(transparent)]
+    Thread(#[from] std::io::Error),
+}
+
 /// Applies the donors file's and discovery's changes to the running set.
 pub(crate) struct Watcher {
     cfg: Config,
@@ -146,7 +155,7 @@ pub(crate) struct Watcher {
 }
 
 impl Watcher {
-    pub(crate) fn new(cfg: Config) -> Result<Watcher> {
+    pub(crate) fn new(cfg: Config) -> Result<Watcher, MembershipError> {
         let browser = cfg
             .discover
             .as_ref()
@@ -217,7 +226,10 @@ impl Watcher {
                 // Retried next period: the donor may not be up yet.
                 Err(e) => self.said.warn(
                     &name,
-                    format!("donor {name} (donors file): not joined yet: {e:#}"),
+                    format!(
+                        "donor {name} (donors file): not joined yet: {}",
+                        crate::error_chain(&e)
+                    ),
                 ),
             }
         }
@@ -231,7 +243,7 @@ impl Watcher {
         }
         let key = format!("announced {}", a.node_id);
         let verdict = match status_client(&arg, d.timeouts().connect) {
-            Err(e) => Err(format!("{e:#}")),
+            Err(e) => Err(crate::error_chain(&e)),
             Ok(client) if client.key.is_none() => admit(a, Check::NoKey, disc.insecure),
             Ok(client) => match client.query(&a.status.to_string()) {
                 Ok(s) => admit(a, Check::Signed(Ok(&s.node_id)), disc.insecure),
@@ -247,8 +259,9 @@ impl Watcher {
                 Err(e) => self.said.warn(
                     &key,
                     format!(
-                        "discovered donor {} ({name}): not joined yet: {e:#}",
-                        a.node_id
+                        "discovered donor {} ({name}): not joined yet: {}",
+                        a.node_id,
+                        crate::error_chain(&e)
                     ),
                 ),
             },
@@ -263,7 +276,7 @@ impl Watcher {
 impl Daemon {
     /// Starts the thread that follows the donors file and discovery, one
     /// pass at once and then one each status-poll period.
-    pub(crate) fn start_membership(self: &Arc<Self>, cfg: Config) -> Result<()> {
+    pub(crate) fn start_membership(self: &Arc<Self>, cfg: Config) -> Result<(), MembershipError> {
         if cfg.donors_file.is_none() && cfg.discover.is_none() {
             return Ok(());
         }

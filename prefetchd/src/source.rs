@@ -26,6 +26,7 @@ use std::sync::{Arc, Mutex};
 
 use hints::{HintError, HintReader, References, Staleness};
 
+use crate::daemon::HintStream;
 use crate::files::FileTable;
 use crate::plan::{BlockId, FileId};
 
@@ -40,14 +41,14 @@ pub struct SourceReport {
 }
 
 impl SourceReport {
-    pub fn snapshot(&self) -> serde_json::Value {
-        serde_json::json!({
-            "records": self.records.load(Ordering::Relaxed),
-            "ignored_stale": self.ignored_stale.load(Ordering::Relaxed),
-            "ignored_unknown": self.ignored_unknown.load(Ordering::Relaxed),
-            "ignored_beyond_eof": self.ignored_beyond_eof.load(Ordering::Relaxed),
-            "error": *self.error.lock().expect("report lock"),
-        })
+    pub fn snapshot(&self) -> HintStream {
+        HintStream {
+            records: self.records.load(Ordering::Relaxed),
+            ignored_stale: self.ignored_stale.load(Ordering::Relaxed),
+            ignored_unknown: self.ignored_unknown.load(Ordering::Relaxed),
+            ignored_beyond_eof: self.ignored_beyond_eof.load(Ordering::Relaxed),
+            error: self.error.lock().expect("report lock").clone(),
+        }
     }
 }
 
@@ -278,9 +279,9 @@ mod tests {
             .collect();
         assert_eq!(got, vec![0, 1, 2, 4, 0, 1, 2, 4]);
         let r = report.snapshot();
-        assert_eq!(r["records"], 10);
-        assert_eq!(r["ignored_unknown"], 2);
-        assert_eq!(r["ignored_beyond_eof"], 2);
+        assert_eq!(r.records, 10);
+        assert_eq!(r.ignored_unknown, 2);
+        assert_eq!(r.ignored_beyond_eof, 2);
     }
 
     #[test]
@@ -314,7 +315,7 @@ mod tests {
         assert_eq!(o.stale.len(), 1);
         assert_eq!(o.stale[0].path, "b");
         assert_eq!(o.blocks.count(), 1);
-        assert_eq!(o.report.snapshot()["ignored_stale"], 1);
+        assert_eq!(o.report.snapshot().ignored_stale, 1);
     }
 
     #[test]
@@ -343,10 +344,7 @@ mod tests {
             report.clone(),
         );
         assert_eq!(blocks.map(|b| b.index).collect::<Vec<_>>(), vec![0, 2]);
-        assert!(report.snapshot()["error"]
-            .as_str()
-            .unwrap()
-            .contains("j.hints:7"));
+        assert!(report.snapshot().error.unwrap().contains("j.hints:7"));
     }
 
     #[test]

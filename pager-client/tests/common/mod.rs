@@ -1,13 +1,11 @@
 //! Shared harness of the pager-client integration tests: real nbdkit donors
-//! on 127.0.0.x loopback addresses with free ports, stopped by pid when the
-//! guard drops; device configurations; a deterministic random source; and
-//! an in-memory model of the device's contents.
+//! (from netpager-test-support, which the netpager-nbd tests use too);
+//! device configurations; a deterministic random source; and an in-memory
+//! model of the device's contents.
 #![allow(dead_code)] // each test binary uses its own part of the harness
 
-mod nbdkit;
-pub use nbdkit::Nbdkit;
+pub use netpager_test_support::Nbdkit;
 
-use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -16,63 +14,6 @@ use std::time::{Duration, Instant};
 use pager_client::config::{ByteSize, DeviceConfig, DonorConfig, Mode};
 use pager_client::device::Device;
 use pager_client::status::{render_table, ClientStatus};
-
-/// A pager-server donor with a status endpoint, or `None` (with a note
-/// on stderr) when its plugin has not been built.
-pub fn pager_server(params: &[&str]) -> Option<Nbdkit> {
-    let so = pager_server_so()?;
-    let mut args = vec![so.display().to_string(), "mlock=false".into()];
-    args.extend(params.iter().map(|s| s.to_string()));
-    Some(Nbdkit::start(&args, true))
-}
-
-/// `n` small pager-server donors (16 MiB exports, never busy) that report
-/// their state and used bytes on a status endpoint, or `None` as
-/// [`pager_server`].
-pub fn pager_servers(n: usize) -> Option<Vec<Nbdkit>> {
-    (0..n)
-        .map(|_| {
-            pager_server(&[
-                "size=16M",
-                "budget=64M",
-                "reserve=0",
-                "busy-load=1000",
-                "poll-ms=100",
-            ])
-        })
-        .collect()
-}
-
-/// The pager-server plugin: `$NETPAGER_TARGET_DIR`, then the usual target
-/// directories. Tests that need it say so on stderr and return when it is
-/// missing, unless `NETPAGER_REQUIRE_SERVER=1` (every `make` target sets it)
-/// or `CI=true`: then they fail.
-pub fn pager_server_so() -> Option<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("workspace root")
-        .to_path_buf();
-    let mut dirs: Vec<PathBuf> = std::env::var_os("NETPAGER_TARGET_DIR")
-        .map(PathBuf::from)
-        .into_iter()
-        .collect();
-    dirs.push(root.join("target/release"));
-    dirs.push(root.join("target-server/release"));
-    let found = dirs
-        .into_iter()
-        .map(|d| d.join("libpager_server.so"))
-        .find(|p| p.exists());
-    if found.is_none() {
-        let required = std::env::var("NETPAGER_REQUIRE_SERVER").as_deref() == Ok("1")
-            || std::env::var("CI").as_deref() == Ok("true");
-        assert!(
-            !required,
-            "libpager_server.so not found (build pager-server or set NETPAGER_TARGET_DIR)"
-        );
-        eprintln!("NOTE: libpager_server.so not built; skipping this pager-server test");
-    }
-    found
-}
 
 /// A device configuration for tests: short timeouts and epochs, no mlock.
 pub fn config(mode: Mode, size: u64, extent: u64, donors: &[&Nbdkit]) -> DeviceConfig {

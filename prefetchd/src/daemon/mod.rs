@@ -12,13 +12,14 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use hints::HintError;
 use serde_json::{json, Value};
 
 use crate::disk::{Disk, Urgency};
-use crate::donor::{DonorArg, DonorLane, FillSource};
-use crate::files::{FileEntry, FileTable};
+use crate::donor::{DonorArg, DonorError, DonorLane, FillSource};
+use crate::files::{FileEntry, FileError, FileTable};
 use crate::lanes::Lanes;
+use crate::membership::MembershipError;
 use crate::plan::engine::{
     Action, DonorSpec, Engine, EngineConfig, GlobalSource, LocalSource, RunId, Step,
 };
@@ -27,6 +28,58 @@ use crate::source::{open_hints, SourceReport};
 use hints::{FileDecl, Recorder};
 
 mod fills;
+mod status;
+
+pub use status::{Costs, Donor, HintStream, Job, Lane, Local, Registered, Status};
+
+/// Why the daemon did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("block size {0} must be a power of two of at least 512")]
+    BlockSize(u32),
+    #[error("data directory {}", path.display())]
+    Data { path: PathBuf, source: FileError },
+    #[error("starting the io_uring disk level")]
+    Disk(#[source] std::io::Error),
+    #[error(transparent)]
+    Donor(Box<DonorError>),
+    #[error(transparent)]
+    Membership(#[from] MembershipError),
+}
+
+/// A job that could not be added or removed.
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    #[error("hint file {}", path.display())]
+    Hints {
+        path: PathBuf,
+        source: Box<HintError>,
+    },
+    #[error("a job without hints needs a name")]
+    NoName,
+    #[error("job name {0:?} must be a non-empty file name")]
+    BadName(String),
+    #[error("job {0}: give a hint file to follow, a file to record into, or both")]
+    NothingToDo(String),
+    #[error("job {0:?} is already registered")]
+    Exists(String),
+    #[error("job {name}: recording into {}", path.display())]
+    Record {
+        name: String,
+        path: PathBuf,
+        source: Box<HintError>,
+    },
+    #[error("no job {0:?}")]
+    NoSuchJob(String),
+    /// Recording stopped while the job ran (`why`, as status showed it).
+    #[error("job {name}: recording failed: {why}")]
+    RecordingFailed { name: String, why: String },
+    #[error("job {name}: writing its recording")]
+    WriteRecording {
+        name: String,
+        source: Box<HintError>,
+    },
+}
 
 /// Answers a read: its bytes, or an errno.
 pub type Reply = Box<dyn FnOnce(Result<Vec<u8>, i32>) + Send>;
@@ -102,22 +155,20 @@ pub struct Daemon {
 impl Daemon {
     /// Opens the data directory, starts the disk level, connects to the
     /// donors and preallocates the local cache.
-    pub fn start(cfg: Config) -> Result<Arc<Daemon>> {
+    pub fn start(cfg: Config) -> Result<Arc<Daemon>, StartError> {
         let bs = cfg.block_size as usize;
         let membership = cfg.membership.clone();
         if !cfg.block_size.is_power_of_two() || cfg.block_size < 512 {
-            bail!(
-                "block size {} must be a power of two of at least 512",
-                cfg.block_size
-            );
+            return Err(StartError::BlockSize(cfg.block_size));
         }
         let files = Arc::new(
-            FileTable::new(&cfg.data)
-                .with_context(|| format!("data directory {}", cfg.data.display()))?,
+            FileTable::new(&cfg.data).map_err(|source| StartError::Data {
+                path: cfg.data.clone(),
+                source,
+            })?,
         );
         let disk = Arc::new(
-            Disk::start(cfg.disk_depth, cfg.max_request.max(bs))
-                .context("starting the io_uring disk level")?,
+            Disk::start(cfg.disk_depth, cfg.max_request.max(bs)).map_err(StartError::Disk)?,
         );
         let mut donors = Vec::new();
         for (i, d) in cfg.donors.iter().enumerate() {
@@ -129,7 +180,7 @@ impl Daemon {
                         l.stop();
                     }
                     disk.stop();
-                    return Err(e);
+                    return Err(StartError::Donor(Box::new(e)));
                 }
             }
         }
@@ -179,7 +230,8 @@ impl Daemon {
         });
         if let Err(e) = d
             .start_pollers()
-            .and_then(|()| d.start_membership(membership))
+            .map_err(|e| StartError::Donor(Box::new(e)))
+            .and_then(|()| Ok(d.start_membership(membership)?))
         {
             d.stop();
             return Err(e);
@@ -245,7 +297,7 @@ impl Daemon {
         };
         for (name, r) in recorders {
             if let Err(e) = finish_recording(&name, r) {
-                tracing::warn!("{e:#}");
+                tracing::warn!("{}", crate::error_chain(&e));
             }
         }
         self.lanes.stop();
@@ -282,24 +334,26 @@ impl Daemon {
         name: Option<&str>,
         hints: Option<&Path>,
         record: Option<&Path>,
-    ) -> Result<Value> {
+    ) -> Result<Value, JobError> {
         let opened = match hints {
-            Some(h) => Some(
-                open_hints(h, self.files.clone(), self.bs as u32)
-                    .with_context(|| format!("hint file {}", h.display()))?,
-            ),
+            Some(h) => Some(open_hints(h, self.files.clone(), self.bs as u32).map_err(
+                |source| JobError::Hints {
+                    path: h.to_path_buf(),
+                    source: Box::new(source),
+                },
+            )?),
             None => None,
         };
         let name = match (name, &opened) {
             (Some(n), _) => n.to_owned(),
             (None, Some(o)) => o.job.clone(),
-            (None, None) => bail!("a job without hints needs a name"),
+            (None, None) => return Err(JobError::NoName),
         };
         if name.is_empty() || name.contains('/') || name == "." || name == ".." {
-            bail!("job name {name:?} must be a non-empty file name");
+            return Err(JobError::BadName(name));
         }
         if hints.is_none() && record.is_none() {
-            bail!("job {name}: give a hint file to follow, a file to record into, or both");
+            return Err(JobError::NothingToDo(name));
         }
         let stale: Vec<String> = opened
             .iter()
@@ -310,12 +364,15 @@ impl Daemon {
         }
         let mut st = self.lock();
         if st.jobs.contains_key(&name) {
-            bail!("job {name:?} is already registered");
+            return Err(JobError::Exists(name));
         }
         let recorder = match record {
             Some(r) => Some(
-                Recorder::create(r, &name, self.bs as u32)
-                    .with_context(|| format!("job {name}: recording into {}", r.display()))?,
+                Recorder::create(r, &name, self.bs as u32).map_err(|source| JobError::Record {
+                    name: name.clone(),
+                    path: r.to_path_buf(),
+                    source: Box::new(source),
+                })?,
             ),
             None => None,
         };
@@ -354,18 +411,21 @@ impl Daemon {
 
     /// Forgets job `name`, writing its recording. Returns the recording's
     /// path, if there is one.
-    pub fn remove_job(&self, name: &str) -> Result<Option<PathBuf>> {
+    pub fn remove_job(&self, name: &str) -> Result<Option<PathBuf>, JobError> {
         let info = {
             let mut st = self.lock();
             let Some(info) = st.jobs.remove(name) else {
-                bail!("no job {name:?}")
+                return Err(JobError::NoSuchJob(name.to_owned()));
             };
             st.engine.remove_job(info.id);
             info
         };
         tracing::info!("job {name} removed");
         if let Some(e) = info.record_error {
-            bail!("job {name}: recording failed: {e}");
+            return Err(JobError::RecordingFailed {
+                name: name.to_owned(),
+                why: e,
+            });
         }
         info.recorder.map(|r| finish_recording(name, r)).transpose()
     }
@@ -463,7 +523,6 @@ impl Daemon {
         self.execute(actions);
     }
 
-    /// Status of every job and level, as JSON.
     /// What `/metrics` shows (crate::metrics).
     pub fn metrics_snapshot(&self) -> crate::metrics::Snapshot {
         let st = self.lock();
@@ -474,55 +533,57 @@ impl Daemon {
         }
     }
 
-    pub fn status(&self) -> Value {
+    /// Status of every job and level.
+    pub fn status(&self) -> Status {
         let st = self.lock();
         let es = st.engine.status();
-        let by_id: HashMap<JobId, (&String, &JobInfo)> =
-            st.jobs.iter().map(|(n, j)| (j.id, (n, j))).collect();
-        let jobs: Vec<Value> = es
+        let by_id: HashMap<JobId, &JobInfo> = st.jobs.values().map(|j| (j.id, j)).collect();
+        let jobs = es
             .jobs
-            .iter()
+            .into_iter()
             .map(|j| {
-                let mut v = serde_json::to_value(j).expect("job status serialises");
-                if let Some((_, info)) = by_id.get(&j.id) {
-                    v["hints"] = json!(info.hints);
-                    v["recording"] = json!(info.recorder.as_ref().map(Recorder::path));
-                    v["record_error"] = json!(info.record_error);
-                    v["stale"] = json!(info.stale);
-                    v["hint_stream"] = info.report.snapshot();
+                let registered = by_id.get(&j.id).map(|info| Registered {
+                    hints: info.hints.clone(),
+                    recording: info.recorder.as_ref().map(|r| r.path().to_path_buf()),
+                    record_error: info.record_error.clone(),
+                    stale: info.stale.clone(),
+                    hint_stream: info.report.snapshot(),
+                });
+                Job {
+                    engine: j,
+                    registered,
                 }
-                v
             })
             .collect();
-        let donors: Vec<Value> = es
+        let donors = es
             .donors
-            .iter()
-            .map(|d| {
-                let mut v = serde_json::to_value(d).expect("donor status serialises");
-                let lane = self.lanes.describe(d.id, d.alive);
-                for (k, x) in lane.as_object().expect("an object") {
-                    v[k] = x.clone();
-                }
-                v
+            .into_iter()
+            .map(|d| Donor {
+                lane: self.lanes.describe(d.id, d.alive),
+                engine: d,
             })
             .collect();
-        json!({
-            "data": self.files.root(),
-            "block_size": self.bs,
-            "uptime_s": self.started.elapsed().as_secs_f64(),
-            "prefetch": st.engine.config().prefetch,
-            "page_cache": self.page_cache,
-            "local": {
-                "blocks": es.local_blocks,
-                "resident": es.local_resident,
-                "filling": es.local_filling,
+        Status {
+            data: self.files.root().to_path_buf(),
+            block_size: self.bs,
+            uptime_s: self.started.elapsed().as_secs_f64(),
+            prefetch: st.engine.config().prefetch,
+            page_cache: self.page_cache,
+            local: Local {
+                blocks: es.local_blocks,
+                resident: es.local_resident,
+                filling: es.local_filling,
             },
-            "costs_ns": { "local": es.f_local_ns, "global": es.f_global_ns, "disk": es.f_disk_ns },
-            "pending_reads": st.reads.len(),
-            "donors": donors,
-            "jobs": jobs,
-            "unhinted": es.unhinted,
-        })
+            costs_ns: Costs {
+                local: es.f_local_ns,
+                global: es.f_global_ns,
+                disk: es.f_disk_ns,
+            },
+            pending_reads: st.reads.len(),
+            donors,
+            jobs,
+            unhinted: es.unhinted,
+        }
     }
 }
 
@@ -545,11 +606,12 @@ fn record_read(info: &mut JobInfo, file: &FileEntry, offset: u64, len: u64) {
 }
 
 /// Writes a job's recording.
-fn finish_recording(name: &str, r: Recorder) -> Result<PathBuf> {
+fn finish_recording(name: &str, r: Recorder) -> Result<PathBuf, JobError> {
     let path = r.path().to_path_buf();
-    let n = r
-        .finish()
-        .with_context(|| format!("job {name}: writing its recording"))?;
+    let n = r.finish().map_err(|source| JobError::WriteRecording {
+        name: name.to_owned(),
+        source: Box::new(source),
+    })?;
     tracing::info!("job {name}: {n} reads recorded in {}", path.display());
     Ok(path)
 }

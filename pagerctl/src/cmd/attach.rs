@@ -1,110 +1,26 @@
-//! pagerctl: attach remote memory as a swap or block device, watch it, and
-//! talk to donors. See pagerctl(1) (`pager-client/pagerctl/pagerctl.1.md`).
-
-mod attach_cmd;
-mod discover_cmd;
-mod donor;
-mod durability;
-mod forget_lost_cmd;
-mod hold_cmd;
-mod membership_cmd;
-mod procs;
-mod restart_cmd;
-mod serve_cmd;
-mod simulate;
-mod status_cmd;
-#[allow(unsafe_code)]
-mod sys;
-mod top_cmd;
+//! `pagerctl attach`: checks the options against the state directory (a
+//! new device's device.toml, or the one there), picks the front end and
+//! runs the attach steps (`crate::steps`); prints the block device.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use clap::{Parser, Subcommand};
 use pager_client::config::DeviceConfig;
 use pagerctl::attach::record::StateLayout;
 use pagerctl::attach::{self, AttachRecord, DeviceOptions, DonorSpec, Frontend, ModeChoice, Via};
+use pagerctl::lost;
 
-/// Remote memory as swap or a block device (netpager client).
-#[derive(Parser)]
-#[command(name = "pagerctl", version = netpager_util::version!(), about, max_term_width = 100)]
-struct Cli {
-    /// Log more (-v: debug, -vv: trace); RUST_LOG overrides.
-    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
-    verbose: u8,
-    #[command(subcommand)]
-    command: Cmd,
-}
-
-#[derive(Subcommand)]
-enum Cmd {
-    /// Start the client device and attach it as a block device (or swap).
-    Attach(Box<AttachArgs>),
-    /// Undo an attach: swapoff, detach the device, stop the serving process.
-    Detach(DetachArgs),
-    /// Serve a device to the kernel on this process's own FUSE mount
-    /// (started by attach; runs until unmounted).
-    Serve(ServeArgs),
-    /// Replace the serving process of a device attached --restartable (an
-    /// upgrade: --binary) while it stays attached and swap stays on.
-    Restart(RestartArgs),
-    /// Keep a restartable device's FUSE connection and run its serving
-    /// processes one after another (started by attach).
-    #[command(hide = true)]
-    Hold(HoldArgs),
-    /// Show the device's status (donors, placement, rebuild, drain).
-    Status(StatusArgs),
-    /// A live view of the device (donors, rates, latency, rebuild and
-    /// drain), redrawn every interval; q quits.
-    Top(TopArgs),
-    /// Show donors' status endpoints.
-    DonorStatus(DonorStatusArgs),
-    /// Ask a donor to drain (clients move their extents away), or stop.
-    DonorDrain(DonorDrainArgs),
-    /// Add a donor to an attached device (it stays attached).
-    DonorAdd(membership_cmd::AddArgs),
-    /// Remove a donor from an attached device: its extents move to the
-    /// other donors first.
-    DonorRemove(membership_cmd::RemoveArgs),
-    /// Give up on an attached device's lost data: lost extents are placed
-    /// again and read as zeros, as do pages that read as lost.
-    ForgetLost(forget_lost_cmd::Args),
-    /// List the donors announced on the network (DNS-SD) and whether a
-    /// device would use each.
-    Discover(discover_cmd::Args),
-    /// Compare donor-selection policies on a simulated cluster.
-    Simulate(simulate::Args),
-    /// The chance of data loss per mode (none, mirror, parity, ec) from a
-    /// donor failure rate and a rebuild time.
-    Durability(durability::Args),
-}
-
-/// Seconds, 0 allowed (0 turns the thing off).
-fn parse_secs_or_zero(s: &str) -> Result<Duration, String> {
-    if s.trim() == "0" {
-        return Ok(Duration::ZERO);
-    }
-    parse_secs(s)
-}
+use super::{parse_secs, parse_secs_or_zero};
+use crate::{procs, steps};
 
 /// `p` from the working directory: the serving process runs elsewhere.
 fn absolute(p: &Path) -> std::io::Result<PathBuf> {
     Ok(std::env::current_dir()?.join(p))
 }
 
-fn parse_secs(s: &str) -> Result<Duration, String> {
-    let v: f64 = s
-        .parse()
-        .map_err(|_| format!("{s:?} is not a number of seconds"))?;
-    if !(v > 0.0 && v.is_finite()) {
-        return Err(format!("{s:?} must be a positive number of seconds"));
-    }
-    Ok(Duration::from_secs_f64(v))
-}
-
 #[derive(clap::Args)]
-struct AttachArgs {
+pub struct Args {
     /// The client's state directory: device.toml, extent map, status, socket.
     #[arg(long, value_name = "DIR")]
     state_dir: PathBuf,
@@ -252,7 +168,7 @@ struct AttachArgs {
     start_timeout: Duration,
 }
 
-impl AttachArgs {
+impl Args {
     fn device_options(&self) -> DeviceOptions {
         DeviceOptions {
             client_id: self.client_id.clone(),
@@ -286,203 +202,6 @@ impl AttachArgs {
             prefetch_pages: self.prefetch_pages,
         }
     }
-}
-
-#[derive(clap::Args)]
-struct DetachArgs {
-    #[arg(long, value_name = "DIR")]
-    state_dir: PathBuf,
-    /// How long each process may take to stop before it is killed.
-    #[arg(long, default_value = "60", value_parser = parse_secs, value_name = "SECS")]
-    timeout: Duration,
-}
-
-#[derive(clap::Args)]
-struct ServeArgs {
-    #[arg(long, value_name = "DIR")]
-    state_dir: PathBuf,
-    /// fuse-uring (falls back to fuse when the kernel does not offer it)
-    /// or fuse.
-    #[arg(long, default_value = "fuse-uring", value_parser = parse_transport)]
-    transport: pager_fuse::Transport,
-    /// Reader threads (fuse), or serving threads per CPU (fuse-uring).
-    #[arg(long, default_value_t = 16, value_name = "N")]
-    threads: usize,
-    /// Take the FUSE connection from the holder (`pagerctl hold`) of a
-    /// restartable device instead of mounting one.
-    #[arg(long)]
-    held: bool,
-}
-
-#[derive(clap::Args)]
-struct HoldArgs {
-    #[arg(long, value_name = "DIR")]
-    state_dir: PathBuf,
-    /// Each serving process's reader threads.
-    #[arg(long, default_value_t = 4, value_name = "N")]
-    threads: usize,
-}
-
-#[derive(clap::Args)]
-struct RestartArgs {
-    #[arg(long, value_name = "DIR")]
-    state_dir: PathBuf,
-    /// The pagerctl the new serving process runs (default: the one running
-    /// now); later restarts after a crash use it too.
-    #[arg(long, value_name = "PATH")]
-    binary: Option<PathBuf>,
-    /// How long to wait for the new process to serve.
-    #[arg(long, default_value = "60", value_parser = parse_secs, value_name = "SECS")]
-    timeout: Duration,
-}
-
-fn parse_transport(s: &str) -> Result<pager_fuse::Transport, String> {
-    match s {
-        "fuse-uring" => Ok(pager_fuse::Transport::Uring),
-        "fuse" => Ok(pager_fuse::Transport::Classic),
-        _ => Err(format!("{s:?}: expected fuse-uring or fuse")),
-    }
-}
-
-#[derive(clap::Args)]
-struct TopArgs {
-    #[arg(long, value_name = "DIR")]
-    state_dir: PathBuf,
-    /// Seconds between redraws.
-    #[arg(long, default_value = "1", value_parser = parse_secs, value_name = "SECS")]
-    interval: Duration,
-}
-
-#[derive(clap::Args)]
-struct StatusArgs {
-    #[arg(long, value_name = "DIR")]
-    state_dir: PathBuf,
-    /// Print JSON instead of a table.
-    #[arg(long)]
-    json: bool,
-}
-
-#[derive(clap::Args)]
-struct DonorStatusArgs {
-    /// Donors' status endpoints, HOST:PORT (one or more).
-    #[arg(required = true, value_name = "ADDR")]
-    addrs: Vec<String>,
-    #[arg(long)]
-    json: bool,
-    #[command(flatten)]
-    endpoint: EndpointArgs,
-}
-
-/// How to reach donors' status endpoints.
-#[derive(clap::Args)]
-struct EndpointArgs {
-    #[arg(long, default_value = "5", value_parser = parse_secs, value_name = "SECS")]
-    timeout: Duration,
-    /// The lab's key file (`username:hexkey`, as given to the donors' psk=):
-    /// requests are signed and replies checked. Needed for donors started
-    /// with psk=.
-    #[arg(long, value_name = "FILE")]
-    psk: Option<PathBuf>,
-}
-
-impl EndpointArgs {
-    fn client(&self) -> Result<netpager_proto::StatusClient> {
-        let key = self
-            .psk
-            .as_deref()
-            .map(|f| netpager_proto::LabKey::from_psk_file(f, None))
-            .transpose()?;
-        Ok(netpager_proto::StatusClient {
-            timeout: self.timeout,
-            key,
-        })
-    }
-}
-
-#[derive(clap::Args)]
-struct DonorDrainArgs {
-    /// The donor's status endpoint, HOST:PORT.
-    addr: String,
-    /// Stop draining: the donor accepts pages again.
-    #[arg(long)]
-    undo: bool,
-    /// Wait until the donor holds nothing, printing progress.
-    #[arg(long)]
-    wait: bool,
-    /// Give up waiting after this long.
-    #[arg(long, default_value = "600", value_parser = parse_secs, value_name = "SECS")]
-    wait_timeout: Duration,
-    #[command(flatten)]
-    endpoint: EndpointArgs,
-}
-
-fn main() {
-    let cli = Cli::parse();
-    let level = match cli.verbose {
-        0 => "info",
-        1 => "debug",
-        _ => "trace",
-    };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level)),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_target(false)
-        .init();
-    let result = match cli.command {
-        Cmd::Attach(a) => attach(*a),
-        Cmd::Detach(a) => detach(a),
-        Cmd::Serve(a) => serve_cmd::run(serve_cmd::ServeArgs {
-            state_dir: a.state_dir,
-            transport: a.transport,
-            threads: a.threads,
-            held: a.held,
-        }),
-        Cmd::Hold(a) => hold_cmd::run(hold_cmd::HoldArgs {
-            state_dir: a.state_dir,
-            threads: a.threads.max(1),
-        }),
-        Cmd::Restart(a) => restart_cmd::run(&StateLayout::new(a.state_dir), a.binary, a.timeout),
-        Cmd::Status(a) => status_cmd::run(&StateLayout::new(a.state_dir), a.json),
-        Cmd::Top(a) => top_cmd::run(&StateLayout::new(a.state_dir), a.interval),
-        Cmd::DonorStatus(a) => a
-            .endpoint
-            .client()
-            .and_then(|c| donor::status(&a.addrs, a.json, &c)),
-        Cmd::DonorDrain(a) => a
-            .endpoint
-            .client()
-            .and_then(|c| donor::drain(&a.addr, a.undo, a.wait, &c, a.wait_timeout)),
-        Cmd::DonorAdd(a) => membership_cmd::add(a),
-        Cmd::DonorRemove(a) => membership_cmd::remove(a),
-        Cmd::ForgetLost(a) => forget_lost_cmd::run(a),
-        Cmd::Discover(a) => discover_cmd::run(a),
-        Cmd::Simulate(a) => simulate::run(a),
-        Cmd::Durability(a) => durability::run(a),
-    };
-    if let Err(e) = result {
-        eprintln!("pagerctl: {}", error_chain(&e));
-        std::process::exit(1);
-    }
-}
-
-/// The error and its causes on one line, skipping a cause whose text its
-/// parent already carries (library errors often embed their source).
-fn error_chain(e: &anyhow::Error) -> String {
-    let mut out = String::new();
-    for cause in e.chain() {
-        let text = cause.to_string();
-        if !out.contains(&text) {
-            if !out.is_empty() {
-                out.push_str(": ");
-            }
-            out.push_str(&text);
-        }
-    }
-    out
 }
 
 fn host_name() -> String {
@@ -526,7 +245,7 @@ fn find_plugin(given: Option<&Path>) -> Result<PathBuf> {
 
 /// Writes device.toml for a new device, or checks that the options given
 /// to a re-attach match the device the state directory already holds.
-fn prepare_config(a: &AttachArgs, layout: &StateLayout) -> Result<DeviceConfig> {
+fn prepare_config(a: &Args, layout: &StateLayout) -> Result<DeviceConfig> {
     let path = layout.device_toml();
     let mut o = a.device_options();
     if path.exists() {
@@ -549,9 +268,9 @@ fn prepare_config(a: &AttachArgs, layout: &StateLayout) -> Result<DeviceConfig> 
     Ok(cfg)
 }
 
-fn attach(a: AttachArgs) -> Result<()> {
+pub fn run(a: Args) -> Result<()> {
     let layout = StateLayout::new(&a.state_dir);
-    attach_cmd::make_state_dir(&layout.dir)?;
+    steps::make_state_dir(&layout.dir)?;
     let state_dir = layout
         .dir
         .canonicalize()
@@ -600,7 +319,7 @@ fn attach(a: AttachArgs) -> Result<()> {
         Path::new("/dev/nbd0").exists(),
         procs::on_path("nbd-client"),
     );
-    let plan = attach_cmd::Plan {
+    let plan = steps::Plan {
         layout,
         plugin,
         export: cfg.client_id.clone(),
@@ -614,12 +333,12 @@ fn attach(a: AttachArgs) -> Result<()> {
         queue_depth: (a.queue_depth > 0).then_some(a.queue_depth),
     };
     let state_dir = plan.layout.dir.clone();
-    let device = attach_cmd::attach(&plan)?;
+    let device = steps::attach(&plan)?;
     println!("{}", device.display());
     // Written by the device as it opened, before it served.
     match pager_client::status::ClientStatus::read(&state_dir) {
         Ok(s) => {
-            if let Some(w) = pagerctl::lost::attach_warning(&s, &device, &state_dir) {
+            if let Some(w) = lost::attach_warning(&s, &device, &state_dir) {
                 eprintln!("{w}");
             }
         }
@@ -627,24 +346,6 @@ fn attach(a: AttachArgs) -> Result<()> {
             "reading {}/status.json: {e}; pagerctl status shows whether anything is lost",
             state_dir.display()
         ),
-    }
-    Ok(())
-}
-
-fn detach(a: DetachArgs) -> Result<()> {
-    let layout = StateLayout::new(&a.state_dir);
-    let Some(mut record) = AttachRecord::load(&layout.attach_json())? else {
-        bail!(
-            "{} is not attached (no {})",
-            layout.dir.display(),
-            layout.attach_json().display()
-        );
-    };
-    let device = record.device().map(Path::to_path_buf);
-    attach_cmd::undo_all(&layout, &mut record, a.timeout)?;
-    match device {
-        Some(d) => println!("detached {}", d.display()),
-        None => println!("detached"),
     }
     Ok(())
 }

@@ -2,6 +2,7 @@
 //! serving process about once a second) plus what pagerctl attached, the
 //! front end in use and whether the serving process still runs.
 
+use std::path::PathBuf;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Result};
@@ -11,11 +12,21 @@ use pagerctl::attach::{AttachRecord, Frontend, Step};
 
 use crate::procs;
 
+#[derive(clap::Args)]
+pub struct Args {
+    #[arg(long, value_name = "DIR")]
+    state_dir: PathBuf,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
 /// How old status.json may be while the server runs before it is called stale
 /// (the device rewrites it about once a second).
 const STALE_MS: u64 = 10_000;
 
-pub fn run(layout: &StateLayout, json: bool) -> Result<()> {
+pub fn run(a: Args) -> Result<()> {
+    let layout = StateLayout::new(&a.state_dir);
     if !layout.dir.is_dir() {
         bail!("state directory {} does not exist", layout.dir.display());
     }
@@ -57,7 +68,7 @@ pub fn run(layout: &StateLayout, json: bool) -> Result<()> {
         .as_ref()
         .map(|s| now_ms.saturating_sub(s.updated_unix_ms));
     let stale = !server_alive || age_ms.is_some_and(|a| a > STALE_MS);
-    if json {
+    if a.json {
         let v = serde_json::json!({
             "state_dir": layout.dir,
             "attached": record.as_ref().is_some_and(|r| !r.steps.is_empty()),

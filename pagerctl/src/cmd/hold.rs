@@ -24,11 +24,16 @@ use pager_fuse::Options;
 use pagerctl::attach::commands;
 use pagerctl::attach::record::{HolderInfo, StateLayout};
 
-use crate::{attach_cmd, procs, serve_cmd, sys};
+use super::serve;
+use crate::{procs, steps, sys};
 
-pub struct HoldArgs {
-    pub state_dir: PathBuf,
-    pub threads: usize,
+#[derive(clap::Args)]
+pub struct Args {
+    #[arg(long, value_name = "DIR")]
+    state_dir: PathBuf,
+    /// Each serving process's reader threads.
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    threads: usize,
 }
 
 /// How long a new serving process may take to serve before `restart`
@@ -76,13 +81,13 @@ impl Shared {
     }
 }
 
-pub fn run(a: HoldArgs) -> Result<()> {
+pub fn run(a: Args) -> Result<()> {
     let layout = StateLayout::new(&a.state_dir);
     let me = std::process::id();
     netpager_util::process::lock_memory(netpager_util::process::Lock::Prefault)
         .context("mlockall")?;
     procs::protect_from_oom(me, "the connection holder");
-    serve_cmd::leave_memory_cgroups(me);
+    serve::leave_memory_cgroups(me);
     sys::block_stop_signals().context("cannot block SIGTERM and SIGINT")?;
     let mountpoint = layout.fuse_dir();
     std::fs::create_dir_all(&mountpoint)
@@ -147,7 +152,7 @@ pub fn run(a: HoldArgs) -> Result<()> {
         "holding the FUSE connection of {} (pid {me})",
         mountpoint.display()
     );
-    let result = supervise(&shared, &layout, a.threads, &mountpoint);
+    let result = supervise(&shared, &layout, a.threads.max(1), &mountpoint);
     let _ = std::fs::remove_file(&socket);
     let _ = std::fs::remove_file(layout.holder_json());
     result
@@ -215,7 +220,7 @@ fn supervise(
             st.info.serve_pid = None;
             shared.save(&st);
         }
-        if !attach_cmd::is_mounted(mountpoint) {
+        if !steps::is_mounted(mountpoint) {
             tracing::info!("serving process {pid} exited ({status}) after the unmount: done");
             return Ok(());
         }

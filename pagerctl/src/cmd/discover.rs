@@ -9,10 +9,12 @@ use anyhow::Result;
 use netpager_membership::discovery::{admit, Announced, Browser, Check};
 use netpager_proto::StatusClient;
 
+use super::{parse_secs, EndpointArgs};
+
 #[derive(clap::Args)]
 pub struct Args {
     /// How long to listen for announcements.
-    #[arg(long = "for", default_value = "3", value_parser = crate::parse_secs, value_name = "SECS")]
+    #[arg(long = "for", default_value = "3", value_parser = parse_secs, value_name = "SECS")]
     listen: Duration,
     /// Return as soon as these nodes are seen (repeat), at the latest after --for.
     #[arg(long, value_name = "NODE")]
@@ -23,7 +25,7 @@ pub struct Args {
     #[arg(long)]
     json: bool,
     #[command(flatten)]
-    endpoint: crate::EndpointArgs,
+    endpoint: EndpointArgs,
 }
 
 /// One announced donor and whether a device would use it.

@@ -1,60 +1,19 @@
 //! The plugin under a real nbdkit: three `nbdkit memory` donors, the
 //! client plugin on a Unix socket, data copied in and out with nbdcopy,
 //! holes seen by nbdinfo --map, status.json written, errors mapped to
-//! errno. Processes are killed by pid when the guards drop.
+//! errno. Processes are killed by pid when the guards drop (the shared
+//! harness, netpager-test-support).
 
-use std::net::TcpListener;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::PathBuf;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use netpager_test_support::{built_beside_test, Nbdkit};
 use pager_client::config::{DeviceConfig, DonorConfig, Mode};
 
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn nbdkit(args: &[String], pidfile: &Path) -> Proc {
-    let mut child = Command::new("nbdkit")
-        .arg("-f")
-        .arg("--pidfile")
-        .arg(pidfile)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start nbdkit");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !pidfile.exists() {
-        if let Ok(Some(st)) = child.try_wait() {
-            panic!("nbdkit {args:?} exited at start: {st}");
-        }
-        assert!(Instant::now() < deadline, "nbdkit {args:?} did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Proc(child)
-}
-
-/// The plugin built alongside this test (target/<profile>/deps/, where
-/// `cargo test` leaves it, or target/<profile>/).
+/// The plugin built alongside this test.
 fn plugin_so() -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable");
-    let deps = exe.parent().expect("deps directory");
-    let candidates = [
-        deps.join("libpager_client_plugin.so"),
-        deps.join("../libpager_client_plugin.so"),
-    ];
-    candidates
-        .iter()
-        .find(|p| p.exists())
-        .cloned()
-        .unwrap_or_else(|| panic!("{} not built", candidates[0].display()))
+    built_beside_test("libpager_client_plugin.so")
 }
 
 fn run(cmd: &str, args: &[&str]) -> String {
@@ -71,8 +30,8 @@ fn run(cmd: &str, args: &[&str]) -> String {
 }
 
 struct Setup {
-    _donors: Vec<Proc>,
-    _client: Proc,
+    _donors: Vec<Nbdkit>,
+    _client: Nbdkit,
     uri: String,
     dir: tempfile::TempDir,
 }
@@ -82,42 +41,17 @@ fn setup(mode: Mode) -> Setup {
     let mut cfg = DeviceConfig::new("plugtest", 32 << 20, mode);
     cfg.mlock = false;
     cfg.extent_size = pager_client::config::ByteSize(256 << 10);
-    let mut donors = Vec::new();
-    for i in 0..3 {
-        let ip = format!("127.0.0.{}", 200 + (std::process::id() + i) % 50);
-        let port = TcpListener::bind((ip.as_str(), 0))
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let pid = dir.path().join(format!("d{i}.pid"));
-        donors.push(nbdkit(
-            &[
-                "-i".into(),
-                ip.clone(),
-                "--port".into(),
-                port.to_string(),
-                "memory".into(),
-                "64M".into(),
-            ],
-            &pid,
-        ));
+    let donors: Vec<Nbdkit> = (0..3).map(|_| Nbdkit::memory("64M")).collect();
+    for (i, d) in donors.iter().enumerate() {
         cfg.donors
-            .push(DonorConfig::new(format!("d{i}"), format!("{ip}:{port}")));
+            .push(DonorConfig::new(format!("d{i}"), d.addr.clone()));
     }
     let state = dir.path().join("state");
     std::fs::create_dir(&state).unwrap();
     cfg.save(&state.join("device.toml")).unwrap();
     let sock = dir.path().join("sock");
-    let client = nbdkit(
-        &[
-            "-U".into(),
-            sock.display().to_string(),
-            plugin_so().display().to_string(),
-            format!("state={}", state.display()),
-        ],
-        &dir.path().join("client.pid"),
-    );
+    let so = plugin_so().display().to_string();
+    let client = Nbdkit::unix(&sock, &[&so, &format!("state={}", state.display())]);
     Setup {
         _donors: donors,
         _client: client,

@@ -6,8 +6,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Result};
-use pager_client::device::control::{self, Request};
+use pager_client::device::control::Request;
 use pagerctl::attach::record::StateLayout;
+
+use super::ask_device;
 
 /// Forgetting writes every lost extent's new place (zeros, and parity).
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(600);
@@ -31,14 +33,10 @@ pub fn run(a: Args) -> Result<()> {
             layout.attach_json().display()
         );
     }
-    let reply = control::send(
+    ask_device(
         &layout.dir,
         &Request::ForgetLost { extents: a.extents },
         ANSWER_TIMEOUT,
-    )?;
-    if !reply.ok {
-        bail!("{}", reply.message);
-    }
-    println!("{}", reply.message);
-    Ok(())
+    )
+    .map(|_| ())
 }

@@ -1,7 +1,5 @@
-//! Real nbdkit servers for integration tests, on 127.0.0.x loopback
-//! addresses with free ports, stopped by pid when the guard drops. Shared
-//! by the pager-client and netpager-nbd tests (included by path).
-#![allow(dead_code)] // each test binary uses its own part of the harness
+//! Real nbdkit servers for tests, on 127.0.0.x loopback addresses with
+//! free ports, stopped by pid when the guard drops.
 
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -18,7 +16,7 @@ fn next_ip() -> String {
 }
 
 /// Two distinct ports free on `ip` now (held open together, so they differ).
-fn free_ports(ip: &str) -> [u16; 2] {
+pub fn free_ports(ip: &str) -> [u16; 2] {
     let bind = || TcpListener::bind((ip, 0)).expect("bind a free port");
     let held = [bind(), bind()];
     held.map(|l| l.local_addr().expect("bound").port())
@@ -34,7 +32,7 @@ pub struct Nbdkit {
     /// Status endpoint (pager-server donors).
     pub status: Option<String>,
     stopped: bool,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
 }
 
 impl Nbdkit {
@@ -70,6 +68,7 @@ impl Nbdkit {
     ) -> Nbdkit {
         let dir = tempfile::tempdir().expect("temporary directory");
         let pidfile = dir.path().join("nbdkit.pid");
+        let log = std::fs::File::create(dir.path().join("nbdkit.log")).expect("nbdkit log file");
         let mut args: Vec<String> = vec!["-f".into()];
         args.extend(listen.iter().cloned());
         args.push("--pidfile".into());
@@ -82,7 +81,7 @@ impl Nbdkit {
             .args(&args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(log)
             .spawn()
             .expect("start nbdkit");
         let mut n = Nbdkit {
@@ -90,7 +89,7 @@ impl Nbdkit {
             addr,
             status,
             stopped: false,
-            _dir: dir,
+            dir,
         };
         let deadline = Instant::now() + Duration::from_secs(20);
         while !pidfile.exists() {
@@ -130,6 +129,11 @@ impl Nbdkit {
     /// How the process ended, if it has (a donor that aborted).
     pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
         self.child.try_wait().expect("wait for nbdkit")
+    }
+
+    /// What nbdkit and its plugin wrote to stderr so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("nbdkit.log")).unwrap_or_default()
     }
 
     pub fn pid(&self) -> u32 {

@@ -1,6 +1,6 @@
-//! `pagerctl attach` and `pagerctl detach`: run the steps of
-//! `pagerctl::attach`, record each in `attach.json` as it is done, and
-//! undo them in reverse (on detach, or when an attach fails half-way).
+//! The attach steps of `pagerctl::attach` carried out (for `pagerctl
+//! attach` and `detach`): each recorded in `attach.json` as it is done,
+//! and undone in reverse (on detach, or when an attach fails half-way).
 
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;

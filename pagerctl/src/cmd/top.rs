@@ -1,6 +1,7 @@
 //! `pagerctl top`: a live view of one client, redrawn from status.json
 //! every interval until q, Esc or Ctrl-C (drawing: `pagerctl::top`).
 
+use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context as _, Result};
@@ -12,14 +13,25 @@ use ratatui::crossterm::event::{self, Event, KeyCode, KeyEventKind, KeyModifiers
 use ratatui::widgets::Paragraph;
 use ratatui::DefaultTerminal;
 
+use super::parse_secs;
 use crate::procs;
 
-pub fn run(layout: &StateLayout, interval: Duration) -> Result<()> {
+#[derive(clap::Args)]
+pub struct Args {
+    #[arg(long, value_name = "DIR")]
+    state_dir: PathBuf,
+    /// Seconds between redraws.
+    #[arg(long, default_value = "1", value_parser = parse_secs, value_name = "SECS")]
+    interval: Duration,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let layout = StateLayout::new(&a.state_dir);
     if !layout.dir.is_dir() {
         bail!("state directory {} does not exist", layout.dir.display());
     }
     let mut term = ratatui::try_init().context("cannot set up the terminal")?;
-    let r = watch(&mut term, layout, interval);
+    let r = watch(&mut term, &layout, a.interval);
     ratatui::restore();
     r
 }

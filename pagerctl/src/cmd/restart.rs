@@ -12,9 +12,24 @@ use pager_fuse::handover::{self, Request, Restarted};
 use pagerctl::attach::record::{HolderInfo, StateLayout};
 use pagerctl::attach::{AttachRecord, Step};
 
+use super::parse_secs;
 use crate::procs;
 
-pub fn run(layout: &StateLayout, binary: Option<PathBuf>, timeout: Duration) -> Result<()> {
+#[derive(clap::Args)]
+pub struct Args {
+    #[arg(long, value_name = "DIR")]
+    state_dir: PathBuf,
+    /// The pagerctl the new serving process runs (default: the one running
+    /// now); later restarts after a crash use it too.
+    #[arg(long, value_name = "PATH")]
+    binary: Option<PathBuf>,
+    /// How long to wait for the new process to serve.
+    #[arg(long, default_value = "60", value_parser = parse_secs, value_name = "SECS")]
+    timeout: Duration,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let layout = StateLayout::new(&a.state_dir);
     let record = AttachRecord::load(&layout.attach_json())?
         .ok_or_else(|| anyhow!("{} is not attached", layout.dir.display()))?;
     let holder = record.steps.iter().find_map(|s| match s {
@@ -37,7 +52,8 @@ pub fn run(layout: &StateLayout, binary: Option<PathBuf>, timeout: Duration) -> 
             "the connection holder (pid {pid}) is gone: replacing the serving process now would lose the device; detach and attach again when swap can go off"
         );
     }
-    let binary = binary
+    let binary = a
+        .binary
         .map(|b| {
             b.canonicalize()
                 .with_context(|| format!("cannot resolve {}", b.display()))
@@ -45,7 +61,7 @@ pub fn run(layout: &StateLayout, binary: Option<PathBuf>, timeout: Duration) -> 
         .transpose()?;
     let old = HolderInfo::load(&layout.holder_json()).and_then(|h| h.serve_pid);
     let socket = layout.holder_socket();
-    let answer = handover::ask(&socket, &Request::Restart { binary }, timeout)
+    let answer = handover::ask(&socket, &Request::Restart { binary }, a.timeout)
         .with_context(|| format!("asking the holder at {}", socket.display()))?;
     let r = Restarted::parse(&answer).map_err(|e| anyhow!("the holder: {e}"))?;
     match old {

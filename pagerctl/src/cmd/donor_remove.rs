@@ -1,31 +1,22 @@
-//! `pagerctl donor-add` and `donor-remove`: change an attached device's
-//! donor set through its control socket (either front end), and with
-//! `--wait` follow a removal in `status.json` until the donor has left.
+//! `pagerctl donor-remove`: removes a donor from an attached device through
+//! its control socket (either front end), and with `--wait` follows the
+//! removal in `status.json` until the donor has left.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
 use netpager_util::format_size;
-use pager_client::device::control::{self, Request};
+use pager_client::device::control::Request;
 use pager_client::status::ClientStatus;
 
-/// How long the device may take to answer (a donor-add connects to the
-/// donor first).
+use super::{ask_device, parse_secs, Progress};
+
+/// How long the device may take to answer.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
 
 #[derive(clap::Args)]
-pub struct AddArgs {
-    #[arg(long, value_name = "DIR")]
-    state_dir: PathBuf,
-    /// The donor, as `attach --donor` takes it:
-    /// HOST:PORT[/EXPORT][,status=HOST:PORT][,name=NAME].
-    #[arg(value_name = "SPEC")]
-    spec: String,
-}
-
-#[derive(clap::Args)]
-pub struct RemoveArgs {
+pub struct Args {
     #[arg(long, value_name = "DIR")]
     state_dir: PathBuf,
     /// The donor's name (as status shows it) or its NBD address.
@@ -35,37 +26,21 @@ pub struct RemoveArgs {
     #[arg(long)]
     wait: bool,
     /// Give up waiting after this long (the removal goes on).
-    #[arg(long, default_value = "3600", value_parser = crate::parse_secs, value_name = "SECS")]
+    #[arg(long, default_value = "3600", value_parser = parse_secs, value_name = "SECS")]
     wait_timeout: Duration,
 }
 
-fn ask(state_dir: &std::path::Path, req: &Request) -> Result<control::Reply> {
-    let reply = control::send(state_dir, req, ANSWER_TIMEOUT)?;
-    if !reply.ok {
-        bail!("{}", reply.message);
-    }
-    println!("{}", reply.message);
-    Ok(reply)
-}
-
-pub fn add(a: AddArgs) -> Result<()> {
-    // Parsed here too, so a typo is named before the device is asked.
-    a.spec
-        .parse::<netpager_membership::DonorSpec>()
-        .map_err(anyhow::Error::msg)?;
-    ask(&a.state_dir, &Request::DonorAdd { spec: a.spec }).map(|_| ())
-}
-
-pub fn remove(a: RemoveArgs) -> Result<()> {
+pub fn run(a: Args) -> Result<()> {
     let since = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
-    let reply = ask(
+    let reply = ask_device(
         &a.state_dir,
         &Request::DonorRemove {
             donor: a.donor.clone(),
         },
+        ANSWER_TIMEOUT,
     )?;
     if !a.wait {
         return Ok(());
@@ -113,7 +88,7 @@ fn wait_until_left(
     since_unix: u64,
     limit: Duration,
 ) -> Result<()> {
-    let mut progress = crate::donor::Progress::default();
+    let mut progress = Progress::default();
     let start = Instant::now();
     let mut first: Option<u64> = None;
     loop {

@@ -24,7 +24,7 @@ use pager_fuse::handover::{self, Request};
 use pager_fuse::{Backend, Mount, Options, Transport};
 use pagerctl::attach::record::{frontend_info, ServeInfo, StateLayout};
 
-use crate::{procs, sys};
+use crate::{procs, steps, sys};
 
 /// Closed when the process hands over to the next one: a request that
 /// reaches the device after that waits forever, unanswered, and the
@@ -116,18 +116,35 @@ fn log_errno(what: &str, offset: u64, e: pager_client::device::DeviceError) -> i
     e.errno()
 }
 
-pub struct ServeArgs {
-    pub state_dir: PathBuf,
-    pub transport: Transport,
-    pub threads: usize,
-    /// Take the connection from the holder (a restartable device).
-    pub held: bool,
+#[derive(clap::Args)]
+pub struct Args {
+    #[arg(long, value_name = "DIR")]
+    state_dir: PathBuf,
+    /// fuse-uring (falls back to fuse when the kernel does not offer it)
+    /// or fuse.
+    #[arg(long, default_value = "fuse-uring", value_parser = parse_transport)]
+    transport: Transport,
+    /// Reader threads (fuse), or serving threads per CPU (fuse-uring).
+    #[arg(long, default_value_t = 16, value_name = "N")]
+    threads: usize,
+    /// Take the FUSE connection from the holder (`pagerctl hold`) of a
+    /// restartable device instead of mounting one.
+    #[arg(long)]
+    held: bool,
+}
+
+fn parse_transport(s: &str) -> Result<Transport, String> {
+    match s {
+        "fuse-uring" => Ok(Transport::Uring),
+        "fuse" => Ok(Transport::Classic),
+        _ => Err(format!("{s:?}: expected fuse-uring or fuse")),
+    }
 }
 
 /// How long a hand-over waits for the requests being answered.
 const DRAIN_LIMIT: Duration = Duration::from_secs(20);
 
-pub fn run(a: ServeArgs) -> Result<()> {
+pub fn run(a: Args) -> Result<()> {
     let layout = StateLayout::new(&a.state_dir);
     let cfg = DeviceConfig::load_from_state_dir(&layout.dir)?;
     let me = std::process::id();
@@ -263,7 +280,7 @@ fn on_signals(mountpoint: &Path, held: bool, gate: &Gate, device: &Device) {
             // Unmounted here while another mount namespace still holds a
             // copy of the mount: the connection lives on, and no request
             // will end the threads. The holder exits after this process.
-            sig if held && !crate::attach_cmd::is_mounted(mountpoint) => {
+            sig if held && !steps::is_mounted(mountpoint) => {
                 tracing::info!(
                     "signal {sig}: {} is unmounted here: exiting",
                     mountpoint.display()

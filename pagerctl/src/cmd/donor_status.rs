@@ -1,0 +1,150 @@
+//! `pagerctl donor-status`: donors' status endpoints, read through
+//! `netpager_proto`, as tables or JSON.
+
+use anyhow::Result;
+use netpager_proto::{DonorStatus, StatusClient};
+use netpager_util::format_size;
+
+use super::{query_donor, EndpointArgs};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Donors' status endpoints, HOST:PORT (one or more).
+    #[arg(required = true, value_name = "ADDR")]
+    addrs: Vec<String>,
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    endpoint: EndpointArgs,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let client = a.endpoint.client()?;
+    status(&a.addrs, a.json, &client)
+}
+
+/// Prints the donors' status: tables one after the other, or JSON (an
+/// object for one donor, an array of them for several).
+fn status(addrs: &[String], json: bool, client: &StatusClient) -> Result<()> {
+    let statuses = addrs
+        .iter()
+        .map(|a| query_donor(client, a))
+        .collect::<Result<Vec<_>>>()?;
+    if json {
+        let mut v: Vec<_> = statuses.iter().map(netpager_proto::status_json).collect();
+        let out = if v.len() == 1 {
+            v.remove(0)
+        } else {
+            serde_json::Value::Array(v)
+        };
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        let tables: Vec<String> = addrs
+            .iter()
+            .zip(&statuses)
+            .map(|(a, s)| render(a, s))
+            .collect();
+        println!("{}", tables.join("\n\n"));
+    }
+    Ok(())
+}
+
+/// A donor's status as a two-column table, then its exports.
+fn render(addr: &str, s: &DonorStatus) -> String {
+    let state = if s.state_reason.is_empty() {
+        s.state().word().to_string()
+    } else {
+        format!("{} ({})", s.state().word(), s.state_reason)
+    };
+    let rows = [
+        ("donor", addr.to_string()),
+        ("node", s.node_id.clone()),
+        ("state", state),
+        ("budget", format_size(s.budget_bytes)),
+        ("used", format_size(s.used_bytes)),
+        ("free", format_size(s.free_bytes)),
+        ("reserve", format_size(s.reserve_bytes)),
+        ("MemAvailable", format_size(s.mem_available_bytes)),
+        ("page size", format_size(s.page_size)),
+        (
+            "age of x-th oldest page",
+            format!("x={}: {} ms", s.age_x, s.age_x_ms),
+        ),
+        (
+            "utilisation / U*",
+            format!(
+                "{:.3} / {:.2} (unused {:.3})",
+                s.utilisation, s.u_star, s.u_unused
+            ),
+        ),
+        ("mean service time", format!("{:.1} us", s.mean_service_us)),
+        ("reads / writes", format!("{} / {}", s.reads, s.writes)),
+        (
+            "bytes read / written",
+            format!(
+                "{} / {}",
+                format_size(s.bytes_read),
+                format_size(s.bytes_written)
+            ),
+        ),
+        ("trims / zeroes", format!("{} / {}", s.trims, s.zeroes)),
+        ("ENOSPC refusals", s.enospc.to_string()),
+        ("uptime", format!("{:.1} s", s.uptime_ms as f64 / 1000.0)),
+    ];
+    let w = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    let mut out: Vec<String> = rows.iter().map(|(k, v)| format!("{k:<w$}  {v}")).collect();
+    if !s.exports.is_empty() {
+        let nw = s
+            .exports
+            .iter()
+            .map(|e| e.name.len())
+            .max()
+            .unwrap_or(0)
+            .max("export".len());
+        out.push(String::new());
+        out.push(format!("{:<nw$}  {:>12}  {:>12}", "export", "size", "used"));
+        for e in &s.exports {
+            out.push(format!(
+                "{:<nw$}  {:>12}  {:>12}",
+                e.name,
+                format_size(e.size_bytes),
+                format_size(e.used_bytes)
+            ));
+        }
+    }
+    out.join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use netpager_proto::{DonorState, ExportUsage};
+
+    #[test]
+    fn table_names_state_reason_and_exports() {
+        let s = DonorStatus {
+            node_id: "d1".into(),
+            state: DonorState::Draining as i32,
+            state_reason: "asked by 127.0.0.1".into(),
+            used_bytes: 8 << 20,
+            exports: vec![ExportUsage {
+                name: "alice".into(),
+                size_bytes: 64 << 20,
+                used_bytes: 8 << 20,
+            }],
+            ..Default::default()
+        };
+        let t = render("127.0.0.2:7070", &s);
+        assert!(t.contains("draining (asked by 127.0.0.1)"), "{t}");
+        assert!(
+            t.lines()
+                .any(|l| l.starts_with("used") && l.ends_with("8 MiB")),
+            "{t}"
+        );
+        assert!(
+            t.lines()
+                .any(|l| l.starts_with("alice") && l.contains("64 MiB")),
+            "{t}"
+        );
+    }
+}
