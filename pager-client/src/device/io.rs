@@ -12,7 +12,7 @@ use super::donor::Donor;
 use super::{DeviceError, Inner, Result};
 use crate::config::FallbackConfig;
 use crate::erasure::{CodeError, Codec};
-use crate::extent_map::{ExtentMap, Loc, SlotOwner};
+use crate::extent_map::{CopyState, ExtentMap, Loc, Member, SlotOwner};
 use netpager_nbd::{self as nbd, Op};
 use netpager_util::{CondvarExt, LockExt};
 
@@ -288,6 +288,25 @@ impl Inner {
                 .loc_donor(loc)
                 .is_some_and(|i| !self.donors[i].is_failed()),
         }
+    }
+
+    /// Whether member `m` holds its data and can be read now: the one
+    /// liveness test for members, in every mode.
+    pub(crate) fn usable(&self, m: &Member) -> bool {
+        m.state == CopyState::Ok && self.loc_available(m.loc)
+    }
+
+    /// Member `m` leaves its slot: trimmed on its donor if that answers
+    /// (the donor then frees the memory), the slot given back. A lost
+    /// member's slot was given back when it was lost.
+    pub(crate) fn release_slot(&self, m: Member) {
+        if m.state != CopyState::Ok {
+            return;
+        }
+        if self.loc_available(m.loc) {
+            let _ = self.exec1(m.loc, 0, Op::Trim(self.layout.extent));
+        }
+        self.map.free(m.loc);
     }
 
     /// Runs requests in parallel across donors; a donor that errors or

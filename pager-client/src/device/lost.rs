@@ -17,8 +17,8 @@
 //! dropped from the log and zeroed at home, and is unfound unless
 //! forgotten. Pages whose log copy lives are not lost and stay in the log.
 //!
-//! Calls: `allocate` (placement.rs), `resync_group` (resync.rs),
-//! `write_pages_locked` (parity.rs, to zero a page at home). Lock order as
+//! Calls: `allocate` (placement.rs), `resync_group` (stripe/resync.rs),
+//! `write_pages_locked` (stripe/write.rs, to zero a page at home). Lock order as
 //! everywhere: home unit, then log unit.
 
 use std::ops::RangeInclusive;
@@ -137,7 +137,7 @@ impl Inner {
             extents: self.replace_unit(u, guard, forget)?,
             log_pages: Vec::new(),
         };
-        if self.plog.is_some() {
+        if self.parity_log().is_some() {
             r.log_pages = self.drop_lost_log_pages(u, guard, forget)?;
         }
         Ok(r)

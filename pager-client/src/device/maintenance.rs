@@ -26,59 +26,6 @@ pub(crate) enum MoveWhy {
 }
 
 impl Inner {
-    /// What member `j` of unit `u` should hold, into `out` (one extent).
-    fn member_content(
-        &self,
-        u: u64,
-        unit: &Unit,
-        j: usize,
-        why: MoveWhy,
-        out: &mut [u8],
-        scratch: &mut [u8],
-    ) -> Result<()> {
-        let usable = |m: &Member| m.state == CopyState::Ok && self.loc_available(m.loc);
-        let me = unit.members[j];
-        if self.layout.mode.striped() {
-            let others_ok = unit
-                .members
-                .iter()
-                .enumerate()
-                .all(|(k, m)| k == j || usable(m));
-            let from_self = usable(&me) && (why == MoveWhy::Drain || !others_ok);
-            if from_self && self.exec1(me.loc, 0, Op::Read(out)).is_ok() {
-                return Ok(());
-            }
-            let e = self
-                .layout
-                .extent_of(u, j)
-                .unwrap_or(u * self.layout.data_per_unit());
-            return self.reconstruct(e, unit, j, 0, out, scratch);
-        }
-        let mut order: Vec<usize> = (0..unit.members.len()).filter(|&k| k != j).collect();
-        match why {
-            MoveWhy::Drain => order.insert(0, j),
-            MoveWhy::Full => order.push(j),
-            MoveWhy::Rebuild => {}
-        }
-        for k in order {
-            let m = unit.members[k];
-            if usable(&m) && self.exec1(m.loc, 0, Op::Read(&mut *out)).is_ok() {
-                return Ok(());
-            }
-        }
-        if let Some(wt) = &self.wt {
-            let n = self.extent_len(u) as usize;
-            out[n..].fill(0);
-            return wt
-                .read(u * self.layout.extent, &mut out[..n])
-                .map_err(|reason| DeviceError::Io { extent: u, reason });
-        }
-        Err(DeviceError::Lost {
-            extent: u,
-            reason: self.lost_reason(unit),
-        })
-    }
-
     /// Moves member `j` of unit `u` (write lock held, `g` is the locked
     /// placement) to a new slot on a donor that holds no other member.
     pub(crate) fn move_member(
@@ -143,12 +90,7 @@ impl Inner {
         };
         *g = Some(next);
         self.map.commit(u, g)?;
-        if old.state == CopyState::Ok {
-            if self.loc_available(old.loc) {
-                let _ = self.exec1(old.loc, 0, Op::Trim(self.layout.extent));
-            }
-            self.map.free(old.loc);
-        }
+        self.release_slot(old);
         Ok(())
     }
 
@@ -304,9 +246,7 @@ impl Inner {
             self.rebuild_pass();
             self.drain_pass();
             self.settle_membership();
-            self.clean_parity_log();
-            self.drain_idle_log();
-            self.sweep_write_intents();
+            self.maintain_backend();
             self.write_status();
             if self.map.needs_compaction() {
                 if let Err(e) = self.map.compact() {

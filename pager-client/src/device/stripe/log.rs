@@ -30,10 +30,10 @@ use std::time::{Duration, Instant};
 
 use netpager_util::{LockExt, RwLockExt};
 
-use super::io::{batch, IoReq, MAX_BATCH};
-use super::{DeviceError, Inner, Result};
+use super::super::io::{batch, IoReq, MAX_BATCH};
+use super::super::{DeviceError, Inner, Result};
 use crate::erasure::MAX_SHARDS;
-use crate::extent_map::{CopyState, Unit};
+use crate::extent_map::Unit;
 use crate::page_log::{LogGeometry, Slot, PAGE};
 use netpager_nbd::Op;
 
@@ -235,7 +235,7 @@ impl ParityLog {
 
 impl Inner {
     fn plog(&self) -> &ParityLog {
-        self.plog.as_ref().expect("the device has a parity log")
+        self.parity_log().expect("the device has a parity log")
     }
 
     /// The map unit and member position holding data column `col` of log
@@ -376,11 +376,7 @@ impl Inner {
         };
         // A degraded unit takes no new rows: new pages go where all their
         // copies can be written.
-        if unit
-            .members
-            .iter()
-            .any(|m| m.state != CopyState::Ok || !self.loc_available(m.loc))
-        {
+        if !unit.members.iter().all(|m| self.usable(m)) {
             return false;
         }
         let cols = self.plog().geo.cols;
@@ -454,10 +450,7 @@ impl Inner {
         })?;
         let m = unit.members[pos];
         let off = row as u64 * PAGE + in_page;
-        if m.state == CopyState::Ok
-            && self.loc_available(m.loc)
-            && self.exec1(m.loc, off, Op::Read(buf)).is_ok()
-        {
+        if self.usable(&m) && self.exec1(m.loc, off, Op::Read(buf)).is_ok() {
             return Ok(());
         }
         let e = g * self.layout.data_per_unit();
@@ -474,11 +467,8 @@ impl Inner {
         let g = self.layout.log_unit(lu);
         let mut guard = self.map.unit(g).write_or_recover();
         if let Some(unit) = guard.take() {
-            for m in unit.members.iter().filter(|m| m.state == CopyState::Ok) {
-                if self.loc_available(m.loc) {
-                    let _ = self.exec1(m.loc, 0, Op::Trim(self.layout.extent));
-                }
-                self.map.free(m.loc);
+            for &m in &unit.members {
+                self.release_slot(m);
             }
             if let Err(e) = self.map.commit(g, &guard) {
                 // Its slots are given back already: it stays closed, and
@@ -511,7 +501,7 @@ impl Inner {
     /// Its live pages go back into the log when at most half of it is
     /// live (each pass then gains at least half a unit), home otherwise.
     pub(crate) fn clean_parity_log(&self) {
-        let Some(w) = self.plog.as_ref() else {
+        let Some(w) = self.parity_log() else {
             return;
         };
         let low_water = (w.geo.units as usize / 8).max(2);
@@ -556,7 +546,7 @@ impl Inner {
     /// duties (failed donors, rebuilds, status) never wait longer; the
     /// next pass goes on while the device stays idle.
     pub(crate) fn drain_idle_log(&self) {
-        let Some(w) = self.plog.as_ref() else {
+        let Some(w) = self.parity_log() else {
             return;
         };
         let idle = Duration::from_millis(self.cfg.parity_log_idle_ms);
