@@ -16,12 +16,12 @@
 use std::sync::atomic::AtomicUsize;
 
 use super::io::CodecPool;
-use super::maintenance::MoveWhy;
+use super::maintenance::Moving;
 use super::stripe::log::ParityLog;
 use super::writethrough::WriteThrough;
 use super::{DeviceError, Inner, Payload, Result};
 use crate::config::{DeviceConfig, Mode};
-use crate::extent_map::{ExtentMap, Layout, Redundancy, Unit};
+use crate::extent_map::{ExtentMap, Layout, Redundancy};
 use crate::page_log::PAGE;
 use crate::zero_pages::ZeroPages;
 use netpager_util::RwLockExt;
@@ -153,18 +153,10 @@ impl Inner {
 
     /// What member `j` of unit `u` should hold, into `out` (one extent):
     /// for a rebuild, a drain or a move off a full donor.
-    pub(crate) fn member_content(
-        &self,
-        u: u64,
-        unit: &Unit,
-        j: usize,
-        why: MoveWhy,
-        out: &mut [u8],
-        scratch: &mut [u8],
-    ) -> Result<()> {
+    pub(crate) fn member_content(&self, mv: &Moving, out: &mut [u8], tmp: &mut [u8]) -> Result<()> {
         match &self.backend {
-            Backend::Striped(_) => self.stripe_member_content(u, unit, j, why, out, scratch),
-            Backend::Replicated(rb) => self.replica_member_content(rb, u, unit, j, why, out),
+            Backend::Striped(_) => self.stripe_member_content(mv, out, tmp),
+            Backend::Replicated(rb) => self.replica_member_content(rb, mv, out),
         }
     }
 

@@ -1,10 +1,16 @@
 //! Moving bytes: requests to members' locations (donor slots through the
 //! NBD pools, in parallel; fallback slots through the local file), the
 //! preallocated extent buffers, and XOR.
+//! Also the one test of whether a member can be read (`Inner::usable`)
+//! and the one way a member gives its slot back (`Inner::release_slot`).
+//!
+//! Calls: `netpager-nbd` batches, the fallback file; called by both
+//! backends, maintenance and lost.rs. A failed request fails its donor
+//! here (after one retry on a fresh connection).
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, FileTypeExt};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::{Condvar, Mutex};
 
@@ -126,6 +132,17 @@ pub(crate) struct Fallback {
     pub size: u64,
 }
 
+/// Opens (creating it if missing, never truncating) a local file the
+/// device reads and writes: the fallback file, mode disk's file.
+pub(crate) fn open_rw(path: &Path) -> std::io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+}
+
 fn write_zeros(file: &File, mut off: u64, mut len: u64) -> std::io::Result<()> {
     while len > 0 {
         let n = len.min(ZEROS.len() as u64);
@@ -142,13 +159,7 @@ impl Fallback {
             path: cfg.path.clone(),
             source,
         };
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&cfg.path)
-            .map_err(ferr)?;
+        let file = open_rw(&cfg.path).map_err(ferr)?;
         let meta = file.metadata().map_err(ferr)?;
         let size = cfg.size.0;
         let in_use = map.slot_usage(SlotOwner::Fallback).0 > 0;
@@ -268,6 +279,15 @@ pub(crate) fn retry_once(d: &super::donor::Donor, e: &nbd::NbdError) -> bool {
     again
 }
 
+/// Runs a batch of NBD requests, a result for each.
+fn run<const N: usize>(
+    batch: &mut [Option<nbd::Request<'_, '_>>; N],
+) -> [std::result::Result<(), nbd::NbdError>; N] {
+    let mut out = std::array::from_fn(|_| Ok(()));
+    nbd::run_into(batch, &mut out);
+    out
+}
+
 /// What became of one request.
 pub(crate) type IoResult = std::result::Result<(), IoFail>;
 
@@ -355,20 +375,14 @@ impl Inner {
                         Op::Read(_) => d.reads.fetch_add(1, Ordering::Relaxed),
                         _ => d.writes.fetch_add(1, Ordering::Relaxed),
                     };
-                    *req = Some(nbd::Request {
-                        pool: &d.pool,
-                        offset: slot as u64 * self.layout.extent + r.off,
-                        op: r.op.reborrow(),
-                    });
+                    *req = Some(self.nbd_request(d, slot, r));
                     *who = Some(d);
                     any = true;
                 }
             }
         }
         if any {
-            let mut out: [std::result::Result<(), nbd::NbdError>; N] =
-                std::array::from_fn(|_| Ok(()));
-            nbd::run_into(&mut batch, &mut out);
+            let mut out = run(&mut batch);
             // One failed request is not a failed donor: a connection reset
             // or a torn reply fails fast, and the pool has retired that
             // connection, so it is sent once more (on another or a fresh
@@ -384,18 +398,12 @@ impl Inner {
                     continue;
                 };
                 if retry_once(d, e) {
-                    *slot = Some(nbd::Request {
-                        pool: &d.pool,
-                        offset: s as u64 * self.layout.extent + r.off,
-                        op: r.op.reborrow(),
-                    });
+                    *slot = Some(self.nbd_request(d, s, r));
                     again = true;
                 }
             }
             if again {
-                let mut second: [std::result::Result<(), nbd::NbdError>; N] =
-                    std::array::from_fn(|_| Ok(()));
-                nbd::run_into(&mut retry, &mut second);
+                let second = run(&mut retry);
                 for ((o, s), b) in out.iter_mut().zip(second).zip(&retry) {
                     if b.is_some() {
                         *o = s;
@@ -416,6 +424,20 @@ impl Inner {
             }
         }
         results
+    }
+
+    /// `r` as a request to donor `d`, whose slot `slot` it is in.
+    fn nbd_request<'b, 'd>(
+        &self,
+        d: &'d Donor,
+        slot: u32,
+        r: &'b mut IoReq<'_>,
+    ) -> nbd::Request<'d, 'b> {
+        nbd::Request {
+            pool: &d.pool,
+            offset: slot as u64 * self.layout.extent + r.off,
+            op: r.op.reborrow(),
+        }
     }
 
     pub(crate) fn exec1(&self, loc: Loc, off: u64, op: Op<'_>) -> IoResult {

@@ -27,6 +27,7 @@ use std::sync::RwLockWriteGuard;
 use netpager_util::RwLockExt;
 
 use super::io::{batch, IoReq, ZEROS};
+use super::placement::donor_ids;
 use super::{DeviceError, Inner, Result};
 use crate::extent_map::{CopyState, Loc, Member, Redundancy, Unit};
 use crate::page_log::{Slot, PAGE};
@@ -170,17 +171,7 @@ impl Inner {
         for &e in lost.iter().filter(|&&e| !forget(e)) {
             self.mark_extent_unfound(e)?;
         }
-        let mut exclude: Vec<u16> = unit
-            .members
-            .iter()
-            .filter(|m| self.usable(m))
-            .filter_map(|m| match m.loc {
-                Loc::Donor { donor, .. } => Some(donor),
-                Loc::Fallback { .. } => None,
-            })
-            .collect();
-        exclude.sort_unstable();
-        exclude.dedup();
+        let exclude = donor_ids(unit.members.iter().filter(|m| self.usable(m)));
         let first = u * self.layout.data_per_unit();
         let locs = self.allocate(gone.len(), &exclude, first)?;
         let mut next = unit.clone();

@@ -2,12 +2,18 @@
 //! (rebuild), extents leave draining donors (drain), and a copy whose donor
 //! ran out of room moves (relocation). All three move one member of one
 //! unit at a time under that unit's write lock.
+//!
+//! Calls: the backend for what a moved member should hold
+//! (`Inner::member_content`, backend.rs), placement for its new slot, and
+//! the backend's own maintenance (parity log cleaner, idle drain, write
+//! intents) once a pass.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use netpager_util::{LockExt, RwLockExt};
 
+use super::placement::donor_ids;
 use super::{DeviceError, Inner, Result};
 use crate::extent_map::{CopyState, Loc, Member, Redundancy, Unit};
 use crate::status::Progress;
@@ -25,6 +31,14 @@ pub(crate) enum MoveWhy {
     Full,
 }
 
+/// A member about to move: member `j` of unit `u`, placed as `unit`.
+pub(crate) struct Moving<'a> {
+    pub(crate) u: u64,
+    pub(crate) unit: &'a Unit,
+    pub(crate) j: usize,
+    pub(crate) why: MoveWhy,
+}
+
 impl Inner {
     /// Moves member `j` of unit `u` (write lock held, `g` is the locked
     /// placement) to a new slot on a donor that holds no other member.
@@ -40,24 +54,20 @@ impl Inner {
         let old = unit.members[j];
         let mut bufs = self.bufs.take(2);
         let (content, scratch) = bufs.two(ext);
-        self.member_content(u, &unit, j, why, content, scratch)?;
+        let mv = Moving {
+            u,
+            unit: &unit,
+            j,
+            why,
+        };
+        self.member_content(&mv, content, scratch)?;
         // Distinct donors: not where another live member is, and not back
         // where this one is leaving from (a lost member's donor may have
         // come back as a new donor: that one is fine).
-        let mut exclude: Vec<u16> = unit
-            .members
-            .iter()
-            .enumerate()
-            .filter(|&(k, m)| {
-                (k != j && m.state != CopyState::Lost) || (k == j && why != MoveWhy::Rebuild)
-            })
-            .filter_map(|(_, m)| match m.loc {
-                Loc::Donor { donor, .. } => Some(donor),
-                Loc::Fallback { .. } => None,
-            })
-            .collect();
-        exclude.sort_unstable();
-        exclude.dedup();
+        let exclude = donor_ids(unit.members.iter().enumerate().filter_map(|(k, m)| {
+            ((k != j && m.state != CopyState::Lost) || (k == j && why != MoveWhy::Rebuild))
+                .then_some(m)
+        }));
         let first_extent = u * self.layout.data_per_unit();
         let (dest, _) = self.allocate(1, &exclude, first_extent)?.remove(0);
         let mut next = unit.clone();

@@ -2,13 +2,23 @@
 //! on several donors (and optionally a local fallback file), in one of the
 //! modes none, mirror, parity, ec or disk (see [`crate::config::Mode`]).
 //!
+//! [`Inner`] holds what every mode shares (map, donors, placement, epoch,
+//! maintenance) and checks each request (range, lost extents, prefetch
+//! cache) before its backend serves it: `backend.rs` picks one per mode
+//! family at open, `replica.rs` (none, mirror, disk) or `stripe/` (parity,
+//! ec). docs/DESIGN.md §1.2.1 maps the files and the lock order.
+//!
 //! Threading: every public method may be called from many threads at once
 //! (nbdkit's parallel thread model). Each unit (extent, or parity group) has
-//! its own read/write lock in the [`ExtentMap`]; there is no device-wide lock
-//! on the I/O path. Background threads: the epoch thread (donor status,
-//! frequencies, heartbeats, reconnects), the maintenance thread (marking a
-//! failed donor's copies lost, rebuild, drain, `status.json`, journal
-//! compaction) and, in mode disk, the write-through writer.
+//! its own read/write lock in the [`ExtentMap`]. Device-wide locks on the
+//! I/O path are few and short: in the striped modes the page table's
+//! mutex (which pages are logged), the parity log's mutex while a small
+//! write's pages are copied into its queue, and the journal's mutex for
+//! each logged row; mode disk's write-through queue. Background threads:
+//! the epoch thread (donor status, frequencies, heartbeats, reconnects),
+//! the maintenance thread (marking a failed donor's copies lost, rebuild,
+//! drain, `status.json`, journal compaction, the parity log's cleaner)
+//! and, in mode disk, the write-through writer.
 
 mod backend;
 pub mod control;

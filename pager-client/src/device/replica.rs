@@ -10,7 +10,7 @@ use netpager_util::RwLockExt;
 
 use super::backend::ReplicatedBackend;
 use super::io::{batch, IoFail, IoReq};
-use super::maintenance::MoveWhy;
+use super::maintenance::{MoveWhy, Moving};
 use super::{DeviceError, Inner, Payload, Result};
 use crate::extent_map::{CopyState, Member, Unit};
 use netpager_nbd::Op;
@@ -208,12 +208,10 @@ impl Inner {
     pub(crate) fn replica_member_content(
         &self,
         rb: &ReplicatedBackend,
-        u: u64,
-        unit: &Unit,
-        j: usize,
-        why: MoveWhy,
+        mv: &Moving<'_>,
         out: &mut [u8],
     ) -> Result<()> {
+        let Moving { u, unit, j, why } = *mv;
         let mut order: Vec<usize> = (0..unit.members.len()).filter(|&k| k != j).collect();
         match why {
             MoveWhy::Drain => order.insert(0, j),

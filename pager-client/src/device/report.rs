@@ -1,4 +1,7 @@
 //! Building [`ClientStatus`] from the device's state.
+//! Reads the map, the donors and the backend's state (write-through
+//! queue, parity log) without taking a unit's write lock; also serves
+//! `/metrics` from the same status.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

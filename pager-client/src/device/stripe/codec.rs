@@ -1,7 +1,7 @@
 //! The striped backend's codec helpers, used by reads and writes alike:
 //! the pooled codecs ([`super::super::io::CodecPool`]) encode a group's
-//! parity and decode a gone member from any `k` others. Calls the map for
-//! nothing; reads members through `Inner::exec`.
+//! parity and decode a gone member from any `k` others. Reads members
+//! through `io`; the map is not touched here.
 
 use super::super::io::{batch, IoReq};
 use super::super::{DeviceError, Inner, Result};

@@ -20,6 +20,12 @@
 //! the device has been idle for `parity_log_idle_ms` it moves every logged
 //! page home and frees the units: the log's memory is held while writes
 //! come, and an idle device holds (K + R) / K donor bytes per byte.
+//!
+//! What the rest of the striped code calls: `log_pages` (a small write),
+//! `read_log_slot` (a logged page read alone), `clean_parity_log` and
+//! `drain_idle_log` (maintenance). The page table and its journal records
+//! are the map's (`ExtentMap::log_*`); this module places its units with
+//! `place_group` and moves pages home with `write_pages_locked`.
 
 use std::collections::{HashMap, VecDeque};
 use std::ops::RangeInclusive;

@@ -19,7 +19,7 @@ mod write;
 
 use super::backend::StripedBackend;
 use super::io::{batch, IoReq};
-use super::maintenance::MoveWhy;
+use super::maintenance::{MoveWhy, Moving};
 use super::{DeviceError, Inner, Result};
 use crate::extent_map::{CopyState, Loc, Member, Unit};
 use netpager_nbd::Op;
@@ -36,13 +36,11 @@ impl Inner {
     /// the others (a member refused a write for room holds old bytes).
     pub(crate) fn stripe_member_content(
         &self,
-        u: u64,
-        unit: &Unit,
-        j: usize,
-        why: MoveWhy,
+        mv: &Moving<'_>,
         out: &mut [u8],
         scratch: &mut [u8],
     ) -> Result<()> {
+        let Moving { u, unit, j, why } = *mv;
         let me = unit.members[j];
         let others_ok = unit
             .members

@@ -1,24 +1,26 @@
 //! The striped backend's reads: a page is read from the member that holds
 //! it, or from the parity log when its newest copy is there; a gone
 //! member's pages are decoded from any `k` members of its group
-//! (`codec`). Takes the group's read lock, then the log units' (`log`).
+//! (`codec`). One path: plan the runs, send one batch, fall back page by
+//! page. Takes the group's read lock, then the log units' (`log`).
 
 use std::sync::RwLockReadGuard;
 
-use super::super::io::{batch, IoReq};
+use super::super::io::{IoReq, MAX_BATCH};
 use super::super::{Inner, Result};
-use crate::extent_map::Unit;
-use crate::page_log::PAGE;
+use crate::extent_map::{Loc, Unit};
+use crate::page_log::{Slot, PAGE};
 use netpager_nbd::Op;
 use netpager_util::RwLockExt;
 
-/// Pages one batched read covers at most (stack arrays map them).
+/// Pages one batched read with logged pages in it covers at most (stack
+/// arrays map them).
 const BATCH_PAGES: usize = 128;
 /// Log units whose placements one batched read holds at once.
 const BATCH_LOG_UNITS: usize = 4;
 
-/// A logged page of a batched read: where it sits in the log, and its
-/// index in the read.
+/// A logged page of a batched read: where it sits in the log, and which
+/// of the read's pages it is (counted from the one holding its first byte).
 #[derive(Clone, Copy, Default)]
 struct Logged {
     lu: u64,
@@ -28,119 +30,110 @@ struct Logged {
 }
 
 impl Inner {
-    /// Reads `buf` at device offset `offset` group by group. The extents a
-    /// read spans in one group, when all at home on live members, are read
-    /// at once (a request per extent, in parallel): a read across a stripe
-    /// then costs one round trip, not one per extent.
+    /// Reads `buf` at device offset `offset` group by group, each under
+    /// its read lock.
     pub(crate) fn read_striped(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        let ext = self.layout.extent;
-        let group_bytes = self.layout.data_per_unit() * ext;
+        let group_bytes = self.layout.data_per_unit() * self.layout.extent;
         let mut done = 0usize;
         while done < buf.len() {
             let pos = offset + done as u64;
             let g = pos / group_bytes;
             let n = ((g + 1) * group_bytes - pos).min((buf.len() - done) as u64) as usize;
             let guard = self.map.unit(g).read_or_recover();
-            let piece = &mut buf[done..done + n];
-            if !self.read_group_direct(pos, piece, guard.as_ref()) {
-                let chunk = BATCH_PAGES.min(self.buf_bytes() / PAGE as usize) * PAGE as usize;
-                for (c, part) in piece.chunks_mut(chunk).enumerate() {
-                    let cpos = pos + (c * chunk) as u64;
-                    if self.read_logged_batch(cpos, part, guard.as_ref()) {
-                        continue;
-                    }
-                    let mut at = 0usize;
-                    while at < part.len() {
-                        let p = cpos + at as u64;
-                        let m = ((ext - p % ext) as usize).min(part.len() - at);
-                        self.read_parity_locked(
-                            p / ext,
-                            p % ext,
-                            &mut part[at..at + m],
-                            guard.as_ref(),
-                        )?;
-                        at += m;
-                    }
-                }
-            }
+            self.read_group(pos, &mut buf[done..done + n], guard.as_ref())?;
             done += n;
         }
         Ok(())
     }
 
-    /// Reads `buf` at `pos`, within one group placed as `unit` (locked), in
-    /// one batch if it spans several extents, none with pages in the parity
-    /// log and all on live members; false if it did not (or a read failed:
-    /// the caller reads extent by extent, rebuilding what it must).
-    fn read_group_direct(&self, pos: u64, buf: &mut [u8], unit: Option<&Unit>) -> bool {
+    /// Reads `buf` at `pos`, within one group placed as `unit` (locked):
+    /// plans the runs (a request per run of home bytes within an extent,
+    /// one per run of logged pages in consecutive rows of one member),
+    /// sends them as one batch, and where that cannot be done (a member
+    /// gone, a request failed, a logged page read in part) reads extent by
+    /// extent, page by page from the log, rebuilding what it must. A read
+    /// across a stripe, or of pages written together (swap readahead, a
+    /// large write the log took), so costs one round trip, not one per
+    /// extent or page.
+    fn read_group(&self, pos: u64, buf: &mut [u8], unit: Option<&Unit>) -> Result<()> {
         let ext = self.layout.extent;
         let end = pos + buf.len() as u64;
-        let Some(unit) = unit else { return false };
-        if pos / ext == (end - 1) / ext
-            || self
-                .map
-                .log_any_in(pos / PAGE, (end - 1) / PAGE - pos / PAGE + 1)
-        {
-            return false;
+        let (first, pages) = (pos / PAGE, ((end - 1) / PAGE - pos / PAGE + 1) as usize);
+        // The page table once: a read of a few pages looks them up, a
+        // larger one asks whether any of its pages is logged.
+        let mut slots = [None; BATCH_PAGES];
+        let looked_up = pages <= BATCH_PAGES;
+        let logged = if looked_up {
+            self.map.log_lookup_run(first, &mut slots[..pages]);
+            slots[..pages].iter().any(Option::is_some)
+        } else {
+            self.map.log_any_in(first, pages as u64)
+        };
+        if !logged {
+            // A request per extent, however large the read; the batch
+            // sized to that.
+            let ok = if pos / ext == (end - 1) / ext {
+                self.read_batch::<1>(pos, buf, unit, &[])
+            } else {
+                self.read_batch::<MAX_BATCH>(pos, buf, unit, &[])
+            };
+            return if ok {
+                Ok(())
+            } else {
+                self.read_pages(pos, buf, unit)
+            };
         }
-        let mut reqs = batch();
-        let mut rest = buf;
-        let mut p = pos;
-        for req in reqs.iter_mut() {
-            if rest.is_empty() {
-                break;
+        // Windows whose logged pages fit the stack arrays and one pooled
+        // buffer.
+        let window = BATCH_PAGES.min(self.buf_bytes() / PAGE as usize) as u64 * PAGE;
+        let mut more = [None; BATCH_PAGES];
+        let mut at = pos;
+        while at < end {
+            let to = ((at / window + 1) * window).min(end);
+            let part = &mut buf[(at - pos) as usize..(to - pos) as usize];
+            let (wfirst, wpages) = (at / PAGE, ((to - 1) / PAGE - at / PAGE + 1) as usize);
+            let wslots = if looked_up {
+                &slots[(wfirst - first) as usize..][..wpages]
+            } else {
+                self.map.log_lookup_run(wfirst, &mut more[..wpages]);
+                &more[..wpages]
+            };
+            if !self.read_batch::<BATCH_PAGES>(at, part, unit, wslots) {
+                self.read_pages(at, part, unit)?;
             }
-            let n = ((ext - p % ext) as usize).min(rest.len());
-            let (piece, tail) = std::mem::take(&mut rest).split_at_mut(n);
-            rest = tail;
-            let m = unit.members[self.layout.locate(p / ext).1];
-            if !self.usable(&m) {
-                return false;
-            }
-            *req = Some(IoReq {
-                loc: m.loc,
-                off: p % ext,
-                op: Op::Read(piece),
-            });
-            p += n as u64;
+            at = to;
         }
-        self.exec(&mut reqs).iter().flatten().all(|r| r.is_ok())
+        Ok(())
     }
 
-    /// Reads page-aligned `buf` at `pos`, within one group placed as `unit`
-    /// (locked), pages in the parity log or not, in one batch: a
-    /// request per run of home pages, and one per run of logged pages in
-    /// consecutive rows of one member (read into a pooled buffer, then
-    /// copied to their places). So pages written together and read
-    /// together (swap readahead, a large read of data the log took) cost
-    /// one round trip, not one each. False when it cannot (a single page,
-    /// too many log units, a member gone, a request failed): the caller
-    /// then reads page by page, rebuilding what it must.
-    fn read_logged_batch(&self, pos: u64, buf: &mut [u8], unit: Option<&Unit>) -> bool {
-        let n = buf.len() / PAGE as usize;
-        if !pos.is_multiple_of(PAGE)
-            || !buf.len().is_multiple_of(PAGE as usize)
-            || !(2..=BATCH_PAGES).contains(&n)
-        {
-            return false;
-        }
-        let Some(plog) = self.parity_log() else {
-            return false;
-        };
+    /// Reads `buf` at `pos` (within one group placed as `unit`, locked) in
+    /// one batch of at most `N` requests; `slots` are the log slots of its
+    /// pages (empty: none is logged). Logged pages go through a pooled
+    /// buffer unless there is only one. False when it cannot (see
+    /// [`Inner::read_group`]).
+    fn read_batch<const N: usize>(
+        &self,
+        pos: u64,
+        buf: &mut [u8],
+        unit: Option<&Unit>,
+        slots: &[Option<Slot>],
+    ) -> bool {
+        let ext = self.layout.extent;
+        let end = pos + buf.len() as u64;
         let first = pos / PAGE;
-        let geo = plog.geo;
-        let mut logged = [Logged::default(); BATCH_PAGES];
-        let mut in_log = [false; BATCH_PAGES];
+        let in_log = |i: usize| slots.get(i).is_some_and(Option::is_some);
+        let geo = self.parity_log().map(|l| l.geo);
+        let mut logged = [Logged::default(); N];
         let mut nl = 0;
         let mut lus = [0u64; BATCH_LOG_UNITS];
         let mut nlu = 0;
-        let mut slots = [None; BATCH_PAGES];
-        self.map.log_lookup_run(first, &mut slots[..n]);
-        for (i, (flag, slot)) in in_log.iter_mut().zip(slots).enumerate().take(n) {
-            let Some(slot) = slot else {
-                continue;
-            };
-            let (lu, row, col) = geo.place(slot);
+        for (i, slot) in slots.iter().enumerate() {
+            let Some(slot) = *slot else { continue };
+            let p = first + i as u64;
+            if p * PAGE < pos || (p + 1) * PAGE > end {
+                return false;
+            }
+            let (lu, row, col) = geo.expect("a logged page, so a log").place(slot);
             if !lus[..nlu].contains(&lu) {
                 if nlu == BATCH_LOG_UNITS {
                     return false;
@@ -155,10 +148,6 @@ impl Inner {
                 page: i,
             };
             nl += 1;
-            *flag = true;
-        }
-        if nl * PAGE as usize > self.buf_bytes() {
-            return false;
         }
         // Lock order: the home group (the caller's), then log units in
         // ascending order; the placements stay put while their pages are read.
@@ -171,25 +160,31 @@ impl Inner {
                         .read_or_recover()
                 })
             });
-        let placed = |lu: u64| -> Option<&Unit> {
-            let k = lus[..nlu].iter().position(|&u| u == lu)?;
-            guards[k].as_ref()?.as_ref()
+        // The member holding logged page `l`, if it can be read.
+        let member = |l: &Logged| -> Option<Loc> {
+            let k = lus[..nlu].iter().position(|&u| u == l.lu)?;
+            let u = guards[k].as_ref()?.as_ref()?;
+            let m = u.members[self
+                .layout
+                .member_of(self.layout.log_unit(l.lu), l.col as usize)];
+            self.usable(&m).then_some(m.loc)
         };
         let logged = &mut logged[..nl];
         logged.sort_unstable_by_key(|l| (l.lu, l.col, l.row));
-        // A pooled buffer only when there are logged pages to gather.
-        let mut bufs = (nl > 0).then(|| self.bufs.take(1));
+        // A lone logged page is read straight into its place.
+        let gather = nl > 1;
+        let mut bufs = gather.then(|| self.bufs.take(1));
         let scratch: &mut [u8] = match bufs.as_mut() {
             Some(b) => b.one(nl * PAGE as usize),
             None => &mut [],
         };
         let ok = {
-            let mut reqs: [Option<IoReq<'_>>; BATCH_PAGES] = std::array::from_fn(|_| None);
+            let mut reqs: [Option<IoReq<'_>>; N] = std::array::from_fn(|_| None);
             let mut nr = 0;
             // Runs of logged pages, in `logged`'s order through `scratch`.
             let mut rest = &mut scratch[..];
             let mut i = 0;
-            while i < nl {
+            while gather && i < nl {
                 let l = logged[i];
                 let mut j = i + 1;
                 while j < nl
@@ -198,65 +193,92 @@ impl Inner {
                 {
                     j += 1;
                 }
-                let Some(u) = placed(l.lu) else { return false };
-                let m = u.members[self
-                    .layout
-                    .member_of(self.layout.log_unit(l.lu), l.col as usize)];
-                if !self.usable(&m) {
-                    return false;
-                }
+                let Some(loc) = member(&l) else { return false };
                 let (run, tail) = std::mem::take(&mut rest).split_at_mut((j - i) * PAGE as usize);
                 rest = tail;
                 reqs[nr] = Some(IoReq {
-                    loc: m.loc,
+                    loc,
                     off: l.row as u64 * PAGE,
                     op: Op::Read(run),
                 });
                 nr += 1;
                 i = j;
             }
-            // Runs of home pages, straight into `buf`; an extent boundary
-            // ends a run (the next extent is on another member).
-            let ext = self.layout.extent;
+            // In the read's order: runs of home bytes, each within one
+            // extent (the next one is on another member) and up to the
+            // next logged page, straight into `buf`; and a lone logged page.
             let mut rest = &mut buf[..];
-            let mut i = 0;
-            while i < n {
-                let mut j = i + 1;
-                let p = pos + i as u64 * PAGE;
-                while j < n && in_log[j] == in_log[i] && (pos + j as u64 * PAGE) / ext == p / ext {
-                    j += 1;
+            let mut p = pos;
+            while p < end {
+                let i = (p / PAGE - first) as usize;
+                if in_log(i) {
+                    let (page, tail) = std::mem::take(&mut rest).split_at_mut(PAGE as usize);
+                    rest = tail;
+                    if !gather {
+                        let l = logged[0];
+                        let Some(loc) = member(&l) else { return false };
+                        reqs[nr] = Some(IoReq {
+                            loc,
+                            off: l.row as u64 * PAGE,
+                            op: Op::Read(page),
+                        });
+                        nr += 1;
+                    }
+                    p += PAGE;
+                    continue;
                 }
-                let (run, tail) = std::mem::take(&mut rest).split_at_mut((j - i) * PAGE as usize);
+                let mut q = ((p / ext + 1) * ext).min(end);
+                if !slots.is_empty() {
+                    let mut j = i + 1;
+                    while (first + j as u64) * PAGE < q && !in_log(j) {
+                        j += 1;
+                    }
+                    q = q.min((first + j as u64) * PAGE);
+                }
+                let (run, tail) = std::mem::take(&mut rest).split_at_mut((q - p) as usize);
                 rest = tail;
-                if !in_log[i] {
-                    match unit {
-                        None => run.fill(0),
-                        Some(u) => {
-                            let m = u.members[self.layout.locate(p / ext).1];
-                            if !self.usable(&m) {
-                                return false;
-                            }
-                            reqs[nr] = Some(IoReq {
-                                loc: m.loc,
-                                off: p % ext,
-                                op: Op::Read(run),
-                            });
-                            nr += 1;
+                match unit {
+                    None => run.fill(0),
+                    Some(u) => {
+                        let m = u.members[self.layout.locate(p / ext).1];
+                        if !self.usable(&m) {
+                            return false;
                         }
+                        reqs[nr] = Some(IoReq {
+                            loc: m.loc,
+                            off: p % ext,
+                            op: Op::Read(run),
+                        });
+                        nr += 1;
                     }
                 }
-                i = j;
+                p = q;
             }
             self.exec(&mut reqs).iter().flatten().all(|r| r.is_ok())
         };
-        if ok {
+        if ok && gather {
             for (k, l) in logged.iter().enumerate() {
-                let at = l.page * PAGE as usize;
+                // `buf` starts at `pos`, which need not be page-aligned.
+                let at = ((first + l.page as u64) * PAGE - pos) as usize;
                 buf[at..at + PAGE as usize]
                     .copy_from_slice(&scratch[k * PAGE as usize..(k + 1) * PAGE as usize]);
             }
         }
         ok
+    }
+
+    /// The fallback of [`Inner::read_group`]: extent by extent, logged
+    /// pages one by one, home runs rebuilt where their member is gone.
+    fn read_pages(&self, pos: u64, buf: &mut [u8], unit: Option<&Unit>) -> Result<()> {
+        let ext = self.layout.extent;
+        let mut at = 0usize;
+        while at < buf.len() {
+            let p = pos + at as u64;
+            let m = ((ext - p % ext) as usize).min(buf.len() - at);
+            self.read_parity_locked(p / ext, p % ext, &mut buf[at..at + m], unit)?;
+            at += m;
+        }
+        Ok(())
     }
 
     /// Reads extent `e`'s bytes with its group locked (`unit` is its

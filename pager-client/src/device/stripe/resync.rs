@@ -5,6 +5,9 @@
 //! home marks its group open in the map's journal first (see
 //! [`crate::extent_map::ExtentMap::mark_written`]); at start the groups
 //! still marked get their parity recomputed from their data members.
+//!
+//! Calls: `codec` (encode), `io`; called at open and by the maintenance
+//! pass (through backend.rs), and by lost.rs after a group is re-placed.
 
 use std::sync::atomic::Ordering;
 use std::time::Instant;

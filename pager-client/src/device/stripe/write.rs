@@ -339,7 +339,7 @@ impl Inner {
         self.forget_zeros(at, at + data.len() as u64);
         self.map.mark_written(g)?;
         if self.layout.parity_count() > 1 {
-            return self.write_stripe_locked(e, in_off, data, guard);
+            return self.write_stripe_locked(at, data, guard);
         }
         let pp = self.layout.parity_member(g);
         let len = data.len();
@@ -437,14 +437,9 @@ impl Inner {
     /// the width; with several Reed-Solomon parities it would read `1 + r`,
     /// no fewer than the `k - 1` read here at the usual 4+2, and would need
     /// the code's coefficients.
-    fn write_stripe_locked(
-        &self,
-        e: u64,
-        in_off: u64,
-        data: &[u8],
-        guard: &mut GroupGuard<'_>,
-    ) -> Result<()> {
+    fn write_stripe_locked(&self, off: u64, data: &[u8], guard: &mut GroupGuard<'_>) -> Result<()> {
         let l = self.layout;
+        let (e, in_off) = (off / l.extent, off % l.extent);
         let (g, pos) = l.locate(e);
         let (k, r) = (l.data_per_unit() as usize, l.parity_count());
         let me = l.shard_of(g, pos);
