@@ -2,7 +2,8 @@
 //! NBD pools, in parallel; fallback slots through the local file), the
 //! preallocated extent buffers, and XOR.
 //! Also the one test of whether a member can be read (`Inner::usable`)
-//! and the one way a member gives its slot back (`Inner::release_slot`).
+//! and the one way a member gives its slot back (`Inner::release_slot`;
+//! a whole unit: `Inner::free_unit_locked`).
 //!
 //! Calls: `netpager-nbd` batches, the fallback file; called by both
 //! backends, maintenance and lost.rs. A failed request fails its donor
@@ -18,7 +19,7 @@ use super::donor::Donor;
 use super::{DeviceError, Inner, Result};
 use crate::config::FallbackConfig;
 use crate::erasure::{CodeError, Codec};
-use crate::extent_map::{CopyState, ExtentMap, Loc, Member, SlotOwner};
+use crate::extent_map::{CopyState, ExtentMap, Loc, Member, SlotOwner, Unit};
 use netpager_nbd::{self as nbd, Op};
 use netpager_util::{CondvarExt, LockExt};
 
@@ -327,6 +328,32 @@ impl Inner {
             let _ = self.exec1(m.loc, 0, Op::Trim(self.layout.extent));
         }
         self.map.free(m.loc);
+    }
+
+    /// Unit `u` (write-locked as `g`) becomes unplaced, journaled first;
+    /// then its members are trimmed on their donors and their slots given
+    /// back.
+    pub(crate) fn free_unit_locked(&self, u: u64, g: &mut Option<Unit>) -> Result<()> {
+        let Some(unit) = g.take() else { return Ok(()) };
+        self.map.commit(u, &None)?;
+        let owned: Vec<Member> = unit
+            .members
+            .into_iter()
+            .filter(|m| m.state == CopyState::Ok)
+            .collect();
+        let mut reqs = batch();
+        for (m, r) in owned.iter().zip(&mut reqs) {
+            *r = self.loc_available(m.loc).then_some(IoReq {
+                loc: m.loc,
+                off: 0,
+                op: Op::Trim(self.layout.extent),
+            });
+        }
+        self.exec(&mut reqs);
+        for m in owned {
+            self.map.free(m.loc);
+        }
+        Ok(())
     }
 
     /// Runs requests in parallel across donors; a donor that errors or

@@ -17,6 +17,9 @@
 //! dropped from the log and zeroed at home, and is unfound unless
 //! forgotten. Pages whose log copy lives are not lost and stay in the log.
 //!
+//! Also why a unit's data is gone, in words (`Inner::lost_reason`), for
+//! both backends' errors.
+//!
 //! Calls: `allocate` (placement.rs), `resync_group` (stripe/resync.rs),
 //! `write_pages_locked` (stripe/write.rs, to zero a page at home). Lock order as
 //! everywhere: home unit, then log unit.
@@ -59,6 +62,35 @@ pub struct Forgotten {
 }
 
 impl Inner {
+    /// Why extent `e`'s data is gone, in words: every copy's donor; in a
+    /// group (modes parity, ec) the members that are gone, since the others
+    /// still hold their own extents.
+    pub(crate) fn lost_reason(&self, unit: &Unit) -> String {
+        let striped = self.layout.mode.striped();
+        let names: Vec<String> = unit
+            .members
+            .iter()
+            .filter(|m| !striped || !self.usable(m))
+            .map(|m| match self.loc_donor(m.loc) {
+                Some(i) => {
+                    let d = &self.donors[i];
+                    let why = d
+                        .health()
+                        .failure
+                        .clone()
+                        .unwrap_or_else(|| "copy lost".into());
+                    format!("donor {} ({why})", d.cfg.name)
+                }
+                None => format!("{:?}", m.loc),
+            })
+            .collect();
+        if striped {
+            format!("members gone: {}", names.join("; "))
+        } else {
+            format!("no copy left: {}", names.join("; "))
+        }
+    }
+
     /// Whether `unit` can no longer be read: a group missing more members
     /// than its code survives, or a copy set with no copy left. Never in
     /// mode disk, whose file holds every page.

@@ -1,8 +1,9 @@
 //! The replicated backend's code (modes none, mirror, disk): every member
 //! of an extent is a full copy, so a read takes any live one (in turn) and
 //! a write goes to all of them at once; mode disk also queues it for the
-//! write-through file. Calls `io` for requests, `placement` for new slots
-//! and `maintenance` to move a copy off a full donor.
+//! write-through file. Calls `io` for requests (and to free a unit),
+//! `placement` for new slots, `maintenance` to move a copy off a full donor
+//! and `lost` to say why a unit's data is gone.
 
 use std::sync::atomic::Ordering;
 
@@ -24,35 +25,6 @@ fn op_of<'a>(p: &Payload<'a>) -> Op<'a> {
 }
 
 impl Inner {
-    /// Why extent `e`'s data is gone, in words: every copy's donor; in a
-    /// group (modes parity, ec) the members that are gone, since the others
-    /// still hold their own extents.
-    pub(crate) fn lost_reason(&self, unit: &Unit) -> String {
-        let striped = self.layout.mode.striped();
-        let names: Vec<String> = unit
-            .members
-            .iter()
-            .filter(|m| !striped || !self.usable(m))
-            .map(|m| match self.loc_donor(m.loc) {
-                Some(i) => {
-                    let d = &self.donors[i];
-                    let why = d
-                        .health()
-                        .failure
-                        .clone()
-                        .unwrap_or_else(|| "copy lost".into());
-                    format!("donor {} ({why})", d.cfg.name)
-                }
-                None => format!("{:?}", m.loc),
-            })
-            .collect();
-        if striped {
-            format!("members gone: {}", names.join("; "))
-        } else {
-            format!("no copy left: {}", names.join("; "))
-        }
-    }
-
     pub(crate) fn read_replica(
         &self,
         rb: &ReplicatedBackend,
@@ -319,31 +291,5 @@ impl Inner {
             wt.enqueue_zero(u * self.layout.extent, self.extent_len(u));
         }
         self.free_unit_locked(u, &mut g)
-    }
-
-    /// Unit `u` (write-locked as `g`) becomes unplaced, journaled first;
-    /// then its members are trimmed on their donors and their slots given
-    /// back.
-    pub(crate) fn free_unit_locked(&self, u: u64, g: &mut Option<Unit>) -> Result<()> {
-        let Some(unit) = g.take() else { return Ok(()) };
-        self.map.commit(u, &None)?;
-        let owned: Vec<Member> = unit
-            .members
-            .into_iter()
-            .filter(|m| m.state == CopyState::Ok)
-            .collect();
-        let mut reqs = batch();
-        for (m, r) in owned.iter().zip(&mut reqs) {
-            *r = self.loc_available(m.loc).then_some(IoReq {
-                loc: m.loc,
-                off: 0,
-                op: Op::Trim(self.layout.extent),
-            });
-        }
-        self.exec(&mut reqs);
-        for m in owned {
-            self.map.free(m.loc);
-        }
-        Ok(())
     }
 }
