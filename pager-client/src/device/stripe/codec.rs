@@ -11,11 +11,11 @@ use netpager_nbd::Op;
 
 impl Inner {
     /// Bytes of one pooled buffer: an extent per parity member.
-    pub(crate) fn buf_bytes(&self) -> usize {
+    pub(super) fn buf_bytes(&self) -> usize {
         self.layout.extent as usize * self.layout.parity_count().max(1)
     }
 
-    pub(crate) fn code_error(&self, e: u64, source: CodeError) -> DeviceError {
+    pub(super) fn code_error(&self, e: u64, source: CodeError) -> DeviceError {
         match source {
             CodeError::TooFew { .. } => DeviceError::Lost {
                 extent: e,
@@ -28,14 +28,14 @@ impl Inner {
         }
     }
 
-    pub(crate) fn codec<T>(&self, f: impl FnOnce(&mut crate::erasure::Codec) -> T) -> T {
+    pub(super) fn codec<T>(&self, f: impl FnOnce(&mut crate::erasure::Codec) -> T) -> T {
         self.stripe().codecs.with(f)
     }
 
     /// Encodes a group's `r` parity chunks into `parity` from its `k`
     /// data chunks in `data`, every chunk `n` bytes (`e`: the group's
     /// first extent, for errors).
-    pub(crate) fn encode_chunks(
+    pub(super) fn encode_chunks(
         &self,
         e: u64,
         data: &[u8],
@@ -59,7 +59,7 @@ impl Inner {
     /// other members (degraded read, rebuild), read in parallel piece by
     /// piece into `scratch` (any size from `(k + 1) * 64` bytes). A member
     /// whose read fails is left out and another one read instead.
-    pub(crate) fn reconstruct(
+    pub(super) fn reconstruct(
         &self,
         e: u64,
         unit: &Unit,

@@ -105,7 +105,7 @@ struct LogState {
 
 /// The parity log's writer side.
 pub(crate) struct ParityLog {
-    pub geo: LogGeometry,
+    pub(super) geo: LogGeometry,
     max_leaders: usize,
     st: Mutex<LogState>,
 }
@@ -254,7 +254,7 @@ impl Inner {
     /// Writes whole device pages `pages` (their 4096 bytes each from
     /// `data`) into the log; false if it had no room (the caller writes
     /// them home). Call with the pages' home groups write-locked.
-    pub(crate) fn log_pages<'d>(
+    pub(super) fn log_pages<'d>(
         &self,
         pages: RangeInclusive<u64>,
         data: impl Fn(u64) -> &'d [u8],
@@ -446,7 +446,7 @@ impl Inner {
 
     /// Reads `buf.len()` bytes at `in_page` within log slot `slot`,
     /// rebuilding them from the row's other pages if their member is gone.
-    pub(crate) fn read_log_slot(&self, slot: Slot, in_page: u64, buf: &mut [u8]) -> Result<()> {
+    pub(super) fn read_log_slot(&self, slot: Slot, in_page: u64, buf: &mut [u8]) -> Result<()> {
         let (lu, row, col) = self.plog().geo.place(slot);
         let (g, pos) = self.log_member(lu, col);
         let guard = self.map.unit(g).read_or_recover();

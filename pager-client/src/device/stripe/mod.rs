@@ -5,9 +5,15 @@
 //! members may be lost); both go through [`crate::erasure::Codec`].
 //!
 //! This module places a group on its donors; `read` and `write` serve
-//! requests, `codec` encodes and decodes, and `log` is the parity log,
-//! which the writes call at two points (log pages, drop pages) and the
-//! reads at one (read a logged page).
+//! requests, `codec` encodes and decodes, `resync` closes the write hole,
+//! and `log` is the parity log, which the writes call at one point
+//! (`log_pages`) and the reads at one (`read_log_slot`); a page leaves the
+//! log through the map's journal (`ExtentMap::log_drop`).
+//!
+//! Outside `stripe/` the device calls only what `backend.rs` dispatches
+//! (read, write, zero, trim, a member's contents, resync, the log's
+//! maintenance) and, for lost extents, `write_pages_locked` and
+//! `resync_group`; everything else here is `pub(super)`.
 //!
 //! [`Layout::shard_of`]: crate::extent_map::Layout::shard_of
 
@@ -94,7 +100,7 @@ impl Inner {
     /// First write to a group: `width` slots on distinct donors, zeroed
     /// (if `zero`) where they may hold old data: all-zero members have zero
     /// parity.
-    pub(crate) fn place_group(
+    pub(super) fn place_group(
         &self,
         e: u64,
         g: u64,

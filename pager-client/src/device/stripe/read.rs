@@ -284,7 +284,7 @@ impl Inner {
     /// Reads extent `e`'s bytes with its group locked (`unit` is its
     /// placement): pages in the parity log from there, runs of the others
     /// from home.
-    pub(crate) fn read_parity_locked(
+    pub(super) fn read_parity_locked(
         &self,
         e: u64,
         in_off: u64,
