@@ -98,7 +98,14 @@ impl Inner {
                 self.map.log_lookup_run(wfirst, &mut more[..wpages]);
                 &more[..wpages]
             };
-            if !self.read_batch::<BATCH_PAGES>(at, part, unit, wslots) {
+            // A batch has at most a request per page: a swap-in of one
+            // logged page builds no 128-request arrays.
+            let ok = match wpages {
+                1 => self.read_batch::<1>(at, part, unit, wslots),
+                2..=MAX_BATCH => self.read_batch::<MAX_BATCH>(at, part, unit, wslots),
+                _ => self.read_batch::<BATCH_PAGES>(at, part, unit, wslots),
+            };
+            if !ok {
                 self.read_pages(at, part, unit)?;
             }
             at = to;
