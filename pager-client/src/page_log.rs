@@ -1,14 +1,17 @@
 //! The parity log's page table (docs/DESIGN.md "2.2 Keeping remote pages safe",
 //! parity logging): which device pages live in the log instead of at home in
-//! their parity group, and where. Pure bookkeeping; the device does the I/O and
-//! the extent map journals every change.
+//! their group, and where. Pure bookkeeping; the device's striped backend
+//! (`device/stripe/log.rs`) does the I/O and the extent map journals every
+//! change.
 //!
 //! The log is a run of log units after the home groups. A log unit is laid
-//! out like a parity group (`cols` data members plus one parity member, on
-//! distinct donors), but it is filled row by row: row `r` is page `r` of
-//! every member, its parity page the XOR of its data pages. A row holds up
-//! to `cols` pages of any part of the device, written at once with their
-//! parity and no reads. A slot is one data page of one row.
+//! out like a home group of the device's mode (`cols` = `k` data members
+//! plus `r` parity members, on distinct donors: `r` = 1 and XOR in mode
+//! parity, Reed-Solomon in mode ec), but it is filled row by row: row `r`
+//! is page `r` of every member, its parity pages encoded from its data
+//! pages. A row holds up to `cols` pages of any part of the device,
+//! written at once with their parity and no reads. A slot is one data page
+//! of one row.
 
 /// Bytes per page: the unit of logging.
 pub const PAGE: u64 = 4096;
@@ -23,7 +26,7 @@ pub struct LogGeometry {
     pub units: u64,
     /// Rows per log unit (pages per member).
     pub rows: u32,
-    /// Data pages per row (parity width - 1).
+    /// Data pages per row (`k`: the group's data members).
     pub cols: u32,
 }
 

@@ -232,6 +232,39 @@ fn pages_written_together_read_back_in_a_few_requests() {
     model.check_all(&dev, 256 << 10);
 }
 
+#[test]
+fn reads_at_any_offset_across_logged_and_home_pages_read_back() {
+    let mut ds = donors(4);
+    let state = tempfile::tempdir().unwrap();
+    let dev = open(&ds, None, state.path());
+    let mut model = Model::new(SIZE);
+    let mut rng = Rng::new(11);
+    // Two groups at home (full stripes), then every third page logged.
+    let group = 2 * EXTENT;
+    model.write_random(&dev, &mut rng, 0, 2 * group);
+    for p in (0..2 * group / PAGE).step_by(3) {
+        model.write_random(&dev, &mut rng, p * PAGE, PAGE);
+    }
+    // Reads that start and end inside home pages and inside logged ones,
+    // across an extent's and a group's end, and the whole of both groups.
+    let reads = [
+        (PAGE + 100, 6 * PAGE),
+        (PAGE + 1, 2 * PAGE - 2),
+        (3 * PAGE + 7, 40 * PAGE),
+        (EXTENT - 50, 100),
+        (group - 3000, 10_000),
+        (0, 2 * group),
+    ];
+    for (off, len) in reads {
+        model.check(&dev, off, len);
+    }
+    // The same with a member gone: rebuilt page by page.
+    ds[1].kill9();
+    for (off, len) in reads {
+        model.check(&dev, off, len);
+    }
+}
+
 /// Once idle, a device in `mode` moves its logged pages home and frees
 /// the log: its donors then hold only the home groups, and every byte
 /// reads back with `lose` donors killed.

@@ -1,6 +1,9 @@
 //! One donor as the device sees it: its connection pool, health, last
 //! reported status and counters; attaching, labelling and reviving it; and
 //! the table of every donor the running device knows.
+//!
+//! Calls: the NBD pools (`netpager-nbd`), the donors' status endpoints;
+//! called by `open`, the epoch thread and membership.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};

@@ -2,6 +2,9 @@
 //! request to every donor that is up (a hung donor is detected even when
 //! idle), reconnect failed donors as new ones, and recompute the selection
 //! frequencies (DESIGN.md §2.1).
+//!
+//! Calls: the donors (donor.rs), membership (donors file), the policy's
+//! frequencies; runs on the epoch thread.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};

@@ -1,10 +1,17 @@
 //! Moving bytes: requests to members' locations (donor slots through the
 //! NBD pools, in parallel; fallback slots through the local file), the
 //! preallocated extent buffers, and XOR.
+//! Also the one test of whether a member can be read (`Inner::usable`)
+//! and the one way a member gives its slot back (`Inner::release_slot`;
+//! a whole unit: `Inner::free_unit_locked`).
+//!
+//! Calls: `netpager-nbd` batches, the fallback file; called by both
+//! backends, maintenance and lost.rs. A failed request fails its donor
+//! here (after one retry on a fresh connection).
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, FileTypeExt};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::{Condvar, Mutex};
 
@@ -12,7 +19,7 @@ use super::donor::Donor;
 use super::{DeviceError, Inner, Result};
 use crate::config::FallbackConfig;
 use crate::erasure::{CodeError, Codec};
-use crate::extent_map::{ExtentMap, Loc, SlotOwner};
+use crate::extent_map::{CopyState, ExtentMap, Loc, Member, SlotOwner, Unit};
 use netpager_nbd::{self as nbd, Op};
 use netpager_util::{CondvarExt, LockExt};
 
@@ -126,6 +133,17 @@ pub(crate) struct Fallback {
     pub size: u64,
 }
 
+/// Opens (creating it if missing, never truncating) a local file the
+/// device reads and writes: the fallback file, mode disk's file.
+pub(crate) fn open_rw(path: &Path) -> std::io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+}
+
 fn write_zeros(file: &File, mut off: u64, mut len: u64) -> std::io::Result<()> {
     while len > 0 {
         let n = len.min(ZEROS.len() as u64);
@@ -142,13 +160,7 @@ impl Fallback {
             path: cfg.path.clone(),
             source,
         };
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&cfg.path)
-            .map_err(ferr)?;
+        let file = open_rw(&cfg.path).map_err(ferr)?;
         let meta = file.metadata().map_err(ferr)?;
         let size = cfg.size.0;
         let in_use = map.slot_usage(SlotOwner::Fallback).0 > 0;
@@ -268,6 +280,15 @@ pub(crate) fn retry_once(d: &super::donor::Donor, e: &nbd::NbdError) -> bool {
     again
 }
 
+/// Runs a batch of NBD requests, a result for each.
+fn run<const N: usize>(
+    batch: &mut [Option<nbd::Request<'_, '_>>; N],
+) -> [std::result::Result<(), nbd::NbdError>; N] {
+    let mut out = std::array::from_fn(|_| Ok(()));
+    nbd::run_into(batch, &mut out);
+    out
+}
+
 /// What became of one request.
 pub(crate) type IoResult = std::result::Result<(), IoFail>;
 
@@ -288,6 +309,51 @@ impl Inner {
                 .loc_donor(loc)
                 .is_some_and(|i| !self.donors[i].is_failed()),
         }
+    }
+
+    /// Whether member `m` holds its data and can be read now: the one
+    /// liveness test for members, in every mode.
+    pub(crate) fn usable(&self, m: &Member) -> bool {
+        m.state == CopyState::Ok && self.loc_available(m.loc)
+    }
+
+    /// Member `m` leaves its slot: trimmed on its donor if that answers
+    /// (the donor then frees the memory), the slot given back. A lost
+    /// member's slot was given back when it was lost.
+    pub(crate) fn release_slot(&self, m: Member) {
+        if m.state != CopyState::Ok {
+            return;
+        }
+        if self.loc_available(m.loc) {
+            let _ = self.exec1(m.loc, 0, Op::Trim(self.layout.extent));
+        }
+        self.map.free(m.loc);
+    }
+
+    /// Unit `u` (write-locked as `g`) becomes unplaced, journaled first;
+    /// then its members are trimmed on their donors and their slots given
+    /// back.
+    pub(crate) fn free_unit_locked(&self, u: u64, g: &mut Option<Unit>) -> Result<()> {
+        let Some(unit) = g.take() else { return Ok(()) };
+        self.map.commit(u, &None)?;
+        let owned: Vec<Member> = unit
+            .members
+            .into_iter()
+            .filter(|m| m.state == CopyState::Ok)
+            .collect();
+        let mut reqs = batch();
+        for (m, r) in owned.iter().zip(&mut reqs) {
+            *r = self.loc_available(m.loc).then_some(IoReq {
+                loc: m.loc,
+                off: 0,
+                op: Op::Trim(self.layout.extent),
+            });
+        }
+        self.exec(&mut reqs);
+        for m in owned {
+            self.map.free(m.loc);
+        }
+        Ok(())
     }
 
     /// Runs requests in parallel across donors; a donor that errors or
@@ -336,20 +402,14 @@ impl Inner {
                         Op::Read(_) => d.reads.fetch_add(1, Ordering::Relaxed),
                         _ => d.writes.fetch_add(1, Ordering::Relaxed),
                     };
-                    *req = Some(nbd::Request {
-                        pool: &d.pool,
-                        offset: slot as u64 * self.layout.extent + r.off,
-                        op: r.op.reborrow(),
-                    });
+                    *req = Some(self.nbd_request(d, slot, r));
                     *who = Some(d);
                     any = true;
                 }
             }
         }
         if any {
-            let mut out: [std::result::Result<(), nbd::NbdError>; N] =
-                std::array::from_fn(|_| Ok(()));
-            nbd::run_into(&mut batch, &mut out);
+            let mut out = run(&mut batch);
             // One failed request is not a failed donor: a connection reset
             // or a torn reply fails fast, and the pool has retired that
             // connection, so it is sent once more (on another or a fresh
@@ -365,18 +425,12 @@ impl Inner {
                     continue;
                 };
                 if retry_once(d, e) {
-                    *slot = Some(nbd::Request {
-                        pool: &d.pool,
-                        offset: s as u64 * self.layout.extent + r.off,
-                        op: r.op.reborrow(),
-                    });
+                    *slot = Some(self.nbd_request(d, s, r));
                     again = true;
                 }
             }
             if again {
-                let mut second: [std::result::Result<(), nbd::NbdError>; N] =
-                    std::array::from_fn(|_| Ok(()));
-                nbd::run_into(&mut retry, &mut second);
+                let second = run(&mut retry);
                 for ((o, s), b) in out.iter_mut().zip(second).zip(&retry) {
                     if b.is_some() {
                         *o = s;
@@ -397,6 +451,20 @@ impl Inner {
             }
         }
         results
+    }
+
+    /// `r` as a request to donor `d`, whose slot `slot` it is in.
+    fn nbd_request<'b, 'd>(
+        &self,
+        d: &'d Donor,
+        slot: u32,
+        r: &'b mut IoReq<'_>,
+    ) -> nbd::Request<'d, 'b> {
+        nbd::Request {
+            pool: &d.pool,
+            offset: slot as u64 * self.layout.extent + r.off,
+            op: r.op.reborrow(),
+        }
     }
 
     pub(crate) fn exec1(&self, loc: Loc, off: u64, op: Op<'_>) -> IoResult {

@@ -17,8 +17,11 @@
 //! dropped from the log and zeroed at home, and is unfound unless
 //! forgotten. Pages whose log copy lives are not lost and stay in the log.
 //!
-//! Calls: `allocate` (placement.rs), `resync_group` (resync.rs),
-//! `write_pages_locked` (parity.rs, to zero a page at home). Lock order as
+//! Also why a unit's data is gone, in words (`Inner::lost_reason`), for
+//! both backends' errors.
+//!
+//! Calls: `allocate` (placement.rs), `resync_group` (stripe/resync.rs),
+//! `write_pages_locked` (stripe/write.rs, to zero a page at home). Lock order as
 //! everywhere: home unit, then log unit.
 
 use std::ops::RangeInclusive;
@@ -27,6 +30,7 @@ use std::sync::RwLockWriteGuard;
 use netpager_util::RwLockExt;
 
 use super::io::{batch, IoReq, ZEROS};
+use super::placement::donor_ids;
 use super::{DeviceError, Inner, Result};
 use crate::extent_map::{CopyState, Loc, Member, Redundancy, Unit};
 use crate::page_log::{Slot, PAGE};
@@ -58,6 +62,35 @@ pub struct Forgotten {
 }
 
 impl Inner {
+    /// Why extent `e`'s data is gone, in words: every copy's donor; in a
+    /// group (modes parity, ec) the members that are gone, since the others
+    /// still hold their own extents.
+    pub(crate) fn lost_reason(&self, unit: &Unit) -> String {
+        let striped = self.layout.mode.striped();
+        let names: Vec<String> = unit
+            .members
+            .iter()
+            .filter(|m| !striped || !self.usable(m))
+            .map(|m| match self.loc_donor(m.loc) {
+                Some(i) => {
+                    let d = &self.donors[i];
+                    let why = d
+                        .health()
+                        .failure
+                        .clone()
+                        .unwrap_or_else(|| "copy lost".into());
+                    format!("donor {} ({why})", d.cfg.name)
+                }
+                None => format!("{:?}", m.loc),
+            })
+            .collect();
+        if striped {
+            format!("members gone: {}", names.join("; "))
+        } else {
+            format!("no copy left: {}", names.join("; "))
+        }
+    }
+
     /// Whether `unit` can no longer be read: a group missing more members
     /// than its code survives, or a copy set with no copy left. Never in
     /// mode disk, whose file holds every page.
@@ -137,7 +170,7 @@ impl Inner {
             extents: self.replace_unit(u, guard, forget)?,
             log_pages: Vec::new(),
         };
-        if self.plog.is_some() {
+        if self.parity_log().is_some() {
             r.log_pages = self.drop_lost_log_pages(u, guard, forget)?;
         }
         Ok(r)
@@ -170,17 +203,7 @@ impl Inner {
         for &e in lost.iter().filter(|&&e| !forget(e)) {
             self.mark_extent_unfound(e)?;
         }
-        let mut exclude: Vec<u16> = unit
-            .members
-            .iter()
-            .filter(|m| self.usable(m))
-            .filter_map(|m| match m.loc {
-                Loc::Donor { donor, .. } => Some(donor),
-                Loc::Fallback { .. } => None,
-            })
-            .collect();
-        exclude.sort_unstable();
-        exclude.dedup();
+        let exclude = donor_ids(unit.members.iter().filter(|m| self.usable(m)));
         let first = u * self.layout.data_per_unit();
         let locs = self.allocate(gone.len(), &exclude, first)?;
         let mut next = unit.clone();

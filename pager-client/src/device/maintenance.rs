@@ -3,13 +3,18 @@
 //! ran out of room moves (relocation), and copies spilled to the local
 //! fallback move to donors that have room again (off the fallback). All
 //! four move one member of one unit at a time under that unit's write lock.
+//!
+//! Calls: the backend for what a moved member should hold
+//! (`Inner::member_content`, backend.rs), placement for its new slot, and
+//! the backend's own maintenance (parity log cleaner, idle drain, write
+//! intents) once a pass.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use netpager_util::{LockExt, RwLockExt};
 
-use super::placement::Spill;
+use super::placement::{donor_ids, Spill};
 use super::report::Job;
 use super::{DeviceError, Inner, Result};
 use crate::extent_map::{CopyState, Loc, Member, Redundancy, SlotOwner, Unit};
@@ -32,7 +37,7 @@ pub(crate) enum MoveWhy {
 
 impl MoveWhy {
     /// The member being moved holds the data itself (read it first).
-    fn reads_itself_first(self) -> bool {
+    pub(crate) fn reads_itself_first(self) -> bool {
         matches!(self, MoveWhy::Drain | MoveWhy::OffFallback)
     }
 
@@ -59,60 +64,15 @@ enum Ended {
 /// wait behind it.
 const OFF_FALLBACK_PASS: Duration = Duration::from_secs(1);
 
-impl Inner {
-    /// What member `j` of unit `u` should hold, into `out` (one extent).
-    fn member_content(
-        &self,
-        u: u64,
-        unit: &Unit,
-        j: usize,
-        why: MoveWhy,
-        out: &mut [u8],
-        scratch: &mut [u8],
-    ) -> Result<()> {
-        let usable = |m: &Member| m.state == CopyState::Ok && self.loc_available(m.loc);
-        let me = unit.members[j];
-        if self.layout.mode.striped() {
-            let others_ok = unit
-                .members
-                .iter()
-                .enumerate()
-                .all(|(k, m)| k == j || usable(m));
-            let from_self = usable(&me) && (why.reads_itself_first() || !others_ok);
-            if from_self && self.exec1(me.loc, 0, Op::Read(out)).is_ok() {
-                return Ok(());
-            }
-            let e = self
-                .layout
-                .extent_of(u, j)
-                .unwrap_or(u * self.layout.data_per_unit());
-            return self.reconstruct(e, unit, j, 0, out, scratch);
-        }
-        let mut order: Vec<usize> = (0..unit.members.len()).filter(|&k| k != j).collect();
-        match why {
-            MoveWhy::Drain | MoveWhy::OffFallback => order.insert(0, j),
-            MoveWhy::Full => order.push(j),
-            MoveWhy::Rebuild => {}
-        }
-        for k in order {
-            let m = unit.members[k];
-            if usable(&m) && self.exec1(m.loc, 0, Op::Read(&mut *out)).is_ok() {
-                return Ok(());
-            }
-        }
-        if let Some(wt) = &self.wt {
-            let n = self.extent_len(u) as usize;
-            out[n..].fill(0);
-            return wt
-                .read(u * self.layout.extent, &mut out[..n])
-                .map_err(|reason| DeviceError::Io { extent: u, reason });
-        }
-        Err(DeviceError::Lost {
-            extent: u,
-            reason: self.lost_reason(unit),
-        })
-    }
+/// A member about to move: member `j` of unit `u`, placed as `unit`.
+pub(crate) struct Moving<'a> {
+    pub(crate) u: u64,
+    pub(crate) unit: &'a Unit,
+    pub(crate) j: usize,
+    pub(crate) why: MoveWhy,
+}
 
+impl Inner {
     /// Moves member `j` of unit `u` (write lock held, `g` is the locked
     /// placement) to a new slot on a donor that holds no other member.
     pub(crate) fn move_member(
@@ -127,24 +87,20 @@ impl Inner {
         let old = unit.members[j];
         let mut bufs = self.bufs.take(2);
         let (content, scratch) = bufs.two(ext);
-        self.member_content(u, &unit, j, why, content, scratch)?;
+        let mv = Moving {
+            u,
+            unit: &unit,
+            j,
+            why,
+        };
+        self.member_content(&mv, content, scratch)?;
         // Distinct donors: not where another live member is, and not back
         // where this one is leaving from (a lost member's donor may have
         // come back as a new donor: that one is fine).
-        let mut exclude: Vec<u16> = unit
-            .members
-            .iter()
-            .enumerate()
-            .filter(|&(k, m)| {
-                (k != j && m.state != CopyState::Lost) || (k == j && why != MoveWhy::Rebuild)
-            })
-            .filter_map(|(_, m)| match m.loc {
-                Loc::Donor { donor, .. } => Some(donor),
-                Loc::Fallback { .. } => None,
-            })
-            .collect();
-        exclude.sort_unstable();
-        exclude.dedup();
+        let exclude = donor_ids(unit.members.iter().enumerate().filter_map(|(k, m)| {
+            ((k != j && m.state != CopyState::Lost) || (k == j && why != MoveWhy::Rebuild))
+                .then_some(m)
+        }));
         let first_extent = u * self.layout.data_per_unit();
         let spill = if why == MoveWhy::OffFallback {
             Spill::DonorsOnly
@@ -184,12 +140,7 @@ impl Inner {
         };
         *g = Some(next);
         self.map.commit(u, g)?;
-        if old.state == CopyState::Ok {
-            if self.loc_available(old.loc) {
-                let _ = self.exec1(old.loc, 0, Op::Trim(self.layout.extent));
-            }
-            self.map.free(old.loc);
-        }
+        self.release_slot(old);
         Ok(())
     }
 
@@ -393,9 +344,7 @@ impl Inner {
             self.drain_pass();
             self.off_fallback_pass();
             self.settle_membership();
-            self.clean_parity_log();
-            self.drain_idle_log();
-            self.sweep_write_intents();
+            self.maintain_backend();
             self.write_status();
             if self.map.needs_compaction() {
                 if let Err(e) = self.map.compact() {

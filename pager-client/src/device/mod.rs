@@ -2,14 +2,25 @@
 //! on several donors (and optionally a local fallback file), in one of the
 //! modes none, mirror, parity, ec or disk (see [`crate::config::Mode`]).
 //!
+//! [`Inner`] holds what every mode shares (map, donors, placement, epoch,
+//! maintenance) and checks each request (range, lost extents, prefetch
+//! cache) before its backend serves it: `backend.rs` picks one per mode
+//! family at open, `replica.rs` (none, mirror, disk) or `stripe/` (parity,
+//! ec). docs/DESIGN.md §1.2.1 maps the files and the lock order.
+//!
 //! Threading: every public method may be called from many threads at once
 //! (nbdkit's parallel thread model). Each unit (extent, or parity group) has
-//! its own read/write lock in the [`ExtentMap`]; there is no device-wide lock
-//! on the I/O path. Background threads: the epoch thread (donor status,
-//! frequencies, heartbeats, reconnects), the maintenance thread (marking a
-//! failed donor's copies lost, rebuild, drain, `status.json`, journal
-//! compaction) and, in mode disk, the write-through writer.
+//! its own read/write lock in the [`ExtentMap`]. Device-wide locks on the
+//! I/O path are few and short: in the striped modes the page table's
+//! mutex (which pages are logged), the parity log's mutex while a small
+//! write's pages are copied into its queue, and the journal's mutex for
+//! each logged row; mode disk's write-through queue. Background threads:
+//! the epoch thread (donor status, frequencies, heartbeats, reconnects),
+//! the maintenance thread (marking a failed donor's copies lost, rebuild,
+//! drain, `status.json`, journal compaction, the parity log's cleaner)
+//! and, in mode disk, the write-through writer.
 
+mod backend;
 pub mod control;
 mod donor;
 mod epoch;
@@ -17,37 +28,32 @@ mod io;
 mod lost;
 mod maintenance;
 mod membership;
-mod parity;
-mod parity_log;
-mod parity_read;
 mod placement;
 mod prefetch;
 mod replica;
 mod report;
-mod resync;
+mod stripe;
 mod writethrough;
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::config::{ConfigError, DeviceConfig, DonorConfig, Mode};
-use crate::extent_map::{ExtentMap, Layout, MapError, Redundancy};
+use crate::config::{ConfigError, DeviceConfig, DonorConfig};
+use crate::extent_map::{ExtentMap, Layout, MapError};
 use crate::metrics::{FrontendInfo, RequestKind, RequestStats};
 use crate::page_log::PAGE;
 use crate::status::ClientStatus;
-use crate::zero_pages::ZeroPages;
 
+use backend::Backend;
 use donor::DonorTable;
-use io::{BufPool, CodecPool, Fallback};
+use io::{BufPool, Fallback};
 pub use lost::Forgotten;
 use netpager_membership::Joined;
 use netpager_util::{CondvarExt, LockExt, RwLockExt};
-use parity_log::ParityLog;
 use placement::Placement;
-use writethrough::WriteThrough;
 
 /// Errors of device operations; [`DeviceError::errno`] maps them for NBD.
 #[derive(Debug, thiserror::Error)]
@@ -159,12 +165,9 @@ pub(crate) struct Inner {
     /// Browses the lab's network for announced donors (`discover`).
     pub(crate) browser: Option<netpager_membership::discovery::Browser>,
     pub(crate) fallback: Option<Fallback>,
-    pub(crate) wt: Option<WriteThrough>,
-    /// Mode parity with a parity log.
-    pub(crate) plog: Option<ParityLog>,
+    /// The mode family's own state and code, chosen at open.
+    pub(crate) backend: Backend,
     pub(crate) bufs: BufPool,
-    /// Codecs of a striped mode's groups.
-    pub(crate) codecs: Option<CodecPool>,
     pub(crate) placement: Mutex<Placement>,
     pub(crate) stop: AtomicBool,
     pub(crate) maint_wake: Wake,
@@ -176,8 +179,6 @@ pub(crate) struct Inner {
     /// `requests` when the maintenance thread last saw it change, and when
     /// that was: how long the device has been idle.
     pub(crate) last_request: Mutex<(u64, Instant)>,
-    /// Alternates mirror reads between copies.
-    pub(crate) read_turn: AtomicUsize,
     pub(crate) jobs: Mutex<report::Jobs>,
     /// Requests served, by kind, for `/metrics`.
     pub(crate) stats: RequestStats,
@@ -191,9 +192,6 @@ pub(crate) struct Inner {
     pub(crate) intent_sweep: Mutex<Instant>,
     /// The stride prefetcher (`prefetch_pages` > 0).
     pub(crate) prefetch: Option<prefetch::Prefetch>,
-    /// Striped modes: pages known to read as zeros, so a group trimmed
-    /// piece by piece is freed once nothing in it is left.
-    pub(crate) zero_pages: Option<ZeroPages>,
     /// The last status found lost extents: writes then recover the units
     /// they touch first (`lost.rs`); one relaxed load otherwise.
     pub(crate) lost_seen: AtomicBool,
@@ -218,37 +216,7 @@ impl Device {
             Some(fb) => Some(Fallback::open(fb, layout.extent, &map)?),
             None => None,
         };
-        let wt = match &cfg.mode {
-            Mode::Disk { path, queue } => {
-                Some(WriteThrough::open(path, layout.size, queue.0 as usize)?)
-            }
-            _ => None,
-        };
-        let plog = map.log_geometry().map(|geo| {
-            let placed: Vec<bool> = (0..geo.units)
-                .map(|lu| map.unit(layout.log_unit(lu)).read_or_recover().is_some())
-                .collect();
-            ParityLog::new(
-                geo,
-                layout.members(),
-                &placed,
-                cfg.connections_per_donor as usize,
-            )
-        });
-        let codecs = if layout.mode.striped() {
-            let (k, r) = (layout.data_per_unit() as usize, layout.parity_count());
-            // Log leaders, plus the threads that rebuild and read degraded.
-            let n = cfg.connections_per_donor as usize + 2;
-            let xor = matches!(layout.mode, Redundancy::Parity { .. });
-            Some(
-                CodecPool::new(n, k, r, xor).map_err(|source| DeviceError::Code {
-                    mode: cfg.mode.word(),
-                    source,
-                })?,
-            )
-        } else {
-            None
-        };
+        let backend = Backend::open(&cfg, layout, &map)?;
         let mut book = membership::Book::default();
         let browser = if cfg.discover {
             match netpager_membership::discovery::Browser::start() {
@@ -265,17 +233,12 @@ impl Device {
         let inner = Arc::new(Inner {
             browser,
             prefetch: (cfg.prefetch_pages > 0).then(|| prefetch::Prefetch::new(cfg.prefetch_pages)),
-            plog,
-            zero_pages: layout
-                .mode
-                .striped()
-                .then(|| ZeroPages::new(layout.size.div_ceil(PAGE))),
+            backend,
             // Room for a whole stripe's parity (full-stripe writes).
             bufs: BufPool::new(
                 cfg.io_buffers as usize,
                 (layout.extent as usize) * layout.parity_count().max(1),
             ),
-            codecs,
             placement: Mutex::new(Placement::new(cfg.donors.len())),
             donors: DonorTable::new(),
             membership: Mutex::new(book),
@@ -284,14 +247,12 @@ impl Device {
             layout,
             map,
             fallback,
-            wt,
             stop: AtomicBool::new(false),
             maint_wake: Wake::default(),
             epoch_wake: Wake::default(),
             requests: AtomicU64::new(0),
             requests_at_epoch: AtomicU64::new(0),
             last_request: Mutex::new((0, Instant::now())),
-            read_turn: AtomicUsize::new(0),
             jobs: Mutex::new(report::Jobs::default()),
             stats: RequestStats::default(),
             frontend: Mutex::new(FrontendInfo::default()),
@@ -316,7 +277,7 @@ impl Device {
         for i in restarted {
             inner.revive(&inner.donors[i]);
         }
-        inner.resync_open_groups()?;
+        inner.resync_at_open()?;
         let mut threads = Vec::new();
         let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
             std::thread::Builder::new()
@@ -351,11 +312,11 @@ impl Device {
                 Box::new(move || i.prefetch_loop()),
             )?);
         }
-        if inner.wt.is_some() {
+        if inner.wt().is_some() {
             let i = inner.clone();
             threads.push(spawn(
                 "pager-wt",
-                Box::new(move || i.wt.as_ref().expect("disk mode").writer_loop()),
+                Box::new(move || i.wt().expect("disk mode").writer_loop()),
             )?);
         }
         inner.write_status();
@@ -485,7 +446,7 @@ impl Device {
         self.inner.stop.store(true, Ordering::SeqCst);
         self.inner.maint_wake.notify();
         self.inner.epoch_wake.notify();
-        if let Some(wt) = &self.inner.wt {
+        if let Some(wt) = self.inner.wt() {
             wt.stop();
         }
         let threads = std::mem::take(&mut *self.threads.lock_or_recover());
@@ -522,7 +483,7 @@ impl Inner {
 
     /// Calls `f(extent, offset in extent, offset in request, length)` for
     /// each extent-sized piece of the range.
-    fn pieces(
+    pub(crate) fn pieces(
         &self,
         offset: u64,
         len: u64,
@@ -557,16 +518,6 @@ impl Inner {
         Ok(())
     }
 
-    /// A read from the donors (the prefetch thread's too).
-    fn read_device(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        if self.layout.mode.striped() {
-            return self.read_striped(buf, offset);
-        }
-        self.pieces(offset, buf.len() as u64, |e, in_off, at, n| {
-            self.read_replica(e, in_off, &mut buf[at as usize..(at + n) as usize])
-        })
-    }
-
     fn modify(&self, offset: u64, p: Payload<'_>) -> Result<()> {
         self.check_range(offset, p.len())?;
         self.requests.fetch_add(1, Ordering::Relaxed);
@@ -595,30 +546,8 @@ impl Inner {
         r
     }
 
-    fn modify_device(&self, offset: u64, p: Payload<'_>) -> Result<()> {
-        if self.layout.mode.striped() {
-            return match p {
-                Payload::Data(d) => self.write_parity_range(offset, d),
-                // Group by group: a trim that covers a whole group frees it
-                // without zeroing its extents one by one first.
-                Payload::Trim(n) => self.trim_striped(offset, n),
-                Payload::Zero(n) => {
-                    self.pieces(offset, n, |e, in_off, _, n| self.zero_parity(e, in_off, n))
-                }
-            };
-        }
-        self.pieces(offset, p.len(), |e, in_off, at, n| {
-            let piece = match p {
-                Payload::Data(d) => Payload::Data(&d[at as usize..(at + n) as usize]),
-                Payload::Zero(_) => Payload::Zero(n),
-                Payload::Trim(_) => Payload::Trim(n),
-            };
-            self.modify_replica(e, in_off, piece)
-        })
-    }
-
     fn flush(&self) -> Result<()> {
-        if let Some(wt) = &self.wt {
+        if let Some(wt) = self.wt() {
             wt.flush().map_err(|e| DeviceError::Io {
                 extent: 0,
                 reason: e,

@@ -1,13 +1,16 @@
 //! Choosing where a new unit (or a moved copy) goes: the epoch's selection
 //! frequencies through the policy's [`Selector`], then slots on those
 //! donors; the local fallback when no donor can take it.
+//!
+//! Calls: the policy's selector, the map's slots; called by both backends
+//! (first writes), maintenance and lost.rs (new slots).
 
 use std::sync::atomic::Ordering;
 
 use netpager_util::LockExt;
 
 use super::{DeviceError, Inner, Result};
-use crate::extent_map::{Loc, SlotOwner};
+use crate::extent_map::{Loc, Member, SlotOwner};
 use crate::policy::{Frequencies, Selector};
 
 /// Whether a placement may use the local fallback when donors cannot
@@ -17,6 +20,20 @@ pub(crate) enum Spill {
     Allowed,
     /// Moving off the fallback: a donor or nothing.
     DonorsOnly,
+}
+
+/// The donors (by map id) `members` are on, sorted, each once: what a new
+/// member of their unit must not share.
+pub(crate) fn donor_ids<'a>(members: impl Iterator<Item = &'a Member>) -> Vec<u16> {
+    let mut ids: Vec<u16> = members
+        .filter_map(|m| match m.loc {
+            Loc::Donor { donor, .. } => Some(donor),
+            Loc::Fallback { .. } => None,
+        })
+        .collect();
+    ids.sort_unstable();
+    ids.dedup();
+    ids
 }
 
 pub(crate) struct Placement {

@@ -1,11 +1,17 @@
-//! Modes none, mirror and disk: every member of an extent is a full copy.
+//! The replicated backend's code (modes none, mirror, disk): every member
+//! of an extent is a full copy, so a read takes any live one (in turn) and
+//! a write goes to all of them at once; mode disk also queues it for the
+//! write-through file. Calls `io` for requests (and to free a unit),
+//! `placement` for new slots, `maintenance` to move a copy off a full donor
+//! and `lost` to say why a unit's data is gone.
 
 use std::sync::atomic::Ordering;
 
 use netpager_util::RwLockExt;
 
+use super::backend::ReplicatedBackend;
 use super::io::{batch, IoFail, IoReq};
-use super::maintenance::MoveWhy;
+use super::maintenance::{MoveWhy, Moving};
 use super::{DeviceError, Inner, Payload, Result};
 use crate::extent_map::{CopyState, Member, Unit};
 use netpager_nbd::Op;
@@ -19,54 +25,27 @@ fn op_of<'a>(p: &Payload<'a>) -> Op<'a> {
 }
 
 impl Inner {
-    fn readable(&self, m: &Member) -> bool {
-        m.state == CopyState::Ok && self.loc_available(m.loc)
-    }
-
-    /// Why extent `e`'s data is gone, in words: every copy's donor; in a
-    /// group (modes parity, ec) the members that are gone, since the others
-    /// still hold their own extents.
-    pub(crate) fn lost_reason(&self, unit: &Unit) -> String {
-        let striped = self.layout.mode.striped();
-        let names: Vec<String> = unit
-            .members
-            .iter()
-            .filter(|m| !striped || !self.readable(m))
-            .map(|m| match self.loc_donor(m.loc) {
-                Some(i) => {
-                    let d = &self.donors[i];
-                    let why = d
-                        .health()
-                        .failure
-                        .clone()
-                        .unwrap_or_else(|| "copy lost".into());
-                    format!("donor {} ({why})", d.cfg.name)
-                }
-                None => format!("{:?}", m.loc),
-            })
-            .collect();
-        if striped {
-            format!("members gone: {}", names.join("; "))
-        } else {
-            format!("no copy left: {}", names.join("; "))
-        }
-    }
-
-    pub(crate) fn read_replica(&self, e: u64, in_off: u64, buf: &mut [u8]) -> Result<()> {
+    pub(crate) fn read_replica(
+        &self,
+        rb: &ReplicatedBackend,
+        e: u64,
+        in_off: u64,
+        buf: &mut [u8],
+    ) -> Result<()> {
         let g = self.map.unit(e).read_or_recover();
         let Some(unit) = g.as_ref() else {
             buf.fill(0);
             return Ok(());
         };
         let n = unit.members.len();
-        let start = self.read_turn.fetch_add(1, Ordering::Relaxed);
+        let start = rb.read_turn.fetch_add(1, Ordering::Relaxed);
         for k in 0..n {
             let m = unit.members[(start + k) % n];
-            if self.readable(&m) && self.exec1(m.loc, in_off, Op::Read(buf)).is_ok() {
+            if self.usable(&m) && self.exec1(m.loc, in_off, Op::Read(buf)).is_ok() {
                 return Ok(());
             }
         }
-        if let Some(wt) = &self.wt {
+        if let Some(wt) = &rb.wt {
             return wt
                 .read(e * self.layout.extent + in_off, buf)
                 .map_err(|reason| DeviceError::Io { extent: e, reason });
@@ -77,8 +56,8 @@ impl Inner {
         })
     }
 
-    fn wt_apply(&self, e: u64, in_off: u64, p: &Payload<'_>) {
-        if let Some(wt) = &self.wt {
+    fn wt_apply(&self, rb: &ReplicatedBackend, e: u64, in_off: u64, p: &Payload<'_>) {
+        if let Some(wt) = &rb.wt {
             let off = e * self.layout.extent + in_off;
             match *p {
                 Payload::Data(d) => wt.enqueue_write(off, d),
@@ -87,10 +66,16 @@ impl Inner {
         }
     }
 
-    pub(crate) fn modify_replica(&self, e: u64, in_off: u64, p: Payload<'_>) -> Result<()> {
+    pub(crate) fn modify_replica(
+        &self,
+        rb: &ReplicatedBackend,
+        e: u64,
+        in_off: u64,
+        p: Payload<'_>,
+    ) -> Result<()> {
         let full = in_off == 0 && p.len() == self.extent_len(e);
         if full && !matches!(p, Payload::Data(_)) {
-            return self.free_unit(e);
+            return self.free_unit(rb, e);
         }
         for _ in 0..8 {
             let mut relocate = Vec::new();
@@ -102,7 +87,7 @@ impl Inner {
                     Some(unit) => {
                         let mut reqs = batch();
                         for (m, r) in unit.members.iter().zip(&mut reqs) {
-                            *r = self.readable(m).then(|| IoReq {
+                            *r = self.usable(m).then(|| IoReq {
                                 loc: m.loc,
                                 off: in_off,
                                 op: op_of(&p),
@@ -113,9 +98,9 @@ impl Inner {
                                 // Advisory, and there is nothing left to discard.
                                 return Ok(());
                             }
-                            if self.wt.is_some() {
+                            if rb.wt.is_some() {
                                 // The file holds the data; rebuild re-creates the copy.
-                                self.wt_apply(e, in_off, &p);
+                                self.wt_apply(rb, e, in_off, &p);
                                 return Ok(());
                             }
                             if !(full && matches!(p, Payload::Data(_))) {
@@ -135,8 +120,8 @@ impl Inner {
                                 .map(|(j, _)| (j, unit.members[j].loc))
                                 .collect();
                             if relocate.is_empty() {
-                                if ok > 0 || self.wt.is_some() {
-                                    self.wt_apply(e, in_off, &p);
+                                if ok > 0 || rb.wt.is_some() {
+                                    self.wt_apply(rb, e, in_off, &p);
                                     return Ok(());
                                 }
                                 // Every copy failed; their donors are marked
@@ -150,12 +135,12 @@ impl Inner {
             let mut g = self.map.unit(e).write_or_recover();
             let none_left = g
                 .as_ref()
-                .is_some_and(|u| !u.members.iter().any(|m| self.readable(m)));
-            if g.is_none() || (none_left && self.wt.is_none()) {
+                .is_some_and(|u| !u.members.iter().any(|m| self.usable(m)));
+            if g.is_none() || (none_left && rb.wt.is_none()) {
                 let Payload::Data(d) = p else { return Ok(()) };
                 if g.is_none() || full {
                     self.place_replica(e, &mut g, in_off, d)?;
-                    self.wt_apply(e, in_off, &p);
+                    self.wt_apply(rb, e, in_off, &p);
                     return Ok(());
                 }
                 continue;
@@ -172,7 +157,7 @@ impl Inner {
                             u.members
                                 .iter()
                                 .enumerate()
-                                .any(|(k, m)| k != j && self.readable(m))
+                                .any(|(k, m)| k != j && self.usable(m))
                         }) =>
                     {
                         // Another copy took the write: keep that one, rebuild
@@ -189,6 +174,41 @@ impl Inner {
         })
     }
 
+    /// What member `j` of extent `u` should hold: another copy (the member
+    /// itself first when it is leaving, last when its donor refused a
+    /// write), or the write-through file.
+    pub(crate) fn replica_member_content(
+        &self,
+        rb: &ReplicatedBackend,
+        mv: &Moving<'_>,
+        out: &mut [u8],
+    ) -> Result<()> {
+        let Moving { u, unit, j, why } = *mv;
+        let mut order: Vec<usize> = (0..unit.members.len()).filter(|&k| k != j).collect();
+        match why {
+            MoveWhy::Drain | MoveWhy::OffFallback => order.insert(0, j),
+            MoveWhy::Full => order.push(j),
+            MoveWhy::Rebuild => {}
+        }
+        for k in order {
+            let m = unit.members[k];
+            if self.usable(&m) && self.exec1(m.loc, 0, Op::Read(&mut *out)).is_ok() {
+                return Ok(());
+            }
+        }
+        if let Some(wt) = &rb.wt {
+            let n = self.extent_len(u) as usize;
+            out[n..].fill(0);
+            return wt
+                .read(u * self.layout.extent, &mut out[..n])
+                .map_err(|reason| DeviceError::Io { extent: u, reason });
+        }
+        Err(DeviceError::Lost {
+            extent: u,
+            reason: self.lost_reason(unit),
+        })
+    }
+
     /// Marks member `j` lost and gives back its slot.
     fn drop_member(&self, u: u64, g: &mut Option<Unit>, j: usize) -> Result<()> {
         let Some(unit) = g.as_mut() else {
@@ -197,12 +217,7 @@ impl Inner {
         let old = unit.members[j];
         unit.members[j].state = CopyState::Lost;
         self.map.commit(u, g)?;
-        if old.state == CopyState::Ok {
-            if self.loc_available(old.loc) {
-                let _ = self.exec1(old.loc, 0, Op::Trim(self.layout.extent));
-            }
-            self.map.free(old.loc);
-        }
+        self.release_slot(old);
         Ok(())
     }
 
@@ -269,38 +284,12 @@ impl Inner {
     }
 
     /// Whole-extent zero or trim: the extent becomes unwritten again.
-    pub(crate) fn free_unit(&self, u: u64) -> Result<()> {
+    fn free_unit(&self, rb: &ReplicatedBackend, u: u64) -> Result<()> {
         let mut g = self.map.unit(u).write_or_recover();
-        if let Some(wt) = &self.wt {
+        if let Some(wt) = &rb.wt {
             // In disk mode a unit is one extent.
             wt.enqueue_zero(u * self.layout.extent, self.extent_len(u));
         }
         self.free_unit_locked(u, &mut g)
-    }
-
-    /// Unit `u` (write-locked as `g`) becomes unplaced, journaled first;
-    /// then its members are trimmed on their donors and their slots given
-    /// back.
-    pub(crate) fn free_unit_locked(&self, u: u64, g: &mut Option<Unit>) -> Result<()> {
-        let Some(unit) = g.take() else { return Ok(()) };
-        self.map.commit(u, &None)?;
-        let owned: Vec<Member> = unit
-            .members
-            .into_iter()
-            .filter(|m| m.state == CopyState::Ok)
-            .collect();
-        let mut reqs = batch();
-        for (m, r) in owned.iter().zip(&mut reqs) {
-            *r = self.loc_available(m.loc).then_some(IoReq {
-                loc: m.loc,
-                off: 0,
-                op: Op::Trim(self.layout.extent),
-            });
-        }
-        self.exec(&mut reqs);
-        for m in owned {
-            self.map.free(m.loc);
-        }
-        Ok(())
     }
 }

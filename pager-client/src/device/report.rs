@@ -1,4 +1,7 @@
 //! Building [`ClientStatus`] from the device's state.
+//! Reads the map, the donors and the backend's state (write-through
+//! queue, parity log) without taking a unit's write lock; also serves
+//! `/metrics` from the same status.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -112,10 +115,7 @@ impl Inner {
                 .filter(|m| m.state == CopyState::Ok && matches!(m.loc, Loc::Fallback { .. }))
                 .count() as u64;
             let bad: Vec<usize> = (0..unit.members.len())
-                .filter(|&k| {
-                    let m = &unit.members[k];
-                    m.state != CopyState::Ok || !self.loc_available(m.loc)
-                })
+                .filter(|&k| !self.usable(&unit.members[k]))
                 .collect();
             levels[spare.saturating_sub(bad.len())] += 1;
             if bad.is_empty() {
@@ -183,7 +183,7 @@ impl Inner {
             t.fallback_used_bytes =
                 self.map.slot_usage(SlotOwner::Fallback).0 as u64 * layout.extent;
         }
-        if let Some(wt) = &self.wt {
+        if let Some(wt) = self.wt() {
             let (queued, err) = wt.state();
             t.writethrough_queued_bytes = queued;
             t.writethrough_error = err;

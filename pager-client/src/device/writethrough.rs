@@ -1,16 +1,19 @@
 //! Mode disk: every write also goes, asynchronously, to a local file the
 //! size of the device. A bounded queue of preallocated chunks feeds one
 //! writer thread; flush and degraded reads wait until the queue is empty.
+//!
+//! Owned by the replicated backend (backend.rs); called by `replica.rs`
+//! (queue, degraded reads) and maintenance (a rebuild from the file).
 
 use std::collections::VecDeque;
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Condvar, Mutex, MutexGuard};
 
 use netpager_util::{CondvarExt, LockExt};
 
-use super::io::ZEROS;
+use super::io::{open_rw, ZEROS};
 use super::{DeviceError, Result};
 
 const CHUNK: usize = 256 << 10;
@@ -51,13 +54,7 @@ impl WriteThrough {
             path: path.to_path_buf(),
             source,
         };
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(path)
-            .map_err(ferr)?;
+        let file = open_rw(path).map_err(ferr)?;
         if file.metadata().map_err(ferr)?.len() < size {
             file.set_len(size).map_err(ferr)?;
         }

@@ -1,21 +1,16 @@
-//! Striped modes: a unit is a group of `k` data extents and `r` parity
-//! extents on `k + r` distinct donors, the parity positions rotating with
-//! the group number (see [`Layout::shard_of`]). Mode parity is `k + 1` with
-//! XOR (RAID-5), mode ec `k + r` with Reed-Solomon (any `r` members may be
-//! lost); both go through [`crate::erasure::Codec`]. The group's write lock
-//! is held for every write, so parity always matches the data. Writes
-//! smaller than a group go to the parity log when there is one (see
-//! `parity_log`).
-//!
-//! [`Layout::shard_of`]: crate::extent_map::Layout::shard_of
+//! The striped backend's writes, zeroes and trims: whole groups at once
+//! (full-stripe), smaller pieces into the parity log (`log`) or home by
+//! read-modify-write under the group's write lock, so parity always
+//! matches the data. Encodes and decodes through `codec`; places groups
+//! through [`super`]; moves members through `maintenance`.
 
 use std::sync::RwLockWriteGuard;
 
-use super::io::{batch, xor_into, IoFail, IoReq, ZEROS};
-use super::maintenance::MoveWhy;
-use super::{DeviceError, Inner, Result};
+use super::super::io::{batch, xor_into, IoFail, IoReq, ZEROS};
+use super::super::maintenance::MoveWhy;
+use super::super::{DeviceError, Inner, Result};
 use crate::erasure::{aligned, ALIGN, MAX_SHARDS};
-use crate::extent_map::{CopyState, Loc, Member, Unit};
+use crate::extent_map::{Loc, Unit};
 use crate::page_log::PAGE;
 use netpager_nbd::Op;
 use netpager_util::RwLockExt;
@@ -71,7 +66,7 @@ impl Inner {
         let at = e * self.layout.extent + in_off;
         let end = at + data.len() as u64;
         self.forget_zeros(at, end);
-        if self.plog.is_none() {
+        if self.parity_log().is_none() {
             return self.write_parity_locked(e, in_off, data, guard);
         }
         let (first, last) = (at / PAGE, (end - 1) / PAGE);
@@ -199,15 +194,15 @@ impl Inner {
     /// Forgets that the pages `[at, end)` touches read as zeros: they are
     /// about to be written (their group write-locked).
     fn forget_zeros(&self, at: u64, end: u64) {
-        if let Some(z) = &self.zero_pages {
-            z.clear(at / PAGE, end.div_ceil(PAGE) - at / PAGE);
-        }
+        self.stripe()
+            .zero_pages
+            .clear(at / PAGE, end.div_ceil(PAGE) - at / PAGE);
     }
 
     /// Group `g`, just placed with its members zeroed, reads as zeros but
     /// for its pages in the parity log.
     fn placed_zeroed(&self, g: u64) {
-        let Some(z) = &self.zero_pages else { return };
+        let z = &self.stripe().zero_pages;
         let per = self.layout.data_per_unit() * self.layout.extent / PAGE;
         let first = g * per;
         let pages = per.min((self.layout.size / PAGE).saturating_sub(first));
@@ -264,7 +259,7 @@ impl Inner {
     /// intent and all), so the parity counts them as zeros, and then
     /// trimmed on their data member, whose donor frees them.
     fn trim_group(&self, g: u64, first: u64, end: u64) -> Result<()> {
-        let zero = self.zero_pages.as_ref().expect("a striped mode");
+        let zero = &self.stripe().zero_pages;
         let ext_pages = self.layout.extent / PAGE;
         let (g_first, g_end) = (
             g * self.layout.data_per_unit() * ext_pages,
@@ -344,7 +339,7 @@ impl Inner {
         self.forget_zeros(at, at + data.len() as u64);
         self.map.mark_written(g)?;
         if self.layout.parity_count() > 1 {
-            return self.write_stripe_locked(e, in_off, data, guard);
+            return self.write_stripe_locked(at, data, guard);
         }
         let pp = self.layout.parity_member(g);
         let len = data.len();
@@ -442,14 +437,9 @@ impl Inner {
     /// the width; with several Reed-Solomon parities it would read `1 + r`,
     /// no fewer than the `k - 1` read here at the usual 4+2, and would need
     /// the code's coefficients.
-    fn write_stripe_locked(
-        &self,
-        e: u64,
-        in_off: u64,
-        data: &[u8],
-        guard: &mut GroupGuard<'_>,
-    ) -> Result<()> {
+    fn write_stripe_locked(&self, off: u64, data: &[u8], guard: &mut GroupGuard<'_>) -> Result<()> {
         let l = self.layout;
+        let (e, in_off) = (off / l.extent, off % l.extent);
         let (g, pos) = l.locate(e);
         let (k, r) = (l.data_per_unit() as usize, l.parity_count());
         let me = l.shard_of(g, pos);
@@ -607,82 +597,5 @@ impl Inner {
             dw.expect("a result per request"),
             pw.expect("a result per request"),
         ])
-    }
-
-    /// Orders a new group's locations by member position: its parity
-    /// positions get the donors that hold the fewest parity members now,
-    /// the data positions the rest. Reads go to data
-    /// members only, so this keeps every donor's share of reads even;
-    /// taking positions in the selector's order instead lined its cycle up
-    /// with the parity's rotation (ec 4+2 on 6 donors: one donor served 5x
-    /// another's reads, and 1 MiB reads ran at 0.70x of mode none).
-    fn assign_parity(&self, g: u64, locs: &mut [(Loc, bool)]) {
-        let (w, r) = (self.layout.members(), self.layout.parity_count());
-        if locs.len() != w || r == 0 {
-            return;
-        }
-        let held = self.map.parity_held();
-        let parity_of = |l: &(Loc, bool)| match l.0 {
-            Loc::Donor { donor, .. } => held.get(donor as usize).copied().unwrap_or(0),
-            // The local fallback holds data rather than parity: it reads fastest.
-            Loc::Fallback { .. } => u64::MAX,
-        };
-        let mut by_parity = locs.to_vec();
-        by_parity.sort_by_key(parity_of);
-        let p = self.layout.parity_member(g);
-        let (parity, data) = by_parity.split_at(r);
-        let mut data = data.iter();
-        for (pos, slot) in locs.iter_mut().enumerate() {
-            let j = (pos + w - p) % w;
-            *slot = if j < r {
-                parity[j]
-            } else {
-                *data.next().expect("w - r data locations")
-            };
-        }
-    }
-
-    /// First write to a group: `width` slots on distinct donors, zeroed
-    /// (if `zero`) where they may hold old data: all-zero members have zero
-    /// parity.
-    pub(crate) fn place_group(
-        &self,
-        e: u64,
-        g: u64,
-        guard: &mut Option<Unit>,
-        zero: bool,
-    ) -> Result<()> {
-        // Each failed try rules out a donor (now full or failed).
-        for _ in 0..self.donors.len() + 2 {
-            let mut locs = self.allocate(self.layout.members(), &[], e)?;
-            self.assign_parity(g, &mut locs);
-            let mut reqs = batch();
-            for (&(loc, clean), r) in locs.iter().zip(&mut reqs) {
-                *r = (zero && !clean).then_some(IoReq {
-                    loc,
-                    off: 0,
-                    op: Op::Zero(self.layout.extent),
-                });
-            }
-            if self.exec(&mut reqs).iter().flatten().all(|r| r.is_ok()) {
-                let members = locs
-                    .iter()
-                    .map(|&(loc, _)| Member {
-                        loc,
-                        state: CopyState::Ok,
-                    })
-                    .collect();
-                *guard = Some(Unit { members });
-                self.map.commit(g, guard)?;
-                return Ok(());
-            }
-            for (loc, _) in locs {
-                self.map.free(loc);
-            }
-        }
-        Err(DeviceError::Io {
-            extent: e,
-            reason: "could not prepare a parity group on the chosen donors".into(),
-        })
     }
 }

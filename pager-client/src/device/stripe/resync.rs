@@ -5,14 +5,17 @@
 //! home marks its group open in the map's journal first (see
 //! [`crate::extent_map::ExtentMap::mark_written`]); at start the groups
 //! still marked get their parity recomputed from their data members.
+//!
+//! Calls: `codec` (encode), `io`; called at open and by the maintenance
+//! pass (through backend.rs), and by lost.rs after a group is re-placed.
 
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use netpager_util::{LockExt, RwLockExt};
 
-use super::io::{batch, IoReq, IoResult};
-use super::{DeviceError, Inner, Result};
+use super::super::io::{batch, IoReq, IoResult};
+use super::super::{DeviceError, Inner, Result};
 use crate::erasure::ALIGN;
 use crate::extent_map::Unit;
 use netpager_nbd::Op;
@@ -143,9 +146,6 @@ impl Inner {
     /// Closes the write intent of groups quiet for `write_intent_quiet_ms`
     /// (runs on the maintenance thread).
     pub(crate) fn sweep_write_intents(&self) {
-        if !self.layout.mode.striped() {
-            return;
-        }
         let quiet = std::time::Duration::from_millis(self.cfg.write_intent_quiet_ms);
         {
             let mut last = self.intent_sweep.lock_or_recover();

@@ -20,6 +20,12 @@
 //! the device has been idle for `parity_log_idle_ms` it moves every logged
 //! page home and frees the units: the log's memory is held while writes
 //! come, and an idle device holds (K + R) / K donor bytes per byte.
+//!
+//! What the rest of the striped code calls: `log_pages` (a small write),
+//! `read_log_slot` (a logged page read alone), `clean_parity_log` and
+//! `drain_idle_log` (maintenance). The page table and its journal records
+//! are the map's (`ExtentMap::log_*`); this module places its units with
+//! `place_group` and moves pages home with `write_pages_locked`.
 
 use std::collections::{HashMap, VecDeque};
 use std::ops::RangeInclusive;
@@ -30,10 +36,10 @@ use std::time::{Duration, Instant};
 
 use netpager_util::{LockExt, RwLockExt};
 
-use super::io::{batch, IoReq, MAX_BATCH};
-use super::{DeviceError, Inner, Result};
+use super::super::io::{batch, IoReq, MAX_BATCH};
+use super::super::{DeviceError, Inner, Result};
 use crate::erasure::MAX_SHARDS;
-use crate::extent_map::{CopyState, Unit};
+use crate::extent_map::Unit;
 use crate::page_log::{LogGeometry, Slot, PAGE};
 use netpager_nbd::Op;
 
@@ -99,7 +105,7 @@ struct LogState {
 
 /// The parity log's writer side.
 pub(crate) struct ParityLog {
-    pub geo: LogGeometry,
+    pub(super) geo: LogGeometry,
     max_leaders: usize,
     st: Mutex<LogState>,
 }
@@ -235,7 +241,7 @@ impl ParityLog {
 
 impl Inner {
     fn plog(&self) -> &ParityLog {
-        self.plog.as_ref().expect("the device has a parity log")
+        self.parity_log().expect("the device has a parity log")
     }
 
     /// The map unit and member position holding data column `col` of log
@@ -248,7 +254,7 @@ impl Inner {
     /// Writes whole device pages `pages` (their 4096 bytes each from
     /// `data`) into the log; false if it had no room (the caller writes
     /// them home). Call with the pages' home groups write-locked.
-    pub(crate) fn log_pages<'d>(
+    pub(super) fn log_pages<'d>(
         &self,
         pages: RangeInclusive<u64>,
         data: impl Fn(u64) -> &'d [u8],
@@ -376,11 +382,7 @@ impl Inner {
         };
         // A degraded unit takes no new rows: new pages go where all their
         // copies can be written.
-        if unit
-            .members
-            .iter()
-            .any(|m| m.state != CopyState::Ok || !self.loc_available(m.loc))
-        {
+        if !unit.members.iter().all(|m| self.usable(m)) {
             return false;
         }
         let cols = self.plog().geo.cols;
@@ -444,7 +446,7 @@ impl Inner {
 
     /// Reads `buf.len()` bytes at `in_page` within log slot `slot`,
     /// rebuilding them from the row's other pages if their member is gone.
-    pub(crate) fn read_log_slot(&self, slot: Slot, in_page: u64, buf: &mut [u8]) -> Result<()> {
+    pub(super) fn read_log_slot(&self, slot: Slot, in_page: u64, buf: &mut [u8]) -> Result<()> {
         let (lu, row, col) = self.plog().geo.place(slot);
         let (g, pos) = self.log_member(lu, col);
         let guard = self.map.unit(g).read_or_recover();
@@ -454,10 +456,7 @@ impl Inner {
         })?;
         let m = unit.members[pos];
         let off = row as u64 * PAGE + in_page;
-        if m.state == CopyState::Ok
-            && self.loc_available(m.loc)
-            && self.exec1(m.loc, off, Op::Read(buf)).is_ok()
-        {
+        if self.usable(&m) && self.exec1(m.loc, off, Op::Read(buf)).is_ok() {
             return Ok(());
         }
         let e = g * self.layout.data_per_unit();
@@ -474,11 +473,8 @@ impl Inner {
         let g = self.layout.log_unit(lu);
         let mut guard = self.map.unit(g).write_or_recover();
         if let Some(unit) = guard.take() {
-            for m in unit.members.iter().filter(|m| m.state == CopyState::Ok) {
-                if self.loc_available(m.loc) {
-                    let _ = self.exec1(m.loc, 0, Op::Trim(self.layout.extent));
-                }
-                self.map.free(m.loc);
+            for &m in &unit.members {
+                self.release_slot(m);
             }
             if let Err(e) = self.map.commit(g, &guard) {
                 // Its slots are given back already: it stays closed, and
@@ -511,7 +507,7 @@ impl Inner {
     /// Its live pages go back into the log when at most half of it is
     /// live (each pass then gains at least half a unit), home otherwise.
     pub(crate) fn clean_parity_log(&self) {
-        let Some(w) = self.plog.as_ref() else {
+        let Some(w) = self.parity_log() else {
             return;
         };
         let low_water = (w.geo.units as usize / 8).max(2);
@@ -556,7 +552,7 @@ impl Inner {
     /// duties (failed donors, rebuilds, status) never wait longer; the
     /// next pass goes on while the device stays idle.
     pub(crate) fn drain_idle_log(&self) {
-        let Some(w) = self.plog.as_ref() else {
+        let Some(w) = self.parity_log() else {
             return;
         };
         let idle = Duration::from_millis(self.cfg.parity_log_idle_ms);
