@@ -422,11 +422,14 @@ fn negotiate(mut fd: &File, opts: &Options) -> Result<bool, FuseError> {
 /// Starts `opts.threads` serving threads per possible CPU, each with its
 /// ring registered on that CPU's queue. Fails if any queue cannot register.
 ///
-/// The threads are not pinned to their queue's CPU: the kernel queues a
-/// request on the queue of the CPU that issued it (under a loop device,
-/// the loop worker's, so one queue carries a whole device's depth), and
-/// pinned threads would answer all of it on that one CPU while the
-/// others' sit idle.
+/// The threads are pinned to their queue's CPU, where the kernel queued
+/// the request (the issuing CPU's queue): a request then wakes a thread on
+/// the CPU that is already running its caller's side, not one asleep on
+/// another CPU. Measured on 2 CPUs (mode none, one donor on loopback,
+/// alternating): QD1 4 KiB reads 65 us pinned against 83 us unpinned,
+/// writes 64 against 86 us; at QD16 unpinned threads did 5-15% more IOPS,
+/// because under a loop device one queue carries a whole device's depth
+/// and pinned threads answer it on one CPU. A swap-in waits on QD1.
 fn start_rings<B: Backend>(
     fd: &Arc<File>,
     session: &Arc<Session<B>>,
@@ -445,9 +448,11 @@ fn start_rings<B: Backend>(
         for t in 0..opts.threads.max(1) {
             let (fd, s, tx, n) = (fd.clone(), session.clone(), tx.clone(), answered.clone());
             let depth = opts.ring_depth.max(1);
-            threads.push(spawn(
-                format!("fuse-ring-{cpu}.{t}"),
-                move || match uring::Queue::register(&fd, cpu as u16, depth, payload) {
+            threads.push(spawn(format!("fuse-ring-{cpu}.{t}"), move || {
+                if let Err(e) = sys::pin_to_cpu(cpu) {
+                    tracing::warn!("cannot pin ring thread to CPU {cpu}: {e}");
+                }
+                match uring::Queue::register(&fd, cpu as u16, depth, payload) {
                     Ok((q, refused)) => {
                         let _ =
                             tx.send(refused.map_or(Ok(()), |e| Err(format!("queue {cpu}: {e}"))));
@@ -457,8 +462,8 @@ fn start_rings<B: Backend>(
                         let _ = tx.send(Err(format!("queue {cpu}: {e}")));
                         Ok(())
                     }
-                },
-            )?);
+                }
+            })?);
             started += 1;
         }
     }

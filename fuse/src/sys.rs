@@ -1,7 +1,8 @@
 //! Every unsafe call of the front end: mount(2), the `/dev/fuse` clone
 //! ioctl, io_uring submissions whose buffers the kernel keeps (one owner
 //! type, [`FuseRing`]), the swap-path process set-up (PR_SET_IO_FLUSHER),
-//! and passing the connection's fd between processes (SCM_RIGHTS).
+//! ring threads' CPU affinity, and passing the connection's fd between
+//! processes (SCM_RIGHTS).
 
 use std::ffi::CString;
 use std::fs::File;
@@ -23,6 +24,19 @@ fn check(rc: libc::c_int) -> io::Result<()> {
     } else {
         Ok(())
     }
+}
+
+/// Runs the calling thread on `cpu` only.
+pub fn pin_to_cpu(cpu: usize) -> io::Result<()> {
+    if cpu >= libc::CPU_SETSIZE as usize {
+        return Err(io::ErrorKind::InvalidInput.into());
+    }
+    // SAFETY: cpu_set_t is plain data; zeroed is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: CPU_SET writes within the set for a cpu below CPU_SETSIZE.
+    unsafe { libc::CPU_SET(cpu, &mut set) };
+    // SAFETY: the set is live for the call; 0 is the calling thread.
+    check(unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) })
 }
 
 fn cpath(p: &Path) -> io::Result<CString> {
