@@ -426,8 +426,9 @@ fn negotiate(mut fd: &File, opts: &Options) -> Result<bool, FuseError> {
 /// the request (the issuing CPU's queue): a request then wakes a thread on
 /// the CPU that is already running its caller's side, not one asleep on
 /// another CPU. Measured on 2 CPUs (mode none, one donor on loopback,
-/// alternating): QD1 4 KiB reads 65 us pinned against 83 us unpinned,
-/// writes 64 against 86 us; at QD16 unpinned threads did 5-15% more IOPS,
+/// alternating): QD1 4 KiB reads 63-78 us pinned against 82-84 us
+/// unpinned, writes 65-72 against 83-90 us; at QD16 unpinned threads did
+/// 5-15% more IOPS,
 /// because under a loop device one queue carries a whole device's depth
 /// and pinned threads answer it on one CPU. A swap-in waits on QD1.
 fn start_rings<B: Backend>(
