@@ -26,7 +26,9 @@ def hinted_job_on_watched_donors(teardown, tmp_path, cluster):
     job running (slowly) once prefetchd has placed blocks in the first:
     (donors, prefetchd, job process)."""
     ds = generate("cyclic-random", tmp_path / "ds", SCALE)
-    donors = cluster.start_donors(2, size="4M", poll_ms=100)
+    # The machine's load must not make a donor busy: only the drain
+    # should change its state here.
+    donors = cluster.start_donors(2, size="4M", poll_ms=100, busy_load=1000)
     args = [donor_arg(d, export="prefetchd@2M") + f",status={d.params['status']}" for d in donors]
     pd = Prefetchd(teardown, tmp_path, ds["data"], donors=args, local_cache="256K",
                    extra=["--status-poll-ms", "100"])
