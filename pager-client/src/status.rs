@@ -3,7 +3,6 @@
 //! `pagerctl status [--json]` and rendered with [`render_table`].
 
 use std::fmt::Write as _;
-use std::io::Write as _;
 use std::path::Path;
 
 use netpager_proto::metrics::{HistogramSnapshot, BUCKET_BOUNDS_NS};
@@ -280,12 +279,15 @@ pub struct ClientStatus {
 }
 
 impl ClientStatus {
-    /// Writes `DIR/status.json` atomically (temporary file, rename).
+    /// Writes `DIR/status.json` atomically (temporary file, rename). The
+    /// text is built in memory and written once: serde writes a token at a
+    /// time, which straight to a file was a write(2) each, thousands per
+    /// status with many donors.
     pub fn write_atomic(&self, dir: &Path) -> std::io::Result<()> {
         let tmp = dir.join(format!("{FILE_NAME}.tmp"));
-        let mut f = std::fs::File::create(&tmp)?;
-        serde_json::to_writer_pretty(&mut f, self)?;
-        f.write_all(b"\n")?;
+        let mut text = serde_json::to_vec_pretty(self)?;
+        text.push(b'\n');
+        std::fs::write(&tmp, &text)?;
         std::fs::rename(&tmp, dir.join(FILE_NAME))
     }
 

@@ -313,3 +313,58 @@ fn a_reset_connection_is_retried_not_a_failed_donor() {
         s.donors[1].retries
     );
 }
+
+/// Heartbeat reads (512 bytes at offset 0, the label block) in a log
+/// filter's file so far.
+fn heartbeats(log: &std::path::Path) -> usize {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("Read") && l.contains("offset=0x0 count=0x200"))
+        .count()
+}
+
+/// A donor that answered a request since the last epoch is alive: the
+/// epoch sends a heartbeat only to a donor that answered nothing, so a busy
+/// device's epochs cost its donors no extra request.
+#[test]
+fn only_a_donor_that_answered_nothing_since_the_last_epoch_gets_a_heartbeat() {
+    let logs = tempfile::tempdir().unwrap();
+    let log = |i: usize| logs.path().join(format!("d{i}.log"));
+    let ds: Vec<Nbdkit> = (0..2)
+        .map(|i| {
+            let logfile = format!("logfile={}", log(i).display());
+            Nbdkit::with_args(&["--filter=log", "memory", "4M", &logfile])
+        })
+        .collect();
+    let refs: Vec<&Nbdkit> = ds.iter().collect();
+    let mut c = config(Mode::None, SIZE, EXTENT, &refs);
+    c.policy.epoch_ms = 50;
+    let state = tempfile::tempdir().unwrap();
+    let dev = Device::open(c, state.path()).unwrap();
+    // Extent 0 lives on one donor: keep that one busy, the other idle.
+    let page = vec![7u8; 4096];
+    dev.write(&page, 0).unwrap();
+    let s = dev.status();
+    let busy = s.donors.iter().position(|d| d.extents_held == 1).unwrap();
+    let idle = 1 - busy;
+    let before = [heartbeats(&log(0)), heartbeats(&log(1))];
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    let mut got = vec![0u8; 4096];
+    while std::time::Instant::now() < until {
+        dev.write(&page, 0).unwrap();
+        dev.read(&mut got, 0).unwrap();
+        assert_eq!(got, page);
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    let during = [
+        heartbeats(&log(0)) - before[0],
+        heartbeats(&log(1)) - before[1],
+    ];
+    // About 40 epochs: the idle donor is read every one of them, the busy
+    // one at most in the epoch its first answer was counted in.
+    assert!(during[idle] >= 10, "idle donor's heartbeats: {during:?}");
+    assert!(during[busy] <= 1, "busy donor's heartbeats: {during:?}");
+    let s = dev.status();
+    assert!(s.donors.iter().all(|d| !d.failed), "{}", render_table(&s));
+}

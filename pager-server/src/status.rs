@@ -29,7 +29,13 @@ use netpager_util::LockExt;
 
 use crate::donor::Donor;
 
-pub const MAX_CONNECTIONS: usize = 16;
+/// Every client keeps one connection to each donor from one epoch to the
+/// next (`StatusSession`), so this bounds the clients a donor serves at
+/// once, not just bursts.
+pub const MAX_CONNECTIONS: usize = 128;
+/// A connection thread decodes one small message at a time; under
+/// `mlock=true` every stack page it touches stays locked.
+const CONNECTION_STACK: usize = 256 << 10;
 pub const IO_TIMEOUT: Duration = Duration::from_secs(5);
 pub const CONNECTION_LIFETIME: Duration = Duration::from_secs(30);
 
@@ -144,6 +150,11 @@ impl Drop for Slot {
 }
 
 fn accept_loop(listener: TcpListener, donor: Arc<Donor>, auth: Option<Arc<Auth>>) {
+    // Status is polled every epoch by every client: its threads (they
+    // inherit this one's priority) must not delay a data request's reply.
+    if let Err(e) = netpager_util::process::background_thread() {
+        (donor.log().debug)(&format!("status endpoint stays at its priority: {e}"));
+    }
     let live = Arc::new(AtomicUsize::new(0));
     loop {
         let stream = match listener.accept() {
@@ -168,6 +179,7 @@ fn accept_loop(listener: TcpListener, donor: Arc<Donor>, auth: Option<Arc<Auth>>
         let a = auth.clone();
         let spawned = std::thread::Builder::new()
             .name("pager-status-conn".into())
+            .stack_size(CONNECTION_STACK)
             .spawn(move || {
                 let _slot = slot;
                 serve(stream, &peer, &d, a.as_deref());

@@ -131,24 +131,41 @@ pub struct StatusClient {
 }
 
 impl StatusClient {
-    /// Sends one request and returns the donor's reply, checking the reply's
-    /// signature when a key is held.
-    pub fn call(&self, addr: &str, mut req: v1::Request) -> Result<v1::Reply, ProtoError> {
+    /// Sends one request on a new connection and returns the donor's
+    /// reply, checking the reply's signature when a key is held.
+    pub fn call(&self, addr: &str, req: v1::Request) -> Result<v1::Reply, ProtoError> {
+        let mut s = self.connect(addr)?;
+        self.exchange(&mut s, addr, req)
+    }
+
+    fn connect(&self, addr: &str) -> Result<TcpStream, ProtoError> {
         let io_err = |source| ProtoError::Io {
             addr: addr.to_string(),
             source,
         };
         let sa = resolve(addr)?;
-        let mut s = TcpStream::connect_timeout(&sa, self.timeout).map_err(io_err)?;
+        let s = TcpStream::connect_timeout(&sa, self.timeout).map_err(io_err)?;
         s.set_read_timeout(Some(self.timeout)).map_err(io_err)?;
         s.set_write_timeout(Some(self.timeout)).map_err(io_err)?;
         s.set_nodelay(true).map_err(io_err)?;
+        Ok(s)
+    }
+
+    /// One request and its reply on connection `s`.
+    fn exchange(
+        &self,
+        s: &mut TcpStream,
+        addr: &str,
+        mut req: v1::Request,
+    ) -> Result<v1::Reply, ProtoError> {
         if let Some(key) = &self.key {
             key.sign_request(&mut req);
         }
-        write_message(&mut s, &req, addr)?;
-        let reply = read_message::<v1::Reply>(&mut s, addr)?
-            .ok_or_else(|| io_err(io::ErrorKind::UnexpectedEof.into()))?;
+        write_message(s, &req, addr)?;
+        let reply = read_message::<v1::Reply>(s, addr)?.ok_or_else(|| ProtoError::Io {
+            addr: addr.to_string(),
+            source: io::ErrorKind::UnexpectedEof.into(),
+        })?;
         if let (Some(key), Some(auth)) = (&self.key, &req.auth) {
             // A donor refusing a request it could not authenticate does not
             // sign the refusal: report its reason rather than the signature.
@@ -173,11 +190,7 @@ impl StatusClient {
 
     /// Reads a donor's current status.
     pub fn query(&self, addr: &str) -> Result<DonorStatus, ProtoError> {
-        let req = v1::Request {
-            body: Some(v1::request::Body::Status(v1::StatusQuery {})),
-            auth: None,
-        };
-        expect_status(addr, self.call(addr, req)?)
+        expect_status(addr, self.call(addr, status_query())?)
     }
 
     /// Asks a donor to start or stop draining; returns its status afterwards.
@@ -187,6 +200,68 @@ impl StatusClient {
             auth: None,
         };
         expect_status(addr, self.call(addr, req)?)
+    }
+}
+
+/// A status connection to one donor kept from one query to the next, so
+/// that polling a donor every epoch costs it one request, not a connection
+/// and a thread. A kept connection the donor has closed (its lifetime or
+/// idle timeout is over) is replaced once by a fresh one.
+#[derive(Debug)]
+pub struct StatusSession {
+    client: StatusClient,
+    conn: Option<TcpStream>,
+}
+
+impl StatusSession {
+    pub fn new(client: StatusClient) -> StatusSession {
+        StatusSession { client, conn: None }
+    }
+
+    /// A connection is kept: the next query is one round trip, no connect.
+    pub fn is_connected(&self) -> bool {
+        self.conn.is_some()
+    }
+
+    /// Reads the status of the donor at `addr`.
+    pub fn query(&mut self, addr: &str) -> Result<DonorStatus, ProtoError> {
+        if let Some(mut s) = self.conn.take() {
+            match self.client.exchange(&mut s, addr, status_query()) {
+                Ok(reply) => return self.keep(s, addr, reply),
+                // Closed while idle: a fresh connection below. A timeout
+                // is a slow or hung donor, and asking again would wait as
+                // long.
+                Err(ProtoError::Io { ref source, .. })
+                    if !matches!(
+                        source.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        let mut s = self.client.connect(addr)?;
+        let reply = self.client.exchange(&mut s, addr, status_query())?;
+        self.keep(s, addr, reply)
+    }
+
+    /// Keeps `s` when `reply` is a status; a refusal closes the connection
+    /// on the donor's side, so it is dropped here too.
+    fn keep(
+        &mut self,
+        s: TcpStream,
+        addr: &str,
+        reply: v1::Reply,
+    ) -> Result<DonorStatus, ProtoError> {
+        let status = expect_status(addr, reply)?;
+        self.conn = Some(s);
+        Ok(status)
+    }
+}
+
+fn status_query() -> v1::Request {
+    v1::Request {
+        body: Some(v1::request::Body::Status(v1::StatusQuery {})),
+        auth: None,
     }
 }
 
@@ -352,6 +427,42 @@ mod tests {
         };
         let err = keyed_call(forged).unwrap_err().to_string();
         assert!(err.contains("reply not signed by the lab key"), "{err}");
+    }
+
+    #[test]
+    fn a_session_keeps_its_connection_and_replaces_one_the_donor_closed() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        // The donor answers two requests on its first connection, then
+        // closes it (as its lifetime running out does), then one more on a
+        // second connection.
+        let donor = std::thread::spawn(move || {
+            for answers in [2u64, 1] {
+                let (mut s, _) = listener.accept().unwrap();
+                for n in 0..answers {
+                    let _: v1::Request = read_message(&mut s, "client").unwrap().unwrap();
+                    let reply = v1::Reply {
+                        body: Some(v1::reply::Body::Status(DonorStatus {
+                            used_bytes: answers * 10 + n,
+                            ..Default::default()
+                        })),
+                        mac: Vec::new(),
+                    };
+                    write_message(&mut s, &reply, "client").unwrap();
+                }
+            }
+        });
+        let mut session = StatusSession::new(StatusClient {
+            timeout: Duration::from_secs(5),
+            key: None,
+        });
+        assert!(!session.is_connected());
+        let used: Vec<u64> = (0..3)
+            .map(|_| session.query(&addr).unwrap().used_bytes)
+            .collect();
+        assert_eq!(used, [20, 21, 10]);
+        assert!(session.is_connected());
+        donor.join().unwrap();
     }
 
     #[test]

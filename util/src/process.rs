@@ -1,6 +1,7 @@
 //! Process set-up shared by every daemon and plugin on the swap path:
 //! locking the process's memory so serving a page never waits for one of
-//! its own pages to come back from swap.
+//! its own pages to come back from swap, and keeping housekeeping threads
+//! out of the request path's way.
 
 use std::io;
 
@@ -25,4 +26,12 @@ pub fn lock_memory(how: Lock) -> io::Result<()> {
         flags |= libc::MCL_ONFAULT;
     }
     crate::sys::mlockall(flags)
+}
+
+/// Lowers the calling thread (and the threads it starts) to nice 19, for
+/// periodic housekeeping (status polls, epochs) that shares a few CPUs with
+/// the threads serving requests: a request woken while it runs should get
+/// the CPU first.
+pub fn background_thread() -> io::Result<()> {
+    crate::sys::set_thread_nice(19)
 }

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering}
 use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
 
-use netpager_proto::{DonorStatus, StatusClient};
+use netpager_proto::{DonorStatus, StatusClient, StatusSession};
 use netpager_util::{LockExt, RwLockExt};
 
 use super::{Inner, Result};
@@ -60,8 +60,9 @@ pub(crate) struct Donor {
     /// still hold a reference), closed.
     pub retired: AtomicBool,
     pub pool: Pool,
-    /// Reads the donor's status endpoint, signing with the lab key if any.
-    pub status_client: StatusClient,
+    /// Reads the donor's status endpoint, signing with the lab key if any,
+    /// on a connection kept from one epoch to the next.
+    pub status: Mutex<StatusSession>,
     pub failed: AtomicBool,
     pub health: Mutex<Health>,
     pub draining: AtomicBool,
@@ -77,6 +78,11 @@ pub(crate) struct Donor {
     pub retries: AtomicU64,
     pub reads: AtomicU64,
     pub writes: AtomicU64,
+    /// Requests it answered (ENOSPC included): a donor that answered since
+    /// the last epoch is alive and needs no heartbeat.
+    pub answered: AtomicU64,
+    /// `answered` when the epoch last looked.
+    answered_seen: AtomicU64,
     /// Serialises writing a new label.
     pub label_lock: Mutex<()>,
 }
@@ -103,7 +109,7 @@ impl Donor {
             retired: AtomicBool::new(false),
             // Entries are never reused, so no two pools share an order.
             pool: Pool::new(idx, ep, timeouts, conns),
-            status_client,
+            status: Mutex::new(StatusSession::new(status_client)),
             failed: AtomicBool::new(false),
             health: Mutex::new(Health::default()),
             draining: AtomicBool::new(false),
@@ -114,6 +120,8 @@ impl Donor {
             retries: AtomicU64::new(0),
             reads: AtomicU64::new(0),
             writes: AtomicU64::new(0),
+            answered: AtomicU64::new(0),
+            answered_seen: AtomicU64::new(0),
             label_lock: Mutex::new(()),
         }
     }
@@ -128,6 +136,12 @@ impl Donor {
 
     pub fn is_retired(&self) -> bool {
         self.retired.load(Ordering::Acquire)
+    }
+
+    /// It answered no request since the last call (the epoch's look).
+    pub fn quiet_since_last_look(&self) -> bool {
+        let now = self.answered.load(Ordering::Relaxed);
+        self.answered_seen.swap(now, Ordering::Relaxed) == now
     }
 
     pub fn health(&self) -> std::sync::MutexGuard<'_, Health> {

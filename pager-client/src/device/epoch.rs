@@ -29,6 +29,9 @@ const EPOCHS_KEPT: usize = 64;
 
 impl Inner {
     pub(crate) fn epoch_loop(&self) {
+        if let Err(e) = netpager_util::process::background_thread() {
+            tracing::debug!("epoch thread stays at its priority: {e}");
+        }
         let period = Duration::from_millis(self.cfg.policy.epoch_ms);
         let mut last = Instant::now();
         while self.epoch_wake.wait(period, &self.stop) {
@@ -56,14 +59,21 @@ impl Inner {
         j.epochs.push_back((at, t0.elapsed().as_micros() as u64));
     }
 
-    /// Reads every donor's status endpoint, up to [`POLLERS`] at once: one
-    /// slow or unreachable donor (a connect timeout each) must not stretch
-    /// the epoch by the number of donors.
+    /// Reads every donor's status endpoint. A donor whose connection is
+    /// kept from the last epoch costs one round trip, so those are read in
+    /// turn on this thread; the others need a connect, which may wait out a
+    /// timeout, so they are read up to [`POLLERS`] at once: one slow or
+    /// unreachable donor must not stretch the epoch by the number of
+    /// donors.
     fn poll_status(&self) {
-        let donors: Vec<&Donor> = self.donors.iter().collect();
-        let per = donors.len().div_ceil(POLLERS).max(1);
+        let (kept, fresh): (Vec<&Donor>, Vec<&Donor>) = self
+            .donors
+            .iter()
+            .partition(|d| d.status.lock_or_recover().is_connected());
+        kept.iter().for_each(|d| self.poll_one(d));
+        let per = fresh.len().div_ceil(POLLERS).max(1);
         std::thread::scope(|s| {
-            for chunk in donors.chunks(per) {
+            for chunk in fresh.chunks(per) {
                 let poll = move || chunk.iter().for_each(|d| self.poll_one(d));
                 // Small stacks: the serving process locks every page it maps.
                 let spawned = std::thread::Builder::new()
@@ -84,7 +94,8 @@ impl Inner {
                 d.full.store(false, Ordering::Release);
                 return;
             };
-            match d.status_client.query(addr) {
+            let polled = d.status.lock_or_recover().query(addr);
+            match polled {
                 Ok(s) => {
                     let draining = s.state() == DonorState::Draining;
                     let was = d.draining.swap(draining, Ordering::AcqRel);
@@ -128,14 +139,18 @@ impl Inner {
         }
     }
 
-    /// A small read (inside the label block) from every donor that is up; one that does not answer
-    /// in time is marked failed. A fast failure (a reset connection) is
-    /// tried once more first, as for data requests.
+    /// A small read (inside the label block) from every donor that is up
+    /// and answered no request since the last epoch (one that did is
+    /// alive, and a request of its that hangs fails it by its own
+    /// deadline); one that does not answer in time is marked failed. A
+    /// fast failure (a reset connection) is tried once more first, as for
+    /// data requests.
     fn heartbeat(&self) {
         let up: Vec<&Donor> = self
             .donors
             .iter()
             .filter(|d| !d.is_failed() && d.attached.load(Ordering::Acquire))
+            .filter(|d| d.quiet_since_last_look())
             .collect();
         let mut failed: Vec<(&Donor, nbd::NbdError)> = up
             .iter()

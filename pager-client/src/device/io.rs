@@ -439,6 +439,9 @@ impl Inner {
             }
             for ((d, o), res) in who.iter().zip(out).zip(&mut results) {
                 let Some(d) = d else { continue };
+                if o.as_ref().map_or_else(|e| e.is_no_space(), |_| true) {
+                    d.answered.fetch_add(1, Ordering::Relaxed);
+                }
                 *res = Some(o.map_err(|e| {
                     if e.is_no_space() {
                         d.full.store(true, Ordering::Release);
