@@ -36,26 +36,39 @@ pub fn on_path(name: &str) -> bool {
         .unwrap_or(false)
 }
 
+/// Field `n` (1-based, as proc(5) numbers them) of a /proc/PID/stat line.
+/// The fields from the third on follow the parenthesised command name,
+/// which may itself contain parentheses and spaces.
+fn stat_field(stat: &str, n: usize) -> Option<&str> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(n.checked_sub(3)?)
+}
+
+fn read_stat(pid: u32) -> Option<String> {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()
+}
+
 /// Whether `pid` is a live process (zombies count as gone).
 pub fn alive(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        // The state follows the parenthesised command name, which may itself
-        // contain parentheses.
-        Ok(stat) => {
-            stat.rfind(')')
-                .and_then(|i| stat[i + 1..].split_whitespace().next())
-                != Some("Z")
-        }
-        Err(_) => false,
-    }
+    read_stat(pid).is_some_and(|stat| stat_field(&stat, 3) != Some("Z"))
 }
 
 /// Start time of `pid` in clock ticks since boot (field 22 of
 /// /proc/PID/stat), `None` when there is no such process.
 pub fn start_ticks(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(19)?.parse().ok()
+    stat_field(&read_stat(pid)?, 22)?.parse().ok()
+}
+
+/// PF_MEMALLOC_NOIO (include/linux/sched.h), which PR_SET_IO_FLUSHER sets.
+const PF_MEMALLOC_NOIO: u64 = 0x0008_0000;
+
+/// Whether `pid` frees memory rather than waiting for it
+/// (PR_SET_IO_FLUSHER, field 9's PF_MEMALLOC_NOIO): reclaim on its behalf
+/// never starts I/O, so it cannot wait on the swap device it serves.
+/// `None` when there is no such process.
+pub fn io_flusher(pid: u32) -> Option<bool> {
+    let flags: u64 = stat_field(&read_stat(pid)?, 9)?.parse().ok()?;
+    Some(flags & PF_MEMALLOC_NOIO != 0)
 }
 
 /// Whether `pid` is still the live process that started at `started`; a pid
@@ -114,4 +127,27 @@ pub fn log_tail(path: &Path, lines: usize) -> String {
 /// Reads a pid file.
 pub fn read_pidfile(path: &Path) -> Option<u32> {
     std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_fields_are_counted_past_a_command_name_with_parentheses() {
+        let stat = "4242 (fuse (ring) 1) S 1 4242 4242 0 -1 4718656 12 0 0 0 3 1 0 0 20 0 9 0 777 1";
+        assert_eq!(stat_field(stat, 3), Some("S"));
+        assert_eq!(stat_field(stat, 9), Some("4718656"));
+        assert_eq!(stat_field(stat, 22), Some("777"));
+        assert_eq!(stat_field(stat, 2), None);
+        assert_eq!(stat_field("no command name", 3), None);
+        // 4718656 = 0x480040: PF_MEMALLOC_NOIO (0x80000) is set.
+        assert_ne!(4_718_656 & PF_MEMALLOC_NOIO, 0);
+    }
+
+    #[test]
+    fn this_process_is_no_io_flusher_unless_it_asked() {
+        assert_eq!(io_flusher(std::process::id()), Some(false));
+        assert_eq!(io_flusher(u32::MAX), None);
+    }
 }

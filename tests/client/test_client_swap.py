@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from netpager_testkit.client import MIB, donor_spec, run_memhog, run_pagerctl
-from netpager_testkit.procs import wait_for
+from netpager_testkit.procs import has_cap_sys_resource, wait_for
 from netpager_testkit import swaps
 
 LIMIT = 64 * MIB
@@ -24,6 +24,14 @@ def test_swap_job_in_each_mode(mode, frontend, teardown, donors, client, memhog,
     device = client.attach(ds, mode=mode, size="256M", swap=True, frontend=frontend)
     assert device in swaps(), f"{device} is not swap: {swaps()}"
     assert client.frontend() == frontend
+    # Whether the serving process can be an I/O flusher depends on the
+    # machine (CAP_SYS_RESOURCE; nbdkit never asks): status says which, and
+    # warns when it is not.
+    full = client.status()
+    if frontend != "nbd":
+        assert full["io_flusher"] is has_cap_sys_resource(), full["io_flusher"]
+    text = run_pagerctl(["status", "--state-dir", client.state_dir]).stdout
+    assert ("is not an I/O flusher" in text) is (full["io_flusher"] is False), text
 
     job = run_memhog(teardown, memhog, LIMIT, tmp_path / "memhog.log", device)
     assert "memhog: OK" in job.finish()

@@ -136,3 +136,13 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(interval)
+
+
+def has_cap_sys_resource() -> bool:
+    """CAP_SYS_RESOURCE (bit 24) in this process's effective set: what
+    PR_SET_IO_FLUSHER and oom_score_adj -1000 need. Root in a container may
+    lack it."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> 24 & 1)
+    return False

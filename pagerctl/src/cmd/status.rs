@@ -51,6 +51,13 @@ pub fn run(a: Args) -> Result<()> {
     let holder = restartable.then(|| HolderInfo::load(&layout.holder_json()));
     let serving = serve.as_ref().map(|s| s.pid).filter(|&p| procs::alive(p));
     let warning = restartable.then(|| holder_warning(server_alive)).flatten();
+    let serving_pid = if restartable {
+        serving
+    } else {
+        server.filter(|_| server_alive).map(|(pid, _)| pid)
+    };
+    let io_flusher = serving_pid.and_then(procs::io_flusher);
+    let swapping = record.as_ref().is_some_and(|r| r.swapping());
     let log = match frontend {
         Some(Frontend::Nbd) => layout.nbdkit_log(),
         _ => layout.serve_log(),
@@ -90,6 +97,7 @@ pub fn run(a: Args) -> Result<()> {
                 "serving_pid": serving,
             })),
             "warning": warning,
+            "io_flusher": io_flusher,
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
@@ -130,6 +138,9 @@ pub fn run(a: Args) -> Result<()> {
     if let Some(w) = &warning {
         println!("WARNING: {w}");
     }
+    if let (true, Some(false), Some(pid)) = (swapping, io_flusher, serving_pid) {
+        println!("WARNING: {}", io_flusher_warning(pid));
+    }
     match server.filter(|_| !restartable) {
         Some((pid, _)) if server_alive => println!("server: running, pid {pid}"),
         Some((pid, _)) => {
@@ -165,4 +176,13 @@ fn holder_warning(holder_alive: bool) -> Option<String> {
     (!holder_alive).then(|| {
         "the connection holder is gone: the device is no longer restartable, and if the serving process exits now the device is lost (its swapped pages with it); detach and attach again when swap can go off".to_string()
     })
+}
+
+/// What status says of a swap device whose serving process could not be
+/// made an I/O flusher (its log says why): global reclaim can then make it
+/// wait on its own device.
+fn io_flusher_warning(pid: u32) -> String {
+    format!(
+        "the serving process (pid {pid}) is not an I/O flusher (PR_SET_IO_FLUSHER needs CAP_SYS_RESOURCE): if the whole machine runs out of memory, reclaim on its behalf can write to this swap device and wait on itself, hanging the device (pagerctl(1) MEMORY PRESSURE)"
+    )
 }

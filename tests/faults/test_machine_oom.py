@@ -1,0 +1,160 @@
+"""The whole machine out of memory, no cgroup (pagerctl(1) MEMORY
+PRESSURE).
+
+Every other swap test limits its job with a memory cgroup, so the rest of
+the machine always has memory for the serving process's sockets and
+buffers. Here nothing does: a pressure process (pressure.py) locks all but
+about 1 GiB of the machine's available memory, then memhog touches 2 GiB
+outside any memory cgroup with one swap area on, and verifies every page:
+
+- netpager parity on 3 donors, as swap;
+- for comparison, the same job on a swap file on local disk.
+
+The donors stand for other machines: `nbdkit memory` with its whole size
+allocated and locked before the pressure starts (allocator=malloc,
+mlock=true), so their pages are not the pressured machine's to give back.
+The kernel must kill nothing: the pressure process is first in line
+(oom_score_adj 1000), so a kill ends the pressure early, and the test
+fails on it as on the kernel's oom_kill count. The pressure process
+bounds itself in time, so the machine comes back even if this test
+cannot. It takes the whole machine: `make faults` only (faults_full).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from netpager_testkit.attach import Swap, swaps
+from netpager_testkit.donor import free_ports, nbd_handshake
+from netpager_testkit.procs import OwnedProcess, has_cap_sys_resource, wait_for
+
+GIB = 1 << 30
+MIB = 1 << 20
+KEEP = 1 * GIB
+JOB = 2 * GIB
+# Upper bound on the whole pressured part (the pressure's own deadline).
+PRESSURE_S = 900
+
+
+class LockedDonor:
+    """`nbdkit memory SIZE allocator=malloc,mlock=true` on loopback: a donor
+    whose memory is all allocated and locked when it starts."""
+
+    def __init__(self, teardown, workdir: Path, name: str, size: str):
+        self.name, self.addr = name, "127.0.0.1"
+        self.port = free_ports(self.addr, 1)[0]
+        self.status_addr = None
+        argv = ["nbdkit", "-f", "-i", self.addr, "--port", str(self.port), "memory", size,
+                "allocator=malloc,mlock=true"]
+        self.proc = OwnedProcess(argv, workdir / f"{name}.log", teardown, f"donor {name}")
+        wait_for(lambda: nbd_handshake(f"nbd://{self.addr}:{self.port}") or not self.proc.alive(),
+                 120, f"donor {name} to allocate and lock {size}")
+        assert self.proc.alive(), f"donor {name} did not start: {self.proc.log_tail()}"
+
+
+def abort_when_stuck(teardown, mountpoint: Path, *procs) -> None:
+    """Registers, to run after `procs` are stopped: if one of them is still
+    alive (stuck in reclaim on the device), abort the device's FUSE
+    connection (fusectl), which fails its requests and frees the machine,
+    so that the detach after it can run."""
+
+    def undo():
+        if not any(p.alive() for p in procs):
+            return
+        conn = next((line.split()[2].split(":")[1] for line in open("/proc/self/mountinfo")
+                     if line.split()[4] == str(mountpoint)), None)
+        ctl = Path("/sys/fs/fuse/connections")
+        mounted_here = not any(ctl.iterdir())
+        if mounted_here:
+            subprocess.run(["mount", "-t", "fusectl", "none", ctl], check=True)
+        try:
+            if conn:
+                (ctl / conn / "abort").write_text("1")
+        finally:
+            if mounted_here:
+                subprocess.run(["umount", ctl], check=True)
+        wait_for(lambda: not any(p.alive() for p in procs), 60, "the stuck processes to end")
+
+    teardown.add(f"abort the FUSE connection of {mountpoint} if the job is stuck", undo)
+
+
+def vmstat(key: str) -> int:
+    for line in Path("/proc/vmstat").read_text().splitlines():
+        k, v = line.split()
+        if k == key:
+            return int(v)
+    return 0
+
+
+def run_under_pressure(teardown, tmp_path, memhog, device: str, fuse_dir: Path | None = None) -> dict:
+    """Locks all but KEEP, runs memhog over JOB bytes with `device` the only
+    swap, and checks the job, the pressure and the kernel's kills. With
+    `fuse_dir` (netpager's FUSE mount), a job or pressure stuck at the end
+    gets the connection aborted."""
+    pressure = OwnedProcess(["/usr/bin/python3", Path(__file__).with_name("pressure.py"),
+                             str(KEEP), str(PRESSURE_S)], tmp_path / "pressure.log", teardown, "pressure")
+    wait_for(lambda: "locked" in pressure.log_tail() or not pressure.alive(), 300,
+             "the pressure to lock the machine's memory")
+    assert pressure.alive(), f"the pressure process ended: {pressure.log_tail()}"
+    t0, kills = time.monotonic(), vmstat("oom_kill")
+    job = OwnedProcess([memhog, str(JOB), "--passes", "1"], tmp_path / "memhog.log", teardown, "memhog")
+    if fuse_dir:
+        abort_when_stuck(teardown, fuse_dir, pressure, job)
+    peak = 0
+    while job.alive() and pressure.alive():
+        peak = max(peak, swaps().get(device, 0))
+        time.sleep(0.2)
+    job.popen.wait(timeout=60)
+    took = time.monotonic() - t0
+    assert pressure.alive(), (f"the pressure ended before the job did (OOM kill or its "
+                              f"{PRESSURE_S} s deadline): {pressure.log_tail()}")
+    assert job.popen.returncode == 0, f"memhog exited {job.popen.returncode}: {job.log_tail()}"
+    assert vmstat("oom_kill") == kills, "the kernel killed a process for memory"
+    assert peak >= 512 * MIB, f"only {peak >> 20} MiB went to swap: no pressure to speak of"
+    summary = job.log_tail().strip().splitlines()[-1]
+    return {"seconds": round(took, 1), "swap_peak_mib": peak >> 20, "memhog": summary}
+
+
+def record(name: str, row: dict) -> None:
+    out = Path(__file__).resolve().parents[2] / "bench-results" / "machine-oom.json"
+    out.parent.mkdir(exist_ok=True)
+    rows = json.loads(out.read_text()) if out.exists() else {}
+    rows[name] = row
+    out.write_text(json.dumps(rows, indent=1) + "\n")
+    print(f"{name}: {row}")
+
+
+def only_swap_here() -> None:
+    on = swaps()
+    assert not on, f"another swap area is on ({', '.join(on)}): this test needs the only one"
+
+
+@pytest.mark.faults_full
+def test_parity_swap_holds_with_the_whole_machine_out_of_memory(root, teardown, tmp_path, client, memhog):
+    if not has_cap_sys_resource():
+        pytest.skip("no CAP_SYS_RESOURCE here, so the serving process cannot be an I/O flusher "
+                    "(PR_SET_IO_FLUSHER) and deadlocks under global reclaim: pagerctl(1) MEMORY PRESSURE")
+    only_swap_here()
+    ds = [LockedDonor(teardown, tmp_path, f"d{i}", "2G") for i in range(3)]
+    device = client.attach(ds, mode="parity", size="3G", swap=True)
+    row = run_under_pressure(teardown, tmp_path, memhog, device, client.state_dir / "fuse")
+    st = client.device_status()
+    assert st["totals"]["lost"] == 0, st["totals"]
+    row["resent_or_retried"] = sum(d.get("retries", 0) for d in st["donors"])
+    record("netpager parity, 3 donors", row)
+
+
+@pytest.mark.faults_full
+def test_a_swap_file_under_the_same_pressure(root, teardown, tmp_path, memhog):
+    only_swap_here()
+    f = Path("/var/tmp") / f"netpager-oom-{tmp_path.name}.swap"
+    teardown.add(f"remove {f}", lambda: f.unlink(missing_ok=True))
+    subprocess.run(["fallocate", "-l", "3G", f], check=True)
+    f.chmod(0o600)
+    Swap(teardown, str(f))
+    record("swap file on local disk", run_under_pressure(teardown, tmp_path, memhog, str(f)))
