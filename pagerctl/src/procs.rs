@@ -135,7 +135,8 @@ mod tests {
 
     #[test]
     fn stat_fields_are_counted_past_a_command_name_with_parentheses() {
-        let stat = "4242 (fuse (ring) 1) S 1 4242 4242 0 -1 4718656 12 0 0 0 3 1 0 0 20 0 9 0 777 1";
+        let stat =
+            "4242 (fuse (ring) 1) S 1 4242 4242 0 -1 4718656 12 0 0 0 3 1 0 0 20 0 9 0 777 1";
         assert_eq!(stat_field(stat, 3), Some("S"));
         assert_eq!(stat_field(stat, 9), Some("4718656"));
         assert_eq!(stat_field(stat, 22), Some("777"));
