@@ -35,6 +35,17 @@ pub fn config(mode: Mode, size: u64, extent: u64, donors: &[&Nbdkit]) -> DeviceC
 
 /// Waits (up to a minute) for the device's status to satisfy `pred`.
 pub fn wait_status(dev: &Device, what: &str, pred: impl Fn(&ClientStatus) -> bool) -> ClientStatus {
+    wait_status_every(dev, what, Duration::from_millis(50), pred)
+}
+
+/// [`wait_status`], looking every `every`: for a state that lasts only
+/// moments (a drain under way).
+pub fn wait_status_every(
+    dev: &Device,
+    what: &str,
+    every: Duration,
+    pred: impl Fn(&ClientStatus) -> bool,
+) -> ClientStatus {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let s = dev.status();
@@ -46,7 +57,7 @@ pub fn wait_status(dev: &Device, what: &str, pred: impl Fn(&ClientStatus) -> boo
             "timed out waiting for {what}; status:\n{}",
             pager_client::status::render_table(&s)
         );
-        std::thread::sleep(Duration::from_millis(50));
+        std::thread::sleep(every);
     }
 }
 
