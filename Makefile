@@ -77,6 +77,7 @@ test-security: build
 	$(PYTEST) tests/security
 
 test-monitoring: build
+	$(CARGO) test --release -p netpager-metrics
 	$(PYTEST) tests/monitoring
 
 # Every benchmark of bench-client, bench-server and bench-prefetch in its

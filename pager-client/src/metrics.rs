@@ -2,12 +2,12 @@
 //! counters and latency histograms that the device's request entry points
 //! update (atomics only: no lock, no allocation on the swap path), and the
 //! families of one scrape rendered from them, the device's status and the
-//! front end in use. The HTTP side is `netpager_proto::metrics`.
+//! front end in use. The HTTP side is `netpager_metrics`.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
-use netpager_proto::metrics::{labels, AtomicHistogram, BaseUnit, Exposition, Labels, Value};
+use netpager_metrics::{labels, AtomicHistogram, BaseUnit, Exposition, Labels, Value};
 
 use crate::status::{ClientStatus, Progress, RequestReport};
 

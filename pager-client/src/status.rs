@@ -5,7 +5,7 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
-use netpager_proto::metrics::{HistogramSnapshot, BUCKET_BOUNDS_NS};
+use netpager_metrics::{HistogramSnapshot, BUCKET_BOUNDS_NS};
 use netpager_util::format_size;
 use serde::{Deserialize, Serialize};
 
@@ -190,7 +190,7 @@ pub struct RequestReport {
     /// Time spent serving them.
     pub seconds: f64,
     /// Cumulative counts of requests served within each bound of
-    /// `netpager_proto::metrics::BUCKET_BOUNDS_NS`, then of all.
+    /// `netpager_metrics::BUCKET_BOUNDS_NS`, then of all.
     pub buckets: Vec<u64>,
 }
 

@@ -6,8 +6,8 @@
 
 use std::net::{IpAddr, SocketAddr};
 
+pub use netpager_metrics::is_loopback;
 use netpager_proto::auth::{check_export_token, EXPORT_TOKEN_HEX};
-pub use netpager_proto::metrics::is_loopback;
 
 use crate::config::{parse_export_name, ConfigError, ExportSpec};
 

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use netpager_proto::metrics::{AtomicHistogram, HistogramSnapshot};
+use netpager_metrics::{AtomicHistogram, HistogramSnapshot};
 use netpager_proto::v1::{reply, request, Reply, Request};
 use netpager_proto::{DonorState, DonorStatus, ExportUsage};
 use netpager_util::{format_size, LockExt};

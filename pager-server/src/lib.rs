@@ -52,8 +52,8 @@ use config::Config;
 use donor::{describe, Donor, Logger, Op, Settings};
 use memwatch::{has_cap_ipc_lock, read_loadavg, read_meminfo};
 use netpager_membership::discovery::Announcer;
+use netpager_metrics::{Bound, EndpointConfig};
 use netpager_proto::auth::load_export_secret;
-use netpager_proto::metrics::{Bound, EndpointConfig};
 use netpager_util::{format_size, LockExt};
 use state::Observation;
 use store::{Export, StoreError};
@@ -138,9 +138,8 @@ fn load_guard(cfg: &Config) -> Result<Guard> {
         insecure: cfg.insecure,
     });
     if let Some(m) = &metrics {
-        let sa = netpager_proto::metrics::resolve(m.param, &m.addr)
-            .map_err(|e| einval(e.to_string()))?;
-        netpager_proto::metrics::check_address(m.param, sa, m.key_file.is_some(), m.insecure)
+        let sa = netpager_metrics::resolve(m.param, &m.addr).map_err(|e| einval(e.to_string()))?;
+        netpager_metrics::check_address(m.param, sa, m.key_file.is_some(), m.insecure)
             .map_err(|e| Error::new(libc::EACCES, e.to_string()))?;
     }
     Ok(Guard {

@@ -1,8 +1,8 @@
 //! The donor's `/metrics` families (`metrics=ADDR:PORT`), rendered from
 //! the status it publishes and its service-time histograms. The HTTP side
-//! and the access rule are `netpager_proto::metrics`.
+//! and the access rule are `netpager_metrics`.
 
-use netpager_proto::metrics::{labels, BaseUnit, Exposition, HistogramSnapshot, Value};
+use netpager_metrics::{labels, BaseUnit, Exposition, HistogramSnapshot, Value};
 use netpager_proto::{DonorState, DonorStatus};
 
 use crate::donor::Op;
@@ -143,7 +143,7 @@ pub fn exposition(s: &DonorStatus, service: &[(Op, HistogramSnapshot)]) -> Expos
 #[cfg(test)]
 mod tests {
     use super::*;
-    use netpager_proto::metrics::AtomicHistogram;
+    use netpager_metrics::AtomicHistogram;
     use netpager_proto::ExportUsage;
     use std::time::Duration;
 

@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use serde_json::json;
 
-use netpager_proto::metrics::{Bound, EndpointConfig, Exposition};
+use netpager_metrics::{Bound, EndpointConfig, Exposition};
 use prefetchd::control::{self, ControlServer};
 use prefetchd::daemon::{self, Config, Daemon};
 use prefetchd::donor::DonorArg;

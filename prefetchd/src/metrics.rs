@@ -1,11 +1,11 @@
 //! prefetchd's `/metrics` (`serve --metrics ADDR:PORT`): per job, reads
 //! served per level, stall time, prefetches issued, used and wasted per
 //! kind, demotions and stale hints, from the counters `status` shows. The
-//! HTTP side is `netpager_proto::metrics`. Jobs are labelled
+//! HTTP side is `netpager_metrics`. Jobs are labelled
 //! `prefetch_job`: Prometheus's own `job` label would rename a `job` label
 //! to `exported_job`.
 
-use netpager_proto::metrics::{labels, BaseUnit, Exposition, Labels, Value};
+use netpager_metrics::{labels, BaseUnit, Exposition, Labels, Value};
 
 use crate::plan::engine::{EngineStatus, JobStats, PrefetchCounts};
 

@@ -12,7 +12,6 @@ use std::time::Duration;
 use prost::Message;
 
 pub mod auth;
-pub mod metrics;
 
 pub use auth::LabKey;
 

@@ -83,7 +83,7 @@ pub enum DeviceError {
         source: crate::erasure::CodeError,
     },
     #[error(transparent)]
-    Metrics(#[from] netpager_proto::metrics::EndpointError),
+    Metrics(#[from] netpager_metrics::EndpointError),
     #[error("{0}")]
     Membership(String),
     #[error("extents {first}..{last}: the device has extents 0..{} only", extents.saturating_sub(1))]

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use netpager_proto::metrics::{Bound, EndpointConfig, Exposition};
+use netpager_metrics::{Bound, EndpointConfig, Exposition};
 use netpager_util::{LockExt, RwLockExt};
 
 use super::Inner;

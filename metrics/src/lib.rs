@@ -26,7 +26,7 @@ use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Metric, Registry, Unit};
 
-use crate::auth::{AuthError, LabKey};
+use netpager_proto::auth::{AuthError, LabKey};
 use netpager_util::LockExt;
 
 /// The base units families are in; each appends its name (`_bytes`...).
