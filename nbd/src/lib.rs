@@ -14,10 +14,15 @@
 //! `poll(2)`, a waiter on plain connections may look at its sockets for a
 //! short while ([`Timeouts::spin`]): a donor's reply usually comes within
 //! tens of microseconds, and a sleeping thread's wake-up costs as much.
+//!
+//! For the kernel's own nbd driver, [`kernel`] (messages in [`genl`])
+//! connects, reconfigures and disconnects `/dev/nbdN` over generic netlink.
 
 mod drain;
 #[allow(unsafe_code)]
 mod ffi;
+pub mod genl;
+pub mod kernel;
 mod mux;
 mod plain;
 mod pool;
