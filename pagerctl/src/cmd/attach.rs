@@ -139,10 +139,11 @@ pub struct Args {
     /// the requests one CPU's queue answers at once).
     #[arg(long, default_value_t = 16, value_name = "N")]
     serve_threads: usize,
-    /// Keep the device's FUSE connection in a holder process, so that the
-    /// serving process can crash (it is restarted at once) or be replaced
-    /// (pagerctl restart) while swap stays on. Classic /dev/fuse only:
-    /// --frontend auto then means fuse (pagerctl(1) RESTARTS).
+    /// Keep the device's FUSE connection (or kernel nbd device) in a
+    /// holder process, so that the serving process can crash (it is
+    /// restarted at once) or be replaced (pagerctl restart) while swap
+    /// stays on. Classic /dev/fuse or kernel nbd: --frontend auto then
+    /// means fuse (pagerctl(1) RESTARTS).
     #[arg(long, overrides_with = "no_restartable")]
     restartable: bool,
     /// The serving process is the device: if it dies, the device is lost
@@ -289,8 +290,10 @@ pub fn run(a: Args) -> Result<()> {
             layout.dir.display()
         );
     }
-    let kernel_nbd = Path::new("/dev/nbd0").exists() && procs::on_path("nbd-client");
     let restartable = a.restartable && !a.no_restartable;
+    // A restartable device connects over netlink itself: no nbd-client.
+    let kernel_nbd =
+        Path::new("/dev/nbd0").exists() && (restartable || procs::on_path("nbd-client"));
     let frontend = a.frontend.resolve_restartable(
         restartable,
         Path::new(pager_fuse::ENABLE_URING).exists(),

@@ -158,7 +158,7 @@ pub fn run(a: Args) -> Result<()> {
         );
     }
     procs::protect_from_oom(me, "the serving process");
-    leave_memory_cgroups(me);
+    procs::leave_memory_cgroups(me);
     // Signals wait for their own thread, so that SIGTERM unmounts cleanly
     // instead of cutting the kernel's device off.
     sys::block_stop_signals().context("cannot block SIGTERM and SIGINT")?;
@@ -302,21 +302,5 @@ fn unmount_on_signal(mountpoint: &Path, sig: libc::c_int) {
             "signal {sig}: cannot unmount {} ({e}); it is still in use: run pagerctl detach",
             mountpoint.display()
         ),
-    }
-}
-
-/// Moves `pid` to the root of every memory cgroup hierarchy (v1 and v2):
-/// the pager must not be reclaimed by the limit of the job it pages for.
-pub(crate) fn leave_memory_cgroups(pid: u32) {
-    for procs_file in [
-        "/sys/fs/cgroup/memory/cgroup.procs",
-        "/sys/fs/cgroup/cgroup.procs",
-        "/sys/fs/cgroup/unified/cgroup.procs",
-    ] {
-        if Path::new(procs_file).exists() {
-            if let Err(e) = std::fs::write(procs_file, pid.to_string()) {
-                tracing::debug!("cannot move to {procs_file}: {e}");
-            }
-        }
     }
 }
