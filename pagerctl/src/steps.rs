@@ -443,6 +443,9 @@ fn spawn_detached(cmd: &[String], log: &Path) -> Result<std::process::Child> {
         .stdout(out)
         .stderr(err)
         .process_group(0)
+        // The service manager's fd store is for a `pagerctl serve` it runs
+        // itself; what attach starts is attach's.
+        .env_remove("NOTIFY_SOCKET")
         .spawn()
         .with_context(|| format!("cannot start {}", cmd[0]))
 }
