@@ -29,6 +29,8 @@ pub struct Plan {
     pub serve_threads: usize,
     /// A holder keeps the FUSE connection; serving processes may come and go.
     pub restartable: bool,
+    /// A restartable kernel nbd device's request and dead-conn timeouts.
+    pub nbd_timeouts: (Duration, Duration),
     /// Swap at this priority.
     pub swap: Option<i32>,
     /// Swap with `--discard=pages`.
@@ -137,7 +139,16 @@ fn start_nbd_holder(plan: &Plan, record: &mut AttachRecord) -> Result<PathBuf> {
     let device = free_nbd_device()?;
     let _ = std::fs::remove_file(layout.holder_json());
     let me = std::env::current_exe().context("cannot find pagerctl's own path")?;
-    let cmd = commands::hold_nbd_command(&me, &layout.dir, &device, &plan.plugin, &plan.export);
+    let (request, dead_conn) = plan.nbd_timeouts;
+    let cmd = commands::hold_nbd_command(
+        &me,
+        &layout.dir,
+        &device,
+        &plan.plugin,
+        &plan.export,
+        request,
+        dead_conn,
+    );
     let log = layout.serve_log();
     let what = "pagerctl hold-nbd";
     let (child, pid, started) = spawn_watched(&cmd, &log, what)?;

@@ -138,6 +138,8 @@ pub fn hold_nbd_command(
     device: &Path,
     plugin: &Path,
     export: &str,
+    nbd_timeout: std::time::Duration,
+    dead_conn_timeout: std::time::Duration,
 ) -> Vec<String> {
     vec![
         s(pagerctl),
@@ -150,6 +152,10 @@ pub fn hold_nbd_command(
         s(plugin),
         "--export".into(),
         export.to_string(),
+        "--nbd-timeout".into(),
+        nbd_timeout.as_secs_f64().to_string(),
+        "--dead-conn-timeout".into(),
+        dead_conn_timeout.as_secs_f64().to_string(),
     ]
 }
 
@@ -463,7 +469,9 @@ mod tests {
                 &p("/st"),
                 &p("/dev/nbd2"),
                 &p("/lib/plugin.so"),
-                "c1"
+                "c1",
+                std::time::Duration::from_secs(10),
+                std::time::Duration::from_secs(120),
             )[1..],
             [
                 "hold-nbd",
@@ -474,7 +482,11 @@ mod tests {
                 "--plugin",
                 "/lib/plugin.so",
                 "--export",
-                "c1"
+                "c1",
+                "--nbd-timeout",
+                "10",
+                "--dead-conn-timeout",
+                "120"
             ]
         );
         assert_eq!(

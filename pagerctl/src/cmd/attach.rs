@@ -150,6 +150,14 @@ pub struct Args {
     /// (the default).
     #[arg(long, overrides_with = "restartable")]
     no_restartable: bool,
+    /// With --restartable --frontend nbd: how long the kernel holds the
+    /// device's requests while no nbdkit serves, before failing them.
+    #[arg(long, default_value = "120", value_parser = parse_secs, value_name = "SECS")]
+    dead_conn_timeout: Duration,
+    /// With --restartable --frontend nbd: a request unanswered this long
+    /// is sent again (on the next nbdkit's connection).
+    #[arg(long, default_value = "10", value_parser = parse_secs, value_name = "SECS")]
+    nbd_timeout: Duration,
     /// With --frontend nbd: how the kernel reaches the client's nbdkit:
     /// auto, nbd-client or nbdfuse.
     #[arg(long, default_value = "auto", value_parser = |s: &str| s.parse::<Via>().map_err(|e| e.to_string()))]
@@ -330,6 +338,7 @@ pub fn run(a: Args) -> Result<()> {
         via,
         serve_threads: a.serve_threads.max(1),
         restartable,
+        nbd_timeouts: (a.nbd_timeout, a.dead_conn_timeout),
         swap: a.swap.then_some(a.priority),
         swap_discard: !a.no_discard,
         start_timeout: a.start_timeout,
