@@ -83,9 +83,10 @@ struct Server {
 pub fn run(a: Args) -> Result<()> {
     let layout = StateLayout::new(&a.state_dir);
     let index = commands::nbd_index(&a.device)?;
+    // Refused before anything is set up where the driver is not loaded.
+    let mut kernel = NbdNetlink::open().context("cannot reach the kernel's nbd driver")?;
     procs::stay_on_swap_path("the nbd device's holder")?;
     sys::block_stop_signals().context("cannot block SIGTERM and SIGINT")?;
-    let mut kernel = NbdNetlink::open().context("cannot reach the kernel's nbd driver")?;
     let control = layout.holder_socket();
     let _ = std::fs::remove_file(&control);
     let listener = UnixListener::bind(&control)
