@@ -13,6 +13,7 @@
 
 pub mod abi;
 pub mod classic;
+pub mod fdstore;
 pub mod handover;
 pub mod memory;
 pub mod session;

@@ -2,7 +2,7 @@
 //! ioctl, io_uring submissions whose buffers the kernel keeps (one owner
 //! type, [`FuseRing`]), the swap-path process set-up (PR_SET_IO_FLUSHER),
 //! ring threads' CPU affinity, and passing the connection's fd between
-//! processes (SCM_RIGHTS).
+//! processes (SCM_RIGHTS, or a service manager's `LISTEN_FDS`).
 
 use std::ffi::CString;
 use std::fs::File;
@@ -298,6 +298,26 @@ pub fn send_with_fd(sock: RawFd, msg: &[u8], fd: Option<RawFd>) -> io::Result<()
         return Err(io::Error::other("short sendmsg on a unix socket"));
     }
     Ok(())
+}
+
+/// Takes ownership of `fd`, an fd this process was started with (a
+/// service manager's `LISTEN_FDS`), after checking that it is open; marks
+/// it close-on-exec, as sd_listen_fds(3) does.
+pub fn adopt_passed_fd(fd: RawFd) -> io::Result<File> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: fcntl on any number is harmless; it fails on a closed fd.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+    if flags < 0 {
+        return Err(io::Error::other(format!(
+            "fd {fd} was announced in LISTEN_FDS but is not open: {}",
+            io::Error::last_os_error()
+        )));
+    }
+    // SAFETY: as above, on an fd known open.
+    check(unsafe { libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC) })?;
+    // SAFETY: the fd is open and was handed to this process to own; it is
+    // taken once (by name) and nothing else in the process uses it.
+    Ok(unsafe { File::from_raw_fd(fd) })
 }
 
 /// Receives one message into `buf` from the unix socket `sock`, and the fd

@@ -14,10 +14,16 @@
 //! `poll(2)`, a waiter on plain connections may look at its sockets for a
 //! short while ([`Timeouts::spin`]): a donor's reply usually comes within
 //! tens of microseconds, and a sleeping thread's wake-up costs as much.
+//!
+//! For the kernel's own nbd driver, [`Connection::handover_unix`] gives
+//! away a negotiated socket, and [`kernel`] (messages in [`genl`]) connects,
+//! reconfigures and disconnects `/dev/nbdN` over generic netlink.
 
 mod drain;
 #[allow(unsafe_code)]
 mod ffi;
+pub mod genl;
+pub mod kernel;
 mod mux;
 mod plain;
 mod pool;
@@ -190,6 +196,16 @@ enum Transport {
     Tls { h: Handle, size: u64 },
 }
 
+/// A socket negotiated up to transmission, no request sent on it yet.
+#[derive(Debug)]
+pub struct Negotiated {
+    pub fd: std::os::fd::OwnedFd,
+    /// The export's size in bytes.
+    pub size: u64,
+    /// The export's transmission flags (`NBD_FLAG_*`).
+    pub flags: u16,
+}
+
 /// One connection to a donor export.
 pub struct Connection {
     t: Transport,
@@ -231,6 +247,25 @@ impl Connection {
     pub fn probe_unix(path: &Path, timeout: Duration) -> Result<(), NbdError> {
         Plain::probe_unix(path, timeout)
             .map_err(|e| connect_error(e, &path.display().to_string(), "", timeout))
+    }
+
+    /// Negotiates with the NBD server on the unix socket `path` up to
+    /// transmission and gives the socket away, for the kernel's nbd driver
+    /// to send requests on ([`kernel::NbdNetlink::connect`]).
+    pub fn handover_unix(
+        path: &Path,
+        export: &str,
+        timeout: Duration,
+    ) -> Result<Negotiated, NbdError> {
+        let addr = path.display().to_string();
+        let p = Plain::connect_unix(path, export, timeout)
+            .map_err(|e| connect_error(e, &addr, export, timeout))?;
+        let (fd, size, flags) = p.into_socket().map_err(|e| NbdError::Connect {
+            addr,
+            export: export.to_string(),
+            message: format!("blocking socket: {e}"),
+        })?;
+        Ok(Negotiated { fd, size, flags })
     }
 
     /// Size of the export in bytes.

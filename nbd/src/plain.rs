@@ -6,7 +6,7 @@
 
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -223,6 +223,26 @@ impl Plain {
             cookie: 0,
             broken: false,
         })
+    }
+
+    /// The socket itself, in transmission phase, blocking and without
+    /// timeouts (as the kernel's nbd driver wants it: it waits on it with
+    /// its own request timeout), with the export's size and transmission
+    /// flags.
+    pub fn into_socket(mut self) -> io::Result<(OwnedFd, u64, u16)> {
+        // Given away: dropping `self` must not send NBD_CMD_DISC on it.
+        self.broken = true;
+        let fd: OwnedFd = match &self.stream {
+            Stream::Tcp(s) => {
+                s.set_nonblocking(false)?;
+                s.try_clone()?.into()
+            }
+            Stream::Unix(s) => {
+                s.set_nonblocking(false)?;
+                s.try_clone()?.into()
+            }
+        };
+        Ok((fd, self.size, self.flags))
     }
 
     pub fn size(&self) -> u64 {

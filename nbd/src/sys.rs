@@ -187,3 +187,48 @@ impl LoanCell {
         f(Some(buf))
     }
 }
+
+/// A generic netlink socket (`NETLINK_GENERIC`), bound to a port the
+/// kernel picks; messages sent on it without an address go to the kernel.
+pub(crate) fn netlink_generic() -> io::Result<OwnedFd> {
+    // SAFETY: socket takes no pointers.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_NETLINK,
+            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+            libc::NETLINK_GENERIC,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just opened and nothing else owns it.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: an all-zero sockaddr_nl is valid (port 0: the kernel picks).
+    let mut addr: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
+    addr.nl_family = libc::AF_NETLINK as libc::sa_family_t;
+    // SAFETY: `addr` is a live sockaddr_nl of the size given.
+    let r = unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            (&addr as *const libc::sockaddr_nl).cast(),
+            std::mem::size_of::<libc::sockaddr_nl>() as libc::socklen_t,
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(fd)
+}
+
+/// One datagram into `buf`; its whole length even when `buf` was too
+/// short for it (`MSG_TRUNC`), so that the caller can tell.
+pub(crate) fn recv_datagram(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
+    // SAFETY: `buf` is valid for writes of `buf.len()` bytes.
+    let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_TRUNC) };
+    if n < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
+}

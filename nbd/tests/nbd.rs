@@ -361,3 +361,38 @@ fn two_pools_with_one_order_are_refused_in_a_batch() {
         },
     ]);
 }
+
+/// A socket handed over after the handshake is what the kernel's nbd
+/// driver gets: requests written on it as the kernel writes them (a
+/// simple request header, a write's data after it) are answered.
+#[test]
+fn a_handed_over_socket_answers_requests_sent_as_the_kernel_sends_them() {
+    use nbd::wire::{self, Command};
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixStream;
+
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("nbd.sock");
+    let _d = Nbdkit::unix(&sock, &["memory", "1M"]);
+    let n = Connection::handover_unix(&sock, "", T).unwrap();
+    assert_eq!(n.size, 1 << 20);
+    assert_ne!(n.flags & wire::TX_HAS_FLAGS, 0, "flags {:#x}", n.flags);
+    assert_ne!(n.flags & wire::TX_SEND_FLUSH, 0, "flags {:#x}", n.flags);
+    let mut s = UnixStream::from(n.fd);
+    // The kernel relies on blocking reads and writes.
+    s.set_read_timeout(Some(T)).unwrap();
+    let data: Vec<u8> = (0..4096u32).map(|i| (i % 253) as u8).collect();
+    let mut write = wire::request(Command::Write, 0, 0x11, 8192, 4096).to_vec();
+    write.extend_from_slice(&data);
+    s.write_all(&write).unwrap();
+    let mut reply = [0u8; wire::REPLY_LEN];
+    s.read_exact(&mut reply).unwrap();
+    assert_eq!(wire::reply(&reply, 0x11).unwrap(), 0);
+    s.write_all(&wire::request(Command::Read, 0, 0x12, 8192, 4096))
+        .unwrap();
+    s.read_exact(&mut reply).unwrap();
+    assert_eq!(wire::reply(&reply, 0x12).unwrap(), 0);
+    let mut back = vec![0u8; 4096];
+    s.read_exact(&mut back).unwrap();
+    assert_eq!(back, data);
+}

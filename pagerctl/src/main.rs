@@ -40,6 +40,10 @@ enum Cmd {
     /// processes one after another (started by attach).
     #[command(hide = true)]
     Hold(cmd::hold::Args),
+    /// Keep a restartable kernel nbd device: run nbdkit with the client
+    /// plugin and reconnect the device to each new one (started by attach).
+    #[command(hide = true)]
+    HoldNbd(cmd::hold_nbd::Args),
     /// Show the device's status (donors, placement, rebuild, drain).
     Status(cmd::status::Args),
     /// A live view of the device (donors, rates, latency, rebuild and
@@ -89,6 +93,7 @@ fn main() {
         Cmd::Serve(a) => cmd::serve::run(a),
         Cmd::Restart(a) => cmd::restart::run(a),
         Cmd::Hold(a) => cmd::hold::run(a),
+        Cmd::HoldNbd(a) => cmd::hold_nbd::run(a),
         Cmd::Status(a) => cmd::status::run(a),
         Cmd::Top(a) => cmd::top::run(a),
         Cmd::DonorStatus(a) => cmd::donor_status::run(a),

@@ -129,6 +129,36 @@ pub fn read_pidfile(path: &Path) -> Option<u32> {
     std::fs::read_to_string(path).ok()?.trim().parse().ok()
 }
 
+/// Moves `pid` to the root of every memory cgroup hierarchy (v1 and v2):
+/// the pager must not be reclaimed by the limit of the job it pages for.
+pub fn leave_memory_cgroups(pid: u32) {
+    for procs_file in [
+        "/sys/fs/cgroup/memory/cgroup.procs",
+        "/sys/fs/cgroup/cgroup.procs",
+        "/sys/fs/cgroup/unified/cgroup.procs",
+    ] {
+        if Path::new(procs_file).exists() {
+            if let Err(e) = std::fs::write(procs_file, pid.to_string()) {
+                tracing::debug!("cannot move to {procs_file}: {e}");
+            }
+        }
+    }
+}
+
+/// What a holder on the swap path (`pagerctl hold`, `pagerctl hold-nbd`)
+/// does first: lock its memory (prefaulted), leave every memory cgroup
+/// and exempt itself from the OOM killer, so that neither the job's limit
+/// nor the machine's lack of memory can take it while the kernel's
+/// device depends on it.
+pub fn stay_on_swap_path(what: &str) -> Result<()> {
+    let me = std::process::id();
+    netpager_util::process::lock_memory(netpager_util::process::Lock::Prefault)
+        .context("mlockall")?;
+    protect_from_oom(me, what);
+    leave_memory_cgroups(me);
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

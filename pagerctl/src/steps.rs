@@ -29,6 +29,8 @@ pub struct Plan {
     pub serve_threads: usize,
     /// A holder keeps the FUSE connection; serving processes may come and go.
     pub restartable: bool,
+    /// A restartable kernel nbd device's request and dead-conn timeouts.
+    pub nbd_timeouts: (Duration, Duration),
     /// Swap at this priority.
     pub swap: Option<i32>,
     /// Swap with `--discard=pages`.
@@ -75,6 +77,7 @@ fn run_steps(plan: &Plan, record: &mut AttachRecord) -> Result<PathBuf> {
             start_server(plan, record)?;
             loop_device(layout, record, layout.fuse_file())?
         }
+        Frontend::Nbd if plan.restartable => start_nbd_holder(plan, record)?,
         Frontend::Nbd | Frontend::Auto => {
             start_nbdkit(plan, record)?;
             kernel_side_of_nbd(plan, record)?
@@ -127,6 +130,42 @@ fn kernel_side_of_nbd(plan: &Plan, record: &mut AttachRecord) -> Result<PathBuf>
             loop_device(layout, record, layout.fuse_file())?
         }
     })
+}
+
+/// A restartable kernel nbd device: `pagerctl hold-nbd` runs nbdkit and
+/// connects a free /dev/nbdN to it over netlink; waits until it has.
+fn start_nbd_holder(plan: &Plan, record: &mut AttachRecord) -> Result<PathBuf> {
+    let layout = &plan.layout;
+    let device = free_nbd_device()?;
+    let _ = std::fs::remove_file(layout.holder_json());
+    let me = std::env::current_exe().context("cannot find pagerctl's own path")?;
+    let (request, dead_conn) = plan.nbd_timeouts;
+    let cmd = commands::hold_nbd_command(
+        &me,
+        &layout.dir,
+        &device,
+        &plan.plugin,
+        &plan.export,
+        request,
+        dead_conn,
+    );
+    let log = layout.serve_log();
+    let what = "pagerctl hold-nbd";
+    let (child, pid, started) = spawn_watched(&cmd, &log, what)?;
+    push(
+        layout,
+        record,
+        Step::NbdHolder {
+            pid,
+            started,
+            device: device.clone(),
+        },
+    )?;
+    let holder_json = layout.holder_json();
+    wait_ready(child, what, &log, plan.start_timeout, || {
+        HolderInfo::load(&holder_json).is_some_and(|h| h.ready_pid.is_some())
+    })?;
+    Ok(device)
 }
 
 /// A loop device over `file`. Direct I/O keeps swapped pages out of the
@@ -415,6 +454,9 @@ fn spawn_detached(cmd: &[String], log: &Path) -> Result<std::process::Child> {
         .stdout(out)
         .stderr(err)
         .process_group(0)
+        // The service manager's fd store is for a `pagerctl serve` it runs
+        // itself; what attach starts is attach's.
+        .env_remove("NOTIFY_SOCKET")
         .spawn()
         .with_context(|| format!("cannot start {}", cmd[0]))
 }
@@ -560,7 +602,7 @@ fn flush_device(device: &Path) -> Result<()> {
 /// on (say, stopping nbdkit after swapoff failed) would lose data.
 pub fn undo_all(layout: &StateLayout, record: &mut AttachRecord, grace: Duration) -> Result<()> {
     while let Some(step) = record.steps.last().cloned() {
-        undo(&step, &record.export, grace)
+        undo(&step, layout, &record.export, grace)
             .with_context(|| format!("undoing {}", step.describe()))?;
         tracing::info!("undone: {}", step.describe());
         record.steps.pop();
@@ -579,7 +621,7 @@ pub fn undo_all(layout: &StateLayout, record: &mut AttachRecord, grace: Duration
     Ok(())
 }
 
-fn undo(step: &Step, export: &str, grace: Duration) -> Result<()> {
+fn undo(step: &Step, layout: &StateLayout, export: &str, grace: Duration) -> Result<()> {
     match step {
         Step::Swap { device, .. } => {
             if swap_active(device) {
@@ -625,6 +667,39 @@ fn undo(step: &Step, export: &str, grace: Duration) -> Result<()> {
                     tracing::warn!("{e:#} (the device's server may be gone)");
                 }
                 procs::run(&commands::nbd_client_disconnect(device))?;
+            }
+        }
+        Step::NbdHolder {
+            pid,
+            started,
+            device,
+        } => {
+            let index = commands::nbd_index(device)?;
+            let connected = Path::new(&format!("/sys/block/nbd{index}/pid")).exists();
+            if connected {
+                if let Err(e) = flush_device(device) {
+                    tracing::warn!("{e:#} (the device's server may be gone)");
+                }
+            }
+            // The holder disconnects the device, flushes and stops nbdkit.
+            let nbdkit = HolderInfo::load(&layout.holder_json())
+                .and_then(|h| Some((h.serve_pid?, h.serve_started?)));
+            procs::stop(*pid, *started, "pagerctl hold-nbd", grace)?;
+            // A holder that was gone already did neither.
+            if Path::new(&format!("/sys/block/nbd{index}/pid")).exists() {
+                netpager_nbd::kernel::NbdNetlink::open()
+                    .and_then(|mut k| k.disconnect(index))
+                    .with_context(|| format!("cannot disconnect {}", device.display()))?;
+            }
+            if let Some((nbdkit, nbdkit_started)) = nbdkit {
+                if procs::owned(nbdkit, nbdkit_started) {
+                    let flushed = Connection::connect_unix(&layout.socket(), export, grace)
+                        .and_then(|mut c| c.flush(grace));
+                    if let Err(e) = flushed {
+                        tracing::warn!("flushing nbdkit before stopping it: {e:#}");
+                    }
+                    procs::stop(nbdkit, nbdkit_started, "nbdkit", grace)?;
+                }
             }
         }
         Step::Nbdfuse {

@@ -210,10 +210,11 @@ class PagerClient:
             return None
 
     def server_pid(self) -> int | None:
-        """The process serving the device: `pagerctl serve`, or nbdkit."""
+        """The process serving the device: `pagerctl serve`, nbdkit, or a
+        restartable device's holder."""
         rec = self.attach_json()
         for step in (rec or {}).get("steps", []):
-            if step["step"] in ("nbdkit", "fuse-server"):
+            if step["step"] in ("nbdkit", "fuse-server", "nbd-holder"):
                 return step["pid"]
         return None
 
@@ -270,10 +271,13 @@ class PagerClient:
         holder = self.server_pid()
         assert holder in self._pids, f"holder pid {holder} is not one this test started"
 
+        nbd = (self.attach_json() or {}).get("frontend") == "nbd"
+
         def serving():
             try:
-                pid = json.loads((self.state_dir / "serve.json").read_text())["pid"]
                 h = self.holder()
+                # Kernel nbd: the holder's nbdkit, once the kernel has it.
+                pid = h["ready_pid"] if nbd else json.loads((self.state_dir / "serve.json").read_text())["pid"]
             except (FileNotFoundError, json.JSONDecodeError, KeyError):
                 return None
             return pid if h.get("serve_pid") == pid and pid_alive(pid) and parent_pid(pid) == holder else None

@@ -39,10 +39,11 @@ def tail(path, lines: int = 40) -> str:
 
 
 class OwnedProcess:
-    """A child process with its output in a log file, stopped on teardown."""
+    """A child process with its output in a log file, stopped on teardown;
+    `pass_fds` stay open in it (as in subprocess.Popen)."""
 
     def __init__(self, argv: list[str], log_path, teardown: Teardown, name: str,
-                 env: dict | None = None, stop_timeout: float = 10.0):
+                 env: dict | None = None, stop_timeout: float = 10.0, pass_fds=()):
         self.argv = [str(a) for a in argv]
         self.name = name
         self.log_path = Path(log_path)
@@ -53,7 +54,7 @@ class OwnedProcess:
             log.flush()
             self.popen = subprocess.Popen(
                 self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=env, start_new_session=True)
+                env=env, start_new_session=True, pass_fds=pass_fds)
         self.pid = self.popen.pid
         self.start_time = proc_start_time(self.pid)
         teardown.add_log(self.log_path)

@@ -65,8 +65,10 @@ impl Frontend {
 
     /// [`Frontend::resolve`] for a device whose serving process is to
     /// survive its own crash and upgrades (`restartable`): that needs
-    /// classic `/dev/fuse`, so `Auto` is `Fuse` then, and io_uring or
-    /// kernel nbd are refused with the reason.
+    /// classic `/dev/fuse` or kernel nbd's reconnect, so `Auto` is `Fuse`
+    /// then (kernel nbd is not tested here, and FUSE is everywhere);
+    /// io_uring is refused with the reason, and so is nbd without kernel
+    /// nbd (`kernel_nbd`: `/dev/nbd0` exists).
     pub fn resolve_restartable(
         self,
         restartable: bool,
@@ -85,8 +87,9 @@ impl Frontend {
             Frontend::FuseUring => Err(refuse(
                 "needs --frontend fuse: the kernel resends the requests a dead server left in /dev/fuse, never those in its io_uring entries (pagerctl(1) RESTARTS); or attach --no-restartable",
             )),
+            Frontend::Nbd if kernel_nbd => Ok(Frontend::Nbd),
             Frontend::Nbd => Err(refuse(
-                "the nbd front end's serving process is nbdkit, which is not restartable: use --frontend fuse, or --no-restartable",
+                "with --frontend nbd needs kernel nbd, whose reconnect keeps the device while nbdkit is replaced: there is no /dev/nbd0 (modprobe nbd); or use --frontend fuse, or --no-restartable",
             )),
         }
     }
@@ -124,6 +127,69 @@ pub fn held_serve_command(pagerctl: &Path, state_dir: &Path, threads: usize) -> 
     let mut cmd = serve_command(pagerctl, state_dir, Frontend::Fuse);
     cmd.extend(["--threads".into(), threads.to_string(), "--held".into()]);
     cmd
+}
+
+/// `pagerctl hold-nbd`: holds a restartable kernel nbd device, running
+/// nbdkit with the client plugin and reconnecting the device to each new
+/// one.
+pub fn hold_nbd_command(
+    pagerctl: &Path,
+    state_dir: &Path,
+    device: &Path,
+    plugin: &Path,
+    export: &str,
+    nbd_timeout: std::time::Duration,
+    dead_conn_timeout: std::time::Duration,
+) -> Vec<String> {
+    vec![
+        s(pagerctl),
+        "hold-nbd".into(),
+        "--state-dir".into(),
+        s(state_dir),
+        "--device".into(),
+        s(device),
+        "--plugin".into(),
+        s(plugin),
+        "--export".into(),
+        export.to_string(),
+        "--nbd-timeout".into(),
+        nbd_timeout.as_secs_f64().to_string(),
+        "--dead-conn-timeout".into(),
+        dead_conn_timeout.as_secs_f64().to_string(),
+    ]
+}
+
+/// nbdkit with the client plugin as `pagerctl hold-nbd`'s child: in the
+/// foreground (the holder waits for it and starts the next), on the state
+/// directory's unix socket.
+pub fn held_nbdkit_command(
+    nbdkit: &Path,
+    plugin: &Path,
+    socket: &Path,
+    state_dir: &Path,
+) -> Vec<String> {
+    vec![
+        s(nbdkit),
+        "--foreground".into(),
+        "--log=stderr".into(),
+        "--unix".into(),
+        s(socket),
+        s(plugin),
+        format!("state={}", state_dir.display()),
+    ]
+}
+
+/// The index N of the kernel nbd device `/dev/nbdN`.
+pub fn nbd_index(device: &Path) -> Result<u32, AttachError> {
+    device
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_prefix("nbd"))
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| AttachError::BadOption {
+            option: "--device",
+            reason: format!("{}: expected /dev/nbdN", device.display()),
+        })
 }
 
 /// How the local kernel reaches the client's nbdkit.
@@ -356,7 +422,19 @@ mod tests {
         assert_eq!(r(Frontend::Auto, true).unwrap(), Frontend::Fuse);
         assert_eq!(r(Frontend::Fuse, true).unwrap(), Frontend::Fuse);
         assert!(r(Frontend::FuseUring, true).is_err());
-        assert!(r(Frontend::Nbd, true).is_err());
+        // Kernel nbd reconnects; without it nbd cannot be restartable.
+        assert_eq!(r(Frontend::Nbd, true).unwrap(), Frontend::Nbd);
+        let e = Frontend::Nbd
+            .resolve_restartable(true, true, false)
+            .unwrap_err();
+        assert!(e.to_string().contains("modprobe nbd"), "{e}");
+        // auto stays fuse with --restartable, kernel nbd or not.
+        assert_eq!(
+            Frontend::Auto
+                .resolve_restartable(true, false, true)
+                .unwrap(),
+            Frontend::Fuse
+        );
         assert_eq!(r(Frontend::Auto, false).unwrap(), Frontend::FuseUring);
         assert_eq!(
             held_serve_command(&p("/bin/pagerctl"), &p("/st"), 2)[5..],
@@ -381,6 +459,56 @@ mod tests {
                 "fuse-uring"
             ]
         );
+    }
+
+    #[test]
+    fn the_nbd_holder_runs_nbdkit_in_the_foreground_on_the_state_socket() {
+        assert_eq!(
+            hold_nbd_command(
+                &p("/bin/pagerctl"),
+                &p("/st"),
+                &p("/dev/nbd2"),
+                &p("/lib/plugin.so"),
+                "c1",
+                std::time::Duration::from_secs(10),
+                std::time::Duration::from_secs(120),
+            )[1..],
+            [
+                "hold-nbd",
+                "--state-dir",
+                "/st",
+                "--device",
+                "/dev/nbd2",
+                "--plugin",
+                "/lib/plugin.so",
+                "--export",
+                "c1",
+                "--nbd-timeout",
+                "10",
+                "--dead-conn-timeout",
+                "120"
+            ]
+        );
+        assert_eq!(
+            held_nbdkit_command(
+                &p("nbdkit"),
+                &p("/lib/plugin.so"),
+                &p("/st/sock"),
+                &p("/st")
+            ),
+            [
+                "nbdkit",
+                "--foreground",
+                "--log=stderr",
+                "--unix",
+                "/st/sock",
+                "/lib/plugin.so",
+                "state=/st"
+            ]
+        );
+        assert_eq!(nbd_index(&p("/dev/nbd12")).unwrap(), 12);
+        assert!(nbd_index(&p("/dev/loop0")).is_err());
+        assert!(nbd_index(&p("/dev/nbd")).is_err());
     }
 
     #[test]

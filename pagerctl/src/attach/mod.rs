@@ -10,6 +10,7 @@
 
 pub mod commands;
 pub mod device;
+pub mod nbd_hold;
 pub mod record;
 
 pub use commands::{Frontend, Via};

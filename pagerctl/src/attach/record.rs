@@ -126,6 +126,13 @@ pub enum Step {
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         restartable: bool,
     },
+    /// A restartable kernel nbd device: `pagerctl hold-nbd` (`pid`) runs
+    /// nbdkit and reconnects `device` to each new one.
+    NbdHolder {
+        pid: u32,
+        started: u64,
+        device: PathBuf,
+    },
     /// The kernel's FUSE over io_uring switch, turned on from `old`.
     UringSwitch { path: PathBuf, old: String },
     /// A loop device over the FUSE file.
@@ -145,6 +152,7 @@ impl Step {
             Step::Nbdkit { .. }
             | Step::QueueDepth { .. }
             | Step::FuseServer { .. }
+            | Step::NbdHolder { .. }
             | Step::UringSwitch { .. } => None,
             Step::NbdClient { device } => Some(commands::nbd_client_disconnect(device)),
             Step::Nbdfuse { mountpoint, .. } => Some(commands::fuse_unmount(mountpoint)),
@@ -159,7 +167,8 @@ impl Step {
         match self {
             Step::Nbdkit { pid, started, .. }
             | Step::Nbdfuse { pid, started, .. }
-            | Step::FuseServer { pid, started, .. } => Some((*pid, *started)),
+            | Step::FuseServer { pid, started, .. }
+            | Step::NbdHolder { pid, started, .. } => Some((*pid, *started)),
             _ => None,
         }
     }
@@ -191,6 +200,10 @@ impl Step {
             } => format!(
                 "pagerctl hold pid {pid} keeping the connection of {} (restartable, {transport})",
                 file.display()
+            ),
+            Step::NbdHolder { pid, device, .. } => format!(
+                "pagerctl hold-nbd pid {pid} keeping kernel nbd {} (restartable)",
+                device.display()
             ),
             Step::UringSwitch { path, old } => {
                 format!("{} turned on (was {old})", path.display())
@@ -233,7 +246,7 @@ impl ServeInfo {
 }
 
 /// The content of `holder.json`, written by the holder of a restartable
-/// device's FUSE connection (`pagerctl hold`) and removed when it exits.
+/// device (`pagerctl hold`, `pagerctl hold-nbd`) and removed when it exits.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct HolderInfo {
     pub pid: u32,
@@ -244,7 +257,8 @@ pub struct HolderInfo {
     /// The last serving process that said it serves (took the connection,
     /// asked for the resend).
     pub ready_pid: Option<u32>,
-    /// The pagerctl the next serving process runs.
+    /// The pagerctl the next serving process runs (kernel nbd: the client
+    /// plugin the next nbdkit loads).
     pub binary: PathBuf,
     /// Serving processes started after the first.
     pub restarts: u32,
@@ -259,6 +273,14 @@ pub struct HolderInfo {
     pub resent_last: u64,
     /// The same over every restart.
     pub resent_total: u64,
+    /// The serving process's start time (clock ticks since boot), so that
+    /// a detach after the holder died stops only that process.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serve_started: Option<u64>,
+    /// Kernel nbd: times the dead-conn timeout passed with no serving
+    /// process, the kernel failing the device's requests meanwhile.
+    #[serde(default)]
+    pub expired: u32,
 }
 
 impl HolderInfo {
@@ -321,7 +343,24 @@ impl AttachRecord {
     /// The block device the attach produced (kernel nbd or loop), if any.
     pub fn device(&self) -> Option<&Path> {
         self.steps.iter().rev().find_map(|s| match s {
-            Step::NbdClient { device } | Step::LoopDevice { device, .. } => Some(device.as_path()),
+            Step::NbdClient { device }
+            | Step::NbdHolder { device, .. }
+            | Step::LoopDevice { device, .. } => Some(device.as_path()),
+            _ => None,
+        })
+    }
+
+    /// The holder of a restartable device (`pagerctl hold` or `pagerctl
+    /// hold-nbd`) as (pid, start time), if it was attached so.
+    pub fn holder(&self) -> Option<(u32, u64)> {
+        self.steps.iter().find_map(|s| match s {
+            Step::FuseServer {
+                pid,
+                started,
+                restartable: true,
+                ..
+            }
+            | Step::NbdHolder { pid, started, .. } => Some((*pid, *started)),
             _ => None,
         })
     }
@@ -331,12 +370,18 @@ impl AttachRecord {
         self.steps.iter().any(|s| matches!(s, Step::Swap { .. }))
     }
 
-    /// The process serving the device (the client's nbdkit, or `pagerctl
-    /// serve`) as (pid, start time), if started.
+    /// The process serving the device (the client's nbdkit, `pagerctl
+    /// serve`, or a restartable device's holder) as (pid, start time), if
+    /// started.
     pub fn server_process(&self) -> Option<(u32, u64)> {
         self.steps
             .iter()
-            .find(|s| matches!(s, Step::Nbdkit { .. } | Step::FuseServer { .. }))
+            .find(|s| {
+                matches!(
+                    s,
+                    Step::Nbdkit { .. } | Step::FuseServer { .. } | Step::NbdHolder { .. }
+                )
+            })
             .and_then(Step::process)
     }
 
@@ -434,6 +479,34 @@ mod tests {
         assert_eq!(back, r);
         assert_eq!(back.steps[0].process(), Some((5, 50)));
         assert!(back.steps[0].undo_command().is_none());
+    }
+
+    #[test]
+    fn a_restartable_kernel_nbd_device_is_its_holder() {
+        let mut r = AttachRecord::new(Frontend::Nbd, Via::NbdClient, "pager");
+        assert_eq!(r.holder(), None);
+        r.steps.push(Step::NbdHolder {
+            pid: 7,
+            started: 70,
+            device: "/dev/nbd3".into(),
+        });
+        r.steps.push(Step::Swap {
+            device: "/dev/nbd3".into(),
+            priority: 100,
+        });
+        let back: AttachRecord = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
+        assert_eq!(back, r);
+        assert_eq!(back.holder(), Some((7, 70)));
+        assert_eq!(back.server_process(), Some((7, 70)));
+        assert_eq!(back.device(), Some(Path::new("/dev/nbd3")));
+        assert!(back.steps[0].undo_command().is_none());
+        assert!(back.steps[0].describe().contains("hold-nbd pid 7"));
+        // A holder.json from before kernel nbd holders reads as none expired.
+        let h: HolderInfo = serde_json::from_str(
+            r#"{"pid":1,"started":2,"serve_pid":null,"ready_pid":null,"binary":"/b","restarts":0,"crashes":0,"last_held_ms":null,"resent_last":0,"resent_total":0}"#,
+        )
+        .unwrap();
+        assert_eq!((h.expired, h.serve_started), (0, None));
     }
 
     #[test]

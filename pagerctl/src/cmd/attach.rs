@@ -139,16 +139,25 @@ pub struct Args {
     /// the requests one CPU's queue answers at once).
     #[arg(long, default_value_t = 16, value_name = "N")]
     serve_threads: usize,
-    /// Keep the device's FUSE connection in a holder process, so that the
-    /// serving process can crash (it is restarted at once) or be replaced
-    /// (pagerctl restart) while swap stays on. Classic /dev/fuse only:
-    /// --frontend auto then means fuse (pagerctl(1) RESTARTS).
+    /// Keep the device's FUSE connection (or kernel nbd device) in a
+    /// holder process, so that the serving process can crash (it is
+    /// restarted at once) or be replaced (pagerctl restart) while swap
+    /// stays on. Classic /dev/fuse or kernel nbd: --frontend auto then
+    /// means fuse (pagerctl(1) RESTARTS).
     #[arg(long, overrides_with = "no_restartable")]
     restartable: bool,
     /// The serving process is the device: if it dies, the device is lost
     /// (the default).
     #[arg(long, overrides_with = "restartable")]
     no_restartable: bool,
+    /// With --restartable --frontend nbd: how long the kernel holds the
+    /// device's requests while no nbdkit serves, before failing them.
+    #[arg(long, default_value = "120", value_parser = parse_secs, value_name = "SECS")]
+    dead_conn_timeout: Duration,
+    /// With --restartable --frontend nbd: a request unanswered this long
+    /// is sent again (on the next nbdkit's connection).
+    #[arg(long, default_value = "10", value_parser = parse_secs, value_name = "SECS")]
+    nbd_timeout: Duration,
     /// With --frontend nbd: how the kernel reaches the client's nbdkit:
     /// auto, nbd-client or nbdfuse.
     #[arg(long, default_value = "auto", value_parser = |s: &str| s.parse::<Via>().map_err(|e| e.to_string()))]
@@ -289,8 +298,10 @@ pub fn run(a: Args) -> Result<()> {
             layout.dir.display()
         );
     }
-    let kernel_nbd = Path::new("/dev/nbd0").exists() && procs::on_path("nbd-client");
     let restartable = a.restartable && !a.no_restartable;
+    // A restartable device connects over netlink itself: no nbd-client.
+    let kernel_nbd =
+        Path::new("/dev/nbd0").exists() && (restartable || procs::on_path("nbd-client"));
     let frontend = a.frontend.resolve_restartable(
         restartable,
         Path::new(pager_fuse::ENABLE_URING).exists(),
@@ -327,6 +338,7 @@ pub fn run(a: Args) -> Result<()> {
         via,
         serve_threads: a.serve_threads.max(1),
         restartable,
+        nbd_timeouts: (a.nbd_timeout, a.dead_conn_timeout),
         swap: a.swap.then_some(a.priority),
         swap_discard: !a.no_discard,
         start_timeout: a.start_timeout,

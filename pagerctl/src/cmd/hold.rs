@@ -22,9 +22,9 @@ use netpager_util::LockExt;
 use pager_fuse::handover::{self, Request, Restarted};
 use pager_fuse::Options;
 use pagerctl::attach::commands;
+use pagerctl::attach::nbd_hold::{backoff, QUICK_DEATH};
 use pagerctl::attach::record::{HolderInfo, StateLayout};
 
-use super::serve;
 use crate::{procs, steps, sys};
 
 #[derive(clap::Args)]
@@ -39,20 +39,6 @@ pub struct Args {
 /// How long a new serving process may take to serve before `restart`
 /// gives up waiting (it keeps running; the holder keeps restarting it).
 const RESTART_WAIT: Duration = Duration::from_secs(60);
-
-/// A serving process that lived less than this died "at once".
-const QUICK_DEATH: Duration = Duration::from_secs(2);
-
-/// How long to wait before the next start after `quick` serving processes
-/// in a row died at once: nothing for the first two (a crash, then one
-/// more chance), then doubling from 250 ms up to 8 s, so that a process
-/// that cannot start does not spin while an operator looks.
-pub fn backoff(quick: u32) -> Duration {
-    match quick {
-        0..=2 => Duration::ZERO,
-        n => Duration::from_millis(250u64 << (n - 3).min(5)),
-    }
-}
 
 /// What the holder's threads share.
 struct State {
@@ -84,10 +70,7 @@ impl Shared {
 pub fn run(a: Args) -> Result<()> {
     let layout = StateLayout::new(&a.state_dir);
     let me = std::process::id();
-    netpager_util::process::lock_memory(netpager_util::process::Lock::Prefault)
-        .context("mlockall")?;
-    procs::protect_from_oom(me, "the connection holder");
-    serve::leave_memory_cgroups(me);
+    procs::stay_on_swap_path("the connection holder")?;
     sys::block_stop_signals().context("cannot block SIGTERM and SIGINT")?;
     let mountpoint = layout.fuse_dir();
     std::fs::create_dir_all(&mountpoint)
@@ -352,21 +335,5 @@ fn forward_stop_signals(shared: &Shared) {
             }
             None => tracing::warn!("signal {sig}: no serving process runs now"),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn backoff_lets_a_crash_restart_at_once_and_slows_a_crash_loop() {
-        assert_eq!(backoff(0), Duration::ZERO);
-        assert_eq!(backoff(1), Duration::ZERO);
-        assert_eq!(backoff(2), Duration::ZERO);
-        assert_eq!(backoff(3), Duration::from_millis(250));
-        assert_eq!(backoff(4), Duration::from_millis(500));
-        assert_eq!(backoff(8), Duration::from_secs(8));
-        assert_eq!(backoff(100), Duration::from_secs(8));
     }
 }

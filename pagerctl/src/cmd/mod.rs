@@ -11,6 +11,7 @@ pub mod donor_status;
 pub mod durability;
 pub mod forget_lost;
 pub mod hold;
+pub mod hold_nbd;
 pub mod restart;
 pub mod serve;
 pub mod simulate;

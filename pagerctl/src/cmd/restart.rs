@@ -2,7 +2,9 @@
 //! device (an upgrade: `--binary` names the new pagerctl) while the device
 //! stays attached and swap stays on. The holder asks the old process to
 //! hand over, starts the new one on the same FUSE connection and answers
-//! once it serves, with how long the kernel's requests waited.
+//! once it serves, with how long the kernel's requests waited. For a
+//! kernel nbd device the holder (`pagerctl hold-nbd`) stops nbdkit and
+//! reconnects the device to the next one.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -20,7 +22,8 @@ pub struct Args {
     #[arg(long, value_name = "DIR")]
     state_dir: PathBuf,
     /// The pagerctl the new serving process runs (default: the one running
-    /// now); later restarts after a crash use it too.
+    /// now); later restarts after a crash use it too. Not for kernel nbd,
+    /// whose serving process is nbdkit.
     #[arg(long, value_name = "PATH")]
     binary: Option<PathBuf>,
     /// How long to wait for the new process to serve.
@@ -32,21 +35,22 @@ pub fn run(a: Args) -> Result<()> {
     let layout = StateLayout::new(&a.state_dir);
     let record = AttachRecord::load(&layout.attach_json())?
         .ok_or_else(|| anyhow!("{} is not attached", layout.dir.display()))?;
-    let holder = record.steps.iter().find_map(|s| match s {
-        Step::FuseServer {
-            pid,
-            started,
-            restartable: true,
-            ..
-        } => Some((*pid, *started)),
-        _ => None,
-    });
-    let Some((pid, started)) = holder else {
+    let Some((pid, started)) = record.holder() else {
         bail!(
             "{} was not attached --restartable: its serving process cannot be replaced without a detach",
             layout.dir.display()
         );
     };
+    let kernel_nbd = record
+        .steps
+        .iter()
+        .any(|s| matches!(s, Step::NbdHolder { .. }));
+    if kernel_nbd && a.binary.is_some() {
+        bail!(
+            "{}'s serving process is nbdkit with the client plugin: upgrade the plugin file, then restart without --binary",
+            layout.dir.display()
+        );
+    }
     if !procs::owned(pid, started) {
         bail!(
             "the connection holder (pid {pid}) is gone: replacing the serving process now would lose the device; detach and attach again when swap can go off"

@@ -8,6 +8,11 @@
 //! predecessor left unanswered, and SIGUSR1 hands over to the next process
 //! (`pagerctl restart`).
 //!
+//! Under a service manager (`$NOTIFY_SOCKET` set, `--transport fuse`) it
+//! gives the connection to the manager's fd store (systemd's
+//! `FileDescriptorStoreMax=`) and serves it as a held one; started again
+//! with that fd in `$LISTEN_FDS`, it takes it over as `--held` does.
+//!
 //! It sits on the swap path, so it locks its memory, marks itself an I/O
 //! flusher, leaves every memory cgroup (the job that swaps is limited, not
 //! its pager) and is exempt from the OOM killer.
@@ -20,6 +25,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use pager_client::config::DeviceConfig;
 use pager_client::device::Device;
+use pager_fuse::fdstore;
 use pager_fuse::handover::{self, Request};
 use pager_fuse::{Backend, Mount, Options, Transport};
 use pagerctl::attach::record::{frontend_info, ServeInfo, StateLayout};
@@ -141,6 +147,9 @@ fn parse_transport(s: &str) -> Result<Transport, String> {
     }
 }
 
+/// The FUSE connection's name in the service manager's fd store.
+const FDSTORE_NAME: &str = "netpager-fuse";
+
 /// How long a hand-over waits for the requests being answered.
 const DRAIN_LIMIT: Duration = Duration::from_secs(20);
 
@@ -158,7 +167,7 @@ pub fn run(a: Args) -> Result<()> {
         );
     }
     procs::protect_from_oom(me, "the serving process");
-    leave_memory_cgroups(me);
+    procs::leave_memory_cgroups(me);
     // Signals wait for their own thread, so that SIGTERM unmounts cleanly
     // instead of cutting the kernel's device off.
     sys::block_stop_signals().context("cannot block SIGTERM and SIGINT")?;
@@ -174,12 +183,82 @@ pub fn run(a: Args) -> Result<()> {
         threads: a.threads,
         ..Options::default()
     };
+    // systemd's fd store (pagerctl(1) RESTARTS): the connection a
+    // predecessor gave the service manager, or a new one to give it.
+    let notify = std::env::var("NOTIFY_SOCKET")
+        .ok()
+        .filter(|s| !s.is_empty() && !a.held);
+    let stored = if a.held {
+        None
+    } else {
+        fdstore::take(FDSTORE_NAME)
+            .context("taking the FUSE connection the service manager passed (LISTEN_FDS)")?
+    };
+    let store_in = match notify {
+        Some(_) if stored.is_some() => None,
+        Some(_) if a.transport != Transport::Classic => {
+            tracing::warn!(
+                "NOTIFY_SOCKET is set but the transport is {}: the connection is not stored, since the kernel never resends a request a dead server left in an io_uring entry (serve --transport fuse to store it)",
+                a.transport
+            );
+            None
+        }
+        n => n,
+    };
+    let restartable = a.held || stored.is_some() || store_in.is_some();
     let mount = if a.held {
         let socket = layout.holder_socket();
         let (fd, fresh) = handover::take(&socket, Duration::from_secs(10))
             .with_context(|| format!("cannot take the connection from {}", socket.display()))?;
         Mount::serve_held(backend, fd, &mountpoint, &opts, fresh)
             .with_context(|| format!("cannot serve {}", mountpoint.display()))?
+    } else if let Some(fd) = stored {
+        tracing::info!("took the FUSE connection from the service manager's fd store");
+        let mount = Mount::serve_held(backend, fd, &mountpoint, &opts, false)
+            .with_context(|| format!("cannot serve {}", mountpoint.display()))?;
+        let resent = mount.resent_counter();
+        std::thread::Builder::new()
+            .name("resent".into())
+            .spawn(move || {
+                // FUSE_NOTIFY_RESEND brings them all at once: the first
+                // seconds tell.
+                let mut told = 0;
+                for _ in 0..50 {
+                    std::thread::sleep(Duration::from_millis(100));
+                    let n = resent.load(Ordering::Relaxed);
+                    if n != told {
+                        tracing::info!("answered {n} requests a dead serving process had left");
+                        told = n;
+                    }
+                }
+            })
+            .context("cannot start the resent thread")?;
+        mount
+    } else if let Some(notify) = store_in {
+        std::fs::create_dir_all(&mountpoint)
+            .with_context(|| format!("cannot create {}", mountpoint.display()))?;
+        let fd = pager_fuse::mount_connection(&mountpoint, &opts)
+            .with_context(|| format!("cannot mount {}", mountpoint.display()))?;
+        let keep = fd.try_clone().context("cannot dup the /dev/fuse fd")?;
+        // Served as a held connection (its readers all on this one open
+        // file), so that a successor can take it over.
+        let mount = match Mount::serve_held(backend, fd, &mountpoint, &opts, true) {
+            Ok(m) => m,
+            Err(e) => {
+                let _ = pager_fuse::unmount(&mountpoint, true);
+                return Err(e).with_context(|| format!("cannot serve {}", mountpoint.display()));
+            }
+        };
+        // Stored once INIT is answered: a successor never has to.
+        match fdstore::store(&notify, FDSTORE_NAME, &keep) {
+            Ok(()) => tracing::info!(
+                "gave the FUSE connection to the service manager's fd store as {FDSTORE_NAME}"
+            ),
+            Err(e) => tracing::warn!(
+                "cannot store the FUSE connection at NOTIFY_SOCKET={notify}: {e}; if this process dies, the device is lost"
+            ),
+        }
+        mount
     } else {
         std::fs::create_dir_all(&mountpoint)
             .with_context(|| format!("cannot create {}", mountpoint.display()))?;
@@ -193,7 +272,7 @@ pub fn run(a: Args) -> Result<()> {
         "serving {} over {}{}",
         layout.fuse_file().display(),
         mount.transport(),
-        if a.held { " (restartable)" } else { "" }
+        if restartable { " (restartable)" } else { "" }
     );
     let info = ServeInfo {
         pid: me,
@@ -217,7 +296,7 @@ pub fn run(a: Args) -> Result<()> {
             .context("cannot start the resent thread")?;
     }
     let stopper = mountpoint.clone();
-    let (held, to_flush) = (a.held, device.clone());
+    let (held, to_flush) = (restartable, device.clone());
     std::thread::Builder::new()
         .name("signals".into())
         .spawn(move || on_signals(&stopper, held, &gate, &to_flush))
@@ -302,21 +381,5 @@ fn unmount_on_signal(mountpoint: &Path, sig: libc::c_int) {
             "signal {sig}: cannot unmount {} ({e}); it is still in use: run pagerctl detach",
             mountpoint.display()
         ),
-    }
-}
-
-/// Moves `pid` to the root of every memory cgroup hierarchy (v1 and v2):
-/// the pager must not be reclaimed by the limit of the job it pages for.
-pub(crate) fn leave_memory_cgroups(pid: u32) {
-    for procs_file in [
-        "/sys/fs/cgroup/memory/cgroup.procs",
-        "/sys/fs/cgroup/cgroup.procs",
-        "/sys/fs/cgroup/unified/cgroup.procs",
-    ] {
-        if Path::new(procs_file).exists() {
-            if let Err(e) = std::fs::write(procs_file, pid.to_string()) {
-                tracing::debug!("cannot move to {procs_file}: {e}");
-            }
-        }
     }
 }

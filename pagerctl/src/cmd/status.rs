@@ -8,7 +8,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use anyhow::{bail, Result};
 use pager_client::status::{render_table, ClientStatus};
 use pagerctl::attach::record::{HolderInfo, ServeInfo, StateLayout};
-use pagerctl::attach::{AttachRecord, Frontend, Step};
+use pagerctl::attach::{AttachRecord, Frontend};
 
 use crate::procs;
 
@@ -35,21 +35,15 @@ pub fn run(a: Args) -> Result<()> {
     let server_alive = server.is_some_and(|(pid, started)| procs::owned(pid, started));
     let frontend = record.as_ref().map(|r| r.frontend);
     let serve = ServeInfo::load(&layout.serve_json());
-    let restartable = record.as_ref().is_some_and(|r| {
-        r.steps.iter().any(|s| {
-            matches!(
-                s,
-                Step::FuseServer {
-                    restartable: true,
-                    ..
-                }
-            )
-        })
-    });
+    let restartable = record.as_ref().is_some_and(|r| r.holder().is_some());
     // A restartable device's `server` is its holder; the serving process
-    // is the one serve.json names.
+    // is the one serve.json names (kernel nbd: holder.json, nbdkit).
     let holder = restartable.then(|| HolderInfo::load(&layout.holder_json()));
-    let serving = serve.as_ref().map(|s| s.pid).filter(|&p| procs::alive(p));
+    let serving = match frontend {
+        Some(Frontend::Nbd) => holder.clone().flatten().and_then(|h| h.serve_pid),
+        _ => serve.as_ref().map(|s| s.pid),
+    }
+    .filter(|&p| procs::alive(p));
     let warning = restartable.then(|| holder_warning(server_alive)).flatten();
     let serving_pid = if restartable {
         serving
@@ -130,10 +124,23 @@ pub fn run(a: Args) -> Result<()> {
             .last_held_ms
             .map(|ms| format!(", requests held {ms} ms at the last"))
             .unwrap_or_default();
-        println!(
-            "server: {line}; restartable, connection held by pid {pid}; {} restarts ({} after a crash){held}; {} requests resent ({} at the last)",
-            h.restarts, h.crashes, h.resent_total, h.resent_last
-        );
+        if frontend == Some(Frontend::Nbd) {
+            let expired = match h.expired {
+                0 => String::new(),
+                n => {
+                    format!("; the dead-conn timeout passed {n} times: the kernel failed requests")
+                }
+            };
+            println!(
+                "server: {line}; restartable, kernel nbd held by pid {pid}; {} restarts ({} after a crash){held}{expired}",
+                h.restarts, h.crashes
+            );
+        } else {
+            println!(
+                "server: {line}; restartable, connection held by pid {pid}; {} restarts ({} after a crash){held}; {} requests resent ({} at the last)",
+                h.restarts, h.crashes, h.resent_total, h.resent_last
+            );
+        }
     }
     if let Some(w) = &warning {
         println!("WARNING: {w}");

@@ -1,0 +1,119 @@
+"""`pagerctl serve` under a service manager keeps its FUSE connection in the
+manager's fd store (systemd's `FileDescriptorStoreMax=`, pagerctl(1)
+RESTARTS). PID 1 here is not systemd, so the test is the service manager,
+over the real protocol: it binds the notify socket, starts serve with
+NOTIFY_SOCKET, receives the connection (`FDSTORE=1`, `FDNAME=`, the fd
+over SCM_RIGHTS), kill -9s serve while dd writes through a loop device
+on it (writes in flight), starts a new serve with the fd as
+LISTEN_FDS/LISTEN_FDNAMES, and checks every byte dd wrote."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from netpager_testkit import LoopDevice, OwnedProcess, wait_for
+from netpager_testkit.attach import mounted
+from netpager_testkit.client import MIB
+from netpager_testkit.paths import pagerctl
+
+NAME = "netpager-fuse"
+# argv: FD PROGRAM ARGS...: FD as fd 3, LISTEN_PID set, then exec.
+PASS_FD = """
+import os, sys
+fd = int(sys.argv[1])
+os.dup2(fd, 3)
+os.close(fd)
+os.environ["LISTEN_PID"] = str(os.getpid())
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+WRITTEN = 96 * MIB
+
+
+def inflight(device: str) -> int:
+    reads, writes = Path(f"/sys/block/{Path(device).name}/inflight").read_text().split()
+    return int(reads) + int(writes)
+
+
+def test_a_killed_serve_hands_its_connection_through_the_fd_store(teardown, donors, client, tmp_path):
+    ds = donors(3)
+    # The device's configuration, made by attach; serve runs it alone after.
+    client.attach(ds, mode="parity", size="128M", frontend="fuse")
+    client.detach()
+    state = Path(client.state_dir)
+    mnt = state / "fuse"
+
+    def unmount():
+        if mounted(mnt):
+            subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+    stored: list[int] = []
+
+    def close_stored():
+        while stored:
+            os.close(stored.pop())
+
+    teardown.add("the stored FUSE fd", close_stored)
+    teardown.add(f"FUSE mount {mnt}", unmount)
+    manager = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    teardown.add("the notify socket", manager.close)
+    notify = tmp_path / "notify.sock"
+    manager.bind(str(notify))
+    manager.settimeout(60)
+    serve = [pagerctl(), "serve", "--state-dir", state, "--transport", "fuse"]
+    first = OwnedProcess(serve, tmp_path / "serve1.log", teardown, "serve 1",
+                         env={**os.environ, "NOTIFY_SOCKET": str(notify)})
+    msg, fds, _, _ = socket.recv_fds(manager, 4096, 4)
+    stored.extend(fds)
+    assert msg == f"FDSTORE=1\nFDNAME={NAME}\n".encode(), msg
+    assert len(fds) == 1, fds
+    device_file = mnt / "device"
+    wait_for(lambda: mounted(mnt) and device_file.stat().st_size > 0, 30, f"{device_file} served")
+
+    # Should the test fail with no serve left, requests on the connection
+    # would wait forever (the stored fd keeps it): abort it first.
+    abort = Path(f"/sys/fs/fuse/connections/{os.minor(os.stat(mnt).st_dev)}/abort")
+
+    def abort_connection():
+        if mounted(mnt) and abort.exists():
+            abort.write_text("1")
+
+    loop = LoopDevice(teardown, device_file, direct_io=True)
+    pattern = tmp_path / "pattern"
+    pattern.write_bytes(os.urandom(WRITTEN))
+    dd = OwnedProcess(["dd", f"if={pattern}", f"of={loop.device}", "bs=256K", "oflag=direct",
+                       "conv=fsync"], tmp_path / "dd.log", teardown, "dd")
+    teardown.add("abort the FUSE connection", abort_connection)
+    wait_for(lambda: inflight(loop.device) > 0 or not dd.alive(), 60, f"writes in flight on {loop.device}",
+             interval=0.001)
+    assert dd.alive(), "dd ended before the kill: write more"
+    first.kill9()
+    assert mounted(mnt), "the connection went with the serving process"
+
+    # The stored fd becomes fd 3 of the next serve, as systemd passes it,
+    # with LISTEN_PID its own pid.
+    fd = stored[0]
+    restart = [sys.executable, "-c", PASS_FD, str(fd), *serve]
+    second = OwnedProcess(restart, tmp_path / "serve2.log", teardown, "serve 2",
+                          env={**os.environ, "LISTEN_FDS": "1", "LISTEN_FDNAMES": NAME},
+                          pass_fds=(fd,))
+    assert dd.wait(300) == 0, Path(tmp_path / "dd.log").read_text()
+    back = tmp_path / "back"
+    subprocess.run(["dd", f"if={loop.device}", f"of={back}", "bs=1M", f"count={WRITTEN // MIB}",
+                    "iflag=direct", "status=none"], check=True, timeout=300)
+    assert back.read_bytes() == pattern.read_bytes(), "bytes differ after the restart"
+    log = (tmp_path / "serve2.log").read_text()
+    assert "took the FUSE connection from the service manager's fd store" in log, log
+    # What serve 1 had read and not answered came again, to serve 2.
+    wait_for(lambda: re.search(r"answered [1-9]\d* requests a dead serving process had left",
+                               (tmp_path / "serve2.log").read_text()), 10, "requests resent to serve 2")
+
+    loop.detach()
+    second.signal(signal.SIGTERM)
+    assert second.wait(30) == 0, (tmp_path / "serve2.log").read_text()
+    assert not mounted(mnt)
