@@ -124,6 +124,24 @@ pub fn log_tail(path: &Path, lines: usize) -> String {
     all[all.len().saturating_sub(lines)..].join("\n")
 }
 
+/// `cmd` with stdin from /dev/null and stdout and stderr appended to `log`,
+/// ready to spawn: how every helper pagerctl starts keeps its output.
+pub fn logged_command(cmd: &[String], log: &Path) -> Result<Command> {
+    let open = || {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .with_context(|| format!("cannot open log {}", log.display()))
+    };
+    let mut c = Command::new(&cmd[0]);
+    c.args(&cmd[1..])
+        .stdin(Stdio::null())
+        .stdout(open()?)
+        .stderr(open()?);
+    Ok(c)
+}
+
 /// Reads a pid file.
 pub fn read_pidfile(path: &Path) -> Option<u32> {
     std::fs::read_to_string(path).ok()?.trim().parse().ok()

@@ -5,7 +5,6 @@
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -438,22 +437,9 @@ fn start_nbdfuse(plan: &Plan, record: &mut AttachRecord) -> Result<()> {
 /// appended to `log`, in its own process group so a terminal's Ctrl-C aimed
 /// at pagerctl does not reach it.
 fn spawn_detached(cmd: &[String], log: &Path) -> Result<std::process::Child> {
-    let open = || {
-        std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(log)
-            .with_context(|| format!("cannot open log {}", log.display()))
-    };
-    let out = open()?;
-    let err = open()?;
+    let mut c = procs::logged_command(cmd, log)?;
     tracing::info!("starting {} (log {})", cmd.join(" "), log.display());
-    Command::new(&cmd[0])
-        .args(&cmd[1..])
-        .stdin(Stdio::null())
-        .stdout(out)
-        .stderr(err)
-        .process_group(0)
+    c.process_group(0)
         // The service manager's fd store is for a `pagerctl serve` it runs
         // itself; what attach starts is attach's.
         .env_remove("NOTIFY_SOCKET")

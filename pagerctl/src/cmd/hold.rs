@@ -13,7 +13,6 @@
 
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -154,19 +153,7 @@ fn supervise(
     loop {
         let binary = shared.state.lock_or_recover().info.binary.clone();
         let cmd = commands::held_serve_command(&binary, &layout.dir, threads);
-        let open = || {
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(&log)
-                .with_context(|| format!("cannot open log {}", log.display()))
-        };
-        let spawned = Command::new(&cmd[0])
-            .args(&cmd[1..])
-            .stdin(Stdio::null())
-            .stdout(open()?)
-            .stderr(open()?)
-            .spawn();
+        let spawned = procs::logged_command(&cmd, &log)?.spawn();
         let mut child = match spawned {
             Ok(c) => c,
             Err(e) if first => {

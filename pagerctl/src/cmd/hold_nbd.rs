@@ -18,7 +18,7 @@
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -243,18 +243,7 @@ impl Hold<'_> {
             &self.layout.dir,
         );
         let log = self.layout.nbdkit_log();
-        let open = || {
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(&log)
-                .with_context(|| format!("cannot open log {}", log.display()))
-        };
-        let child = Command::new(&cmd[0])
-            .args(&cmd[1..])
-            .stdin(Stdio::null())
-            .stdout(open()?)
-            .stderr(open()?)
+        let child = procs::logged_command(&cmd, &log)?
             .spawn()
             .with_context(|| format!("cannot start {}", cmd.join(" ")))?;
         let pid = child.id();
