@@ -76,9 +76,12 @@ struct Leader {
     batch: Vec<Entry>,
 }
 
-/// A log unit rows are being added to.
+/// A log unit being placed, or rows are being added to.
 struct OpenUnit {
     lu: u64,
+    /// False while a leader places it: it takes no rows yet, and the
+    /// cleaner must not take it for closed.
+    placed: bool,
     next_row: u32,
     in_flight: u32,
     closed: bool,
@@ -95,12 +98,15 @@ struct LogState {
     leaders: usize,
     outcomes: HashMap<u64, Outcome>,
     next_ticket: u64,
+    /// A log unit's state is kept here once: *free* (in `free`), *open*
+    /// (in `open`) or *closed*, in neither: placed, taking no more rows,
+    /// and touched only by the cleaner, which alone frees one. Its live
+    /// pages are counted by the page table alone.
     open: Vec<OpenUnit>,
-    /// Log units with no placement.
+    /// Log units with no placement (every unplaced one but those `open`
+    /// holds while they are placed), a stack so that a leader takes one
+    /// without a scan.
     free: Vec<u64>,
-    /// Placed log units that take no more rows: only the cleaner touches
-    /// them, and only it moves a unit from here to `free`.
-    closed: Vec<u64>,
 }
 
 /// The parity log's writer side.
@@ -134,11 +140,12 @@ impl ParityLog {
                 outcomes: HashMap::with_capacity(pages),
                 next_ticket: 0,
                 open: Vec::with_capacity(leaders + 1),
+                // A unit placed at start is closed: a torn row may lie in
+                // its unused rows.
                 free: (0..geo.units)
                     .rev()
                     .filter(|&u| !placed[u as usize])
                     .collect(),
-                closed: (0..geo.units).filter(|&u| placed[u as usize]).collect(),
             }),
         }
     }
@@ -154,23 +161,19 @@ impl ParityLog {
         self.lock()
     }
 
-    /// Log units with no placement, and units rows are being added to.
-    /// Free units, and the closed ones.
+    /// How many units are free, and the closed ones: neither free nor
+    /// open (maintenance only: it looks at every unit).
     fn free_and_closed(&self) -> (usize, Vec<u64>) {
         let st = self.lock();
-        (st.free.len(), st.closed.clone())
-    }
-
-    /// Takes closed unit `lu` out of the closed list to free it.
-    fn take_closed(&self, lu: u64) -> bool {
-        let mut st = self.lock();
-        match st.closed.iter().position(|&u| u == lu) {
-            Some(i) => {
-                st.closed.swap_remove(i);
-                true
-            }
-            None => false,
+        let mut closed = vec![true; self.geo.units as usize];
+        for &lu in &st.free {
+            closed[lu as usize] = false;
         }
+        for o in &st.open {
+            closed[o.lu as usize] = false;
+        }
+        let closed = (0..self.geo.units).filter(|&lu| closed[lu as usize]);
+        (st.free.len(), closed.collect())
     }
 
     /// A part row only when no row is being written: under load rows fill
@@ -180,45 +183,55 @@ impl ParityLog {
         st.queue.len() >= self.geo.cols as usize || (st.leaders == 0 && !st.queue.is_empty())
     }
 
-    /// Closes the open units no row is being written to, so that an idle
-    /// log can be emptied to its last unit.
+    /// Closes the open units no row is being written to (and no leader
+    /// places), so that an idle log can be emptied to its last unit.
     fn close_idle_units(&self) {
-        let st = &mut *self.lock();
-        let closed = &mut st.closed;
-        st.open.retain(|o| {
-            if o.in_flight == 0 {
-                closed.push(o.lu);
-            }
-            o.in_flight > 0
-        });
+        self.lock().open.retain(|o| o.in_flight > 0 || !o.placed);
     }
 
+    /// Log unit `lu` has no placement (again): free.
     fn release(&self, lu: u64) {
-        self.lock().free.push(lu);
+        let mut st = self.lock();
+        st.open.retain(|o| o.lu != lu);
+        st.free.push(lu);
     }
 
     /// Takes up to `want` consecutive rows of an open unit: `(unit, first
-    /// row, rows)`; `Err(lu)` hands the caller a free unit to place;
-    /// `Ok(None)`: the log is full.
+    /// row, rows)`; `Err(lu)` hands the caller a free unit to place (then
+    /// [`ParityLog::opened`] or [`ParityLog::release`]); `Ok(None)`: the
+    /// log is full.
     fn reserve(&self, want: u32) -> std::result::Result<Option<(u64, u32, u32)>, u64> {
         let mut st = self.lock();
         let rows = self.geo.rows;
-        if let Some(o) = st.open.iter_mut().find(|o| !o.closed && o.next_row < rows) {
+        if let Some(o) = st
+            .open
+            .iter_mut()
+            .find(|o| o.placed && !o.closed && o.next_row < rows)
+        {
             let got = want.min(rows - o.next_row);
             o.next_row += got;
             o.in_flight += 1;
             return Ok(Some((o.lu, o.next_row - got, got)));
         }
-        st.free.pop().map_or(Ok(None), Err)
-    }
-
-    fn opened(&self, lu: u64) {
-        self.lock().open.push(OpenUnit {
+        let Some(lu) = st.free.pop() else {
+            return Ok(None);
+        };
+        st.open.push(OpenUnit {
             lu,
+            placed: false,
             next_row: 0,
             in_flight: 0,
             closed: false,
         });
+        Err(lu)
+    }
+
+    /// Log unit `lu`, handed out by [`ParityLog::reserve`], is placed: it
+    /// takes rows.
+    fn opened(&self, lu: u64) {
+        if let Some(o) = self.lock().open.iter_mut().find(|o| o.lu == lu) {
+            o.placed = true;
+        }
     }
 
     /// A row of `lu` is done; `close` stops further rows there (a member
@@ -233,7 +246,6 @@ impl ParityLog {
             o.closed |= close;
             if (o.closed || o.next_row == rows) && o.in_flight == 0 {
                 st.open.swap_remove(i);
-                st.closed.push(lu);
             }
         }
     }
@@ -465,23 +477,18 @@ impl Inner {
     }
 
     /// Frees closed log unit `lu` (no live page is left in it: a closed
-    /// unit takes no new ones).
+    /// unit takes no new ones). Only the maintenance thread frees units,
+    /// so `lu` stays closed until this releases it.
     fn free_log_unit(&self, lu: u64) -> Result<()> {
-        if !self.plog().take_closed(lu) {
-            return Ok(());
-        }
         let g = self.layout.log_unit(lu);
         let mut guard = self.map.unit(g).write_or_recover();
         if let Some(unit) = guard.take() {
             for &m in &unit.members {
                 self.release_slot(m);
             }
-            if let Err(e) = self.map.commit(g, &guard) {
-                // Its slots are given back already: it stays closed, and
-                // the next pass journals it free again.
-                self.plog().lock().closed.push(lu);
-                return Err(e.into());
-            }
+            // On failure its slots are given back already: it stays
+            // closed, and the next pass journals it free again.
+            self.map.commit(g, &guard)?;
         }
         self.plog().release(lu);
         Ok(())
