@@ -23,9 +23,11 @@
 //!
 //! What the rest of the striped code calls: `log_pages` (a small write),
 //! `read_log_slot` (a logged page read alone), `clean_parity_log` and
-//! `drain_idle_log` (maintenance). The page table and its journal records
-//! are the map's (`ExtentMap::log_*`); this module places its units with
-//! `place_group` and moves pages home with `write_pages_locked`.
+//! `drain_idle_log` (maintenance), and `journal`: the log owns the page
+//! table, and everyone (this module too) reads and changes it through that
+//! handle ([`LogJournal`]), which journals each change in the map. This
+//! module reaches the map's log units only through the journal; it places
+//! them with `place_group` and moves pages home with `write_pages_locked`.
 
 use std::collections::{HashMap, VecDeque};
 use std::ops::RangeInclusive;
@@ -40,7 +42,7 @@ use super::super::io::{batch, IoReq, MAX_BATCH};
 use super::super::{DeviceError, Inner, Result};
 use crate::erasure::MAX_SHARDS;
 use crate::extent_map::Unit;
-use crate::page_log::{LogGeometry, Slot, PAGE};
+use crate::page_log::{LogGeometry, LogJournal, PageTable, Slot, PAGE};
 use netpager_nbd::Op;
 
 /// Tries a leader makes before giving its pages back to be written home.
@@ -109,22 +111,27 @@ struct LogState {
     free: Vec<u64>,
 }
 
-/// The parity log's writer side.
+/// The parity log: its writer side and its page table.
 pub(crate) struct ParityLog {
     pub(super) geo: LogGeometry,
     max_leaders: usize,
     st: Mutex<LogState>,
+    /// Which pages are logged, reached only through [`Inner::journal`].
+    table: Mutex<PageTable>,
 }
 
 impl ParityLog {
-    /// `placed[lu]`: whether log unit `lu` holds a placement (from the map);
-    /// a log unit has `members` members (data and parity).
-    pub fn new(geo: LogGeometry, members: usize, placed: &[bool], leaders: usize) -> ParityLog {
+    /// A log owning `table` (as the map replayed it); `placed[lu]`: whether
+    /// log unit `lu` holds a placement (from the map); a log unit has
+    /// `members` members (data and parity).
+    pub fn new(table: PageTable, members: usize, placed: &[bool], leaders: usize) -> ParityLog {
+        let geo = table.geometry();
         let pages = (2 * geo.rows as usize).max(MAX_ROWS * geo.cols as usize * leaders);
         let page = || vec![0u8; PAGE as usize].into_boxed_slice();
         let span = members * MAX_ROWS * PAGE as usize;
         ParityLog {
             geo,
+            table: Mutex::new(table),
             max_leaders: leaders,
             st: Mutex::new(LogState {
                 queue: VecDeque::with_capacity(pages),
@@ -252,6 +259,12 @@ impl ParityLog {
 }
 
 impl Inner {
+    /// The parity log's journal handle: the page table (none without a
+    /// log: every page at home) and the map behind it.
+    pub(crate) fn journal(&self) -> LogJournal<'_> {
+        LogJournal::new(self.parity_log().map(|l| &l.table), &self.map)
+    }
+
     fn plog(&self) -> &ParityLog {
         self.parity_log().expect("the device has a parity log")
     }
@@ -388,7 +401,8 @@ impl Inner {
         scratch: &mut [u8],
     ) -> bool {
         let (g, _) = self.log_member(lu, 0);
-        let guard = self.map.unit(g).read_or_recover();
+        let journal = self.journal();
+        let guard = journal.unit(lu).read_or_recover();
         let Some(unit) = guard.as_ref() else {
             return false;
         };
@@ -440,7 +454,7 @@ impl Inner {
         for (p, e) in pages.iter_mut().zip(chunk) {
             *p = Some(e.page);
         }
-        match self.map.log_rows(lu, row, pages) {
+        match journal.rows(lu, row, pages) {
             Ok(()) => true,
             Err(e) => {
                 tracing::error!("journaling parity log rows {row}.. of log unit {lu}: {e}");
@@ -451,7 +465,7 @@ impl Inner {
 
     fn place_log_unit(&self, lu: u64) -> Result<()> {
         let g = self.layout.log_unit(lu);
-        let mut guard = self.map.unit(g).write_or_recover();
+        let mut guard = self.journal().unit(lu).write_or_recover();
         // Unused rows must read as zeros so every row's parity holds.
         self.place_group(g * self.layout.data_per_unit(), g, &mut guard, true)
     }
@@ -461,7 +475,7 @@ impl Inner {
     pub(super) fn read_log_slot(&self, slot: Slot, in_page: u64, buf: &mut [u8]) -> Result<()> {
         let (lu, row, col) = self.plog().geo.place(slot);
         let (g, pos) = self.log_member(lu, col);
-        let guard = self.map.unit(g).read_or_recover();
+        let guard = self.journal().unit(lu).read_or_recover();
         let unit: &Unit = guard.as_ref().ok_or_else(|| DeviceError::Io {
             extent: g * self.layout.data_per_unit(),
             reason: format!("parity log unit {lu} holds live pages but has no placement"),
@@ -480,15 +494,15 @@ impl Inner {
     /// unit takes no new ones). Only the maintenance thread frees units,
     /// so `lu` stays closed until this releases it.
     fn free_log_unit(&self, lu: u64) -> Result<()> {
-        let g = self.layout.log_unit(lu);
-        let mut guard = self.map.unit(g).write_or_recover();
+        let journal = self.journal();
+        let mut guard = journal.unit(lu).write_or_recover();
         if let Some(unit) = guard.take() {
             for &m in &unit.members {
                 self.release_slot(m);
             }
             // On failure its slots are given back already: it stays
             // closed, and the next pass journals it free again.
-            self.map.commit(g, &guard)?;
+            journal.commit(lu, &guard)?;
         }
         self.plog().release(lu);
         Ok(())
@@ -501,7 +515,7 @@ impl Inner {
         let (e, in_off) = (at / self.layout.extent, at % self.layout.extent);
         let (g, _) = self.layout.locate(e);
         let mut guard = self.map.unit(g).write_or_recover();
-        if self.map.log_lookup(page) != Some(slot) {
+        if self.journal().lookup(page) != Some(slot) {
             return Ok(());
         }
         let mut buf = [0u8; PAGE as usize];
@@ -521,7 +535,7 @@ impl Inner {
         let per_unit = (w.geo.rows * w.geo.cols) as usize;
         for _ in 0..w.geo.units {
             let (free, closed) = w.free_and_closed();
-            let (_, live) = self.map.log_census();
+            let (_, live) = self.journal().census();
             let mut freed = 0;
             for &lu in closed.iter().filter(|&&lu| live[lu as usize] == 0) {
                 if let Err(e) = self.free_log_unit(lu) {
@@ -540,7 +554,7 @@ impl Inner {
             else {
                 return;
             };
-            let pages = self.map.log_live_in(lu);
+            let pages = self.journal().live_in(lu);
             let home = free == 0 || 2 * pages.len() > per_unit;
             for (slot, page) in pages {
                 if let Err(e) = self.relocate(page, slot, home) {
@@ -575,7 +589,7 @@ impl Inner {
         };
         let (mut moved, mut freed) = (0u64, 0u64);
         'units: for lu in w.free_and_closed().1 {
-            for (slot, page) in self.map.log_live_in(lu) {
+            for (slot, page) in self.journal().live_in(lu) {
                 if enough() {
                     break 'units;
                 }
@@ -585,7 +599,7 @@ impl Inner {
                 }
                 moved += 1;
             }
-            if self.map.log_live_in(lu).is_empty() {
+            if self.journal().live_in(lu).is_empty() {
                 if let Err(e) = self.free_log_unit(lu) {
                     tracing::error!("freeing parity log unit {lu}: {e}");
                     break;
@@ -594,7 +608,7 @@ impl Inner {
             }
         }
         if moved + freed > 0 {
-            let left = self.map.log_census().0;
+            let left = self.journal().census().0;
             tracing::debug!(
                 "parity log, device idle: {moved} pages moved home, {freed} units freed, {left} pages left"
             );
