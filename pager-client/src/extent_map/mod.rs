@@ -158,6 +158,12 @@ struct Persist {
     journal: File,
     journal_bytes: u64,
     generation: u64,
+    /// Every unit's placement as journaled, a second copy of `units`':
+    /// compaction reads placements with the journal held and no unit lock,
+    /// because a writer holds its unit's lock while it waits for the
+    /// journal in `commit` (taking unit locks here would be the reverse
+    /// order: a deadlock), and reading them before taking the journal
+    /// could miss a commit appended to the old journal. Kept by `commit`.
     mirror: Vec<Option<Unit>>,
     /// Parity members each donor (by map id) holds, kept with `mirror`.
     parity_held: Vec<u64>,
