@@ -2,7 +2,9 @@
 //! it, or from the parity log when its newest copy is there; a gone
 //! member's pages are decoded from any `k` members of its group
 //! (`codec`). One path: plan the runs, send one batch, fall back page by
-//! page. Takes the group's read lock, then the log units' (`log`).
+//! page. Which pages are logged it asks the log's journal handle
+//! (`Inner::journal`), once per group. Takes the group's read lock, then
+//! the log units' (`log`).
 
 use std::sync::RwLockReadGuard;
 

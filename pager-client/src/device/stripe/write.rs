@@ -2,7 +2,9 @@
 //! (full-stripe), smaller pieces into the parity log (`log`) or home by
 //! read-modify-write under the group's write lock, so parity always
 //! matches the data. Encodes and decodes through `codec`; places groups
-//! through [`super`]; moves members through `maintenance`.
+//! through [`super`]; moves members through `maintenance`; a page written
+//! home or trimmed leaves the log through its journal handle
+//! (`Inner::journal`).
 
 use std::sync::RwLockWriteGuard;
 
