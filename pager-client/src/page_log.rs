@@ -1,8 +1,10 @@
 //! The parity log's page table (docs/DESIGN.md "2.2 Keeping remote pages safe",
 //! parity logging): which device pages live in the log instead of at home in
-//! their group, and where. Pure bookkeeping; the device's striped backend
-//! (`device/stripe/log.rs`) does the I/O and the extent map journals every
-//! change.
+//! their group, and where; and [`LogJournal`], the one way the device reads
+//! or changes it. The table itself is pure bookkeeping, owned by the
+//! device's parity log (`device/stripe/log.rs`, which does the I/O); the
+//! journal handle keeps every change in the extent map's journal, which
+//! replays the table at open and writes it into each snapshot.
 //!
 //! The log is a run of log units after the home groups. A log unit is laid
 //! out like a home group of the device's mode (`cols` = `k` data members
@@ -12,6 +14,12 @@
 //! pages. A row holds up to `cols` pages of any part of the device,
 //! written at once with their parity and no reads. A slot is one data page
 //! of one row.
+
+use std::sync::{Mutex, MutexGuard, RwLock};
+
+use netpager_util::LockExt;
+
+use crate::extent_map::{ExtentMap, MapError, Unit};
 
 /// Bytes per page: the unit of logging.
 pub const PAGE: u64 = 4096;
@@ -150,6 +158,131 @@ impl PageTable {
         for (_, page) in self.live_in(unit) {
             self.unset(page);
         }
+    }
+}
+
+/// The parity log's journal handle (as Linux md's `raid5-log.h` is the
+/// stripe code's interface to its journal): the page table, owned by the
+/// parity log, with the extent map behind it. The striped code asks it
+/// which pages are logged (a page, a run, any in a range, the live counts)
+/// and tells it what changed (rows written, pages dropped); the parity log
+/// reaches the map's log units only through it. Without a parity log
+/// (`table` is `None`) every page is at home.
+///
+/// Locks: a change updates the table under its mutex, releases it, then
+/// appends to the map's journal; only compaction holds both (the map's
+/// journal first, with no unit lock held).
+#[derive(Clone, Copy)]
+pub struct LogJournal<'a> {
+    table: Option<&'a Mutex<PageTable>>,
+    map: &'a ExtentMap,
+}
+
+impl<'a> LogJournal<'a> {
+    pub fn new(table: Option<&'a Mutex<PageTable>>, map: &'a ExtentMap) -> LogJournal<'a> {
+        LogJournal { table, map }
+    }
+
+    fn table(&self) -> Option<MutexGuard<'a, PageTable>> {
+        self.table.map(|t| t.lock_or_recover())
+    }
+
+    /// The log's shape, if there is a log.
+    pub fn geometry(&self) -> Option<LogGeometry> {
+        self.table().map(|t| t.geometry())
+    }
+
+    /// Where `page` lives in the log, if it does.
+    pub fn lookup(&self, page: u64) -> Option<Slot> {
+        self.table().and_then(|t| t.lookup(page))
+    }
+
+    /// The log slots of pages `first..first + out.len()` (`None`: at
+    /// home), looked up under one lock.
+    pub fn lookup_run(&self, first: u64, out: &mut [Option<Slot>]) {
+        match self.table() {
+            Some(t) => {
+                for (i, o) in out.iter_mut().enumerate() {
+                    *o = t.lookup(first + i as u64);
+                }
+            }
+            None => out.fill(None),
+        }
+    }
+
+    /// Whether any page of `[first, first + count)` is in the log.
+    pub fn any_in(&self, first: u64, count: u64) -> bool {
+        self.table().is_some_and(|t| t.any_in(first, count))
+    }
+
+    /// Pages in the log, and live pages of each log unit.
+    pub fn census(&self) -> (u64, Vec<u32>) {
+        match self.table() {
+            Some(t) => (
+                t.logged(),
+                (0..t.geometry().units).map(|u| t.live(u)).collect(),
+            ),
+            None => (0, Vec::new()),
+        }
+    }
+
+    /// Live `(slot, page)` pairs of log unit `lu`.
+    pub fn live_in(&self, lu: u64) -> Vec<(Slot, u64)> {
+        self.table().map(|t| t.live_in(lu)).unwrap_or_default()
+    }
+
+    /// Records (and journals) that rows `row..` of log unit `lu` now hold
+    /// `pages` (one per data column, row after row; `None` for unused
+    /// columns). Call with the home groups of those pages write-locked,
+    /// after the rows are on the donors.
+    pub fn rows(&self, lu: u64, row: u32, pages: &[Option<u64>]) -> Result<(), MapError> {
+        let Some(cols) = self.table().map(|mut t| {
+            let geo = t.geometry();
+            for (r, cols) in (row..).zip(pages.chunks(geo.cols as usize)) {
+                for (col, p) in cols.iter().enumerate() {
+                    if let Some(p) = p {
+                        t.set(*p, geo.slot(lu, r, col as u32));
+                    }
+                }
+            }
+            geo.cols as usize
+        }) else {
+            return Ok(());
+        };
+        self.map.journal_log_rows(lu, row, cols, pages)
+    }
+
+    /// Records (and journals) that pages `[first, first + count)` are at
+    /// home again (written there, or trimmed). Call with their home group
+    /// write-locked.
+    pub fn drop_pages(&self, first: u64, count: u64) -> Result<(), MapError> {
+        {
+            let Some(mut t) = self.table() else {
+                return Ok(());
+            };
+            if !t.any_in(first, count) {
+                return Ok(());
+            }
+            for p in first..first + count {
+                t.unset(p);
+            }
+        }
+        self.map.journal_log_drop(first, count)
+    }
+
+    /// The lock of log unit `lu`'s placement.
+    pub fn unit(&self, lu: u64) -> &'a RwLock<Option<Unit>> {
+        self.map.unit(self.map.layout().log_unit(lu))
+    }
+
+    /// Journals log unit `lu`'s new placement (its lock held for writing).
+    pub fn commit(&self, lu: u64, unit: &Option<Unit>) -> Result<(), MapError> {
+        self.map.commit(self.map.layout().log_unit(lu), unit)
+    }
+
+    /// Folds the map's journal into a new snapshot, the table with it.
+    pub fn compact(&self) -> Result<(), MapError> {
+        self.map.compact(self.table)
     }
 }
 

@@ -18,6 +18,7 @@ use std::time::Duration;
 use netpager_util::HostPort;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use crate::extent_map::Redundancy;
 use crate::policy;
 use netpager_nbd::{Endpoint, Timeouts};
 
@@ -89,30 +90,31 @@ pub enum Mode {
 }
 
 impl Mode {
+    /// The mode without its paths: every property that does not depend on
+    /// them is [`Redundancy`]'s.
+    pub fn redundancy(&self) -> Redundancy {
+        match *self {
+            Mode::None => Redundancy::None,
+            Mode::Mirror => Redundancy::Mirror,
+            Mode::Parity { width } => Redundancy::Parity { width },
+            Mode::Disk { .. } => Redundancy::Disk,
+            Mode::Ec { data, parity } => Redundancy::Ec { data, parity },
+        }
+    }
+
     /// The word used in status and logs.
     pub fn word(&self) -> &'static str {
-        match self {
-            Mode::None => "none",
-            Mode::Mirror => "mirror",
-            Mode::Parity { .. } => "parity",
-            Mode::Disk { .. } => "disk",
-            Mode::Ec { .. } => "ec",
-        }
+        self.redundancy().word()
     }
 
     /// Groups of data and parity extents (parity, ec).
     pub fn striped(&self) -> bool {
-        matches!(self, Mode::Parity { .. } | Mode::Ec { .. })
+        self.redundancy().striped()
     }
 
     /// Distinct donors an extent (or a parity group) needs.
     pub fn donors_needed(&self) -> usize {
-        match self {
-            Mode::None | Mode::Disk { .. } => 1,
-            Mode::Mirror => 2,
-            Mode::Parity { width } => *width as usize,
-            Mode::Ec { data, parity } => (data + parity) as usize,
-        }
+        self.redundancy().members()
     }
 }
 
@@ -375,10 +377,11 @@ fn default_extent() -> ByteSize {
 /// 2 MiB and every 1 MiB write is a read-modify-write (1 MiB writes at
 /// width 3: 0.50x of mode none with 1 MiB extents, 0.83x with 512 KiB).
 pub fn default_extent_size(mode: &Mode) -> ByteSize {
-    match mode {
-        Mode::Parity { width } => stripe_extent(width.saturating_sub(1)),
-        Mode::Ec { data, .. } => stripe_extent(*data),
-        _ => default_extent(),
+    let r = mode.redundancy();
+    if r.striped() {
+        stripe_extent(r.data_members() as u32)
+    } else {
+        default_extent()
     }
 }
 fn stripe_extent(data: u32) -> ByteSize {
@@ -531,9 +534,10 @@ impl DeviceConfig {
 
     /// Bytes of data the parity log may hold (0: no log).
     pub fn parity_log_bytes(&self) -> u64 {
-        match self.mode {
-            Mode::Parity { .. } | Mode::Ec { .. } => self.parity_log.map_or(self.size.0, |b| b.0),
-            _ => 0,
+        if self.mode.striped() {
+            self.parity_log.map_or(self.size.0, |b| b.0)
+        } else {
+            0
         }
     }
 

@@ -45,6 +45,9 @@ pub(crate) struct StripedBackend {
     pub(crate) zero_pages: ZeroPages,
 }
 
+// One per device, in the `Arc`'d `Inner`: the replicated arm's unused
+// bytes cost nothing, a box would cost every striped request a pointer.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Backend {
     Replicated(ReplicatedBackend),
     Striped(StripedBackend),
@@ -65,12 +68,13 @@ impl Backend {
                 read_turn: AtomicUsize::new(0),
             }));
         }
-        let plog = map.log_geometry().map(|geo| {
-            let placed: Vec<bool> = (0..geo.units)
+        // The parity log owns the page table the map replayed.
+        let plog = map.take_log_table().map(|table| {
+            let placed: Vec<bool> = (0..table.geometry().units)
                 .map(|lu| map.unit(layout.log_unit(lu)).read_or_recover().is_some())
                 .collect();
             ParityLog::new(
-                geo,
+                table,
                 layout.members(),
                 &placed,
                 cfg.connections_per_donor as usize,

@@ -265,7 +265,7 @@ impl Inner {
         let first = e * self.layout.extent / PAGE;
         let count = self.extent_len(e).div_ceil(PAGE);
         let mut slots: Vec<Option<Slot>> = vec![None; count as usize];
-        self.map.log_lookup_run(first, &mut slots);
+        self.journal().lookup_run(first, &mut slots);
         let mut p = 0;
         while p < count {
             if slots[p as usize].is_some() {
@@ -285,14 +285,16 @@ impl Inner {
     /// Whether log slot `slot` can no longer be read: its log unit lost
     /// and its own member gone.
     fn log_slot_lost(&self, slot: Slot) -> bool {
-        let Some(geo) = self.map.log_geometry() else {
+        let journal = self.journal();
+        let Some(geo) = journal.geometry() else {
             return false;
         };
         let (lu, _, col) = geo.place(slot);
-        let lg = self.layout.log_unit(lu);
-        let pos = self.layout.member_of(lg, col as usize);
-        self.map
-            .unit(lg)
+        let pos = self
+            .layout
+            .member_of(self.layout.log_unit(lu), col as usize);
+        journal
+            .unit(lu)
             .read_or_recover()
             .as_ref()
             .is_none_or(|unit| self.unit_lost(unit) && !self.usable(&unit.members[pos]))
@@ -313,11 +315,11 @@ impl Inner {
         for e in extents {
             let first = e * self.layout.extent / PAGE;
             let count = self.extent_len(e).div_ceil(PAGE);
-            if !self.map.log_any_in(first, count) {
+            if !self.journal().any_in(first, count) {
                 continue;
             }
             let mut slots: Vec<Option<Slot>> = vec![None; count as usize];
-            self.map.log_lookup_run(first, &mut slots);
+            self.journal().lookup_run(first, &mut slots);
             for (i, slot) in slots.iter().enumerate() {
                 let Some(slot) = *slot else { continue };
                 if !self.log_slot_lost(slot) {

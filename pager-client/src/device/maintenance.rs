@@ -347,7 +347,7 @@ impl Inner {
             self.maintain_backend();
             self.write_status();
             if self.map.needs_compaction() {
-                if let Err(e) = self.map.compact() {
+                if let Err(e) = self.journal().compact() {
                     tracing::error!("compacting the extent map: {e}");
                 }
             }

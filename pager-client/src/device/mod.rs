@@ -571,7 +571,7 @@ impl Inner {
             let (u, _) = self.layout.locate(e);
             let (first_page, pages) = (pos / PAGE, (n + pos % PAGE).div_ceil(PAGE));
             let placed = self.map.unit(u).read_or_recover().is_some()
-                || self.map.log_any_in(first_page, pages);
+                || self.journal().any_in(first_page, pages);
             match out.last_mut() {
                 Some(last) if last.2 == placed && last.0 + last.1 == pos => last.1 += n,
                 _ => out.push((pos, n, placed)),

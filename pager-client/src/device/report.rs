@@ -90,7 +90,7 @@ impl Inner {
             units: layout.home_units(),
             ..Default::default()
         };
-        let geo = self.map.log_geometry();
+        let geo = self.journal().geometry();
         let log_unit_bytes = geo.map_or(0, |g| (g.rows * g.cols) as u64 * crate::page_log::PAGE);
         // Members a unit needs to be read: k of a group, one copy else.
         let needed = if layout.mode.striped() {
@@ -127,8 +127,8 @@ impl Inner {
                 m if m.striped() && bad.len() > spare => match (log_unit, geo) {
                     // The extents whose current pages were on gone members.
                     (Some(lu), Some(geo)) => lost.extend(
-                        self.map
-                            .log_live_in(lu)
+                        self.journal()
+                            .live_in(lu)
                             .iter()
                             .filter(|&&(slot, _)| {
                                 let col = geo.place(slot).2 as usize;
@@ -191,7 +191,7 @@ impl Inner {
         t.requests = self.requests.load(Ordering::Relaxed);
         if let Some(geo) = geo {
             t.parity_log_bytes = geo.units * log_unit_bytes;
-            t.parity_log_live_bytes = self.map.log_census().0 * crate::page_log::PAGE;
+            t.parity_log_live_bytes = self.journal().census().0 * crate::page_log::PAGE;
         }
         if let Some(pf) = &self.prefetch {
             let n = pf.cache.counters();

@@ -1,10 +1,16 @@
 //! The map's geometry: how the device's extents group into units, and
 //! where each member of a unit lives.
 
-use crate::config::{DeviceConfig, Mode};
+use crate::config::DeviceConfig;
 use crate::page_log::{LogGeometry, PAGE};
 
-/// Redundancy of the map's units (the config's mode without its paths).
+/// Redundancy of the map's units: the config's mode without its paths
+/// ([`Mode::redundancy`]). Every property of a mode that does not depend
+/// on a path (its word, its widths, the donors it needs) is asked here, so
+/// a new mode is one arm in [`Mode::redundancy`] and one in each match
+/// below.
+///
+/// [`Mode::redundancy`]: crate::config::Mode::redundancy
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Redundancy {
     None,
@@ -21,6 +27,7 @@ pub enum Redundancy {
 }
 
 impl Redundancy {
+    /// The map header's encoding (`record.rs`): fixed, maps on disk use it.
     pub(super) fn code(self) -> (u8, u32) {
         match self {
             Redundancy::None => (0, 1),
@@ -31,6 +38,22 @@ impl Redundancy {
         }
     }
 
+    /// The inverse of [`Redundancy::code`]; `None` for an unknown mode.
+    pub(super) fn from_code(mode: u8, arg: u32) -> Option<Redundancy> {
+        Some(match mode {
+            0 => Redundancy::None,
+            1 => Redundancy::Mirror,
+            2 => Redundancy::Parity { width: arg },
+            3 => Redundancy::Disk,
+            4 => Redundancy::Ec {
+                data: arg & 0xffff,
+                parity: arg >> 16,
+            },
+            _ => return None,
+        })
+    }
+
+    /// The word used in status and logs.
     pub fn word(self) -> &'static str {
         match self {
             Redundancy::None => "none",
@@ -44,6 +67,34 @@ impl Redundancy {
     /// Striped into groups of data and parity extents (parity, ec).
     pub fn striped(self) -> bool {
         matches!(self, Redundancy::Parity { .. } | Redundancy::Ec { .. })
+    }
+
+    /// Data extents per unit: a group's `k`, else 1.
+    pub fn data_members(self) -> u64 {
+        match self {
+            Redundancy::Parity { width } => u64::from(width.saturating_sub(1)),
+            Redundancy::Ec { data, .. } => u64::from(data),
+            Redundancy::None | Redundancy::Mirror | Redundancy::Disk => 1,
+        }
+    }
+
+    /// Parity extents per group (0 when not striped).
+    pub fn parity_members(self) -> usize {
+        match self {
+            Redundancy::Parity { .. } => 1,
+            Redundancy::Ec { parity, .. } => parity as usize,
+            Redundancy::None | Redundancy::Mirror | Redundancy::Disk => 0,
+        }
+    }
+
+    /// Members a fully placed unit has: distinct donors it needs.
+    pub fn members(self) -> usize {
+        match self {
+            Redundancy::None | Redundancy::Disk => 1,
+            Redundancy::Mirror => 2,
+            Redundancy::Parity { width } => width as usize,
+            Redundancy::Ec { data, parity } => (data + parity) as usize,
+        }
     }
 }
 
@@ -59,13 +110,7 @@ pub struct Layout {
 
 impl Layout {
     pub fn from_config(cfg: &DeviceConfig) -> Layout {
-        let mode = match cfg.mode {
-            Mode::None => Redundancy::None,
-            Mode::Mirror => Redundancy::Mirror,
-            Mode::Parity { width } => Redundancy::Parity { width },
-            Mode::Disk { .. } => Redundancy::Disk,
-            Mode::Ec { data, parity } => Redundancy::Ec { data, parity },
-        };
+        let mode = cfg.mode.redundancy();
         let mut layout = Layout {
             size: cfg.size.0,
             extent: cfg.extent_size.0,
@@ -85,11 +130,7 @@ impl Layout {
 
     /// Data extents per unit.
     pub fn data_per_unit(&self) -> u64 {
-        match self.mode {
-            Redundancy::Parity { width } => width as u64 - 1,
-            Redundancy::Ec { data, .. } => data as u64,
-            _ => 1,
-        }
+        self.mode.data_members()
     }
 
     /// Units holding the device's extents (groups in modes parity and ec).
@@ -118,21 +159,12 @@ impl Layout {
 
     /// Members a fully placed unit has.
     pub fn members(&self) -> usize {
-        match self.mode {
-            Redundancy::None | Redundancy::Disk => 1,
-            Redundancy::Mirror => 2,
-            Redundancy::Parity { width } => width as usize,
-            Redundancy::Ec { data, parity } => (data + parity) as usize,
-        }
+        self.mode.members()
     }
 
     /// Parity extents per group (0 when not striped).
     pub fn parity_count(&self) -> usize {
-        match self.mode {
-            Redundancy::Parity { .. } => 1,
-            Redundancy::Ec { parity, .. } => parity as usize,
-            _ => 0,
-        }
+        self.mode.parity_members()
     }
 
     /// Position of group `unit`'s first parity extent; the others follow

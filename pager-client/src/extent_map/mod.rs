@@ -30,7 +30,10 @@
 //! The parts: `layout` (geometry: units, members, parity rotation),
 //! `record` (the records' encoding), `slots` (free and used slots per
 //! donor), `open` (replay at start-up); this file holds the map itself:
-//! commits, compaction, the parity log's table and the donor list.
+//! commits, compaction, the parity log's journal records and the donor
+//! list. The parity log's page table is replayed here at open and handed
+//! to the log ([`ExtentMap::take_log_table`]); the device changes it only
+//! through [`crate::page_log::LogJournal`], which journals here.
 
 mod layout;
 mod open;
@@ -44,11 +47,11 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
-use std::sync::{Mutex, MutexGuard, RwLock, TryLockError};
+use std::sync::{Mutex, RwLock, TryLockError};
 
 use netpager_util::LockExt;
 
-use crate::page_log::{LogGeometry, PageTable, Slot};
+use crate::page_log::PageTable;
 pub use layout::{CopyState, Layout, Loc, Member, Redundancy, Unit};
 use open::write_journal_header;
 pub use record::crc32;
@@ -155,6 +158,12 @@ struct Persist {
     journal: File,
     journal_bytes: u64,
     generation: u64,
+    /// Every unit's placement as journaled, a second copy of `units`':
+    /// compaction reads placements with the journal held and no unit lock,
+    /// because a writer holds its unit's lock while it waits for the
+    /// journal in `commit` (taking unit locks here would be the reverse
+    /// order: a deadlock), and reading them before taking the journal
+    /// could miss a commit appended to the old journal. Kept by `commit`.
     mirror: Vec<Option<Unit>>,
     /// Parity members each donor (by map id) holds, kept with `mirror`.
     parity_held: Vec<u64>,
@@ -176,9 +185,10 @@ pub struct ExtentMap {
     intents: Vec<AtomicU8>,
     persist: Mutex<Persist>,
     slots: Mutex<Slots>,
-    /// The parity log's page table. Changes update it, release it, then
-    /// append to the journal; only compaction holds both (`persist` first).
-    log: Option<Mutex<PageTable>>,
+    /// The parity log's page table as replayed at open, until the parity
+    /// log takes it: the table is the log's, the map journals its changes
+    /// (`journal_log_*`) and writes it into snapshots.
+    log_at_open: Mutex<Option<PageTable>>,
     /// Pages that read as lost until written (`unfound.rs`); changed like
     /// the page table: update, release, then append to the journal.
     unfound: Mutex<PageRanges>,
@@ -251,13 +261,21 @@ impl ExtentMap {
         self.persist.lock_or_recover().journal_bytes > COMPACT_AFTER_BYTES
     }
 
-    /// Folds the journal into a new snapshot and starts a new journal.
-    pub fn compact(&self) -> Result<(), MapError> {
+    /// The map's geometry.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Folds the journal into a new snapshot and starts a new journal;
+    /// `log` is the parity log's page table (`None`: no page is logged).
+    /// The device calls it through [`crate::page_log::LogJournal`].
+    pub fn compact(&self, log: Option<&Mutex<PageTable>>) -> Result<(), MapError> {
         // The table is copied with the journal held: a change made after
         // the copy is appended to the new journal (replaying it twice is
-        // harmless), never to the old one.
+        // harmless), never to the old one. Nobody holds the table's
+        // mutex while waiting for the journal's.
         let mut p = self.persist.lock_or_recover();
-        let table = self.log.as_ref().map(|t| t.lock_or_recover().clone());
+        let table = log.map(|t| t.lock_or_recover().clone());
         let unfound = self.unfound.lock_or_recover().clone();
         let g = p.generation + 1;
         self.write_snapshot(&p, table.as_ref(), &unfound, g)?;
@@ -440,74 +458,21 @@ impl ExtentMap {
 
     // ---- parity log ----
 
-    fn table(&self) -> Option<MutexGuard<'_, PageTable>> {
-        self.log.as_ref().map(|t| t.lock_or_recover())
+    /// The page table replayed at open, for the parity log to own (`None`
+    /// the second time, or without a log).
+    pub fn take_log_table(&self) -> Option<PageTable> {
+        self.log_at_open.lock_or_recover().take()
     }
 
-    /// The parity log's shape, if the map has one.
-    pub fn log_geometry(&self) -> Option<LogGeometry> {
-        self.table().map(|t| t.geometry())
-    }
-
-    /// Where `page` lives in the log, if it does.
-    pub fn log_lookup(&self, page: u64) -> Option<Slot> {
-        self.table().and_then(|t| t.lookup(page))
-    }
-
-    /// The log slots of pages `first..first + out.len()` (`None`: at
-    /// home), looked up under one lock.
-    pub fn log_lookup_run(&self, first: u64, out: &mut [Option<Slot>]) {
-        match self.table() {
-            Some(t) => {
-                for (i, o) in out.iter_mut().enumerate() {
-                    *o = t.lookup(first + i as u64);
-                }
-            }
-            None => out.fill(None),
-        }
-    }
-
-    /// Whether any page of `[first, first + count)` is in the log.
-    pub fn log_any_in(&self, first: u64, count: u64) -> bool {
-        self.table().is_some_and(|t| t.any_in(first, count))
-    }
-
-    /// Pages in the log, and live pages of each log unit.
-    pub fn log_census(&self) -> (u64, Vec<u32>) {
-        match self.table() {
-            Some(t) => (
-                t.logged(),
-                (0..t.geometry().units).map(|u| t.live(u)).collect(),
-            ),
-            None => (0, Vec::new()),
-        }
-    }
-
-    /// Live `(slot, page)` pairs of log unit `lu`.
-    pub fn log_live_in(&self, lu: u64) -> Vec<(Slot, u64)> {
-        self.table().map(|t| t.live_in(lu)).unwrap_or_default()
-    }
-
-    /// Journals that rows `row..` of log unit `lu` now hold `pages` (one
-    /// per data column, row after row; `None` for unused columns). Call
-    /// with the home groups of those pages write-locked, after the rows are
-    /// on the donors.
-    pub fn log_rows(&self, lu: u64, row: u32, pages: &[Option<u64>]) -> Result<(), MapError> {
-        let Some(t) = self.log.as_ref() else {
-            return Ok(());
-        };
-        let cols = {
-            let mut t = t.lock_or_recover();
-            let geo = t.geometry();
-            for (r, cols) in (row..).zip(pages.chunks(geo.cols as usize)) {
-                for (col, p) in cols.iter().enumerate() {
-                    if let Some(p) = p {
-                        t.set(*p, geo.slot(lu, r, col as u32));
-                    }
-                }
-            }
-            geo.cols as usize
-        };
+    /// Journals that rows `row..` of log unit `lu` hold `pages`, `cols`
+    /// per row (the page table is already changed: `LogJournal::rows`).
+    pub(crate) fn journal_log_rows(
+        &self,
+        lu: u64,
+        row: u32,
+        cols: usize,
+        pages: &[Option<u64>],
+    ) -> Result<(), MapError> {
         self.append_with(&mut self.persist.lock_or_recover(), |out| {
             for (r, cols) in (row..).zip(pages.chunks(cols)) {
                 frame_into(out, |p| {
@@ -518,21 +483,9 @@ impl ExtentMap {
         })
     }
 
-    /// Journals that pages `[first, first + count)` are at home again (they
-    /// were just written there). Call with their home group write-locked.
-    pub fn log_drop(&self, first: u64, count: u64) -> Result<(), MapError> {
-        let Some(t) = self.log.as_ref() else {
-            return Ok(());
-        };
-        {
-            let mut t = t.lock_or_recover();
-            if !t.any_in(first, count) {
-                return Ok(());
-            }
-            for p in first..first + count {
-                t.unset(p);
-            }
-        }
+    /// Journals that pages `[first, first + count)` left the log
+    /// (`LogJournal::drop_pages`).
+    pub(crate) fn journal_log_drop(&self, first: u64, count: u64) -> Result<(), MapError> {
         self.append(
             &mut self.persist.lock_or_recover(),
             &Record::LogDrop { first, count },
@@ -608,15 +561,10 @@ impl ExtentMap {
         for i in &map.intents {
             i.store(0, Ordering::Relaxed);
         }
-        if let Some(t) = &map.log {
-            let mut t = t.lock_or_recover();
-            for lu in 0..t.geometry().units {
-                t.clear_unit(lu);
-            }
-        }
         *map.unfound.lock_or_recover() = PageRanges::default();
         map.unfound_pages.store(0, Ordering::Relaxed);
-        map.compact()
+        // No page table: the snapshot logs no page.
+        map.compact(None)
     }
 
     // ---- donors ----

@@ -371,7 +371,7 @@ impl ExtentMap {
                 scratch: Vec::with_capacity(JOURNAL_SCRATCH),
             }),
             slots: Mutex::new(slots),
-            log: st.log.map(Mutex::new),
+            log_at_open: Mutex::new(st.log),
             unfound_pages: AtomicU64::new(st.unfound.pages()),
             unfound: Mutex::new(st.unfound),
         })

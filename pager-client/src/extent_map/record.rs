@@ -244,17 +244,8 @@ fn decode(payload: &[u8]) -> Result<Record, String> {
             let generation = c.u64()?;
             let size = c.u64()?;
             let extent = c.u64()?;
-            let mode = match (c.u8()?, c.u32()?) {
-                (0, _) => Redundancy::None,
-                (1, _) => Redundancy::Mirror,
-                (2, width) => Redundancy::Parity { width },
-                (3, _) => Redundancy::Disk,
-                (4, w) => Redundancy::Ec {
-                    data: w & 0xffff,
-                    parity: w >> 16,
-                },
-                (m, _) => return Err(format!("unknown mode {m}")),
-            };
+            let (m, arg) = (c.u8()?, c.u32()?);
+            let mode = Redundancy::from_code(m, arg).ok_or_else(|| format!("unknown mode {m}"))?;
             // Maps written before the parity log have no log units.
             let log_units = if c.0.is_empty() { 0 } else { c.u64()? };
             Record::Header {

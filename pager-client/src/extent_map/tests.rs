@@ -5,6 +5,7 @@ use std::io::Write;
 
 use super::record::{encode, Record};
 use super::*;
+use crate::page_log::LogJournal;
 
 /// Mirror mode, 16 extents of 1 MiB.
 pub(super) fn layout() -> Layout {
@@ -132,7 +133,7 @@ fn corrupt_record_in_the_middle_keeps_the_prefix() {
 fn compaction_and_a_crash_between_snapshot_and_journal_reset() {
     let (dir, m) = mirror_map();
     m.commit(1, &unit(0, 1, 1, 1)).unwrap();
-    m.compact().unwrap();
+    m.compact(None).unwrap();
     m.commit(2, &unit(0, 2, 1, 2)).unwrap();
     m.commit(1, &None).unwrap();
     // Crash in the middle of the next compaction: the new snapshot is in
@@ -163,6 +164,12 @@ fn log_layout() -> Layout {
     }
 }
 
+/// The parity log's page table the map replayed, held as the device's
+/// parity log holds it.
+fn log_table(m: &ExtentMap) -> Mutex<PageTable> {
+    Mutex::new(m.take_log_table().expect("a parity log"))
+}
+
 fn parity_unit() -> Option<Unit> {
     let m = |slot| Member {
         loc: Loc::Donor { donor: 0, slot },
@@ -182,33 +189,37 @@ fn parity_log_rows_and_drops_survive_reopen_and_compaction() {
     assert_eq!(l.units(), l.home_units() + 2);
     {
         let m = ExtentMap::open(dir.path(), l).unwrap();
+        let t = log_table(&m);
+        let j = LogJournal::new(Some(&t), &m);
         m.donor_id("a").unwrap();
         m.commit(l.log_unit(0), &parity_unit()).unwrap();
-        m.log_rows(0, 0, &[Some(10), Some(11)]).unwrap();
-        m.log_rows(0, 1, &[Some(12), None]).unwrap();
+        j.rows(0, 0, &[Some(10), Some(11)]).unwrap();
+        j.rows(0, 1, &[Some(12), None]).unwrap();
         // Page 10 written again: its first copy is garbage.
-        m.log_rows(0, 2, &[Some(10), None]).unwrap();
-        m.log_drop(11, 1).unwrap();
-        m.compact().unwrap();
-        m.log_rows(0, 3, &[Some(2000), Some(13)]).unwrap();
+        j.rows(0, 2, &[Some(10), None]).unwrap();
+        j.drop_pages(11, 1).unwrap();
+        j.compact().unwrap();
+        j.rows(0, 3, &[Some(2000), Some(13)]).unwrap();
         // Two rows in one call.
-        m.log_rows(0, 4, &[Some(20), Some(21), Some(22), None])
-            .unwrap();
+        j.rows(0, 4, &[Some(20), Some(21), Some(22), None]).unwrap();
     }
     let m = ExtentMap::open(dir.path(), l).unwrap();
-    assert_eq!(m.log_lookup(10), Some(geo.slot(0, 2, 0)));
-    assert_eq!(m.log_lookup(11), None);
-    assert_eq!(m.log_lookup(12), Some(geo.slot(0, 1, 0)));
-    assert_eq!(m.log_lookup(2000), Some(geo.slot(0, 3, 0)));
-    assert_eq!(m.log_lookup(13), Some(geo.slot(0, 3, 1)));
-    assert_eq!(m.log_lookup(22), Some(geo.slot(0, 5, 0)));
-    assert_eq!(m.log_lookup(21), Some(geo.slot(0, 4, 1)));
-    assert_eq!(m.log_census(), (7, vec![7, 0]));
+    let t = log_table(&m);
+    let j = LogJournal::new(Some(&t), &m);
+    assert_eq!(j.lookup(10), Some(geo.slot(0, 2, 0)));
+    assert_eq!(j.lookup(11), None);
+    assert_eq!(j.lookup(12), Some(geo.slot(0, 1, 0)));
+    assert_eq!(j.lookup(2000), Some(geo.slot(0, 3, 0)));
+    assert_eq!(j.lookup(13), Some(geo.slot(0, 3, 1)));
+    assert_eq!(j.lookup(22), Some(geo.slot(0, 5, 0)));
+    assert_eq!(j.lookup(21), Some(geo.slot(0, 4, 1)));
+    assert_eq!(j.census(), (7, vec![7, 0]));
     // Freeing a log unit sends whatever it still named home.
     m.commit(l.log_unit(0), &None).unwrap();
     drop(m);
     let m = ExtentMap::open(dir.path(), l).unwrap();
-    assert_eq!(m.log_census(), (0, vec![0, 0]));
+    let t = log_table(&m);
+    assert_eq!(LogJournal::new(Some(&t), &m).census(), (0, vec![0, 0]));
 }
 
 #[test]
@@ -217,8 +228,11 @@ fn a_log_row_outside_the_log_is_refused_at_its_offset() {
     let l = log_layout();
     {
         let m = ExtentMap::open(dir.path(), l).unwrap();
+        let t = log_table(&m);
         m.donor_id("a").unwrap();
-        m.log_rows(0, 0, &[Some(1), None]).unwrap();
+        LogJournal::new(Some(&t), &m)
+            .rows(0, 0, &[Some(1), None])
+            .unwrap();
     }
     let jpath = dir.path().join(JOURNAL_FILE);
     let good = fs::metadata(&jpath).unwrap().len();
@@ -304,7 +318,7 @@ fn write_intents_survive_reopen_and_compaction_until_swept() {
     }
     let m = ExtentMap::open(dir.path(), layout()).unwrap();
     assert_eq!(m.open_intents(), vec![2, 9]);
-    m.compact().unwrap();
+    m.compact(None).unwrap();
     drop(m);
     // From the snapshot alone (the new journal is empty).
     let m = ExtentMap::open(dir.path(), layout()).unwrap();
@@ -410,7 +424,7 @@ fn the_journal_replays_joins_and_departures_through_compaction() {
     );
     m.set_donor_member(1, member(MemberState::Gone, Joined::Attach, 3))
         .unwrap();
-    m.compact().unwrap();
+    m.compact(None).unwrap();
     drop(m);
     let e = reopen(&dir).donor_entries();
     assert_eq!(e[1].member.as_ref().unwrap().state, MemberState::Gone);
@@ -456,7 +470,7 @@ fn unfound_pages_survive_a_restart_and_a_compaction() {
     assert_eq!(m.first_unfound_in(300, 4), None);
     assert_eq!(m.first_unfound_in(512, 100), None);
     assert_eq!(m.unfound().pages(), 252);
-    m.compact().unwrap();
+    m.compact(None).unwrap();
     assert_eq!(m.set_unfound(256, 44, false).unwrap(), 44);
     drop(m);
     let m = reopen(&dir);

@@ -23,9 +23,11 @@
 //!
 //! What the rest of the striped code calls: `log_pages` (a small write),
 //! `read_log_slot` (a logged page read alone), `clean_parity_log` and
-//! `drain_idle_log` (maintenance). The page table and its journal records
-//! are the map's (`ExtentMap::log_*`); this module places its units with
-//! `place_group` and moves pages home with `write_pages_locked`.
+//! `drain_idle_log` (maintenance), and `journal`: the log owns the page
+//! table, and everyone (this module too) reads and changes it through that
+//! handle ([`LogJournal`]), which journals each change in the map. This
+//! module reaches the map's log units only through the journal; it places
+//! them with `place_group` and moves pages home with `write_pages_locked`.
 
 use std::collections::{HashMap, VecDeque};
 use std::ops::RangeInclusive;
@@ -40,7 +42,7 @@ use super::super::io::{batch, IoReq, MAX_BATCH};
 use super::super::{DeviceError, Inner, Result};
 use crate::erasure::MAX_SHARDS;
 use crate::extent_map::Unit;
-use crate::page_log::{LogGeometry, Slot, PAGE};
+use crate::page_log::{LogGeometry, LogJournal, PageTable, Slot, PAGE};
 use netpager_nbd::Op;
 
 /// Tries a leader makes before giving its pages back to be written home.
@@ -76,9 +78,12 @@ struct Leader {
     batch: Vec<Entry>,
 }
 
-/// A log unit rows are being added to.
+/// A log unit being placed, or rows are being added to.
 struct OpenUnit {
     lu: u64,
+    /// False while a leader places it: it takes no rows yet, and the
+    /// cleaner must not take it for closed.
+    placed: bool,
     next_row: u32,
     in_flight: u32,
     closed: bool,
@@ -95,30 +100,38 @@ struct LogState {
     leaders: usize,
     outcomes: HashMap<u64, Outcome>,
     next_ticket: u64,
+    /// A log unit's state is kept here once: *free* (in `free`), *open*
+    /// (in `open`) or *closed*, in neither: placed, taking no more rows,
+    /// and touched only by the cleaner, which alone frees one. Its live
+    /// pages are counted by the page table alone.
     open: Vec<OpenUnit>,
-    /// Log units with no placement.
+    /// Log units with no placement (every unplaced one but those `open`
+    /// holds while they are placed), a stack so that a leader takes one
+    /// without a scan.
     free: Vec<u64>,
-    /// Placed log units that take no more rows: only the cleaner touches
-    /// them, and only it moves a unit from here to `free`.
-    closed: Vec<u64>,
 }
 
-/// The parity log's writer side.
+/// The parity log: its writer side and its page table.
 pub(crate) struct ParityLog {
     pub(super) geo: LogGeometry,
     max_leaders: usize,
     st: Mutex<LogState>,
+    /// Which pages are logged, reached only through [`Inner::journal`].
+    table: Mutex<PageTable>,
 }
 
 impl ParityLog {
-    /// `placed[lu]`: whether log unit `lu` holds a placement (from the map);
-    /// a log unit has `members` members (data and parity).
-    pub fn new(geo: LogGeometry, members: usize, placed: &[bool], leaders: usize) -> ParityLog {
+    /// A log owning `table` (as the map replayed it); `placed[lu]`: whether
+    /// log unit `lu` holds a placement (from the map); a log unit has
+    /// `members` members (data and parity).
+    pub fn new(table: PageTable, members: usize, placed: &[bool], leaders: usize) -> ParityLog {
+        let geo = table.geometry();
         let pages = (2 * geo.rows as usize).max(MAX_ROWS * geo.cols as usize * leaders);
         let page = || vec![0u8; PAGE as usize].into_boxed_slice();
         let span = members * MAX_ROWS * PAGE as usize;
         ParityLog {
             geo,
+            table: Mutex::new(table),
             max_leaders: leaders,
             st: Mutex::new(LogState {
                 queue: VecDeque::with_capacity(pages),
@@ -134,11 +147,12 @@ impl ParityLog {
                 outcomes: HashMap::with_capacity(pages),
                 next_ticket: 0,
                 open: Vec::with_capacity(leaders + 1),
+                // A unit placed at start is closed: a torn row may lie in
+                // its unused rows.
                 free: (0..geo.units)
                     .rev()
                     .filter(|&u| !placed[u as usize])
                     .collect(),
-                closed: (0..geo.units).filter(|&u| placed[u as usize]).collect(),
             }),
         }
     }
@@ -154,23 +168,19 @@ impl ParityLog {
         self.lock()
     }
 
-    /// Log units with no placement, and units rows are being added to.
-    /// Free units, and the closed ones.
+    /// How many units are free, and the closed ones: neither free nor
+    /// open (maintenance only: it looks at every unit).
     fn free_and_closed(&self) -> (usize, Vec<u64>) {
         let st = self.lock();
-        (st.free.len(), st.closed.clone())
-    }
-
-    /// Takes closed unit `lu` out of the closed list to free it.
-    fn take_closed(&self, lu: u64) -> bool {
-        let mut st = self.lock();
-        match st.closed.iter().position(|&u| u == lu) {
-            Some(i) => {
-                st.closed.swap_remove(i);
-                true
-            }
-            None => false,
+        let mut closed = vec![true; self.geo.units as usize];
+        for &lu in &st.free {
+            closed[lu as usize] = false;
         }
+        for o in &st.open {
+            closed[o.lu as usize] = false;
+        }
+        let closed = (0..self.geo.units).filter(|&lu| closed[lu as usize]);
+        (st.free.len(), closed.collect())
     }
 
     /// A part row only when no row is being written: under load rows fill
@@ -180,45 +190,55 @@ impl ParityLog {
         st.queue.len() >= self.geo.cols as usize || (st.leaders == 0 && !st.queue.is_empty())
     }
 
-    /// Closes the open units no row is being written to, so that an idle
-    /// log can be emptied to its last unit.
+    /// Closes the open units no row is being written to (and no leader
+    /// places), so that an idle log can be emptied to its last unit.
     fn close_idle_units(&self) {
-        let st = &mut *self.lock();
-        let closed = &mut st.closed;
-        st.open.retain(|o| {
-            if o.in_flight == 0 {
-                closed.push(o.lu);
-            }
-            o.in_flight > 0
-        });
+        self.lock().open.retain(|o| o.in_flight > 0 || !o.placed);
     }
 
+    /// Log unit `lu` has no placement (again): free.
     fn release(&self, lu: u64) {
-        self.lock().free.push(lu);
+        let mut st = self.lock();
+        st.open.retain(|o| o.lu != lu);
+        st.free.push(lu);
     }
 
     /// Takes up to `want` consecutive rows of an open unit: `(unit, first
-    /// row, rows)`; `Err(lu)` hands the caller a free unit to place;
-    /// `Ok(None)`: the log is full.
+    /// row, rows)`; `Err(lu)` hands the caller a free unit to place (then
+    /// [`ParityLog::opened`] or [`ParityLog::release`]); `Ok(None)`: the
+    /// log is full.
     fn reserve(&self, want: u32) -> std::result::Result<Option<(u64, u32, u32)>, u64> {
         let mut st = self.lock();
         let rows = self.geo.rows;
-        if let Some(o) = st.open.iter_mut().find(|o| !o.closed && o.next_row < rows) {
+        if let Some(o) = st
+            .open
+            .iter_mut()
+            .find(|o| o.placed && !o.closed && o.next_row < rows)
+        {
             let got = want.min(rows - o.next_row);
             o.next_row += got;
             o.in_flight += 1;
             return Ok(Some((o.lu, o.next_row - got, got)));
         }
-        st.free.pop().map_or(Ok(None), Err)
-    }
-
-    fn opened(&self, lu: u64) {
-        self.lock().open.push(OpenUnit {
+        let Some(lu) = st.free.pop() else {
+            return Ok(None);
+        };
+        st.open.push(OpenUnit {
             lu,
+            placed: false,
             next_row: 0,
             in_flight: 0,
             closed: false,
         });
+        Err(lu)
+    }
+
+    /// Log unit `lu`, handed out by [`ParityLog::reserve`], is placed: it
+    /// takes rows.
+    fn opened(&self, lu: u64) {
+        if let Some(o) = self.lock().open.iter_mut().find(|o| o.lu == lu) {
+            o.placed = true;
+        }
     }
 
     /// A row of `lu` is done; `close` stops further rows there (a member
@@ -233,13 +253,18 @@ impl ParityLog {
             o.closed |= close;
             if (o.closed || o.next_row == rows) && o.in_flight == 0 {
                 st.open.swap_remove(i);
-                st.closed.push(lu);
             }
         }
     }
 }
 
 impl Inner {
+    /// The parity log's journal handle: the page table (none without a
+    /// log: every page at home) and the map behind it.
+    pub(crate) fn journal(&self) -> LogJournal<'_> {
+        LogJournal::new(self.parity_log().map(|l| &l.table), &self.map)
+    }
+
     fn plog(&self) -> &ParityLog {
         self.parity_log().expect("the device has a parity log")
     }
@@ -376,7 +401,8 @@ impl Inner {
         scratch: &mut [u8],
     ) -> bool {
         let (g, _) = self.log_member(lu, 0);
-        let guard = self.map.unit(g).read_or_recover();
+        let journal = self.journal();
+        let guard = journal.unit(lu).read_or_recover();
         let Some(unit) = guard.as_ref() else {
             return false;
         };
@@ -428,7 +454,7 @@ impl Inner {
         for (p, e) in pages.iter_mut().zip(chunk) {
             *p = Some(e.page);
         }
-        match self.map.log_rows(lu, row, pages) {
+        match journal.rows(lu, row, pages) {
             Ok(()) => true,
             Err(e) => {
                 tracing::error!("journaling parity log rows {row}.. of log unit {lu}: {e}");
@@ -439,7 +465,7 @@ impl Inner {
 
     fn place_log_unit(&self, lu: u64) -> Result<()> {
         let g = self.layout.log_unit(lu);
-        let mut guard = self.map.unit(g).write_or_recover();
+        let mut guard = self.journal().unit(lu).write_or_recover();
         // Unused rows must read as zeros so every row's parity holds.
         self.place_group(g * self.layout.data_per_unit(), g, &mut guard, true)
     }
@@ -449,7 +475,7 @@ impl Inner {
     pub(super) fn read_log_slot(&self, slot: Slot, in_page: u64, buf: &mut [u8]) -> Result<()> {
         let (lu, row, col) = self.plog().geo.place(slot);
         let (g, pos) = self.log_member(lu, col);
-        let guard = self.map.unit(g).read_or_recover();
+        let guard = self.journal().unit(lu).read_or_recover();
         let unit: &Unit = guard.as_ref().ok_or_else(|| DeviceError::Io {
             extent: g * self.layout.data_per_unit(),
             reason: format!("parity log unit {lu} holds live pages but has no placement"),
@@ -465,23 +491,18 @@ impl Inner {
     }
 
     /// Frees closed log unit `lu` (no live page is left in it: a closed
-    /// unit takes no new ones).
+    /// unit takes no new ones). Only the maintenance thread frees units,
+    /// so `lu` stays closed until this releases it.
     fn free_log_unit(&self, lu: u64) -> Result<()> {
-        if !self.plog().take_closed(lu) {
-            return Ok(());
-        }
-        let g = self.layout.log_unit(lu);
-        let mut guard = self.map.unit(g).write_or_recover();
+        let journal = self.journal();
+        let mut guard = journal.unit(lu).write_or_recover();
         if let Some(unit) = guard.take() {
             for &m in &unit.members {
                 self.release_slot(m);
             }
-            if let Err(e) = self.map.commit(g, &guard) {
-                // Its slots are given back already: it stays closed, and
-                // the next pass journals it free again.
-                self.plog().lock().closed.push(lu);
-                return Err(e.into());
-            }
+            // On failure its slots are given back already: it stays
+            // closed, and the next pass journals it free again.
+            journal.commit(lu, &guard)?;
         }
         self.plog().release(lu);
         Ok(())
@@ -494,7 +515,7 @@ impl Inner {
         let (e, in_off) = (at / self.layout.extent, at % self.layout.extent);
         let (g, _) = self.layout.locate(e);
         let mut guard = self.map.unit(g).write_or_recover();
-        if self.map.log_lookup(page) != Some(slot) {
+        if self.journal().lookup(page) != Some(slot) {
             return Ok(());
         }
         let mut buf = [0u8; PAGE as usize];
@@ -514,7 +535,7 @@ impl Inner {
         let per_unit = (w.geo.rows * w.geo.cols) as usize;
         for _ in 0..w.geo.units {
             let (free, closed) = w.free_and_closed();
-            let (_, live) = self.map.log_census();
+            let (_, live) = self.journal().census();
             let mut freed = 0;
             for &lu in closed.iter().filter(|&&lu| live[lu as usize] == 0) {
                 if let Err(e) = self.free_log_unit(lu) {
@@ -533,7 +554,7 @@ impl Inner {
             else {
                 return;
             };
-            let pages = self.map.log_live_in(lu);
+            let pages = self.journal().live_in(lu);
             let home = free == 0 || 2 * pages.len() > per_unit;
             for (slot, page) in pages {
                 if let Err(e) = self.relocate(page, slot, home) {
@@ -568,7 +589,7 @@ impl Inner {
         };
         let (mut moved, mut freed) = (0u64, 0u64);
         'units: for lu in w.free_and_closed().1 {
-            for (slot, page) in self.map.log_live_in(lu) {
+            for (slot, page) in self.journal().live_in(lu) {
                 if enough() {
                     break 'units;
                 }
@@ -578,7 +599,7 @@ impl Inner {
                 }
                 moved += 1;
             }
-            if self.map.log_live_in(lu).is_empty() {
+            if self.journal().live_in(lu).is_empty() {
                 if let Err(e) = self.free_log_unit(lu) {
                     tracing::error!("freeing parity log unit {lu}: {e}");
                     break;
@@ -587,7 +608,7 @@ impl Inner {
             }
         }
         if moved + freed > 0 {
-            let left = self.map.log_census().0;
+            let left = self.journal().census().0;
             tracing::debug!(
                 "parity log, device idle: {moved} pages moved home, {freed} units freed, {left} pages left"
             );

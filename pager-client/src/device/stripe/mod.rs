@@ -7,8 +7,9 @@
 //! This module places a group on its donors; `read` and `write` serve
 //! requests, `codec` encodes and decodes, `resync` closes the write hole,
 //! and `log` is the parity log, which the writes call at one point
-//! (`log_pages`) and the reads at one (`read_log_slot`); a page leaves the
-//! log through the map's journal (`ExtentMap::log_drop`).
+//! (`log_pages`) and the reads at one (`read_log_slot`). Which pages are
+//! logged is asked, and a page leaves the log, only through the log's
+//! journal handle (`Inner::journal`: [`crate::page_log::LogJournal`]).
 //!
 //! Outside `stripe/` the device calls only what `backend.rs` dispatches
 //! (read, write, zero, trim, a member's contents, resync, the log's

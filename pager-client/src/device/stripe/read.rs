@@ -2,7 +2,9 @@
 //! it, or from the parity log when its newest copy is there; a gone
 //! member's pages are decoded from any `k` members of its group
 //! (`codec`). One path: plan the runs, send one batch, fall back page by
-//! page. Takes the group's read lock, then the log units' (`log`).
+//! page. Which pages are logged it asks the log's journal handle
+//! (`Inner::journal`), once per group. Takes the group's read lock, then
+//! the log units' (`log`).
 
 use std::sync::RwLockReadGuard;
 
@@ -64,10 +66,10 @@ impl Inner {
         let mut slots = [None; BATCH_PAGES];
         let looked_up = pages <= BATCH_PAGES;
         let logged = if looked_up {
-            self.map.log_lookup_run(first, &mut slots[..pages]);
+            self.journal().lookup_run(first, &mut slots[..pages]);
             slots[..pages].iter().any(Option::is_some)
         } else {
-            self.map.log_any_in(first, pages as u64)
+            self.journal().any_in(first, pages as u64)
         };
         if !logged {
             // A request per extent, however large the read; the batch
@@ -95,7 +97,7 @@ impl Inner {
             let wslots = if looked_up {
                 &slots[(wfirst - first) as usize..][..wpages]
             } else {
-                self.map.log_lookup_run(wfirst, &mut more[..wpages]);
+                self.journal().lookup_run(wfirst, &mut more[..wpages]);
                 &more[..wpages]
             };
             // A batch has at most a request per page: a swap-in of one
@@ -300,7 +302,7 @@ impl Inner {
     ) -> Result<()> {
         let at = e * self.layout.extent + in_off;
         let (first, last) = (at / PAGE, (at + buf.len() as u64 - 1) / PAGE);
-        if !self.map.log_any_in(first, last - first + 1) {
+        if !self.journal().any_in(first, last - first + 1) {
             return self.read_home(e, in_off, buf, unit);
         }
         // [home_from, done): a run of pages at home not read yet.
@@ -308,7 +310,7 @@ impl Inner {
         while done < buf.len() {
             let pos = at + done as u64;
             let n = ((PAGE - pos % PAGE) as usize).min(buf.len() - done);
-            if let Some(slot) = self.map.log_lookup(pos / PAGE) {
+            if let Some(slot) = self.journal().lookup(pos / PAGE) {
                 if home_from < done {
                     self.read_home(
                         e,

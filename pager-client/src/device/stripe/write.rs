@@ -2,7 +2,9 @@
 //! (full-stripe), smaller pieces into the parity log (`log`) or home by
 //! read-modify-write under the group's write lock, so parity always
 //! matches the data. Encodes and decodes through `codec`; places groups
-//! through [`super`]; moves members through `maintenance`.
+//! through [`super`]; moves members through `maintenance`; a page written
+//! home or trimmed leaves the log through its journal handle
+//! (`Inner::journal`).
 
 use std::sync::RwLockWriteGuard;
 
@@ -118,7 +120,7 @@ impl Inner {
         if tail_partial {
             self.write_parity_locked(e, home(last), &tail, guard)?;
         }
-        self.map.log_drop(first, last - first + 1)?;
+        self.journal().drop_pages(first, last - first + 1)?;
         Ok(())
     }
 
@@ -187,7 +189,8 @@ impl Inner {
             }
         }
         let pages = data.len() as u64 / PAGE;
-        self.map.log_drop(first * ext as u64 / PAGE, pages)?;
+        self.journal()
+            .drop_pages(first * ext as u64 / PAGE, pages)?;
         Ok(())
     }
 
@@ -207,7 +210,7 @@ impl Inner {
         let first = g * per;
         let pages = per.min((self.layout.size / PAGE).saturating_sub(first));
         let mut slots = vec![None; pages as usize];
-        self.map.log_lookup_run(first, &mut slots);
+        self.journal().lookup_run(first, &mut slots);
         for (p, s) in (first..).zip(&slots) {
             if s.is_none() {
                 z.mark(p, 1);
@@ -222,7 +225,7 @@ impl Inner {
         let (first, last) = (at / PAGE, (at + n - 1) / PAGE);
         let placed = self.map.unit(g).read_or_recover().is_some();
         // Never written: reads as zeros already.
-        if !placed && !self.map.log_any_in(first, last - first + 1) {
+        if !placed && !self.journal().any_in(first, last - first + 1) {
             return Ok(());
         }
         let mut done = 0;
@@ -266,7 +269,7 @@ impl Inner {
             (g + 1) * self.layout.data_per_unit() * ext_pages,
         );
         let mut guard = self.map.unit(g).write_or_recover();
-        self.map.log_drop(first, end - first)?;
+        self.journal().drop_pages(first, end - first)?;
         if guard.is_some() && zero.all(g_first, first - g_first) && zero.all(end, g_end - end) {
             self.free_unit_locked(g, &mut guard)?;
             tracing::debug!("parity group {g}: nothing left after a trim, members freed");
