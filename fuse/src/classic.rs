@@ -18,8 +18,12 @@ pub fn serve<B: Backend>(session: &Session<B>, mut fd: &File, buf_len: usize) ->
             Ok(n) => n,
             // The request was interrupted before we read it, or a signal.
             Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::EINTR)) => continue,
-            // Unmounted: the connection is gone.
-            Err(e) if e.raw_os_error() == Some(libc::ENODEV) => return Ok(()),
+            // Unmounted: the connection is gone. ECONNABORTED is the same
+            // end caught mid-read: the kernel had taken a request for this
+            // read when the unmount aborted the connection (fuse_dev_do_read).
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENODEV | libc::ECONNABORTED)) => {
+                return Ok(())
+            }
             Err(e) => return Err(e),
         };
         let h = InHeader::parse(&buf[..n]).map_err(io::Error::other)?;
