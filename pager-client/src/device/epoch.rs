@@ -23,6 +23,9 @@ const UNKNOWN_GIVE_PAGES: u64 = 1 << 20;
 const DEFAULT_SERVICE_US: f64 = 100.0;
 /// Threads reading donors' status endpoints at once.
 const POLLERS: usize = 8;
+/// A status round trip on a kept connection slower than this ends the
+/// epoch thread's turn-by-turn polling.
+const SLOW_POLL: Duration = Duration::from_millis(100);
 const POLLER_STACK: usize = 256 << 10;
 /// Epochs kept for status (what they cost, and when they ran).
 const EPOCHS_KEPT: usize = 64;
@@ -48,9 +51,10 @@ impl Inner {
         self.follow_discovery();
         self.poll_status();
         self.heartbeat();
-        for d in self.donors.iter() {
-            self.revive(d);
-        }
+        // A failed donor that hangs still takes connections (the kernel's
+        // backlog) and answers no handshake: one connect timeout each.
+        let failed: Vec<&Donor> = self.donors.iter().filter(|d| d.is_failed()).collect();
+        self.on_pollers(&failed, |d| self.revive(d));
         self.update_frequencies(window);
         let mut j = self.jobs.lock_or_recover();
         if j.epochs.len() == EPOCHS_KEPT {
@@ -64,24 +68,40 @@ impl Inner {
     /// turn on this thread; the others need a connect, which may wait out a
     /// timeout, so they are read up to [`POLLERS`] at once: one slow or
     /// unreachable donor must not stretch the epoch by the number of
-    /// donors.
+    /// donors. The first kept one that answers slowly (a partition, a hung
+    /// donor) sends the rest of them to the pollers too.
     fn poll_status(&self) {
-        let (kept, fresh): (Vec<&Donor>, Vec<&Donor>) = self
+        let (kept, mut fresh): (Vec<&Donor>, Vec<&Donor>) = self
             .donors
             .iter()
             .partition(|d| d.status.lock_or_recover().is_connected());
-        kept.iter().for_each(|d| self.poll_one(d));
-        let per = fresh.len().div_ceil(POLLERS).max(1);
+        let mut kept = kept.into_iter();
+        for d in kept.by_ref() {
+            let t0 = Instant::now();
+            self.poll_one(d);
+            if t0.elapsed() > SLOW_POLL {
+                break;
+            }
+        }
+        fresh.extend(kept);
+        self.on_pollers(&fresh, |d| self.poll_one(d));
+    }
+
+    /// Runs `f` on each of `donors`, on up to [`POLLERS`] threads at once:
+    /// each call may wait out a timeout on a donor that does not answer.
+    fn on_pollers(&self, donors: &[&Donor], f: impl Fn(&Donor) + Sync) {
+        let per = donors.len().div_ceil(POLLERS).max(1);
+        let f = &f;
         std::thread::scope(|s| {
-            for chunk in fresh.chunks(per) {
-                let poll = move || chunk.iter().for_each(|d| self.poll_one(d));
+            for chunk in donors.chunks(per) {
+                let run = move || chunk.iter().for_each(|d| f(d));
                 // Small stacks: the serving process locks every page it maps.
                 let spawned = std::thread::Builder::new()
                     .name("pager-poll".into())
                     .stack_size(POLLER_STACK)
-                    .spawn_scoped(s, poll);
+                    .spawn_scoped(s, run);
                 if spawned.is_err() {
-                    poll();
+                    run();
                 }
             }
         });
