@@ -57,11 +57,12 @@ class LockedDonor:
         assert self.proc.alive(), f"donor {name} did not start: {self.proc.log_tail()}"
 
 
-def abort_when_stuck(teardown, mountpoint: Path, *procs) -> None:
-    """Registers, to run after `procs` are stopped: if one of them is still
-    alive (stuck in reclaim on the device), abort the device's FUSE
+def abort_when_stuck(teardown, mountpoint: Path, procs: list) -> None:
+    """Registers, before `procs` are started (undo runs last first, so this
+    runs after they are stopped and before the detach): if one of them is
+    still alive (stuck in reclaim on the device), abort the device's FUSE
     connection (fusectl), which fails its requests and frees the machine,
-    so that the detach after it can run."""
+    so that the detach can run."""
 
     def undo():
         if not any(p.alive() for p in procs):
@@ -96,15 +97,18 @@ def run_under_pressure(teardown, tmp_path, memhog, device: str, fuse_dir: Path |
     swap, and checks the job, the pressure and the kernel's kills. With
     `fuse_dir` (netpager's FUSE mount), a job or pressure stuck at the end
     gets the connection aborted."""
+    watched = []
+    if fuse_dir:
+        abort_when_stuck(teardown, fuse_dir, watched)
     pressure = OwnedProcess(["/usr/bin/python3", Path(__file__).with_name("pressure.py"),
                              str(KEEP), str(PRESSURE_S)], tmp_path / "pressure.log", teardown, "pressure")
+    watched.append(pressure)
     wait_for(lambda: "locked" in pressure.log_tail() or not pressure.alive(), 300,
              "the pressure to lock the machine's memory")
     assert pressure.alive(), f"the pressure process ended: {pressure.log_tail()}"
     t0, kills = time.monotonic(), vmstat("oom_kill")
     job = OwnedProcess([memhog, str(JOB), "--passes", "1"], tmp_path / "memhog.log", teardown, "memhog")
-    if fuse_dir:
-        abort_when_stuck(teardown, fuse_dir, pressure, job)
+    watched.append(job)
     peak = 0
     while job.alive() and pressure.alive():
         peak = max(peak, swaps().get(device, 0))
