@@ -26,17 +26,20 @@ def test_fio_verifies_at_depth(mode, teardown, donors, client, tmp_path):
     n, extra, kill = MODES[mode]
     if mode == "disk":
         extra = ["--disk-file", str(tmp_path / "writethrough.img")]
-    ds = donors(n)
-    dev = client.attach(ds, mode=mode, size="64M", frontend="fuse-uring",
+    ds = donors(n, budget="512M")
+    dev = client.attach(ds, mode=mode, size="256M", frontend="fuse-uring",
                         extra=[*extra, "--request-timeout", "2", "--connect-timeout", "2"])
     log = tmp_path / "fio.log"
-    # Four jobs of 16 MiB each, 32 requests in flight each; fio checks every
+    # Four jobs of 64 MiB each, 32 requests in flight each; fio checks every
     # block it reads against what it wrote (verify_fatal: the first bad one
     # fails the run). One pass (fio's verify takes a block written again in
-    # a later --loops pass for a bad one, even on a plain file).
+    # a later --loops pass for a bad one, even on a plain file). 16 MiB each
+    # took under a second on a quiet machine, less than status takes to show
+    # the first extents (status.json is rewritten about once a second), so
+    # the kill could come after fio had ended.
     job = OwnedProcess(["fio", "--name=depth", f"--filename={dev}", "--direct=1", "--ioengine=libaio",
-                        "--iodepth=32", "--rw=randrw", "--numjobs=4", "--bs=4k", "--size=16M",
-                        "--offset_increment=16M", "--verify=crc32c", "--verify_fatal=1",
+                        "--iodepth=32", "--rw=randrw", "--numjobs=4", "--bs=4k", "--size=64M",
+                        "--offset_increment=64M", "--verify=crc32c", "--verify_fatal=1",
                         "--do_verify=1", "--randrepeat=0", "--group_reporting"],
                        log, teardown, "fio")
     if kill:
