@@ -113,6 +113,19 @@ impl Restarted {
     }
 }
 
+/// Reads one request from a holder's socket (it must arrive within 10 s)
+/// and parses it; `None` when none could be read (logged).
+pub fn read_request(stream: &mut UnixStream) -> Option<Result<Request, String>> {
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+    match read_line(stream) {
+        Ok(line) => Some(Request::parse(&line)),
+        Err(e) => {
+            tracing::warn!("holder socket: {e}");
+            None
+        }
+    }
+}
+
 /// Reads one line (without its newline) of at most [`MAX_LINE`] bytes.
 pub fn read_line(stream: &mut UnixStream) -> io::Result<String> {
     let mut out = Vec::new();

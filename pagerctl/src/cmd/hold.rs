@@ -213,15 +213,10 @@ fn supervise(
 
 /// Answers one request on the holder's socket.
 fn answer(shared: &Shared, mut stream: UnixStream, connection: &std::fs::File) {
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
-    let line = match handover::read_line(&mut stream) {
-        Ok(l) => l,
-        Err(e) => {
-            tracing::warn!("holder socket: {e}");
-            return;
-        }
+    let Some(request) = handover::read_request(&mut stream) else {
+        return;
     };
-    let reply = match Request::parse(&line) {
+    let reply = match request {
         Ok(Request::Take) => {
             let fresh = shared.state.lock_or_recover().fresh;
             if let Err(e) = handover::give(&stream, connection, fresh) {

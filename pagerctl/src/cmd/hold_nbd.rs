@@ -426,15 +426,10 @@ impl Hold<'_> {
 /// Answers one request on the holder's socket: `restart` only (a kernel
 /// nbd device has no FUSE connection to hand over).
 fn answer(mut stream: UnixStream, tx: &mpsc::Sender<Msg>) {
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
-    let line = match handover::read_line(&mut stream) {
-        Ok(l) => l,
-        Err(e) => {
-            tracing::warn!("holder socket: {e}");
-            return;
-        }
+    let Some(request) = handover::read_request(&mut stream) else {
+        return;
     };
-    let reply = match Request::parse(&line) {
+    let reply = match request {
         Ok(Request::Restart { binary: None }) => {
             let (rtx, rrx) = mpsc::channel();
             if tx.send(Msg::Restart(rtx)).is_err() {
