@@ -1,9 +1,11 @@
 """A restartable device (`attach --restartable`, pagerctl(1) RESTARTS): the
-serving process killed with -9 while a job swaps through parity on 3 donors
-(with requests in flight), the same with a donor killed right after the
-restart (4 donors: room to rebuild), five kills in a row, `pagerctl
-restart` onto a second binary, and the holder itself killed. The job
-verifies every page each time."""
+serving process killed with -9 while a job swaps through parity 3 on 4
+donors (with requests in flight), the same with a donor killed right after
+the restart (5 donors), five kills in a row, `pagerctl restart` onto a
+second binary, and the holder itself killed. The job verifies every page
+each time. A kill gets a donor more than the groups need: Debian's nbdkit
+1.32 may abort when the serving process dies with requests in flight
+(pagerctl(1) RESTARTS), and the device must then rebuild, not lose."""
 
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ def kill_with_requests_in_flight(client, device) -> int:
 
 
 def test_kill9_of_the_serving_process_while_swapping(teardown, donors, client, memhog, tmp_path):
-    ds = donors(3)
+    ds = donors(4)
     device = attach_restartable(client, ds)
     job = swapping_job(teardown, memhog, tmp_path, device)
     old = kill_with_requests_in_flight(client, device)
@@ -75,8 +77,9 @@ def test_kill9_of_the_serving_process_while_swapping(teardown, donors, client, m
 
 
 def test_kill9_then_a_donor_killed_during_recovery(teardown, donors, client, memhog, tmp_path):
-    # A fourth donor to rebuild onto (parity groups are 3 wide).
-    ds = donors(4)
+    # Two donors to rebuild onto (parity groups are 3 wide): the one killed,
+    # and one nbdkit 1.32 may lose to the kill of the serving process.
+    ds = donors(5)
     device = attach_restartable(client, ds, extra=["--request-timeout", "2", "--connect-timeout", "2"])
     job = swapping_job(teardown, memhog, tmp_path, device)
     victim = busiest(client, ds)
@@ -92,7 +95,7 @@ def test_kill9_then_a_donor_killed_during_recovery(teardown, donors, client, mem
 
 
 def test_five_kills_in_a_row(teardown, donors, client, memhog, tmp_path):
-    ds = donors(3)
+    ds = donors(4)
     device = attach_restartable(client, ds)
     job = swapping_job(teardown, memhog, tmp_path, device, passes=3)
     for i in range(5):
