@@ -44,6 +44,20 @@ pub fn parse_lines<T>(
     parse: impl Fn(&str) -> Result<T, String>,
     name: impl Fn(&T) -> String,
 ) -> Result<Vec<T>, DonorsFileError> {
+    Ok(parse_numbered(path, text, parse, name)?
+        .into_iter()
+        .map(|(_, t)| t)
+        .collect())
+}
+
+/// [`parse_lines`], each donor with its line number (for messages about
+/// a line that parsed but could not be applied).
+fn parse_numbered<T>(
+    path: &Path,
+    text: &str,
+    parse: impl Fn(&str) -> Result<T, String>,
+    name: impl Fn(&T) -> String,
+) -> Result<Vec<(usize, T)>, DonorsFileError> {
     let mut out: Vec<(usize, String, T)> = Vec::new();
     for (i, raw) in text.lines().enumerate() {
         let line = i + 1;
@@ -68,7 +82,21 @@ pub fn parse_lines<T>(
         }
         out.push((line, n, item));
     }
-    Ok(out.into_iter().map(|(_, _, s)| s).collect())
+    Ok(out.into_iter().map(|(l, _, s)| (l, s)).collect())
+}
+
+/// Reads and parses the donors file at `path`, each donor with its line.
+pub fn read_donors_file_lines(path: &Path) -> Result<Vec<(usize, DonorSpec)>, DonorsFileError> {
+    let text = std::fs::read_to_string(path).map_err(|source| DonorsFileError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    parse_numbered(
+        path,
+        &text,
+        |l| l.parse::<DonorSpec>().map_err(|e| e.reason),
+        |s| s.name.clone(),
+    )
 }
 
 /// Reads and parses the donors file at `path`.

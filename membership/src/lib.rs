@@ -14,7 +14,9 @@ pub mod discovery;
 pub mod file;
 pub mod spec;
 
-pub use file::{parse_donors_file, parse_lines, read_donors_file, DonorsFileError};
+pub use file::{
+    parse_donors_file, parse_lines, read_donors_file, read_donors_file_lines, DonorsFileError,
+};
 pub use spec::{DonorSpec, SpecError};
 
 /// How a donor joined a device's set (shown by status and `/metrics`).

@@ -122,6 +122,19 @@ impl NbdError {
     pub fn is_no_space(&self) -> bool {
         matches!(self, NbdError::Request { errno, .. } if *errno == libc::ENOSPC)
     }
+
+    /// Nothing listens at the donor's address (its process is gone): the
+    /// kernel refused the connection.
+    pub fn is_refused(&self) -> bool {
+        matches!(self, NbdError::Connect { message, .. } if message.contains("Connection refused"))
+    }
+
+    /// The donor refused a request because a newer session of the same
+    /// device owns the export (pager-server answers EPERM for nothing
+    /// else).
+    pub fn is_fenced(&self) -> bool {
+        matches!(self, NbdError::Request { errno, .. } if *errno == libc::EPERM)
+    }
 }
 
 /// A failure below the request level: its errno and message.

@@ -7,6 +7,7 @@
 //! connections. A TLS connection (libnbd) carries one request at a time
 //! and a lease holds it whole.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -35,6 +36,14 @@ pub struct Pool {
     addr: String,
     timeouts: Timeouts,
     max: usize,
+    /// The export name ends in a session (`...:SESSION[@SIZE]`, a netpager
+    /// device's): each round of connections adds its number
+    /// (`:SESSION.ROUND`), so the donor refuses requests still queued on
+    /// connections a [`Pool::close`] gave up on once a new round connects.
+    /// Rounds are drawn from one counter shared by every pool of the
+    /// session, so two pools that reach one export (a donor named twice
+    /// for a moment) never reuse each other's numbers.
+    rounds: Option<Arc<AtomicU64>>,
     state: Mutex<PoolState>,
     cv: Condvar,
 }
@@ -48,6 +57,8 @@ struct PoolState {
     open: usize,
     closed: bool,
     generation: u64,
+    /// The export name's round of connections (numbered pools).
+    round: u64,
     /// Threads waiting in `checkout`: a returned lease wakes one only if
     /// there is one, since a wake-up is a system call even with no waiter.
     waiting: usize,
@@ -65,6 +76,7 @@ impl Pool {
             ep,
             timeouts,
             max: max.max(1),
+            rounds: None,
             state: Mutex::new(PoolState {
                 // Their full sizes now: returning a lease never allocates.
                 idle: Vec::with_capacity(max.max(1)),
@@ -72,14 +84,34 @@ impl Pool {
                 open: 0,
                 closed: false,
                 generation: 0,
+                round: 0,
                 waiting: 0,
             }),
             cv: Condvar::new(),
         }
     }
 
+    /// Numbers each round of connections in the export name, from the
+    /// session's counter `rounds` (see the field).
+    pub fn numbered(mut self, rounds: Arc<AtomicU64>) -> Pool {
+        self.lock().round = rounds.fetch_add(1, Ordering::AcqRel) + 1;
+        self.rounds = Some(rounds);
+        self
+    }
+
     pub fn endpoint(&self) -> &Endpoint {
         &self.ep
+    }
+
+    /// The export name connections of round `round` ask for.
+    fn export_of(&self, round: u64) -> String {
+        if self.rounds.is_none() {
+            return self.ep.export.clone();
+        }
+        match self.ep.export.split_once('@') {
+            Some((name, size)) => format!("{name}.{round}@{size}"),
+            None => format!("{}.{round}", self.ep.export),
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, PoolState> {
@@ -132,9 +164,9 @@ impl Pool {
             }
             if st.open < self.max {
                 st.open += 1;
-                let generation = st.generation;
+                let (generation, round) = (st.generation, st.round);
                 drop(st);
-                return match self.connect() {
+                return match self.connect(round) {
                     Ok(Leased::Shared { mux, .. }) => {
                         let slot = mux.reserve().expect("a new connection has free slots");
                         let mut st = self.lock();
@@ -174,16 +206,21 @@ impl Pool {
         }
     }
 
-    fn connect(&self) -> Result<Leased, NbdError> {
+    fn connect(&self, round: u64) -> Result<Leased, NbdError> {
         let t = self.timeouts.connect;
+        let export = self.export_of(round);
         if self.ep.tls_psk_file.is_some() {
-            return Connection::connect(&self.ep, t).map(|c| Leased::Own(Some(c)));
+            let ep = Endpoint {
+                export,
+                ..self.ep.clone()
+            };
+            return Connection::connect(&ep, t).map(|c| Leased::Own(Some(c)));
         }
-        let p = Plain::connect_tcp(&self.ep.host, self.ep.port, &self.ep.export, t)
-            .map_err(|e| crate::connect_error(e, &self.ep.addr(), &self.ep.export, t))?;
+        let p = Plain::connect_tcp(&self.ep.host, self.ep.port, &export, t)
+            .map_err(|e| crate::connect_error(e, &self.ep.addr(), &export, t))?;
         let mux = Mux::new(p).map_err(|e| NbdError::Connect {
             addr: self.addr.clone(),
-            export: self.ep.export.clone(),
+            export,
             message: format!("eventfd: {e}"),
         })?;
         Ok(Leased::Shared {
@@ -199,6 +236,9 @@ impl Pool {
         let mut st = self.lock();
         st.closed = true;
         st.generation += 1;
+        if let Some(r) = &self.rounds {
+            st.round = r.fetch_add(1, Ordering::AcqRel) + 1;
+        }
         st.open = 0;
         st.idle.clear();
         st.shared.clear();
@@ -207,6 +247,11 @@ impl Pool {
 
     pub fn reopen(&self) {
         self.lock().closed = false;
+    }
+
+    /// The round of connections open now (counted up by [`Pool::close`]).
+    pub fn generation(&self) -> u64 {
+        self.lock().generation
     }
 
     /// Connections open now (for tests of how requests share them).

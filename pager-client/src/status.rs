@@ -43,6 +43,14 @@ pub struct DonorReport {
     pub failed: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure: Option<String>,
+    /// Not failed but silent this long (ms): its requests wait for it, up
+    /// to the device's grace (`grace_ms`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub silent_ms: Option<u64>,
+    /// Extent copies taken back as they were when it came back from a
+    /// failure with its label (the rest written meanwhile were re-created).
+    #[serde(default)]
+    pub taken_back: u64,
     /// Bytes of our export the donor holds (its report, else extents held
     /// times the extent size).
     pub used_bytes: u64,
@@ -245,6 +253,10 @@ pub struct ClientStatus {
     /// Milliseconds since the Unix epoch when this was written.
     pub updated_unix_ms: u64,
     pub epoch_ms: u64,
+    /// How long requests wait for a silent donor before it is failed where
+    /// failing it would lose data (`attach --grace`).
+    #[serde(default)]
+    pub grace_ms: u64,
     pub b: f64,
     pub donors: Vec<DonorReport>,
     /// The latest epochs (up to 64): start in ms since the Unix epoch, and
@@ -272,6 +284,10 @@ pub struct ClientStatus {
     /// Announced donors not in the set, by node id, and why.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub not_admitted: std::collections::BTreeMap<String, String>,
+    /// Why this serving process stopped serving: a newer session of the
+    /// device owns its exports (the donors said so).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fenced: Option<String>,
     pub totals: Totals,
     /// Requests served, by kind (files from before have none).
     #[serde(default)]
@@ -347,6 +363,12 @@ pub fn render_table(s: &ClientStatus) -> String {
     };
     let t = &s.totals;
     let w = |out: &mut String, line: String| out.push_str(&(line + "\n"));
+    if let Some(f) = &s.fenced {
+        w(
+            &mut out,
+            format!("FENCED: {f}: a newer serving process of this device owns its exports; this one serves nothing"),
+        );
+    }
     w(
         &mut out,
         format!(
@@ -546,6 +568,19 @@ pub fn render_table(s: &ClientStatus) -> String {
             &mut out,
             format!("{}: {}", d.name, d.failure.as_deref().unwrap_or_default()),
         );
+    }
+    for d in &s.donors {
+        if let Some(ms) = d.silent_ms {
+            w(
+                &mut out,
+                format!(
+                    "{}: not answering for {:.1} s; its requests wait, failed after {:.0} s (grace)",
+                    d.name,
+                    ms as f64 / 1000.0,
+                    s.grace_ms as f64 / 1000.0
+                ),
+            );
+        }
     }
     if let Some(f) = &s.donors_file {
         w(&mut out, format!("donors file {f}"));

@@ -53,18 +53,20 @@ fn torn_stripe_is_resynced(mode: Mode, donors: usize, kill: impl Fn(&Layout) -> 
     let group = (k * EXTENT) as usize;
     let mut want = vec![0u8; group];
     Rng::new(13).fill(&mut want);
-    {
+    let session = {
         let dev = Device::open(c.clone(), state.path()).unwrap();
         dev.write(&want, 0).unwrap();
         dev.flush().unwrap();
         assert_eq!(dev.status().totals.groups_open, 1);
-    }
+        dev.session()
+    };
     // The torn write: extent 0's new bytes reached its member, the parity
     // update did not.
     let (d0, off0) = member(state.path(), &c, 0, layout.locate(0).1);
     let mut torn = vec![0u8; EXTENT as usize];
     Rng::new(14).fill(&mut torn);
-    let ep = c.endpoint(&c.donors[d0]);
+    // As the session that wrote, which the donor still takes.
+    let ep = c.endpoint(&c.donors[d0], session);
     let mut conn = netpager_nbd::Connection::connect(&ep, Duration::from_secs(5)).unwrap();
     conn.pwrite(&torn, off0, Duration::from_secs(5)).unwrap();
     conn.flush(Duration::from_secs(5)).unwrap();

@@ -9,7 +9,7 @@ use std::net::{IpAddr, SocketAddr};
 pub use netpager_metrics::is_loopback;
 use netpager_proto::auth::{check_export_token, EXPORT_TOKEN_HEX};
 
-use crate::config::{parse_export_name, ConfigError, ExportSpec};
+use crate::config::{parse_requested, ConfigError, Requested};
 
 /// Separates the client from its token in an export name: `CLIENT~TOKEN`.
 pub const TOKEN_SEPARATOR: char = '~';
@@ -98,42 +98,64 @@ pub fn check_status_address(
 }
 
 /// Parses a requested export name and, with an export secret, checks the
-/// client's token. With a secret the name is `CLIENT~TOKEN[@SIZE]` and the
-/// store is named CLIENT, so the token never shows in the status endpoint
-/// or in an error; without one it is `NAME[@SIZE]` as before.
-pub fn admit_export(raw: &str, secret: Option<&[u8]>) -> Result<ExportSpec, AccessError> {
+/// token: `CLIENT~TOKEN[/DEVICE[:SESSION]][@SIZE]`, the token made for
+/// CLIENT (every device of a client shares it).
+pub fn admit_export(raw: &str, secret: Option<&[u8]>) -> Result<Requested, AccessError> {
     let Some(secret) = secret else {
         if raw.contains(TOKEN_SEPARATOR) {
             return Err(AccessError::UnexpectedToken);
         }
-        return Ok(parse_export_name(raw)?);
+        return Ok(parse_requested(raw)?);
     };
-    let (client_and_token, size) = match raw.split_once('@') {
+    let (head, size) = match raw.split_once('@') {
         Some((n, s)) => (n, Some(s)),
         None => (raw, None),
     };
+    let (client_and_token, device) = match head.split_once('/') {
+        Some((c, d)) => (c, Some(d)),
+        None => (head, None),
+    };
+    if device.is_some_and(|d| d.contains(TOKEN_SEPARATOR)) {
+        // Not quoted: the name may hold a token.
+        return Err(AccessError::Name(ConfigError::BadExportName {
+            name: "(not shown: it may hold a token)".into(),
+            why: format!(
+                "the token goes right after the client: CLIENT{TOKEN_SEPARATOR}TOKEN/DEVICE"
+            ),
+        }));
+    }
     let (client, token) = client_and_token
         .split_once(TOKEN_SEPARATOR)
         .unwrap_or((client_and_token, ""));
     // Name rules first, on the name without its token: errors quote it.
-    let without_token = match size {
-        Some(s) => format!("{client}@{s}"),
-        None => client.to_string(),
-    };
-    let spec = parse_export_name(&without_token)?;
+    let mut without_token = client.to_string();
+    if let Some(d) = device {
+        without_token = format!("{without_token}/{d}");
+    }
+    if let Some(s) = size {
+        without_token = format!("{without_token}@{s}");
+    }
+    let req = parse_requested(&without_token)?;
+    let client = req.spec.client();
     if token.is_empty() {
-        return Err(AccessError::MissingToken { client: spec.name });
+        return Err(AccessError::MissingToken {
+            client: client.to_string(),
+        });
     }
-    // Checked against the store name, so `~TOKEN` and `default~TOKEN` agree.
-    if token.len() != EXPORT_TOKEN_HEX || !check_export_token(secret, &spec.name, token) {
-        return Err(AccessError::WrongToken { client: spec.name });
+    // Checked against the client's store name, so `~TOKEN` and
+    // `default~TOKEN` agree.
+    if token.len() != EXPORT_TOKEN_HEX || !check_export_token(secret, client, token) {
+        return Err(AccessError::WrongToken {
+            client: client.to_string(),
+        });
     }
-    Ok(spec)
+    Ok(req)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::ExportSpec;
     use netpager_proto::auth::export_token;
     use std::net::{Ipv4Addr, Ipv6Addr};
 
@@ -210,7 +232,7 @@ mod tests {
         let t1 = export_token(&secret, "c1");
         let ok = admit_export(&format!("c1~{t1}@64M"), Some(&secret)).unwrap();
         assert_eq!(
-            ok,
+            ok.spec,
             ExportSpec {
                 name: "c1".into(),
                 size: Some(64 << 20)
@@ -219,9 +241,14 @@ mod tests {
         assert_eq!(
             admit_export(&format!("c1~{t1}"), Some(&secret))
                 .unwrap()
+                .spec
                 .size,
             None
         );
+        // Every device of a client opens with the client's token.
+        let dev = admit_export(&format!("c1~{t1}/d7:3@64M"), Some(&secret)).unwrap();
+        assert_eq!(dev.spec.name, "c1/d7");
+        assert_eq!(dev.session.map(|r| (r.session, r.conn)), Some((3, 0)));
         // Another client's name with c1's token, a missing token, a bad one.
         let refused = [
             (
@@ -276,6 +303,11 @@ mod tests {
             matches!(bad, AccessError::Name(_)) && !bad.to_string().contains(&t1),
             "{bad}"
         );
+        let bad = admit_export(&format!("a.b~{t1}/c d"), Some(&secret)).unwrap_err();
+        assert!(
+            matches!(bad, AccessError::Name(_)) && !bad.to_string().contains(&t1),
+            "{bad}"
+        );
         assert_eq!(bad.errno(), libc::EINVAL);
         // The empty name is `default`, which has a token like any client.
         assert_eq!(
@@ -289,7 +321,7 @@ mod tests {
     #[test]
     fn without_a_secret_names_are_plain() {
         assert_eq!(
-            admit_export("a@1M", None).unwrap(),
+            admit_export("a@1M", None).unwrap().spec,
             ExportSpec {
                 name: "a".into(),
                 size: Some(1 << 20)

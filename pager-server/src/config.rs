@@ -292,13 +292,44 @@ fn check_node_id(s: &str) -> Result<(), String> {
 /// An export as the client named it: store name and optional size.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExportSpec {
+    /// `CLIENT`, or `CLIENT/DEVICE` for one device of a client that has
+    /// several (each device's pages are its own store).
     pub name: String,
     pub size: Option<u64>,
 }
 
-/// Parses an NBD export name `NAME` or `NAME@SIZE`. The empty name is
-/// [`DEFAULT_EXPORT`]. NAME is 1-64 characters from `A-Z a-z 0-9 . _ -`,
-/// starting with a letter or digit.
+impl ExportSpec {
+    /// The client's part of the name (what an export token is made for).
+    pub fn client(&self) -> &str {
+        self.name.split_once('/').map_or(&self.name, |(c, _)| c)
+    }
+}
+
+/// Checks one part of an export name (the client's or the device's).
+fn check_name_part(part: &str, what: &str) -> Result<(), String> {
+    if part.len() > MAX_EXPORT_NAME {
+        return Err(format!(
+            "{what} is {} bytes, at most {MAX_EXPORT_NAME} allowed",
+            part.len()
+        ));
+    }
+    if let Some(c) = part
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+    {
+        return Err(format!(
+            "character {c:?} not allowed in the {what} (use A-Z a-z 0-9 . _ -)"
+        ));
+    }
+    if !part.starts_with(|c: char| c.is_ascii_alphanumeric()) {
+        return Err(format!("{what} must start with a letter or digit"));
+    }
+    Ok(())
+}
+
+/// Parses an NBD export name `NAME[/DEVICE][@SIZE]`. The empty name is
+/// [`DEFAULT_EXPORT`]. NAME and DEVICE are 1-64 characters from `A-Z a-z
+/// 0-9 . _ -`, starting with a letter or digit.
 pub fn parse_export_name(raw: &str) -> Result<ExportSpec, ConfigError> {
     let err = |why: String| ConfigError::BadExportName {
         name: raw.to_string(),
@@ -311,33 +342,71 @@ pub fn parse_export_name(raw: &str) -> Result<ExportSpec, ConfigError> {
         }
         None => (raw, None),
     };
-    if name.is_empty() {
-        return Ok(ExportSpec {
-            name: DEFAULT_EXPORT.to_string(),
-            size,
-        });
-    }
-    if name.len() > MAX_EXPORT_NAME {
-        return Err(err(format!(
-            "name is {} bytes, at most {MAX_EXPORT_NAME} allowed",
-            name.len()
-        )));
-    }
-    if let Some(c) = name
-        .chars()
-        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
-    {
-        return Err(err(format!(
-            "character {c:?} not allowed (use A-Z a-z 0-9 . _ -)"
-        )));
-    }
-    if !name.starts_with(|c: char| c.is_ascii_alphanumeric()) {
-        return Err(err("must start with a letter or digit".into()));
-    }
-    Ok(ExportSpec {
-        name: name.to_string(),
-        size,
-    })
+    let (client, device) = match name.split_once('/') {
+        Some((c, d)) => (c, Some(d)),
+        None => (name, None),
+    };
+    let client = if client.is_empty() {
+        DEFAULT_EXPORT
+    } else {
+        check_name_part(client, "name").map_err(&err)?;
+        client
+    };
+    let name = match device {
+        Some(d) => {
+            check_name_part(d, "device").map_err(&err)?;
+            format!("{client}/{d}")
+        }
+        None => client.to_string(),
+    };
+    Ok(ExportSpec { name, size })
+}
+
+/// An export name as asked for on a connection: the export, and the client
+/// session and connection round that ask (`NAME/DEVICE:SESSION[.CONN][@SIZE]`),
+/// which fence older ones of the same device off it (see `session.rs`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Requested {
+    pub spec: ExportSpec,
+    pub session: Option<crate::session::Round>,
+}
+
+/// Parses `NAME[/DEVICE[:SESSION[.CONN]]][@SIZE]`: SESSION and CONN are
+/// decimal numbers, and only a device's export carries them.
+pub fn parse_requested(raw: &str) -> Result<Requested, ConfigError> {
+    let (head, size) = match raw.split_once('@') {
+        Some((h, s)) => (h, Some(s)),
+        None => (raw, None),
+    };
+    let (head, session) = match head.split_once('/').and_then(|(_, d)| d.split_once(':')) {
+        Some((_, s)) => {
+            let bad = || ConfigError::BadExportName {
+                name: raw.to_string(),
+                why: format!(
+                    "session after ':' must be SESSION or SESSION.CONN (numbers), not {s:?}"
+                ),
+            };
+            let (session, conn) = s.split_once('.').unwrap_or((s, "0"));
+            let round = crate::session::Round {
+                session: session.parse().map_err(|_| bad())?,
+                conn: conn.parse().map_err(|_| bad())?,
+            };
+            (&head[..head.len() - s.len() - 1], Some(round))
+        }
+        None => (head, None),
+    };
+    let without = match size {
+        Some(s) => format!("{head}@{s}"),
+        None => head.to_string(),
+    };
+    let spec = parse_export_name(&without).map_err(|e| match e {
+        ConfigError::BadExportName { why, .. } => ConfigError::BadExportName {
+            name: raw.to_string(),
+            why,
+        },
+        e => e,
+    })?;
+    Ok(Requested { spec, session })
 }
 
 /// Rounds a byte budget down to whole pages.
@@ -495,12 +564,45 @@ mod tests {
             }
         );
         let why = |n: &str| parse_export_name(n).unwrap_err().to_string();
-        assert!(why("a/b").contains("'/' not allowed"));
+        assert_eq!(spec("a/dev-1@1M").name, "a/dev-1");
+        assert_eq!(spec("/d1").name, "default/d1");
+        assert!(why("a/").contains("device must start"));
+        assert!(why("a/b/c").contains("'/' not allowed in the device"));
+        assert!(why("a:b").contains("':' not allowed in the name"));
         assert!(why("-a").contains("start with a letter"));
         assert!(why(&"a".repeat(65)).contains("at most 64"));
         assert!(why("a@").contains("size after '@'"));
         assert!(why("a@0").contains("at least 1 byte"));
         assert!(why("a@1G@2G").contains("size after '@'"));
         assert!(why("é").contains("not allowed"));
+    }
+
+    #[test]
+    fn sessions_ride_on_device_exports() {
+        let req = |n: &str| parse_requested(n).unwrap();
+        let round = |session, conn| Some(crate::session::Round { session, conn });
+        assert_eq!(
+            req("c1/d9:42@64M"),
+            Requested {
+                spec: ExportSpec {
+                    name: "c1/d9".into(),
+                    size: Some(64 << 20)
+                },
+                session: round(42, 0)
+            }
+        );
+        assert_eq!(req("c1/d9:42.7@64M").session, round(42, 7));
+        assert_eq!(req("c1/d9").session, None);
+        assert_eq!(req("c1@1M").spec.name, "c1");
+        let why = |n: &str| parse_requested(n).unwrap_err().to_string();
+        assert!(why("c1/d9:x@1M").contains("session after ':' must be SESSION"));
+        assert!(why("c1/d9:-1").contains("numbers"));
+        assert!(why("c1/d9:4.x").contains("SESSION.CONN"));
+        // A session belongs to a device's export; the error quotes what was asked.
+        let e = why("c1:3");
+        assert!(
+            e.contains("\"c1:3\"") && e.contains("':' not allowed"),
+            "{e}"
+        );
     }
 }

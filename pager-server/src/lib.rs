@@ -32,6 +32,7 @@ pub mod config;
 pub mod donor;
 pub mod memwatch;
 pub mod metrics;
+pub mod session;
 pub mod slab;
 pub mod state;
 pub mod status;
@@ -40,7 +41,7 @@ pub mod store;
 pub mod sys;
 
 use std::net::TcpListener;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, LazyLock, Mutex, OnceLock};
 use std::time::Instant;
 
 use nbdkit::{
@@ -55,6 +56,7 @@ use netpager_membership::discovery::Announcer;
 use netpager_metrics::{Bound, EndpointConfig};
 use netpager_proto::auth::load_export_secret;
 use netpager_util::{format_size, LockExt};
+use session::{Claim, Sessions};
 use state::Observation;
 use store::{Export, StoreError};
 
@@ -65,6 +67,8 @@ static METRICS: Mutex<Option<Bound>> = Mutex::new(None);
 static GUARD: OnceLock<Guard> = OnceLock::new();
 /// The DNS-SD announcement of `announce=true`, withdrawn at unload.
 static ANNOUNCER: Mutex<Option<Announcer>> = Mutex::new(None);
+/// Which client session owns each device's export.
+static SESSIONS: LazyLock<Sessions> = LazyLock::new(Sessions::default);
 
 /// The access rules' inputs, loaded at config_complete.
 struct Guard {
@@ -155,6 +159,8 @@ fn load_guard(cfg: &Config) -> Result<Guard> {
 pub struct PagerServer {
     export: Arc<Export>,
     donor: Arc<Donor>,
+    /// The client session's claim on the export, when it named one.
+    claim: Option<Claim>,
 }
 
 impl PagerServer {
@@ -164,6 +170,11 @@ impl PagerServer {
         bytes: u64,
         f: impl FnOnce(u32) -> std::result::Result<(), StoreError>,
     ) -> Result<()> {
+        // Held for the request: a newer claim waits for it to end.
+        let _owned = match &self.claim {
+            Some(c) => Some(c.hold().map_err(|e| Error::new(e.errno(), e.to_string()))?),
+            None => None,
+        };
         let t0 = Instant::now();
         let r = f(self.donor.tick(t0));
         self.donor
@@ -365,14 +376,19 @@ impl Server for PagerServer {
         requires_tls(sys::peer_name(), nbdkit::is_tls()?, g.insecure).map_err(refused)?;
         let raw = nbdkit::export_name()
             .map_err(|e| einval(format!("cannot read the export name: {e}")))?;
-        let spec = admit_export(&raw, g.export_secret.as_deref()).map_err(refused)?;
+        let req = admit_export(&raw, g.export_secret.as_deref()).map_err(refused)?;
         let export = d
             .pool()
-            .open(&spec, d.settings().default_size)
+            .open(&req.spec, d.settings().default_size)
             .map_err(|e| einval(e.to_string()))?;
+        let claim = req.session.map(|s| SESSIONS.claim(&req.spec.name, s));
+        if let Some(Err(e)) = claim.as_ref().map(Claim::hold) {
+            sys::log_error(&format!("{e}: its requests are refused"));
+        }
         Ok(Box::new(PagerServer {
             export,
             donor: Arc::clone(d),
+            claim,
         }))
     }
 

@@ -17,6 +17,14 @@ pub fn pager_server(params: &[&str]) -> Option<Nbdkit> {
     Some(Nbdkit::start(&args, true))
 }
 
+/// [`pager_server`] listening on loopback address `ip`.
+pub fn pager_server_on(ip: &str, params: &[&str]) -> Option<Nbdkit> {
+    let so = pager_server_so()?;
+    let mut args = vec![so.display().to_string(), "mlock=false".into()];
+    args.extend(params.iter().map(|s| s.to_string()));
+    Some(Nbdkit::start_on(ip, &args, true))
+}
+
 /// `n` small pager-server donors (16 MiB exports, never busy) that report
 /// their state and used bytes on a status endpoint, or `None` as
 /// [`pager_server`].

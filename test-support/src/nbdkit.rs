@@ -37,9 +37,14 @@ pub struct Nbdkit {
 
 impl Nbdkit {
     pub fn start(plugin_args: &[String], status_port: bool) -> Nbdkit {
-        let ip = next_ip();
-        let [port, status] = free_ports(&ip);
-        Nbdkit::start_at(&ip, port, plugin_args, status_port.then_some(status))
+        Nbdkit::start_on(&next_ip(), plugin_args, status_port)
+    }
+
+    /// [`Nbdkit::start`] on loopback address `ip` (127.0.0.1: a donor
+    /// that `localhost` reaches too).
+    pub fn start_on(ip: &str, plugin_args: &[String], status_port: bool) -> Nbdkit {
+        let [port, status] = free_ports(ip);
+        Nbdkit::start_at(ip, port, plugin_args, status_port.then_some(status))
     }
 
     fn start_at(ip: &str, port: u16, plugin_args: &[String], status_port: Option<u16>) -> Nbdkit {

@@ -65,8 +65,8 @@ def test_export_names_sizes_and_default(start_donor):
     with connect(donor.uri("default")) as h:
         assert h.pread(PAGE, 7 * PAGE) == pattern("dflt", 0, PAGE)
     # An existing export cannot be reopened with another size, and names
-    # outside the allowed characters are refused.
-    for bad in ["sized@128M", "a/b", "-dash"]:
+    # outside the allowed characters (a device part too) are refused.
+    for bad in ["sized@128M", "a/b/c", "-dash", "a/-b"]:
         with pytest.raises(nbd.Error):
             with connect(donor.uri(bad)):
                 pass

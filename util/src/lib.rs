@@ -14,6 +14,23 @@ pub mod version;
 
 pub use sync::{CondvarExt, LockExt, RwLockExt};
 
+/// A random, non-zero 128-bit number from the kernel's generator, mixed
+/// with the time and pid should `/dev/urandom` be unreadable: for names
+/// that must differ between devices and incarnations (device ids, export
+/// labels), not for keys.
+pub fn random_u128() -> u128 {
+    use std::io::Read;
+    let mut b = [0u8; 16];
+    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
+        let _ = f.read_exact(&mut b);
+    }
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(1);
+    (u128::from_le_bytes(b) ^ t ^ u128::from(std::process::id())).max(1)
+}
+
 use std::fmt;
 use std::net::Ipv6Addr;
 

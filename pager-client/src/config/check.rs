@@ -29,6 +29,17 @@ impl DeviceConfig {
                 ),
             );
         }
+        if let Some(dev) = &self.device_id {
+            if dev.is_empty()
+                || dev.len() > 64
+                || !dev.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+            {
+                return bad(
+                    "device_id",
+                    format!("{dev:?} must be 1 to 64 letters, digits or '-'"),
+                );
+            }
+        }
         if let Some(m) = &self.metrics {
             if let Err(e) = netpager_util::HostPort::parse(&m.listen) {
                 return bad("metrics.listen", e.to_string());

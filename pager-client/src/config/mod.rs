@@ -285,6 +285,13 @@ pub struct MetricsConfig {
 pub struct DeviceConfig {
     /// This client's name; names its exports on donors and its TLS user.
     pub client_id: String,
+    /// This device's own name, made when it is first attached: its export
+    /// on a donor is `CLIENT/DEVICE`, so two devices of one client (two
+    /// state directories on one host, or two hosts with one client id)
+    /// never share one. Devices attached before it existed have none and
+    /// keep the export `CLIENT`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_id: Option<String>,
     /// Device size in bytes (a multiple of 4 KiB).
     pub size: ByteSize,
     /// Unit of placement: a power of two, a multiple of 4 KiB (default 1 MiB).
@@ -352,6 +359,12 @@ pub struct DeviceConfig {
     /// (0: never).
     #[serde(default = "default_forget_after_ms")]
     pub forget_after_ms: u64,
+    /// How long requests wait for a donor that stopped answering before
+    /// its copies are declared lost, where failing it would lose data
+    /// (mode none, or a copy that is the last one left): a donor back
+    /// within it loses nothing. 0: no waiting.
+    #[serde(default = "default_grace_ms")]
+    pub grace_ms: u64,
     /// The donors that join at attach; the set then changes at run time
     /// (donor-add, donor-remove, the donors file), kept in the map's journal.
     pub donors: Vec<DonorConfig>,
@@ -387,6 +400,11 @@ pub fn default_extent_size(mode: &Mode) -> ByteSize {
 fn stripe_extent(data: u32) -> ByteSize {
     let per = STRIPE_DATA / u64::from(data.max(1));
     ByteSize((1u64 << per.ilog2()).max(MIN_PARITY_EXTENT))
+}
+
+/// A new device's id: 16 hex digits, unique in practice.
+pub fn new_device_id() -> String {
+    format!("{:016x}", netpager_util::random_u128() as u64)
 }
 
 fn default_queue() -> ByteSize {
@@ -425,6 +443,9 @@ fn default_spin_us() -> u64 {
 fn default_forget_after_ms() -> u64 {
     10 * 60 * 1000
 }
+fn default_grace_ms() -> u64 {
+    30_000
+}
 fn default_request_ms() -> u64 {
     5000
 }
@@ -461,6 +482,7 @@ impl DeviceConfig {
     pub fn new(client_id: impl Into<String>, size: u64, mode: Mode) -> Self {
         DeviceConfig {
             client_id: client_id.into(),
+            device_id: Some(new_device_id()),
             size: ByteSize(size),
             extent_size: default_extent_size(&mode),
             connections_per_donor: default_connections(),
@@ -480,6 +502,7 @@ impl DeviceConfig {
             discover: false,
             discover_insecure: false,
             forget_after_ms: default_forget_after_ms(),
+            grace_ms: default_grace_ms(),
             donors: Vec::new(),
         }
     }
@@ -553,15 +576,50 @@ impl DeviceConfig {
             .unwrap_or((self.extents() + 1) * self.extent_size.0)
     }
 
-    /// Our export name on donor `d`.
-    pub fn export_name(&self, d: &DonorConfig) -> String {
-        d.export
-            .clone()
-            .unwrap_or_else(|| format!("{}@{}", self.client_id, self.export_size(d)))
+    /// Our export name on donor `d` in session `session` of the device:
+    /// `BASE/DEVICE:SESSION@SIZE`, where BASE is the donor's configured
+    /// export (a client's token, `CLIENT~TOKEN`, goes there) or the
+    /// client id, and `@SIZE` comes from the configured export or, without
+    /// one, the export size. The donor keeps the pages under `BASE/DEVICE`
+    /// (less the token) and refuses requests of sessions older than the
+    /// newest it has seen. A device without an id asks for `BASE@SIZE`.
+    pub fn export_name(&self, d: &DonorConfig, session: u64) -> String {
+        let (base, size) = match &d.export {
+            Some(e) => match e.split_once('@') {
+                Some((b, s)) => (b.to_string(), Some(s.to_string())),
+                None => (e.clone(), None),
+            },
+            None => (
+                self.client_id.clone(),
+                Some(self.export_size(d).to_string()),
+            ),
+        };
+        let mut name = base;
+        if let Some(dev) = &self.device_id {
+            name = format!("{name}/{dev}:{session}");
+        }
+        if let Some(s) = size {
+            name = format!("{name}@{s}");
+        }
+        name
     }
 
-    /// Where and how to connect to donor `d`.
-    pub fn endpoint(&self, d: &DonorConfig) -> Endpoint {
+    /// The name donor `d` lists our pages under in its status: the export
+    /// without its token, session and size.
+    pub fn store_name(&self, d: &DonorConfig) -> String {
+        let base = d.export.as_deref().map_or(self.client_id.as_str(), |e| {
+            e.split('@').next().unwrap_or(e)
+        });
+        let client = base.split('~').next().unwrap_or(base);
+        let client = if client.is_empty() { "default" } else { client };
+        match &self.device_id {
+            Some(dev) => format!("{client}/{dev}"),
+            None => client.to_string(),
+        }
+    }
+
+    /// How to reach donor `d` in session `session`.
+    pub fn endpoint(&self, d: &DonorConfig, session: u64) -> Endpoint {
         let HostPort { host, port } = HostPort::parse(&d.address).unwrap_or_else(|_| HostPort {
             host: d.address.clone(),
             port: 0,
@@ -569,7 +627,7 @@ impl DeviceConfig {
         Endpoint {
             host,
             port,
-            export: self.export_name(d),
+            export: self.export_name(d, session),
             tls_psk_file: d.tls_psk_file.clone(),
             tls_username: d.tls_psk_file.as_ref().map(|_| {
                 d.tls_username

@@ -55,10 +55,43 @@ address = "127.0.0.2:10809"
         }
     );
     assert_eq!(c.policy.b, policy::DEFAULT_B);
+    // A file without a device id (attached before ids existed) keeps its
+    // export name.
+    assert_eq!(c.device_id, None);
     assert_eq!(
-        c.export_name(&c.donors[0]),
+        c.export_name(&c.donors[0], 7),
         format!("busy1@{}", 257u64 << 20)
     );
+    assert_eq!(c.store_name(&c.donors[0]), "busy1");
+}
+
+#[test]
+fn a_device_asks_for_its_own_export_with_its_session() {
+    let mut c = DeviceConfig::new("busy1", 64 << 20, Mode::None)
+        .with_donor(DonorConfig::new("a", "127.0.0.2:10809"))
+        .with_donor(DonorConfig::new("b", "127.0.0.3:10809").with_export("busy1~00ff"))
+        .with_donor(DonorConfig::new("c", "127.0.0.4:10809").with_export("x@64M"));
+    let dev = c.device_id.clone().expect("a new device has an id");
+    assert_eq!(dev.len(), 16);
+    assert_ne!(
+        DeviceConfig::new("busy1", 64 << 20, Mode::None).device_id,
+        c.device_id,
+        "two devices of one client"
+    );
+    assert_eq!(
+        c.export_name(&c.donors[0], 3),
+        format!("busy1/{dev}:3@{}", 65u64 << 20)
+    );
+    assert_eq!(
+        c.export_name(&c.donors[1], 3),
+        format!("busy1~00ff/{dev}:3")
+    );
+    assert_eq!(c.export_name(&c.donors[2], 4), format!("x/{dev}:4@64M"));
+    assert_eq!(c.store_name(&c.donors[1]), format!("busy1/{dev}"));
+    assert_eq!(c.store_name(&c.donors[2]), format!("x/{dev}"));
+    c.device_id = Some("a b".into());
+    let e = c.validate().unwrap_err().to_string();
+    assert!(e.contains("device_id"), "{e}");
 }
 
 #[test]

@@ -5,22 +5,21 @@
 //! Calls: the NBD pools (`netpager-nbd`), the donors' status endpoints;
 //! called by `open`, the epoch thread and membership.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
 use std::time::Instant;
 
 use netpager_proto::{DonorStatus, StatusClient, StatusSession};
 use netpager_util::{LockExt, RwLockExt};
 
+use super::label::{self, Owner, LABEL_BYTES};
+use super::membership::Standing;
+use super::transient::Away;
 use super::{Inner, Result};
 use crate::config::DonorConfig;
 use crate::extent_map::{CopyState, SlotOwner};
 use netpager_membership::Joined;
-use netpager_nbd::{Endpoint, Op, Pool, Timeouts};
-
-/// Bytes at the start of slot 0 that name the incarnation of our export.
-pub(crate) const LABEL_BYTES: usize = 4096;
-const LABEL_MAGIC: &[u8; 16] = b"NETPAGER-LABEL01";
+use netpager_nbd::{Op, Pool};
 
 /// Largest single trim sent when clearing a whole export.
 const TRIM_CHUNK: u64 = 1 << 30;
@@ -34,6 +33,31 @@ pub(crate) struct Health {
     /// Its copies have been marked lost and its slots forgotten, so it may
     /// come back as a new donor.
     pub marked: bool,
+    /// Why it is not ours to use (its export is another device's, or a
+    /// member's of ours reached another way), if it is not.
+    pub refused: Option<String>,
+}
+
+/// Why a donor could not be attached.
+#[derive(Debug)]
+pub(crate) enum AttachFail {
+    /// It did not answer.
+    Unreachable(String),
+    /// It answered, but our data on it is gone (it restarted).
+    Lost(String),
+    /// Its export is not ours to use.
+    Refused(String),
+    /// It is member `.0` (entry), failed away and now at this address.
+    Moved(usize),
+}
+
+impl AttachFail {
+    pub fn reason(&self) -> &str {
+        match self {
+            AttachFail::Unreachable(r) | AttachFail::Lost(r) | AttachFail::Refused(r) => r,
+            AttachFail::Moved(_) => "a member at a new address",
+        }
+    }
 }
 
 /// What the donor's status endpoint said last.
@@ -54,11 +78,8 @@ pub(crate) struct Donor {
     /// How and when (seconds since the Unix epoch) it joined the set.
     pub joined: Joined,
     pub joined_unix: u64,
-    /// Being removed: its extents move off, nothing new goes there.
-    pub leaving: AtomicBool,
-    /// Out of the set: removed or forgotten. Its entry stays (requests may
-    /// still hold a reference), closed.
-    pub retired: AtomicBool,
+    /// Where it stands in the set (membership.rs changes it).
+    pub standing: Standing,
     pub pool: Pool,
     /// Reads the donor's status endpoint, signing with the lab key if any,
     /// on a connection kept from one epoch to the next.
@@ -85,18 +106,26 @@ pub(crate) struct Donor {
     answered_seen: AtomicU64,
     /// Serialises writing a new label.
     pub label_lock: Mutex<()>,
+    /// Since when it has not answered, while it is only suspect (not yet
+    /// failed: transient.rs).
+    suspect: Mutex<Option<Instant>>,
+    /// One probe of a suspect donor at a time.
+    pub probing: Mutex<()>,
+    /// Failed with our data on it: the label to take it back by.
+    pub away: Mutex<Option<Away>>,
+    /// Extent copies taken back as they were when it returned (re-add).
+    pub taken_back: AtomicU64,
 }
 
 impl Donor {
-    #[allow(clippy::too_many_arguments)]
+    /// `pool`'s order must be `idx` (entries are never reused, so no two
+    /// pools share an order).
     pub fn new(
         idx: usize,
         id: u16,
         cfg: DonorConfig,
         (joined, joined_unix): (Joined, u64),
-        ep: Endpoint,
-        timeouts: Timeouts,
-        conns: usize,
+        pool: Pool,
         status_client: StatusClient,
     ) -> Donor {
         Donor {
@@ -105,10 +134,8 @@ impl Donor {
             cfg,
             joined,
             joined_unix,
-            leaving: AtomicBool::new(false),
-            retired: AtomicBool::new(false),
-            // Entries are never reused, so no two pools share an order.
-            pool: Pool::new(idx, ep, timeouts, conns),
+            standing: Standing::default(),
+            pool,
             status: Mutex::new(StatusSession::new(status_client)),
             failed: AtomicBool::new(false),
             health: Mutex::new(Health::default()),
@@ -123,7 +150,36 @@ impl Donor {
             answered: AtomicU64::new(0),
             answered_seen: AtomicU64::new(0),
             label_lock: Mutex::new(()),
+            suspect: Mutex::new(None),
+            probing: Mutex::new(()),
+            away: Mutex::new(None),
+            taken_back: AtomicU64::new(0),
         }
+    }
+
+    /// Since when it has been silent; starts the count (and says so) if
+    /// it was not suspect yet.
+    pub fn suspect_since(&self, e: &netpager_nbd::NbdError) -> Instant {
+        *self.suspect.lock_or_recover().get_or_insert_with(|| {
+            tracing::warn!(
+                "donor {} ({}) does not answer ({e}); its requests wait for it",
+                self.cfg.name,
+                self.cfg.address
+            );
+            Instant::now()
+        })
+    }
+
+    pub fn suspect_at(&self) -> Option<Instant> {
+        *self.suspect.lock_or_recover()
+    }
+
+    pub fn is_suspect(&self) -> bool {
+        self.suspect_at().is_some()
+    }
+
+    pub fn clear_suspect(&self) {
+        *self.suspect.lock_or_recover() = None;
     }
 
     pub fn is_failed(&self) -> bool {
@@ -131,11 +187,11 @@ impl Donor {
     }
 
     pub fn is_leaving(&self) -> bool {
-        self.leaving.load(Ordering::Acquire)
+        self.standing.leaving()
     }
 
     pub fn is_retired(&self) -> bool {
-        self.retired.load(Ordering::Acquire)
+        self.standing.retired()
     }
 
     /// It answered no request since the last call (the epoch's look).
@@ -153,129 +209,34 @@ impl Donor {
     }
 }
 
-/// Donor entries one serving process can hold over its life (a donor that
-/// is removed and joins again takes a new one).
-pub(crate) const MAX_DONOR_ENTRIES: usize = 4096;
-/// Map donor ids are `u16`.
-const MAP_IDS: usize = 1 << 16;
-
-/// Every donor the running device knows, in entries that never move or get
-/// reused: a request borrows a donor without taking a lock, while the set
-/// changes (a join appends an entry, a removal retires one).
-pub(crate) struct DonorTable {
-    entries: Box<[OnceLock<Box<Donor>>]>,
-    len: AtomicUsize,
-    /// Map donor id -> entry + 1 of the donor in the set under that id (0:
-    /// none).
-    by_id: Box<[AtomicU32]>,
-    /// Serialises appends.
-    grow: Mutex<()>,
-}
-
-impl DonorTable {
-    pub fn new() -> DonorTable {
-        DonorTable {
-            entries: (0..MAX_DONOR_ENTRIES).map(|_| OnceLock::new()).collect(),
-            len: AtomicUsize::new(0),
-            by_id: (0..MAP_IDS).map(|_| AtomicU32::new(0)).collect(),
-            grow: Mutex::new(()),
-        }
-    }
-
-    /// Entries so far, retired ones included (frequencies are indexed by
-    /// entry).
-    pub fn len(&self) -> usize {
-        self.len.load(Ordering::Acquire)
-    }
-
-    /// Every entry, retired ones included.
-    pub fn all(&self) -> impl Iterator<Item = &Donor> {
-        (0..self.len()).map(|i| &self[i])
-    }
-
-    /// The donors in the set (not retired).
-    pub fn iter(&self) -> impl Iterator<Item = &Donor> {
-        self.all().filter(|d| !d.is_retired())
-    }
-
-    /// The entry of the donor in the set under map id `id`.
-    pub fn by_id(&self, id: u16) -> Option<usize> {
-        match self.by_id[id as usize].load(Ordering::Acquire) {
-            0 => None,
-            i => Some(i as usize - 1),
-        }
-    }
-
-    /// Appends the donor `make` builds for the next entry; `None` when the
-    /// table is full.
-    pub fn push(&self, make: impl FnOnce(usize) -> Donor) -> Option<&Donor> {
-        let _g = self.grow.lock_or_recover();
-        let i = self.len();
-        let slot = self.entries.get(i)?;
-        let d = slot.get_or_init(|| Box::new(make(i)));
-        self.by_id[d.id as usize].store(i as u32 + 1, Ordering::Release);
-        self.len.store(i + 1, Ordering::Release);
-        Some(d)
-    }
-
-    /// Takes `d` out of the set: nothing finds it by its map id any more.
-    pub fn retire(&self, d: &Donor) {
-        d.retired.store(true, Ordering::Release);
-        let _ = self.by_id[d.id as usize].compare_exchange(
-            d.idx as u32 + 1,
-            0,
-            Ordering::AcqRel,
-            Ordering::Acquire,
-        );
-        d.pool.close();
-    }
-}
-
-impl std::ops::Index<usize> for DonorTable {
-    type Output = Donor;
-
-    fn index(&self, i: usize) -> &Donor {
-        self.entries[i].get().expect("an entry below len")
-    }
-}
-
-fn encode_label(label: u128) -> Vec<u8> {
-    let mut b = vec![0u8; LABEL_BYTES];
-    b[..16].copy_from_slice(LABEL_MAGIC);
-    b[16..32].copy_from_slice(&label.to_le_bytes());
-    let crc = crate::extent_map::crc32(&b[..32]);
-    b[32..36].copy_from_slice(&crc.to_le_bytes());
-    b
-}
-
-fn decode_label(b: &[u8]) -> Option<u128> {
-    if &b[..16] != LABEL_MAGIC || crate::extent_map::crc32(&b[..32]).to_le_bytes() != b[32..36] {
-        return None;
-    }
-    Some(u128::from_le_bytes(b[16..32].try_into().ok()?))
-}
-
-/// A random, non-zero label.
-fn new_label() -> u128 {
-    let mut b = [0u8; 16];
-    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
-        use std::io::Read;
-        let _ = f.read_exact(&mut b);
-    }
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(1);
-    (u128::from_le_bytes(b) ^ t ^ u128::from(std::process::id())).max(1)
-}
-
 impl Inner {
     /// Marks donor `d` failed: no more requests go to it, the maintenance
     /// thread marks its copies lost and rebuilds them elsewhere.
     pub(crate) fn fail_donor(&self, d: &Donor, reason: &str) {
+        self.fail_donor_as(d, reason, true);
+    }
+
+    /// [`Inner::fail_donor`]; with `hold`, its copies wait out the grace
+    /// before they are rebuilt (it may come back with them: transient.rs).
+    pub(crate) fn fail_donor_as(&self, d: &Donor, reason: &str, hold: bool) {
         d.errors.fetch_add(1, Ordering::Relaxed);
+        if d.is_failed() {
+            return;
+        }
+        // Before anyone sees it failed: from now on written slots are
+        // noted, so it can be taken back for what did not change.
+        self.note_away(d, hold);
         if d.failed.swap(true, Ordering::AcqRel) {
             return;
+        }
+        d.clear_suspect();
+        // Journaled at once: a serving process that crashes before the
+        // maintenance thread marks its copies lost must not find them
+        // trusted at the next open (writes from now on skip them).
+        if self.map.donor_label(d.id) != 0 {
+            if let Err(e) = self.map.set_donor_label(d.id, 0) {
+                tracing::error!("journaling donor {}'s label: {e}", d.cfg.name);
+            }
         }
         {
             let mut h = d.health();
@@ -297,47 +258,114 @@ impl Inner {
         self.maint_wake.notify();
     }
 
-    /// Connects to donor `d` at startup and checks that its export still
-    /// holds our data (its label matches the map); a donor that lost it is
-    /// failed at once, a donor without our data is cleared. True when the
-    /// donor answered but lost our data (it restarted).
+    /// Connects to donor `d` (at open, or as it joins) and checks that its
+    /// export is ours to use: one that holds our data still holds its
+    /// label; a new one is cleared and labelled at once, unless its label
+    /// says it is another device's, or a member's of ours reached another
+    /// way. True when the donor answered but lost our data (it
+    /// restarted).
     pub(crate) fn attach(&self, d: &Donor) -> bool {
         match self.try_attach(d) {
             Ok(()) => false,
-            Err((reason, answered)) => {
+            Err(AttachFail::Unreachable(reason)) => {
                 self.fail_donor(d, &reason);
-                answered
+                false
+            }
+            Err(AttachFail::Lost(reason)) => {
+                self.fail_donor_gone(d, &reason);
+                true
+            }
+            Err(AttachFail::Refused(reason)) => {
+                self.refuse_donor(d, reason);
+                false
+            }
+            Err(AttachFail::Moved(i)) => {
+                self.refuse_donor(d, self.moved_here(i));
+                false
             }
         }
     }
 
-    /// Attaches `d`; on failure, why and whether the donor answered.
-    fn try_attach(&self, d: &Donor) -> std::result::Result<(), (String, bool)> {
-        let unreachable = |e: netpager_nbd::NbdError| (e.to_string(), false);
+    /// Why a donor that is failed member `i` under another name is not
+    /// taken as such here (only `donor-add` moves a member).
+    fn moved_here(&self, i: usize) -> String {
+        format!(
+            "it serves member {}'s export, and {} is failed at its address {}: pagerctl donor-add this address to move {} here",
+            self.members[i].cfg.name,
+            self.members[i].cfg.name,
+            self.members[i].cfg.address,
+            self.members[i].cfg.name
+        )
+    }
+
+    /// Attaches `d`, or says why not.
+    pub(crate) fn try_attach(&self, d: &Donor) -> std::result::Result<(), AttachFail> {
+        let unreachable = |e: netpager_nbd::NbdError| AttachFail::Unreachable(e.to_string());
         let mut lease = d.pool.checkout().map_err(unreachable)?;
         let size = lease.size();
+        // Connected first (that may wait out a timeout), then one export at
+        // a time from reading its label to writing ours: two addresses of
+        // one export must not both find it unlabelled.
+        let _one = self.labelling.lock_or_recover();
+        let mut b = vec![0u8; LABEL_BYTES];
+        lease.run(0, Op::Read(&mut b)).map_err(unreachable)?;
+        let found = label::decode(&b);
         let expected = self.map.donor_label(d.id);
-        if expected != 0 {
-            let mut b = vec![0u8; LABEL_BYTES];
-            lease.run(0, Op::Read(&mut b)).map_err(unreachable)?;
-            if decode_label(&b) != Some(expected) {
-                drop(lease);
-                return Err((
-                    format!(
-                        "its export {:?} no longer holds our data (label mismatch: the donor restarted or lost its memory)",
-                        d.pool.endpoint().export
-                    ),
-                    true,
-                ));
-            }
+        if expected != 0 && found.value() == Some(expected) {
             drop(lease);
             self.set_capacity(d, size, false);
-        } else {
-            let cleared = clear_export(&mut lease, size).map_err(unreachable)?;
-            drop(lease);
-            self.set_capacity(d, size, cleared);
+            d.attached.store(true, Ordering::Release);
+            return Ok(());
         }
+        // Each member's label: the journaled one, or for a member that
+        // failed away, the one it should come back with.
+        let others: Vec<(&str, u128)> = self
+            .members
+            .iter()
+            .filter(|o| o.idx != d.idx)
+            .map(|o| {
+                let away = o.away.lock_or_recover().map(|a| a.label);
+                (
+                    o.cfg.name.as_str(),
+                    away.unwrap_or(self.map.donor_label(o.id)),
+                )
+            })
+            .filter(|(_, l)| *l != 0)
+            .collect();
+        let export = &d.pool.endpoint().export;
+        match label::whose(&found, &self.label_owner(), others) {
+            label::Whose::Member(m) => {
+                let member = self.members.find(m).expect("a member");
+                if member.is_failed() && member.away.lock_or_recover().is_some() {
+                    // The member it is failed away, its data here: it moved.
+                    return Err(AttachFail::Moved(member.idx));
+                }
+                return Err(AttachFail::Refused(format!(
+                    "{} serves the same export as member {m} (its label is {m}'s): one donor reached two ways",
+                    d.cfg.address
+                )));
+            }
+            label::Whose::Other(owner) => {
+                return Err(AttachFail::Refused(format!(
+                    "its export {export:?} holds the pages of {owner}: not cleared, not used (detach that device first, or give this one another export)"
+                )))
+            }
+            label::Whose::Free if expected != 0 => {
+                return Err(AttachFail::Lost(format!(
+                    "its export {export:?} no longer holds our data (label mismatch: the donor restarted or lost its memory)"
+                )))
+            }
+            label::Whose::Free => {}
+        }
+        let cleared = clear_export(&mut lease, size).map_err(unreachable)?;
+        drop(lease);
+        self.set_capacity(d, size, cleared);
         d.attached.store(true, Ordering::Release);
+        // Labelled now, not at its first extent: a second address of this
+        // export that joins later finds the label and is refused.
+        if let Err(e) = self.ensure_label(d) {
+            tracing::warn!("donor {}: {e}; labelled at its first extent", d.cfg.name);
+        }
         Ok(())
     }
 
@@ -356,27 +384,35 @@ impl Inner {
         }
     }
 
-    /// After its copies were marked lost: reconnect a failed donor as a new
-    /// one (its export is cleared, its old pages never trusted).
+    /// After its copies were marked lost: take a failed donor back, with
+    /// what it still holds if it kept our label (re-add, transient.rs), or
+    /// as a new one (its export is cleared, its old pages never trusted).
     pub(crate) fn revive(&self, d: &Donor) {
         if d.is_retired() || !d.is_failed() || !d.health().marked {
             return;
         }
         d.pool.reopen();
-        let res = d
-            .pool
-            .checkout()
-            .map_err(|e| e.to_string())
-            .and_then(|mut lease| {
-                let size = lease.size();
-                let cleared = clear_export(&mut lease, size).map_err(|e| e.to_string())?;
-                Ok((size, cleared))
-            });
-        match res {
-            Ok((size, cleared)) => {
-                self.set_capacity(d, size, cleared);
+        let taken_back = self.take_back(d);
+        if let Some((back, rebuild)) = taken_back {
+            d.full.store(false, Ordering::Release);
+            {
+                let mut h = d.health();
+                h.failure = None;
+                h.failed_at = None;
+            }
+            d.failed.store(false, Ordering::Release);
+            tracing::warn!(
+                "donor {} ({}) is back with our data: {back} extent copies taken back as they were, {rebuild} re-created (written while it was away)",
+                d.cfg.name,
+                d.cfg.address
+            );
+            self.maint_wake.notify();
+            return;
+        }
+        match self.try_attach(d) {
+            Ok(()) => {
+                self.end_away(d);
                 d.full.store(false, Ordering::Release);
-                d.attached.store(true, Ordering::Release);
                 {
                     let mut h = d.health();
                     h.failure = None;
@@ -389,18 +425,69 @@ impl Inner {
                     d.cfg.address
                 );
             }
-            Err(e) => {
+            Err(AttachFail::Refused(why)) => {
+                self.end_away(d);
+                self.refuse_donor(d, why)
+            }
+            Err(AttachFail::Moved(i)) => {
+                self.end_away(d);
+                self.refuse_donor(d, self.moved_here(i))
+            }
+            Err(AttachFail::Unreachable(e) | AttachFail::Lost(e)) => {
                 d.pool.close();
                 tracing::debug!("donor {} still unreachable: {e}", d.cfg.name);
             }
         }
     }
 
+    /// Re-add: `d` was away and still carries the label it had, so its
+    /// members are taken back (transient.rs); `None` when it was not away,
+    /// or came back without our data (then it is a new donor).
+    fn take_back(&self, d: &Donor) -> Option<(u64, u64)> {
+        let away = (*d.away.lock_or_recover())?;
+        let mut lease = d.pool.checkout().ok()?;
+        let size = lease.size();
+        let mut b = vec![0u8; LABEL_BYTES];
+        lease.run(0, Op::Read(&mut b)).ok()?;
+        drop(lease);
+        if label::decode(&b).value() != Some(away.label) {
+            // It restarted: nothing to take back.
+            self.end_away(d);
+            return None;
+        }
+        tracing::info!(
+            "donor {} answers with our label after {} s away: taking it back",
+            d.cfg.name,
+            away.since.elapsed().as_secs()
+        );
+        self.set_capacity(d, size, false);
+        // Taken back while the slots written meanwhile are still noted.
+        let r = self.readd(d, away);
+        self.end_away(d);
+        d.taken_back.fetch_add(r.0, Ordering::Relaxed);
+        d.attached.store(true, Ordering::Release);
+        Some(r)
+    }
+
+    /// Donor `d` is not ours to use (another device's export, or a member
+    /// reached another way): it stays failed with the reason, and is never
+    /// cleared.
+    pub(crate) fn refuse_donor(&self, d: &Donor, reason: String) {
+        tracing::error!(
+            "donor {} ({}) not used: {reason}",
+            d.cfg.name,
+            d.cfg.address
+        );
+        d.pool.close();
+        let mut h = d.health();
+        h.refused = Some(reason);
+    }
+
     /// Marks every copy on failed donors lost, forgets their slots and
     /// labels. Runs on the maintenance thread (and once at open).
     pub(crate) fn mark_failed_donors(&self) {
         for d in self
-            .donors
+            .members
             .iter()
             .filter(|d| d.is_failed() && !d.health().marked)
         {
@@ -436,6 +523,18 @@ impl Inner {
         }
     }
 
+    /// Who this device is, as its labels say.
+    fn label_owner(&self) -> Owner {
+        Owner {
+            device: self.cfg.device_id.clone().unwrap_or_default(),
+            client: self.cfg.client_id.clone(),
+            host: std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|h| h.trim().to_string())
+                .unwrap_or_default(),
+            dir: self.state_dir.display().to_string(),
+        }
+    }
+
     /// Writes a new label on donor `d` before its first extent.
     pub(crate) fn ensure_label(&self, d: &Donor) -> Result<()> {
         // Labelled already (the usual case): no need to wait behind a
@@ -447,8 +546,8 @@ impl Inner {
         if self.map.donor_label(d.id) != 0 {
             return Ok(());
         }
-        let label = new_label();
-        let b = encode_label(label);
+        let label = netpager_util::random_u128();
+        let b = label::encode(label, &self.label_owner());
         let res = d.pool.checkout().and_then(|mut l| l.run(0, Op::Write(&b)));
         match res {
             Ok(()) => {
@@ -456,11 +555,7 @@ impl Inner {
                 Ok(())
             }
             Err(e) => {
-                if e.is_no_space() {
-                    d.full.store(true, Ordering::Release);
-                } else {
-                    self.fail_donor(d, &e.to_string());
-                }
+                self.donor_error(d, &e);
                 Err(super::DeviceError::Io {
                     extent: 0,
                     reason: format!("labelling donor {}: {e}", d.cfg.name),
@@ -510,20 +605,4 @@ fn clear_export(
         off += n;
     }
     Ok(true)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn labels_round_trip_and_reject_garbage() {
-        let l = new_label();
-        assert_ne!(l, 0);
-        assert_eq!(decode_label(&encode_label(l)), Some(l));
-        assert_eq!(decode_label(&vec![0u8; LABEL_BYTES]), None);
-        let mut b = encode_label(l);
-        b[20] ^= 1;
-        assert_eq!(decode_label(&b), None);
-    }
 }

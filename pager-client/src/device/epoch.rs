@@ -46,6 +46,9 @@ impl Inner {
 
     /// One epoch; `window` is the time since the previous one (for T_j).
     pub(crate) fn run_epoch(&self, window: Duration) {
+        if self.fenced.get().is_some() {
+            return;
+        }
         let (t0, at) = (Instant::now(), super::membership::unix_now_ms());
         self.follow_donors_file();
         self.follow_discovery();
@@ -53,8 +56,10 @@ impl Inner {
         self.heartbeat();
         // A failed donor that hangs still takes connections (the kernel's
         // backlog) and answers no handshake: one connect timeout each.
-        let failed: Vec<&Donor> = self.donors.iter().filter(|d| d.is_failed()).collect();
+        let failed: Vec<&Donor> = self.members.iter().filter(|d| d.is_failed()).collect();
         self.on_pollers(&failed, |d| self.revive(d));
+        let suspect: Vec<&Donor> = self.members.iter().filter(|d| d.is_suspect()).collect();
+        self.on_pollers(&suspect, |d| self.check_suspect(d));
         self.update_frequencies(window);
         let mut j = self.jobs.lock_or_recover();
         if j.epochs.len() == EPOCHS_KEPT {
@@ -72,7 +77,7 @@ impl Inner {
     /// donor) sends the rest of them to the pollers too.
     fn poll_status(&self) {
         let (kept, mut fresh): (Vec<&Donor>, Vec<&Donor>) = self
-            .donors
+            .members
             .iter()
             .partition(|d| d.status.lock_or_recover().is_connected());
         let mut kept = kept.into_iter();
@@ -167,9 +172,9 @@ impl Inner {
     /// data requests.
     fn heartbeat(&self) {
         let up: Vec<&Donor> = self
-            .donors
+            .members
             .iter()
-            .filter(|d| !d.is_failed() && d.attached.load(Ordering::Acquire))
+            .filter(|d| !d.is_failed() && !d.is_suspect() && d.attached.load(Ordering::Acquire))
             .filter(|d| d.quiet_since_last_look())
             .collect();
         let mut failed: Vec<(&Donor, nbd::NbdError)> = up
@@ -192,7 +197,17 @@ impl Inner {
             );
         }
         for (d, e) in failed {
-            self.fail_donor(d, &format!("heartbeat: {e}"));
+            if e.is_fenced() {
+                self.donor_error(d, &e);
+            } else if e.is_refused() {
+                self.fail_donor_gone(d, &format!("heartbeat: {e}"));
+            } else if self.may_fail_now(d) || self.cfg.grace_ms == 0 {
+                self.fail_donor(d, &format!("heartbeat: {e}"));
+            } else {
+                // Failing it would lose data: it gets the grace
+                // (transient.rs), probed each epoch.
+                d.suspect_since(&e);
+            }
         }
     }
 
@@ -215,7 +230,7 @@ impl Inner {
         let mut service = Vec::new();
         // Indexed by table entry: donors that left the set weigh nothing.
         let views: Vec<DonorView> = self
-            .donors
+            .members
             .all()
             .map(|d| {
                 let eligible = self.ineligible_reason(d.idx).is_none();

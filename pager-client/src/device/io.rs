@@ -261,6 +261,7 @@ impl IoFail {
 /// not a donor marked failed already.
 fn retryable(e: &nbd::NbdError) -> bool {
     !e.is_no_space()
+        && !e.is_fenced()
         && !matches!(
             e,
             nbd::NbdError::Timeout { .. }
@@ -296,7 +297,7 @@ impl Inner {
     /// The entry of the donor in the set holding `loc`, if it is on one.
     pub(crate) fn loc_donor(&self, loc: Loc) -> Option<usize> {
         match loc {
-            Loc::Donor { donor, .. } => self.donors.by_id(donor),
+            Loc::Donor { donor, .. } => self.members.by_id(donor),
             Loc::Fallback { .. } => None,
         }
     }
@@ -307,7 +308,7 @@ impl Inner {
             Loc::Fallback { .. } => self.fallback.is_some(),
             Loc::Donor { .. } => self
                 .loc_donor(loc)
-                .is_some_and(|i| !self.donors[i].is_failed()),
+                .is_some_and(|i| !self.members[i].is_failed()),
         }
     }
 
@@ -387,7 +388,7 @@ impl Inner {
                     });
                 }
                 Loc::Donor { slot, .. } => {
-                    let Some(d) = self.loc_donor(r.loc).map(|i| &self.donors[i]) else {
+                    let Some(d) = self.loc_donor(r.loc).map(|i| &self.members[i]) else {
                         *res = Some(Err(IoFail::Failed("donor no longer in the set".into())));
                         continue;
                     };
@@ -409,6 +410,11 @@ impl Inner {
             }
         }
         if any {
+            // Rounds of connections the requests went out on: a refusal
+            // (EPERM) on a round the pool has since left is a queued
+            // request the donor fenced off, not a newer session.
+            let rounds: [u64; N] =
+                std::array::from_fn(|i| who[i].map_or(0, |d| d.pool.generation()));
             let mut out = run(&mut batch);
             // One failed request is not a failed donor: a connection reset
             // or a torn reply fails fast, and the pool has retired that
@@ -417,14 +423,30 @@ impl Inner {
             // request's deadline already and is not retried.
             let mut retry: [Option<nbd::Request<'_, '_>>; N] = std::array::from_fn(|_| None);
             let mut again = false;
-            for (((o, d), r), slot) in out.iter().zip(&who).zip(reqs.iter_mut()).zip(&mut retry) {
+            for ((((o, d), r), slot), round) in out
+                .iter()
+                .zip(&who)
+                .zip(reqs.iter_mut())
+                .zip(&mut retry)
+                .zip(rounds)
+            {
                 let (Some(d), Some(r), Err(e)) = (d, r.as_mut(), o) else {
                     continue;
                 };
                 let Loc::Donor { slot: s, .. } = r.loc else {
                     continue;
                 };
-                if retry_once(d, e) {
+                // Refused for an older round: this pool's connections were
+                // superseded, by a round of its own (the pool moved on) or by
+                // another entry of this session that reached the same export
+                // (a second name of a member, for a moment): once more on a
+                // new round. A newer session refuses that one too.
+                let stale = e.is_fenced();
+                if stale && d.pool.generation() == round {
+                    d.pool.close();
+                    d.pool.reopen();
+                }
+                if stale || retry_once(d, e) {
                     *slot = Some(self.nbd_request(d, s, r));
                     again = true;
                 }
@@ -437,22 +459,26 @@ impl Inner {
                     }
                 }
             }
-            for ((d, o), res) in who.iter().zip(out).zip(&mut results) {
+            for (((d, o), res), r) in who.iter().zip(out).zip(&mut results).zip(reqs.iter_mut()) {
                 let Some(d) = d else { continue };
+                let o = match (o, r.as_mut()) {
+                    (Err(e), Some(r)) if self.waits_for(d, &e) => self.retry_within_grace(d, r, e),
+                    (o, _) => o,
+                };
                 if o.as_ref().map_or_else(|e| e.is_no_space(), |_| true) {
                     d.answered.fetch_add(1, Ordering::Relaxed);
                 }
-                *res = Some(o.map_err(|e| {
-                    if e.is_no_space() {
-                        d.full.store(true, Ordering::Release);
-                        IoFail::NoSpace(e.to_string())
-                    } else {
-                        self.fail_donor(d, &e.to_string());
-                        IoFail::Failed(e.to_string())
-                    }
-                }));
+                *res = Some(o.map_err(|e| self.donor_error(d, &e)));
             }
         }
+        // After the results: a donor this batch failed is away by now, so
+        // the batch's own writes count as written while it was.
+        self.dirty.note(
+            reqs.iter()
+                .flatten()
+                .filter(|r| !matches!(r.op, Op::Read(_)))
+                .map(|r| r.loc),
+        );
         results
     }
 
@@ -479,7 +505,7 @@ impl Inner {
     /// marked failed; the caller's data is safe elsewhere or reported lost.
     pub(crate) fn flush_donors(&self) {
         let up: Vec<&Donor> = self
-            .donors
+            .members
             .iter()
             .filter(|d| !d.is_failed() && d.attached.load(Ordering::Acquire))
             .collect();
@@ -493,8 +519,91 @@ impl Inner {
             .collect();
         for (d, res) in up.into_iter().zip(nbd::run(&mut batch)) {
             if let Err(e) = res {
-                self.fail_donor(d, &e.to_string());
+                self.donor_error(d, &e);
             }
+        }
+    }
+
+    /// Whether a request that failed with `e` on `d` should wait for `d`
+    /// (within the grace) rather than fail it: `d` did not answer, and
+    /// failing it now would lose data.
+    fn waits_for(&self, d: &Donor, e: &nbd::NbdError) -> bool {
+        !e.is_no_space()
+            && !e.is_fenced()
+            && !d.is_failed()
+            && self.cfg.grace_ms > 0
+            && !self.may_fail_now(d)
+    }
+
+    /// Sends `r` to `d` again each time `d` answers again, until it
+    /// succeeds, fails for another reason, or the grace is over (then the
+    /// last error: the caller fails `d`).
+    fn retry_within_grace(
+        &self,
+        d: &Donor,
+        r: &mut IoReq<'_>,
+        mut e: nbd::NbdError,
+    ) -> std::result::Result<(), nbd::NbdError> {
+        let Loc::Donor { slot, .. } = r.loc else {
+            return Err(e);
+        };
+        while self.await_donor(d, &e) {
+            let mut one = [Some(self.nbd_request(d, slot, r))];
+            let [o] = run(&mut one);
+            match o {
+                Ok(()) => return Ok(()),
+                Err(next) if self.waits_for(d, &next) => e = next,
+                Err(next) => return Err(next),
+            }
+        }
+        Err(e)
+    }
+
+    /// What a request's error on donor `d` means, acted on: no room marks
+    /// it full; a refusal for an older session fences this whole process
+    /// (a newer one serves the device); anything else fails the donor.
+    pub(crate) fn donor_error(&self, d: &Donor, e: &nbd::NbdError) -> IoFail {
+        if e.is_no_space() {
+            d.full.store(true, Ordering::Release);
+            IoFail::NoSpace(e.to_string())
+        } else if e.is_fenced() && self.refused_on_a_new_round(d) {
+            self.fence(&format!("donor {}: {e}", d.cfg.name));
+            IoFail::Failed(e.to_string())
+        } else if e.is_fenced() {
+            IoFail::Failed(format!(
+                "{e} (an older round of connections; the next try uses a new one)"
+            ))
+        } else if e.is_refused() {
+            self.fail_donor_gone(d, &e.to_string());
+            IoFail::Failed(e.to_string())
+        } else {
+            self.fail_donor(d, &e.to_string());
+            IoFail::Failed(e.to_string())
+        }
+    }
+
+    /// Whether `d` refuses us on a fresh round of connections too (a newer
+    /// session owns the export), after a request of an older round was
+    /// refused.
+    fn refused_on_a_new_round(&self, d: &Donor) -> bool {
+        d.pool.close();
+        d.pool.reopen();
+        let mut b = [0u8; 512];
+        let res = d
+            .pool
+            .checkout()
+            .and_then(|mut l| l.run(0, Op::Read(&mut b)));
+        res.is_err_and(|e| e.is_fenced())
+    }
+
+    /// A newer session of this device owns its exports: serve and change
+    /// nothing from now on, and say so once.
+    pub(crate) fn fence(&self, why: &str) {
+        if self.fenced.set(why.to_string()).is_ok() {
+            tracing::error!(
+                "FENCED: {why}: a newer session of this device owns its exports; this serving process serves no more requests"
+            );
+            self.maint_wake.notify();
         }
     }
 }

@@ -73,7 +73,7 @@ impl Inner {
             .filter(|m| !striped || !self.usable(m))
             .map(|m| match self.loc_donor(m.loc) {
                 Some(i) => {
-                    let d = &self.donors[i];
+                    let d = &self.members[i];
                     let why = d
                         .health()
                         .failure

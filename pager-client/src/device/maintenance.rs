@@ -166,6 +166,31 @@ impl Inner {
         Ok(())
     }
 
+    /// At open: copies on a donor whose label the journal dropped are
+    /// lost. The label goes as the donor fails, before any write skips its
+    /// copies; a serving process that died before marking them lost left
+    /// them looking whole.
+    pub(crate) fn distrust_unlabelled(&self) -> Result<()> {
+        for u in 0..self.layout.units() {
+            let mut g = self.map.unit(u).write_or_recover();
+            let Some(unit) = g.as_mut() else { continue };
+            let mut changed = false;
+            for m in unit.members.iter_mut() {
+                if let Loc::Donor { donor, .. } = m.loc {
+                    if m.state == CopyState::Ok && self.map.donor_label(donor) == 0 {
+                        m.state = CopyState::Lost;
+                        self.map.free(m.loc);
+                        changed = true;
+                    }
+                }
+            }
+            if changed {
+                self.map.commit(u, &g)?;
+            }
+        }
+        Ok(())
+    }
+
     fn set_job(&self, job: Job, f: impl FnOnce(&mut Progress)) {
         f(self.jobs.lock_or_recover().of(job));
     }
@@ -275,14 +300,18 @@ impl Inner {
         if self.layout.mode == Redundancy::None {
             return;
         }
-        self.run_job(MoveWhy::Rebuild, |m| m.state == CopyState::Lost, None);
+        self.run_job(
+            MoveWhy::Rebuild,
+            |m| m.state == CopyState::Lost && !self.rebuild_held(m),
+            None,
+        );
     }
 
     /// Moves extents off donors that are draining (their owner wants the
     /// memory back) or leaving the set.
     fn drain_pass(&self) {
         let draining: Vec<u16> = self
-            .donors
+            .members
             .iter()
             .filter(|d| (d.draining.load(Ordering::Acquire) || d.is_leaving()) && !d.is_failed())
             .map(|d| d.id)
@@ -292,7 +321,7 @@ impl Inner {
                 && matches!(m.loc, Loc::Donor { donor, .. } if draining.contains(&donor))
         };
         self.run_job(MoveWhy::Drain, on_draining, None);
-        for d in self.donors.iter().filter(|d| draining.contains(&d.id)) {
+        for d in self.members.iter().filter(|d| draining.contains(&d.id)) {
             let (held, _) = self.map.slot_usage(SlotOwner::Donor(d.id));
             if held == 0 && self.map.donor_label(d.id) != 0 {
                 tracing::info!(
@@ -318,7 +347,7 @@ impl Inner {
             return;
         }
         let room = self
-            .donors
+            .members
             .iter()
             .any(|d| self.ineligible_reason(d.idx).is_none());
         if !room || self.placement.lock_or_recover().freqs.all_capped {
@@ -339,6 +368,11 @@ impl Inner {
 
     pub(crate) fn maintenance_loop(&self) {
         while self.maint_wake.wait(Duration::from_secs(1), &self.stop) {
+            if self.fenced.get().is_some() {
+                // Replaced: the newer process keeps the map and the donors.
+                self.write_status();
+                continue;
+            }
             self.mark_failed_donors();
             self.rebuild_pass();
             self.drain_pass();

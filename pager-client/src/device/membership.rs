@@ -1,40 +1,78 @@
 //! Live membership: the device's donor set changes while it stays attached
-//! (DESIGN.md, "Live membership"). Donors join from the configuration at
-//! open, by [`Device::add_donor`](super::Device::add_donor) (`pagerctl
-//! donor-add`), from the donors file, or by discovery; they leave by
-//! [`Device::remove_donor`](super::Device::remove_donor) (their extents are
-//! drained first), by a line taken out of the donors file, or by being
-//! forgotten after `forget_after` dead. Every change is journaled with the
-//! extent map, so a restart finds the same set.
+//! (DESIGN.md §2.3a). [`Membership`] owns the set. It alone adds a donor,
+//! marks one leaving, retires one and forgets one, each under its one lock
+//! ([`Membership::change`]), which placement also holds from choosing donors
+//! to taking their slots: a donor can never retire between being chosen
+//! and being given a slot. Everyone else gets views: the donors in the set,
+//! an entry by index or map id, lock-free, for the request path.
 //!
-//! Calls: the extent map (donor records), [`DonorTable`](super::donor::DonorTable),
-//! `attach`/`drop_label` (donor.rs); called by `Device`, the epoch thread
-//! (donors file) and the maintenance thread (removals, forgetting).
+//! A donor is known by what it is, not how it was reached: as it joins,
+//! its export's label is read (donor.rs, label.rs), and an export that
+//! holds a member's label is that member under another address, refused.
+//!
+//! Donors join from the configuration at open, by
+//! [`Device::add_donor`](super::Device::add_donor) (`pagerctl donor-add`),
+//! from the donors file, or by discovery (follow.rs); they leave by
+//! [`Device::remove_donor`](super::Device::remove_donor) (drained first), by
+//! a line taken out of the donors file, or by being forgotten after
+//! `forget_after` dead. Every change is journaled with the extent map, so
+//! a restart finds the same set.
+//!
+//! Calls: the extent map (member records, slots), `try_attach`/`drop_label`
+//! (donor.rs); called by `Device`, the epoch thread (follow.rs), the
+//! maintenance thread (removals, forgetting) and placement (the lock).
 
 use std::collections::BTreeMap;
-use std::net::{SocketAddr, ToSocketAddrs};
-use std::path::PathBuf;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use netpager_membership::discovery::{admit, Check};
-use netpager_membership::{read_donors_file, DonorSpec, Joined};
+use netpager_membership::{DonorSpec, Joined};
+use netpager_nbd::Pool;
 use netpager_util::LockExt;
 
-use super::donor::{Donor, MAX_DONOR_ENTRIES};
+use super::donor::{AttachFail, Donor};
 use super::{DeviceError, Inner, Result};
 use crate::config::DonorConfig;
-use crate::extent_map::{MemberState, Membership, SlotOwner};
+use crate::extent_map::{MemberRecord, MemberState, SlotOwner};
 use crate::status::LeftDonor;
 
 /// Departures kept for status (`pagerctl donor-remove --wait` looks there).
 const LEFT_KEPT: usize = 32;
+/// Donor entries one serving process can hold over its life (a donor that
+/// is removed and joins again takes a new one).
+pub(crate) const MAX_DONOR_ENTRIES: usize = 4096;
+/// Map donor ids are `u16`.
+const MAP_IDS: usize = 1 << 16;
 
-/// Membership's bookkeeping beside the donor table.
+/// Where a donor stands in the set. Read by anyone; changed only here,
+/// under the set's lock.
+#[derive(Default)]
+pub(crate) struct Standing {
+    /// Being removed: its extents move off, nothing new goes there.
+    leaving: AtomicBool,
+    /// Out of the set: removed or forgotten. Its entry stays (requests may
+    /// still hold a reference), closed.
+    retired: AtomicBool,
+}
+
+impl Standing {
+    pub fn leaving(&self) -> bool {
+        self.leaving.load(Ordering::Acquire)
+    }
+
+    pub fn retired(&self) -> bool {
+        self.retired.load(Ordering::Acquire)
+    }
+}
+
+/// Membership's bookkeeping beside the set: what follows the lab (the
+/// donors file, discovery) and recent departures, for status.
 #[derive(Default)]
 pub(crate) struct Book {
-    /// The donors file as last parsed, and its modification time.
-    file: Option<(SystemTime, Vec<DonorSpec>)>,
+    /// The donors file as last parsed (each donor with its line), and its
+    /// modification time.
+    pub file: Option<(SystemTime, Vec<(usize, DonorSpec)>)>,
     /// Why the donors file was not taken, if it was not.
     pub file_error: Option<String>,
     /// Why a change it asks for could not be made yet (retried each epoch).
@@ -45,6 +83,128 @@ pub(crate) struct Book {
     pub not_admitted: BTreeMap<String, String>,
     /// Why discovery is not running, if it was asked for and is not.
     pub discovery_error: Option<String>,
+}
+
+/// Every donor the running device knows, in entries that never move or get
+/// reused: a request borrows a donor without taking a lock while the set
+/// changes (a join appends an entry, a retirement closes one).
+struct DonorTable {
+    entries: Box<[OnceLock<Box<Donor>>]>,
+    len: AtomicUsize,
+    /// Map donor id -> entry + 1 of the donor in the set under that id (0:
+    /// none).
+    by_id: Box<[AtomicU32]>,
+}
+
+/// The device's donor set; see the module documentation.
+pub(crate) struct Membership {
+    table: DonorTable,
+    /// Held by every change of the set, and by placement from its choice
+    /// to its slots.
+    set: Mutex<()>,
+    book: Mutex<Book>,
+}
+
+/// The set's lock, held: what changes it, and what placement holds while
+/// it chooses donors and takes their slots.
+pub(crate) struct Change<'a> {
+    _held: MutexGuard<'a, ()>,
+    table: &'a DonorTable,
+}
+
+impl Membership {
+    pub fn new(book: Book) -> Membership {
+        Membership {
+            table: DonorTable {
+                entries: (0..MAX_DONOR_ENTRIES).map(|_| OnceLock::new()).collect(),
+                len: AtomicUsize::new(0),
+                by_id: (0..MAP_IDS).map(|_| AtomicU32::new(0)).collect(),
+            },
+            set: Mutex::new(()),
+            book: Mutex::new(book),
+        }
+    }
+
+    /// Takes the set's lock. Never held across network I/O: a join
+    /// connects and checks the donor's export between two holds.
+    pub fn change(&self) -> Change<'_> {
+        Change {
+            _held: self.set.lock_or_recover(),
+            table: &self.table,
+        }
+    }
+
+    pub fn book(&self) -> MutexGuard<'_, Book> {
+        self.book.lock_or_recover()
+    }
+
+    /// Entries so far, retired ones included (frequencies are indexed by
+    /// entry).
+    pub fn len(&self) -> usize {
+        self.table.len.load(Ordering::Acquire)
+    }
+
+    /// Every entry, retired ones included.
+    pub fn all(&self) -> impl Iterator<Item = &Donor> {
+        (0..self.len()).map(|i| &self[i])
+    }
+
+    /// The donors in the set (not retired).
+    pub fn iter(&self) -> impl Iterator<Item = &Donor> {
+        self.all().filter(|d| !d.is_retired())
+    }
+
+    /// The entry of the donor in the set under map id `id`.
+    pub fn by_id(&self, id: u16) -> Option<usize> {
+        match self.table.by_id[id as usize].load(Ordering::Acquire) {
+            0 => None,
+            i => Some(i as usize - 1),
+        }
+    }
+
+    /// The donor in the set named `key`, or at address `key`.
+    pub fn find(&self, key: &str) -> Option<&Donor> {
+        self.iter()
+            .find(|d| d.cfg.name == key)
+            .or_else(|| self.iter().find(|d| d.cfg.address == key))
+    }
+}
+
+impl std::ops::Index<usize> for Membership {
+    type Output = Donor;
+
+    fn index(&self, i: usize) -> &Donor {
+        self.table.entries[i].get().expect("an entry below len")
+    }
+}
+
+impl<'a> Change<'a> {
+    /// Appends the donor `make` builds for the next entry; `None` when the
+    /// table is full.
+    fn push(&mut self, make: impl FnOnce(usize) -> Donor) -> Option<&'a Donor> {
+        let t = self.table;
+        let i = t.len.load(Ordering::Acquire);
+        let d = t.entries.get(i)?.get_or_init(|| Box::new(make(i)));
+        t.by_id[d.id as usize].store(i as u32 + 1, Ordering::Release);
+        t.len.store(i + 1, Ordering::Release);
+        Some(d)
+    }
+
+    fn set_leaving(&mut self, d: &Donor) {
+        d.standing.leaving.store(true, Ordering::Release);
+    }
+
+    /// Takes `d` out of the set: nothing finds it by its map id any more.
+    fn retire(&mut self, d: &Donor) {
+        d.standing.retired.store(true, Ordering::Release);
+        let _ = self.table.by_id[d.id as usize].compare_exchange(
+            d.idx as u32 + 1,
+            0,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+        d.pool.close();
+    }
 }
 
 pub(crate) fn unix_now() -> u64 {
@@ -62,30 +222,15 @@ fn refuse(reason: String) -> DeviceError {
     DeviceError::Membership(reason)
 }
 
-/// Whether the configured address `addr` (`HOST:PORT`) is `at`.
-fn same_endpoint(addr: &str, at: SocketAddr) -> bool {
-    addr.to_socket_addrs().is_ok_and(|mut a| a.any(|x| x == at))
-}
-
-/// A donor's configuration as a spec, to compare with the donors file.
-fn spec_of(c: &DonorConfig) -> DonorSpec {
-    DonorSpec {
-        addr: c.address.clone(),
-        export: c.export.clone(),
-        status: c.status.clone(),
-        name: c.name.clone(),
-    }
-}
-
 impl Inner {
-    fn membership(
+    fn record(
         &self,
         joined: Joined,
         since_unix: u64,
         state: MemberState,
         c: &DonorConfig,
-    ) -> Membership {
-        Membership {
+    ) -> MemberRecord {
+        MemberRecord {
             joined,
             since_unix,
             state,
@@ -93,8 +238,14 @@ impl Inner {
         }
     }
 
-    /// Builds donor `c`'s entry in the table (not yet connected).
-    fn push_donor(&self, c: DonorConfig, id: u16, joined: (Joined, u64)) -> Result<&Donor> {
+    /// Builds donor `c`'s entry in the set (not yet connected).
+    fn push_donor<'a>(
+        &'a self,
+        set: &mut Change<'a>,
+        c: DonorConfig,
+        id: u16,
+        joined: (Joined, u64),
+    ) -> Result<&'a Donor> {
         // The TLS key file doubles as the status endpoint's key: donors
         // started with psk= answer only signed requests.
         let key = c
@@ -110,13 +261,23 @@ impl Inner {
             timeout: Duration::from_millis(self.cfg.timeouts.connect_ms),
             key,
         };
-        let ep = self.cfg.endpoint(&c);
+        let ep = self.cfg.endpoint(&c, self.session.number);
         let (timeouts, conns) = (
             self.cfg.nbd_timeouts(),
             self.cfg.connections_per_donor as usize,
         );
-        self.donors
-            .push(|idx| Donor::new(idx, id, c, joined, ep, timeouts, conns, status_client))
+        // A device's exports carry its session: each round of connections
+        // gets a number too, so the donor refuses what is left queued on
+        // connections this process gave up on.
+        let rounds = self.cfg.device_id.is_some().then(|| self.rounds.clone());
+        set.push(|idx| {
+            let pool = Pool::new(idx, ep, timeouts, conns);
+            let pool = match rounds {
+                Some(r) => pool.numbered(r),
+                None => pool,
+            };
+            Donor::new(idx, id, c, joined, pool, status_client)
+        })
             .ok_or_else(|| {
                 refuse(format!(
                     "this serving process has known {MAX_DONOR_ENTRIES} donors since it started, its most: restart it (pagerctl detach and attach) to add more"
@@ -129,6 +290,7 @@ impl Inner {
     pub(crate) fn join_initial_donors(&self) -> Result<()> {
         let before = self.map.donor_entries();
         let now = unix_now();
+        let mut set = self.members.change();
         for c in &self.cfg.donors {
             let id = self.map.donor_id(&c.name)?;
             let member = before.get(id as usize).and_then(|e| e.member.clone());
@@ -146,14 +308,14 @@ impl Inner {
                 None => {
                     self.map.set_donor_member(
                         id,
-                        self.membership(Joined::Attach, now, MemberState::Member, c),
+                        self.record(Joined::Attach, now, MemberState::Member, c),
                     )?;
                     (Joined::Attach, now)
                 }
             };
-            let d = self.push_donor(c.clone(), id, joined)?;
+            let d = self.push_donor(&mut set, c.clone(), id, joined)?;
             if member.is_some_and(|m| m.state == MemberState::Leaving) {
-                d.leaving.store(true, Ordering::Release);
+                set.set_leaving(d);
             }
         }
         for (id, e) in before.iter().enumerate() {
@@ -185,59 +347,95 @@ impl Inner {
                     continue;
                 }
             };
-            let d = self.push_donor(c, id, (m.joined, m.since_unix))?;
+            let d = self.push_donor(&mut set, c, id, (m.joined, m.since_unix))?;
             if m.state == MemberState::Leaving {
-                d.leaving.store(true, Ordering::Release);
+                set.set_leaving(d);
             }
         }
         Ok(())
     }
 
-    /// The live donor named `key`, or at address `key`.
-    fn find_member(&self, key: &str) -> Option<&Donor> {
-        self.donors
-            .iter()
-            .find(|d| d.cfg.name == key)
-            .or_else(|| self.donors.iter().find(|d| d.cfg.address == key))
-    }
-
-    /// Adds donor `c` to the set: journaled, connected, polled from the
-    /// next epoch (run at once). With `reachable`, a donor that cannot be
-    /// reached is not added.
+    /// Adds donor `c` to the set: its export checked (a member's under
+    /// another address, or another device's, is refused), journaled,
+    /// polled from the next epoch (run at once). With `reachable`, a donor
+    /// that cannot be reached is not added.
     pub(crate) fn add_member(
         &self,
         c: DonorConfig,
         how: Joined,
         reachable: bool,
     ) -> Result<&Donor> {
-        if let Some(d) = self.find_member(&c.name) {
-            return Err(refuse(format!(
-                "donor {} is already a member ({} since {})",
-                c.name, d.joined, d.joined_unix
-            )));
-        }
-        if let Some(d) = self.donors.iter().find(|d| d.cfg.address == c.address) {
-            return Err(refuse(format!(
-                "{} is already a member as donor {}",
-                c.address, d.cfg.name
-            )));
-        }
-        netpager_util::HostPort::parse(&c.address)
-            .map_err(|e| refuse(format!("donor {}: address {}: {e}", c.name, c.address)))?;
-        let id = self.map.donor_id(&c.name)?;
-        let now = unix_now();
-        let d = self.push_donor(c, id, (how, now))?;
-        self.attach(d);
-        if reachable && d.is_failed() {
-            let why = d.health().failure.clone().unwrap_or_default();
-            self.donors.retire(d);
-            return Err(refuse(format!(
-                "donor {} cannot be reached: {why}",
-                d.cfg.name
-            )));
+        let (d, id, now) = {
+            let mut set = self.members.change();
+            if let Some(d) = self.members.find(&c.name) {
+                return Err(refuse(format!(
+                    "donor {} is already a member ({} since {})",
+                    c.name, d.joined, d.joined_unix
+                )));
+            }
+            if let Some(d) = self.members.iter().find(|d| d.cfg.address == c.address) {
+                return Err(refuse(format!(
+                    "{} is already a member as donor {}",
+                    c.address, d.cfg.name
+                )));
+            }
+            netpager_util::HostPort::parse(&c.address)
+                .map_err(|e| refuse(format!("donor {}: address {}: {e}", c.name, c.address)))?;
+            let id = self.map.donor_id(&c.name)?;
+            let now = unix_now();
+            // In the set from now on (so a second join of its name is
+            // refused), but not connected: placement passes it by.
+            (self.push_donor(&mut set, c, id, (how, now))?, id, now)
+        };
+        // Connected and its export checked without the lock: that may wait
+        // out a timeout.
+        let attached = self.try_attach(d);
+        let mut set = self.members.change();
+        match attached {
+            Ok(()) => {}
+            Err(AttachFail::Moved(i)) => {
+                // A member failed away at its old address, found here with
+                // our data: it moves, keeping its name and copies.
+                set.retire(d);
+                let old = &self.members[i];
+                let mut moved = old.cfg.clone();
+                moved.address.clone_from(&d.cfg.address);
+                moved.status.clone_from(&d.cfg.status);
+                let m = self.push_donor(&mut set, moved, old.id, (old.joined, old.joined_unix))?;
+                self.map.set_donor_member(
+                    old.id,
+                    self.record(old.joined, old.joined_unix, MemberState::Member, &m.cfg),
+                )?;
+                self.succeed(old, m);
+                set.retire(old);
+                drop(set);
+                tracing::warn!(
+                    "donor {} moved from {} to {}: taking it back there",
+                    m.cfg.name,
+                    old.cfg.address,
+                    m.cfg.address
+                );
+                self.revive(m);
+                self.write_status();
+                return Ok(m);
+            }
+            Err(AttachFail::Refused(why)) => {
+                set.retire(d);
+                return Err(refuse(format!("donor {} not added: {why}", d.cfg.name)));
+            }
+            Err(f) if reachable => {
+                set.retire(d);
+                return Err(refuse(format!(
+                    "donor {} cannot be reached: {}",
+                    d.cfg.name,
+                    f.reason()
+                )));
+            }
+            Err(f) => self.fail_donor(d, f.reason()),
         }
         self.map
-            .set_donor_member(id, self.membership(how, now, MemberState::Member, &d.cfg))?;
+            .set_donor_member(id, self.record(how, now, MemberState::Member, &d.cfg))?;
+        drop(set);
         tracing::info!(
             "donor {} ({}) joined ({how}){}",
             d.cfg.name,
@@ -254,17 +452,13 @@ impl Inner {
         Ok(d)
     }
 
-    /// Distinct healthy donors a new unit needs.
-    fn donors_needed(&self) -> usize {
-        self.layout.members()
-    }
-
     /// Starts removing donor `key` (name or address): nothing new goes
     /// there, the maintenance thread moves its extents off, then it leaves
     /// the set. Refused when the mode could not place a unit without it.
     pub(crate) fn remove_member(&self, key: &str) -> Result<&Donor> {
-        let d = self.find_member(key).ok_or_else(|| {
-            let names: Vec<&str> = self.donors.iter().map(|d| d.cfg.name.as_str()).collect();
+        let mut set = self.members.change();
+        let d = self.members.find(key).ok_or_else(|| {
+            let names: Vec<&str> = self.members.iter().map(|d| d.cfg.name.as_str()).collect();
             refuse(format!(
                 "no donor named or at {key:?} (members: {})",
                 names.join(", ")
@@ -274,11 +468,11 @@ impl Inner {
             return Ok(d);
         }
         let healthy_others = self
-            .donors
+            .members
             .iter()
             .filter(|o| o.idx != d.idx && !o.is_failed() && !o.is_leaving())
             .count();
-        let need = self.donors_needed();
+        let need = self.layout.members();
         // A dead donor's pages are rebuilt elsewhere anyway: letting it go
         // costs nothing.
         if !d.is_failed() && healthy_others < need {
@@ -291,9 +485,10 @@ impl Inner {
         }
         self.map.set_donor_member(
             d.id,
-            self.membership(d.joined, d.joined_unix, MemberState::Leaving, &d.cfg),
+            self.record(d.joined, d.joined_unix, MemberState::Leaving, &d.cfg),
         )?;
-        d.leaving.store(true, Ordering::Release);
+        set.set_leaving(d);
+        drop(set);
         tracing::info!(
             "donor {} is leaving: moving its extents to the other donors",
             d.cfg.name
@@ -303,21 +498,22 @@ impl Inner {
         Ok(d)
     }
 
-    /// Takes donor `d` out of the set for good, journaled, and says so.
-    fn let_go(&self, d: &Donor, why: &str) {
+    /// Takes donor `d` out of the set for good, journaled, and says so;
+    /// `set` is the set's lock, held.
+    fn let_go(&self, set: &mut Change<'_>, d: &Donor, why: &str) {
         let state = if why == "removed" {
             MemberState::Removed
         } else {
             MemberState::Gone
         };
-        let m = self.membership(d.joined, unix_now(), state, &d.cfg);
+        let m = self.record(d.joined, unix_now(), state, &d.cfg);
         if let Err(e) = self.map.set_donor_member(d.id, m) {
             tracing::error!("journaling donor {}'s departure: {e}", d.cfg.name);
             return;
         }
-        self.donors.retire(d);
+        set.retire(d);
         self.map.forget_donor_slots(d.id);
-        let mut book = self.membership.lock_or_recover();
+        let mut book = self.members.book();
         book.left.push(LeftDonor {
             name: d.cfg.name.clone(),
             address: d.cfg.address.clone(),
@@ -333,16 +529,22 @@ impl Inner {
     /// set; donors dead longer than `forget_after` are forgotten.
     pub(crate) fn settle_membership(&self) {
         let mut changed = false;
-        for d in self.donors.iter() {
-            let (held, _) = self.map.slot_usage(SlotOwner::Donor(d.id));
-            if held != 0 {
+        let held = |d: &Donor| self.map.slot_usage(SlotOwner::Donor(d.id)).0;
+        for d in self.members.iter() {
+            if held(d) != 0 {
                 continue;
             }
             if d.is_leaving() {
+                // Its label goes first, outside the lock (a round trip);
+                // a leaving donor is never given a slot, so it stays empty.
                 if !d.is_failed() {
                     if let Err(e) = self.drop_label(d) {
                         tracing::warn!("donor {}: {e}", d.cfg.name);
                     }
+                }
+                let mut set = self.members.change();
+                if held(d) != 0 || d.is_retired() {
+                    continue;
                 }
                 tracing::info!(
                     "donor {} removed: nothing of ours is left on it",
@@ -353,7 +555,7 @@ impl Inner {
                 } else {
                     "removed"
                 };
-                self.let_go(d, why);
+                self.let_go(&mut set, d, why);
                 changed = true;
                 continue;
             }
@@ -375,194 +577,15 @@ impl Inner {
                     dead_for.unwrap_or_default().as_secs(),
                     d.health().failure.clone().unwrap_or_default()
                 );
-                self.let_go(d, "forgotten");
-                changed = true;
+                let mut set = self.members.change();
+                if held(d) == 0 && !d.is_retired() {
+                    self.let_go(&mut set, d, "forgotten");
+                    changed = true;
+                }
             }
         }
         if changed {
             self.write_status();
-        }
-    }
-
-    /// Epoch: applies the donors file (when configured) to the set. A file
-    /// that does not parse changes nothing; a change that cannot be made
-    /// yet (a removal the mode refuses) is tried again next epoch.
-    pub(crate) fn follow_donors_file(&self) {
-        let Some(path) = self.cfg.donors_file.clone() else {
-            return;
-        };
-        let Some(wanted) = self.read_donors_file(&path) else {
-            return;
-        };
-        let psk = self.cfg.lab_key();
-        let from_file: Vec<DonorSpec> = self
-            .donors
-            .iter()
-            .filter(|d| d.joined == Joined::File && !d.is_leaving())
-            .map(|d| spec_of(&d.cfg))
-            .collect();
-        let changes = netpager_membership::diff(&from_file, &wanted);
-        let mut pending = Vec::new();
-        for s in &changes.add {
-            // Already in the set some other way (attach, added): nothing to do.
-            if self.find_member(&s.name).is_some()
-                || self.donors.iter().any(|d| d.cfg.address == s.addr)
-            {
-                continue;
-            }
-            if let Err(e) = self.add_member(
-                DonorConfig::from_spec(s, psk.as_deref()),
-                Joined::File,
-                false,
-            ) {
-                pending.push(e.to_string());
-            }
-        }
-        for name in &changes.remove {
-            if let Err(e) = self.remove_member(name) {
-                pending.push(e.to_string());
-            }
-        }
-        for s in &changes.changed {
-            pending.push(format!(
-                "donor {} changed its address, export or status endpoint in the file: remove its line, then add it under a new name",
-                s.name
-            ));
-        }
-        let pending = (!pending.is_empty()).then(|| pending.join("; "));
-        let mut book = self.membership.lock_or_recover();
-        if pending.is_some() && pending != book.file_pending {
-            tracing::warn!(
-                "donors file {}: {}",
-                path.display(),
-                pending.as_deref().unwrap_or_default()
-            );
-        }
-        book.file_pending = pending;
-    }
-
-    /// Epoch: adds donors announced on the lab's network whose status
-    /// verifies with the lab key (or, without a key, that may be used
-    /// unverified). A donor that stops announcing stays; one the admin
-    /// removed is not brought back.
-    pub(crate) fn follow_discovery(&self) {
-        let Some(browser) = &self.browser else {
-            return;
-        };
-        let key = self.cfg.lab_key();
-        let lab_key = match key
-            .as_deref()
-            .map(|f| netpager_proto::LabKey::from_psk_file(f, None))
-            .transpose()
-        {
-            Ok(k) => k,
-            Err(e) => {
-                self.membership.lock_or_recover().discovery_error =
-                    Some(format!("lab key: {e}; no discovered donor is used"));
-                return;
-            }
-        };
-        // TLS to a discovered donor as the lab key's (first) user, the one
-        // its status is signed for.
-        let user = lab_key.as_ref().map(|k| k.username().to_string());
-        let client = lab_key.map(|k| netpager_proto::StatusClient {
-            timeout: Duration::from_millis(self.cfg.timeouts.connect_ms),
-            key: Some(k),
-        });
-        let removed: Vec<String> = self
-            .map
-            .donor_entries()
-            .into_iter()
-            .filter(|e| {
-                e.member
-                    .as_ref()
-                    .is_some_and(|m| m.state == MemberState::Removed)
-            })
-            .map(|e| e.name)
-            .collect();
-        let mut verdicts = BTreeMap::new();
-        for a in browser.announced() {
-            if self.find_member(&a.node_id).is_some()
-                || self
-                    .donors
-                    .iter()
-                    .any(|d| same_endpoint(&d.cfg.address, a.nbd))
-            {
-                continue;
-            }
-            if removed.contains(&a.node_id) {
-                verdicts.insert(
-                    a.node_id.clone(),
-                    "removed by donor-remove (pagerctl donor-add brings it back)".to_string(),
-                );
-                continue;
-            }
-            let status = client.as_ref().map(|c| c.query(&a.status.to_string()));
-            let failed = match &status {
-                Some(Err(e)) => e.to_string(),
-                _ => String::new(),
-            };
-            let check = match &status {
-                None => Check::NoKey,
-                Some(Ok(s)) => Check::Signed(Ok(&s.node_id)),
-                Some(Err(_)) => Check::Signed(Err(&failed)),
-            };
-            let why = match admit(&a, check, self.cfg.discover_insecure) {
-                Ok(why) => why,
-                Err(not) => {
-                    verdicts.insert(a.node_id.clone(), not);
-                    continue;
-                }
-            };
-            let mut c = DonorConfig::from_spec(&a.spec(), key.as_deref());
-            c.tls_username.clone_from(&user);
-            match self.add_member(c, Joined::Discovered, false) {
-                Ok(d) => tracing::info!(
-                    "discovered donor {} at {} ({why})",
-                    d.cfg.name,
-                    d.cfg.address
-                ),
-                Err(e) => {
-                    verdicts.insert(a.node_id.clone(), e.to_string());
-                }
-            }
-        }
-        let mut book = self.membership.lock_or_recover();
-        for (node, why) in &verdicts {
-            if book.not_admitted.get(node) != Some(why) {
-                tracing::warn!("announced donor {node} not used: {why}");
-            }
-        }
-        book.not_admitted = verdicts;
-    }
-
-    /// The donors file's specs: parsed again when it changed, else as last
-    /// parsed; `None` while it has never parsed.
-    fn read_donors_file(&self, path: &PathBuf) -> Option<Vec<DonorSpec>> {
-        let mtime = std::fs::metadata(path).and_then(|m| m.modified());
-        let mut book = self.membership.lock_or_recover();
-        if let (Ok(t), Some((seen, specs))) = (&mtime, &book.file) {
-            if t == seen {
-                return Some(specs.clone());
-            }
-        }
-        match read_donors_file(path) {
-            Ok(specs) => {
-                if book.file_error.take().is_some() {
-                    tracing::info!("donors file {} parses again", path.display());
-                }
-                let t = mtime.unwrap_or(UNIX_EPOCH);
-                book.file = Some((t, specs.clone()));
-                Some(specs)
-            }
-            Err(e) => {
-                let msg = format!("{e}; the donor set is left as it was");
-                if book.file_error.as_deref() != Some(msg.as_str()) {
-                    tracing::error!("donors file: {msg}");
-                }
-                book.file_error = Some(msg);
-                book.file.as_ref().map(|(_, s)| s.clone())
-            }
         }
     }
 }

@@ -24,7 +24,9 @@ mod backend;
 pub mod control;
 mod donor;
 mod epoch;
+mod follow;
 mod io;
+mod label;
 mod lost;
 mod maintenance;
 mod membership;
@@ -32,12 +34,14 @@ mod placement;
 mod prefetch;
 mod replica;
 mod report;
+mod session;
 mod stripe;
+mod transient;
 mod writethrough;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -48,7 +52,6 @@ use crate::page_log::PAGE;
 use crate::status::ClientStatus;
 
 use backend::Backend;
-use donor::DonorTable;
 use io::{BufPool, Fallback};
 pub use lost::Forgotten;
 use netpager_membership::Joined;
@@ -90,6 +93,20 @@ pub enum DeviceError {
     NoSuchExtents { first: u64, last: u64, extents: u64 },
     #[error("nothing is lost in extents {first}..{last}")]
     NothingLost { first: u64, last: u64 },
+    #[error(
+        "state directory {} is in use by another serving process ({holder}; waited {}s for it to exit)",
+        dir.display(),
+        waited.as_secs()
+    )]
+    InUse {
+        dir: PathBuf,
+        holder: String,
+        waited: Duration,
+    },
+    #[error(
+        "fenced: a newer session of this device owns its exports ({0}); this serving process was replaced and serves no more requests"
+    )]
+    Fenced(String),
     #[error("donor {donor}: lab key for its status endpoint: {source}")]
     StatusKey {
         donor: String,
@@ -155,13 +172,23 @@ impl Wake {
 /// Shared state of one device.
 pub(crate) struct Inner {
     pub(crate) cfg: DeviceConfig,
+    /// This serving process's session of the device (its lock held).
+    pub(crate) session: session::Session,
+    /// Set when a donor said a newer session owns the device's exports:
+    /// from then on this process serves nothing and changes nothing.
+    pub(crate) fenced: OnceLock<String>,
     pub(crate) state_dir: PathBuf,
     pub(crate) layout: Layout,
     pub(crate) map: ExtentMap,
-    /// Every donor the device knows; the set changes while it runs.
-    pub(crate) donors: DonorTable,
-    /// Membership's own state: the donors file, recent departures.
-    pub(crate) membership: Mutex<membership::Book>,
+    /// The donor set, which changes while the device runs: its one owner.
+    pub(crate) members: membership::Membership,
+    /// Held from reading an export's label to writing ours on it.
+    pub(crate) labelling: Mutex<()>,
+    /// Slots written while a donor is away, to take it back cheaply.
+    pub(crate) dirty: transient::Dirty,
+    /// Numbers the rounds of connections to donors in this session
+    /// (`netpager_nbd::Pool::numbered`).
+    pub(crate) rounds: Arc<AtomicU64>,
     /// Browses the lab's network for announced donors (`discover`).
     pub(crate) browser: Option<netpager_membership::discovery::Browser>,
     pub(crate) fallback: Option<Fallback>,
@@ -197,6 +224,11 @@ pub(crate) struct Inner {
     pub(crate) lost_seen: AtomicBool,
 }
 
+/// How long an open waits for the previous serving process of the same
+/// state directory to exit (a restart starts the next one as the last
+/// one dies).
+const SESSION_WAIT: Duration = Duration::from_secs(30);
+
 /// A running device. Dropping it stops its threads and syncs its map.
 pub struct Device {
     inner: Arc<Inner>,
@@ -210,6 +242,7 @@ impl Device {
     /// threads.
     pub fn open(cfg: DeviceConfig, state_dir: &Path) -> Result<Device> {
         cfg.validate()?;
+        let session = session::begin(state_dir, SESSION_WAIT)?;
         let layout = Layout::from_config(&cfg);
         let map = ExtentMap::open(state_dir, layout)?;
         let fallback = match &cfg.fallback {
@@ -240,9 +273,13 @@ impl Device {
                 (layout.extent as usize) * layout.parity_count().max(1),
             ),
             placement: Mutex::new(Placement::new(cfg.donors.len())),
-            donors: DonorTable::new(),
-            membership: Mutex::new(book),
+            members: membership::Membership::new(book),
+            labelling: Mutex::new(()),
+            dirty: transient::Dirty::default(),
+            rounds: Arc::new(AtomicU64::new(0)),
             cfg,
+            session,
+            fenced: OnceLock::new(),
             state_dir: state_dir.to_path_buf(),
             layout,
             map,
@@ -263,19 +300,33 @@ impl Device {
         });
         inner.join_initial_donors()?;
         inner.forget_unconfigured_donors()?;
+        inner.distrust_unlabelled()?;
         let restarted: Vec<usize> = inner
-            .donors
+            .members
             .iter()
             .filter(|d| inner.attach(d))
             .map(|d| d.idx)
             .collect();
+        let refused: Vec<String> = inner
+            .members
+            .iter()
+            .filter_map(|d| {
+                let h = d.health();
+                h.refused
+                    .as_ref()
+                    .map(|r| format!("donor {}: {r}", d.cfg.name))
+            })
+            .collect();
+        if !refused.is_empty() {
+            return Err(DeviceError::Membership(refused.join("; ")));
+        }
         inner.run_epoch(Duration::from_millis(inner.cfg.policy.epoch_ms));
         inner.mark_failed_donors();
         // A donor that restarted serves again at once, as a new donor:
         // writes into the extents it lost need somewhere to go now, not
         // an epoch later.
         for i in restarted {
-            inner.revive(&inner.donors[i]);
+            inner.revive(&inner.members[i]);
         }
         inner.resync_at_open()?;
         let mut threads = Vec::new();
@@ -333,6 +384,12 @@ impl Device {
         self.inner.layout.size
     }
 
+    /// This serving process's session of the device (counted up at each
+    /// open; donors refuse requests of older ones).
+    pub fn session(&self) -> u64 {
+        self.inner.session.number
+    }
+
     pub fn config(&self) -> &DeviceConfig {
         &self.inner.cfg
     }
@@ -349,21 +406,25 @@ impl Device {
     /// Reads `buf.len()` bytes at `offset` (any alignment).
     pub fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         let t0 = Instant::now();
-        let r = self.inner.read(buf, offset);
+        let r = self.inner.fenced_or(self.inner.read(buf, offset));
         self.timed(RequestKind::Read, buf.len() as u64, t0, r)
     }
 
     /// Writes `data` at `offset` (any alignment).
     pub fn write(&self, data: &[u8], offset: u64) -> Result<()> {
         let t0 = Instant::now();
-        let r = self.inner.modify(offset, Payload::Data(data));
+        let r = self
+            .inner
+            .fenced_or(self.inner.modify(offset, Payload::Data(data)));
         self.timed(RequestKind::Write, data.len() as u64, t0, r)
     }
 
     /// Writes `len` zero bytes at `offset`; whole extents are freed.
     pub fn zero(&self, len: u64, offset: u64) -> Result<()> {
         let t0 = Instant::now();
-        let r = self.inner.modify(offset, Payload::Zero(len));
+        let r = self
+            .inner
+            .fenced_or(self.inner.modify(offset, Payload::Zero(len)));
         self.timed(RequestKind::Zero, len, t0, r)
     }
 
@@ -376,7 +437,9 @@ impl Device {
     /// freed once nothing written in it is left.
     pub fn trim(&self, len: u64, offset: u64) -> Result<()> {
         let t0 = Instant::now();
-        let r = self.inner.modify(offset, Payload::Trim(len));
+        let r = self
+            .inner
+            .fenced_or(self.inner.modify(offset, Payload::Trim(len)));
         self.timed(RequestKind::Trim, len, t0, r)
     }
 
@@ -502,7 +565,25 @@ impl Inner {
         Ok(())
     }
 
+    /// Refuses every request once a newer session took the device over.
+    fn check_fenced(&self) -> Result<()> {
+        match self.fenced.get() {
+            Some(why) => Err(DeviceError::Fenced(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// `r`, or [`DeviceError::Fenced`] when a failure came from being
+    /// replaced.
+    fn fenced_or(&self, r: Result<()>) -> Result<()> {
+        if r.is_err() {
+            self.check_fenced()?;
+        }
+        r
+    }
+
     fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        self.check_fenced()?;
         self.check_range(offset, buf.len() as u64)?;
         self.requests.fetch_add(1, Ordering::Relaxed);
         // Before the prefetch cache too: it may hold an unfound page's zeros.
@@ -519,6 +600,7 @@ impl Inner {
     }
 
     fn modify(&self, offset: u64, p: Payload<'_>) -> Result<()> {
+        self.check_fenced()?;
         self.check_range(offset, p.len())?;
         self.requests.fetch_add(1, Ordering::Relaxed);
         let writes = matches!(p, Payload::Data(_) | Payload::Zero(_));

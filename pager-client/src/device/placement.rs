@@ -1,6 +1,7 @@
 //! Choosing where a new unit (or a moved copy) goes: the epoch's selection
 //! frequencies through the policy's [`Selector`], then slots on those
-//! donors; the local fallback when no donor can take it.
+//! donors, all with the donor set's lock held (membership.rs); the local
+//! fallback when no donor can take it.
 //!
 //! Calls: the policy's selector, the map's slots; called by both backends
 //! (first writes), maintenance and lost.rs (new slots).
@@ -62,11 +63,13 @@ impl Placement {
 impl Inner {
     /// Why donor `i` cannot take a new extent now, or `None` if it can.
     pub(crate) fn ineligible_reason(&self, i: usize) -> Option<&'static str> {
-        let d = &self.donors[i];
+        let d = &self.members[i];
         if d.is_retired() {
             Some("left the set")
         } else if d.is_failed() {
             Some("failed")
+        } else if d.is_suspect() {
+            Some("not answering")
         } else if !d.attached.load(Ordering::Acquire) {
             Some("not connected")
         } else if d.is_leaving() {
@@ -84,7 +87,7 @@ impl Inner {
 
     fn why_no_donor(&self, exclude: &[u16], f: &[f64]) -> String {
         let parts: Vec<String> = self
-            .donors
+            .members
             .iter()
             .map(|d| {
                 let why = if exclude.contains(&d.id) {
@@ -126,7 +129,10 @@ impl Inner {
         spill: Spill,
     ) -> Result<Vec<(Loc, bool)>> {
         // Each failed try rules out a donor (now full or failed).
-        for _ in 0..self.donors.len() + 2 {
+        for _ in 0..self.members.len() + 2 {
+            // The set's lock, from the choice to the slots: a chosen donor
+            // cannot retire (nor start leaving) before it has its slot.
+            let set = self.members.change();
             let (picked, why) = self.pick_donors(k, exclude);
             let replica = !self.layout.mode.striped();
             let missing = k - picked.len();
@@ -150,9 +156,13 @@ impl Inner {
             }
             let mut out = Vec::with_capacity(k);
             let mut retry = false;
+            let mut unlabelled = None;
             for &i in &picked {
-                let d = &self.donors[i];
-                if self.ensure_label(d).is_err() {
+                let d = &self.members[i];
+                if self.map.donor_label(d.id) == 0 {
+                    // Labelled at join unless that failed: label it now,
+                    // without the lock (a round trip), and choose again.
+                    unlabelled = Some(i);
                     retry = true;
                     break;
                 }
@@ -188,9 +198,14 @@ impl Inner {
                     format!("extent {extent} placed on the local fallback: {why}"),
                 );
             }
+            drop(set);
             if retry {
                 for (l, _) in out {
                     self.map.free(l);
+                }
+                if let Some(i) = unlabelled {
+                    // A donor that cannot be labelled is failed or full now.
+                    let _ = self.ensure_label(&self.members[i]);
                 }
                 continue;
             }
@@ -207,7 +222,7 @@ impl Inner {
     /// a fallback exists). Also says why donors were left out.
     fn pick_donors(&self, k: usize, exclude: &[u16]) -> (Vec<usize>, String) {
         let mut pl = self.placement.lock_or_recover();
-        let n = self.donors.len();
+        let n = self.members.len();
         // A donor that joined since the epoch gets nothing until the next
         // one has polled it (and runs at once after a join).
         let f: Vec<f64> = if pl.freqs.f.len() <= n && pl.freqs.f.iter().any(|&x| x > 0.0) {
@@ -217,8 +232,9 @@ impl Inner {
         } else {
             vec![1.0; n]
         };
-        let eligible =
-            |i: usize| !exclude.contains(&self.donors[i].id) && self.ineligible_reason(i).is_none();
+        let eligible = |i: usize| {
+            !exclude.contains(&self.members[i].id) && self.ineligible_reason(i).is_none()
+        };
         if pl.freqs.all_capped && self.fallback.is_some() {
             return (Vec::new(), "every donor is capped by its load bound".into());
         }

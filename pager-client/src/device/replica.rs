@@ -226,7 +226,7 @@ impl Inner {
         let full = in_off == 0 && data.len() as u64 == self.extent_len(e);
         let ext = self.layout.extent;
         // Each failed try rules out a donor (now full or failed).
-        for _ in 0..self.donors.len() + 2 {
+        for _ in 0..self.members.len() + 2 {
             let locs = self.allocate(self.layout.members(), &[], e)?;
             let mut good = vec![true; locs.len()];
             if !full {

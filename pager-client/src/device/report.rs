@@ -207,14 +207,14 @@ impl Inner {
         }
         let at = |v: &Vec<f64>, i: usize| v.get(i).copied().unwrap_or(0.0);
         let donors = self
-            .donors
+            .members
             .iter()
             .map(|d| {
                 let r = d.remote();
                 let (held, free) = self.map.slot_usage(SlotOwner::Donor(d.id));
                 let export = d.pool.endpoint().export.clone();
-                // Donors list exports by name, without the `@SIZE` suffix.
-                let base = export.split('@').next().unwrap_or_default();
+                // Donors list exports by store name.
+                let base = self.cfg.store_name(&d.cfg);
                 let reported_use = r.status.as_ref().and_then(|s| {
                     s.exports
                         .iter()
@@ -233,7 +233,12 @@ impl Inner {
                     status_address: d.cfg.status.clone(),
                     state,
                     failed: d.is_failed(),
-                    failure: d.health().failure.clone(),
+                    failure: {
+                        let h = d.health();
+                        h.refused.clone().or_else(|| h.failure.clone())
+                    },
+                    silent_ms: d.suspect_at().map(|t| t.elapsed().as_millis() as u64),
+                    taken_back: d.taken_back.load(Ordering::Relaxed),
                     used_bytes: reported_use.unwrap_or(held as u64 * layout.extent),
                     extents_held: held as u64,
                     slots_free: free as u64,
@@ -254,7 +259,7 @@ impl Inner {
                 }
             })
             .collect();
-        let book = self.membership.lock_or_recover();
+        let book = self.members.book();
         let (width, b, epoch_ms) = (
             match layout.mode {
                 Redundancy::Parity { width } => width,
@@ -264,6 +269,7 @@ impl Inner {
             self.cfg.policy.epoch_ms,
         );
         ClientStatus {
+            fenced: self.fenced.get().cloned(),
             client_id: self.cfg.client_id.clone(),
             mode: layout.mode.word().to_string(),
             width,
@@ -276,6 +282,7 @@ impl Inner {
                 .map(|d| d.as_millis() as u64)
                 .unwrap_or(0),
             epoch_ms,
+            grace_ms: self.cfg.grace_ms,
             b,
             donors,
             epochs: self.jobs.lock_or_recover().epochs.iter().copied().collect(),

@@ -80,7 +80,7 @@ const INTENT_TOUCHED: u8 = 2;
 pub struct DonorEntry {
     pub name: String,
     pub label: u128,
-    pub member: Option<Membership>,
+    pub member: Option<MemberRecord>,
 }
 
 /// Where a donor stands in the device's set.
@@ -117,7 +117,7 @@ impl MemberState {
 /// A donor's membership as the journal keeps it, so a restart (or a
 /// re-attach) finds the same donor set.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Membership {
+pub struct MemberRecord {
     pub joined: netpager_membership::Joined,
     /// When it joined (or left, for `Gone`), seconds since the Unix epoch.
     pub since_unix: u64,
@@ -602,7 +602,7 @@ impl ExtentMap {
     }
 
     /// Journals donor `id`'s membership.
-    pub fn set_donor_member(&self, id: u16, member: Membership) -> Result<(), MapError> {
+    pub fn set_donor_member(&self, id: u16, member: MemberRecord) -> Result<(), MapError> {
         let mut p = self.persist.lock_or_recover();
         let mut entry = p.donors[id as usize].clone();
         entry.member = Some(member);

@@ -2,7 +2,7 @@
 //! and decoding.
 
 use super::{
-    CopyState, DonorEntry, Layout, Loc, Member, MemberState, Membership, Redundancy, Unit,
+    CopyState, DonorEntry, Layout, Loc, Member, MemberRecord, MemberState, Redundancy, Unit,
 };
 
 const MAGIC: &[u8; 8] = b"NPMAP001";
@@ -281,7 +281,7 @@ fn decode(payload: &[u8]) -> Result<Record, String> {
                 let n = c.u32()? as usize;
                 let config = String::from_utf8(c.take(n)?.to_vec())
                     .map_err(|_| format!("donor {name:?}: its configuration is not UTF-8"))?;
-                Some(Membership {
+                Some(MemberRecord {
                     joined,
                     since_unix,
                     state,

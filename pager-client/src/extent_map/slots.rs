@@ -153,6 +153,16 @@ impl ExtentMap {
         }
     }
 
+    /// Takes back slot `loc` for a member that holds it again (a donor
+    /// taken back with its data); false if it is in use meanwhile.
+    pub fn reclaim(&self, loc: Loc) -> bool {
+        let mut s = self.slots.lock_or_recover();
+        match loc {
+            Loc::Donor { donor, slot } => s.donors[donor as usize].mark(slot),
+            Loc::Fallback { slot } => s.fallback.mark(slot),
+        }
+    }
+
     /// Forgets every slot of donor `id` (it died: all its members are Lost,
     /// and if it comes back it is a new donor).
     pub fn forget_donor_slots(&self, id: u16) {

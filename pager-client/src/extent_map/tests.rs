@@ -390,8 +390,8 @@ fn parity_members_are_counted_per_donor_through_changes_and_reopen() {
     assert_eq!(m.parity_held(), vec![1, 0, 1]);
 }
 
-fn member(state: MemberState, joined: netpager_membership::Joined, since: u64) -> Membership {
-    Membership {
+fn member(state: MemberState, joined: netpager_membership::Joined, since: u64) -> MemberRecord {
+    MemberRecord {
         joined,
         since_unix: since,
         state,

@@ -25,6 +25,9 @@ pub fn config(mode: Mode, size: u64, extent: u64, donors: &[&Nbdkit]) -> DeviceC
     c.timeouts.connect_ms = 1000;
     c.timeouts.request_ms = 1000;
     c.policy.epoch_ms = 200;
+    // A silent donor's copies wait this long for it before they are
+    // rebuilt (or, in mode none, lost).
+    c.grace_ms = 2000;
     for (i, d) in donors.iter().enumerate() {
         let mut dc = DonorConfig::new(format!("d{i}"), d.addr.clone());
         dc.status = d.status.clone();

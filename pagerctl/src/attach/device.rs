@@ -76,6 +76,7 @@ pub struct DeviceOptions {
     pub donors_file: Option<PathBuf>,
     /// How long a dead donor stays in the set (0: for ever).
     pub forget_after: Option<Duration>,
+    pub grace: Option<Duration>,
     /// Add donors announced on the lab's network (verified with `psk`).
     pub discover: bool,
     /// With `discover`: use announced donors without a key, anywhere.
@@ -177,6 +178,9 @@ pub fn apply_options(
     }
     if let Some(t) = o.forget_after {
         c.forget_after_ms = t.as_millis() as u64;
+    }
+    if let Some(t) = o.grace {
+        c.grace_ms = t.as_millis() as u64;
     }
     if o.discover {
         c.discover = true;
@@ -411,10 +415,11 @@ mod tests {
         o.size = Some(128 << 20);
         o.b = Some(0.3);
         let b = build_config(&o, st).unwrap();
-        // Parity's default extent is smaller than mirror's.
+        // Parity's default extent is smaller than mirror's; each new
+        // device has an id of its own.
         assert_eq!(
             differences(&a, &b),
-            ["extent_size", "mode", "policy.b", "size"]
+            ["device_id", "extent_size", "mode", "policy.b", "size"]
         );
     }
 

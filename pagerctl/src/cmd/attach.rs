@@ -69,6 +69,12 @@ pub struct Args {
     /// elsewhere); 0 keeps it in the set for ever. Default 600.
     #[arg(long, value_parser = parse_secs_or_zero, value_name = "SECS")]
     forget_after: Option<Duration>,
+    /// How long requests wait for a donor that stopped answering before its
+    /// copies are declared lost, where failing it would lose data (mode
+    /// none, or the last copy left); a donor back in time loses nothing.
+    /// 0 fails it at its first timeout. Default 30.
+    #[arg(long, value_parser = parse_secs_or_zero, value_name = "SECS")]
+    grace: Option<Duration>,
     /// Unit of placement (power of two, 4K..64M; default 1M, in modes parity
     /// and ec the largest that keeps a full stripe's data within 1M).
     #[arg(long, value_parser = netpager_util::parse_size, value_name = "SIZE")]
@@ -206,6 +212,7 @@ impl Args {
                 .transpose()
                 .expect("the working directory is readable"),
             forget_after: self.forget_after,
+            grace: self.grace,
             discover: self.discover,
             insecure: self.insecure,
             prefetch_pages: self.prefetch_pages,

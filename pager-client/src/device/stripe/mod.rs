@@ -109,7 +109,7 @@ impl Inner {
         zero: bool,
     ) -> Result<()> {
         // Each failed try rules out a donor (now full or failed).
-        for _ in 0..self.donors.len() + 2 {
+        for _ in 0..self.members.len() + 2 {
             let mut locs = self.allocate(self.layout.members(), &[], e)?;
             self.assign_parity(g, &mut locs);
             let mut reqs = batch();

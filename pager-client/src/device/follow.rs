@@ -1,0 +1,227 @@
+//! The donor set follows the lab: the donors file an admin or Ansible
+//! keeps (re-read each epoch), and donors announced on the lab's network.
+//! Both join and leave through [`Membership`](super::membership::Membership)'s
+//! changes, like `pagerctl donor-add` and `donor-remove`.
+//!
+//! Calls: `Inner::add_member`/`remove_member` (membership.rs), the
+//! donors file and discovery of `netpager-membership`; runs on the epoch
+//! thread.
+
+use std::collections::BTreeMap;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::PathBuf;
+use std::time::{Duration, UNIX_EPOCH};
+
+use netpager_membership::discovery::{admit, Check};
+use netpager_membership::{read_donors_file_lines, DonorSpec, Joined};
+
+use super::Inner;
+use crate::config::DonorConfig;
+use crate::extent_map::MemberState;
+
+/// Whether the configured address `addr` (`HOST:PORT`) is `at`.
+fn same_endpoint(addr: &str, at: SocketAddr) -> bool {
+    addr.to_socket_addrs().is_ok_and(|mut a| a.any(|x| x == at))
+}
+
+/// A donor's configuration as a spec, to compare with the donors file.
+fn spec_of(c: &DonorConfig) -> DonorSpec {
+    DonorSpec {
+        addr: c.address.clone(),
+        export: c.export.clone(),
+        status: c.status.clone(),
+        name: c.name.clone(),
+    }
+}
+
+impl Inner {
+    /// Epoch: applies the donors file (when configured) to the set. A file
+    /// that does not parse changes nothing; a change that cannot be made
+    /// yet (a removal the mode refuses) is tried again next epoch.
+    pub(crate) fn follow_donors_file(&self) {
+        let Some(path) = self.cfg.donors_file.clone() else {
+            return;
+        };
+        let Some(lines) = self.read_donors_file(&path) else {
+            return;
+        };
+        let wanted: Vec<DonorSpec> = lines.iter().map(|(_, s)| s.clone()).collect();
+        let line_of = |name: &str| {
+            lines
+                .iter()
+                .find(|(_, s)| s.name == name)
+                .map_or(0, |(l, _)| *l)
+        };
+        let psk = self.cfg.lab_key();
+        let from_file: Vec<DonorSpec> = self
+            .members
+            .iter()
+            .filter(|d| d.joined == Joined::File && !d.is_leaving())
+            .map(|d| spec_of(&d.cfg))
+            .collect();
+        let changes = netpager_membership::diff(&from_file, &wanted);
+        let mut pending = Vec::new();
+        for s in &changes.add {
+            // Already in the set some other way (attach, added): nothing to do.
+            if self.members.find(&s.name).is_some()
+                || self.members.iter().any(|d| d.cfg.address == s.addr)
+            {
+                continue;
+            }
+            if let Err(e) = self.add_member(
+                DonorConfig::from_spec(s, psk.as_deref()),
+                Joined::File,
+                false,
+            ) {
+                pending.push(format!("line {}: {e}", line_of(&s.name)));
+            }
+        }
+        for name in &changes.remove {
+            if let Err(e) = self.remove_member(name) {
+                pending.push(e.to_string());
+            }
+        }
+        for s in &changes.changed {
+            pending.push(format!(
+                "line {}: donor {} changed its address, export or status endpoint in the file: remove its line, then add it under a new name",
+                line_of(&s.name),
+                s.name
+            ));
+        }
+        let pending = (!pending.is_empty()).then(|| pending.join("; "));
+        let mut book = self.members.book();
+        if pending.is_some() && pending != book.file_pending {
+            tracing::warn!(
+                "donors file {}: {}",
+                path.display(),
+                pending.as_deref().unwrap_or_default()
+            );
+        }
+        book.file_pending = pending;
+    }
+
+    /// Epoch: adds donors announced on the lab's network whose status
+    /// verifies with the lab key (or, without a key, that may be used
+    /// unverified). A donor that stops announcing stays; one the admin
+    /// removed is not brought back.
+    pub(crate) fn follow_discovery(&self) {
+        let Some(browser) = &self.browser else {
+            return;
+        };
+        let key = self.cfg.lab_key();
+        let lab_key = match key
+            .as_deref()
+            .map(|f| netpager_proto::LabKey::from_psk_file(f, None))
+            .transpose()
+        {
+            Ok(k) => k,
+            Err(e) => {
+                self.members.book().discovery_error =
+                    Some(format!("lab key: {e}; no discovered donor is used"));
+                return;
+            }
+        };
+        // TLS to a discovered donor as the lab key's (first) user, the one
+        // its status is signed for.
+        let user = lab_key.as_ref().map(|k| k.username().to_string());
+        let client = lab_key.map(|k| netpager_proto::StatusClient {
+            timeout: Duration::from_millis(self.cfg.timeouts.connect_ms),
+            key: Some(k),
+        });
+        let removed: Vec<String> = self
+            .map
+            .donor_entries()
+            .into_iter()
+            .filter(|e| {
+                e.member
+                    .as_ref()
+                    .is_some_and(|m| m.state == MemberState::Removed)
+            })
+            .map(|e| e.name)
+            .collect();
+        let mut verdicts = BTreeMap::new();
+        for a in browser.announced() {
+            if self.members.find(&a.node_id).is_some()
+                || self
+                    .members
+                    .iter()
+                    .any(|d| same_endpoint(&d.cfg.address, a.nbd))
+            {
+                continue;
+            }
+            if removed.contains(&a.node_id) {
+                verdicts.insert(
+                    a.node_id.clone(),
+                    "removed by donor-remove (pagerctl donor-add brings it back)".to_string(),
+                );
+                continue;
+            }
+            let status = client.as_ref().map(|c| c.query(&a.status.to_string()));
+            let failed = match &status {
+                Some(Err(e)) => e.to_string(),
+                _ => String::new(),
+            };
+            let check = match &status {
+                None => Check::NoKey,
+                Some(Ok(s)) => Check::Signed(Ok(&s.node_id)),
+                Some(Err(_)) => Check::Signed(Err(&failed)),
+            };
+            let why = match admit(&a, check, self.cfg.discover_insecure) {
+                Ok(why) => why,
+                Err(not) => {
+                    verdicts.insert(a.node_id.clone(), not);
+                    continue;
+                }
+            };
+            let mut c = DonorConfig::from_spec(&a.spec(), key.as_deref());
+            c.tls_username.clone_from(&user);
+            match self.add_member(c, Joined::Discovered, false) {
+                Ok(d) => tracing::info!(
+                    "discovered donor {} at {} ({why})",
+                    d.cfg.name,
+                    d.cfg.address
+                ),
+                Err(e) => {
+                    verdicts.insert(a.node_id.clone(), e.to_string());
+                }
+            }
+        }
+        let mut book = self.members.book();
+        for (node, why) in &verdicts {
+            if book.not_admitted.get(node) != Some(why) {
+                tracing::warn!("announced donor {node} not used: {why}");
+            }
+        }
+        book.not_admitted = verdicts;
+    }
+
+    /// The donors file's specs with their lines: parsed again when it
+    /// changed, else as last parsed; `None` while it has never parsed.
+    fn read_donors_file(&self, path: &PathBuf) -> Option<Vec<(usize, DonorSpec)>> {
+        let mtime = std::fs::metadata(path).and_then(|m| m.modified());
+        let mut book = self.members.book();
+        if let (Ok(t), Some((seen, specs))) = (&mtime, &book.file) {
+            if t == seen {
+                return Some(specs.clone());
+            }
+        }
+        match read_donors_file_lines(path) {
+            Ok(specs) => {
+                if book.file_error.take().is_some() {
+                    tracing::info!("donors file {} parses again", path.display());
+                }
+                let t = mtime.unwrap_or(UNIX_EPOCH);
+                book.file = Some((t, specs.clone()));
+                Some(specs)
+            }
+            Err(e) => {
+                let msg = format!("{e}; the donor set is left as it was");
+                if book.file_error.as_deref() != Some(msg.as_str()) {
+                    tracing::error!("donors file: {msg}");
+                }
+                book.file_error = Some(msg);
+                book.file.as_ref().map(|(_, s)| s.clone())
+            }
+        }
+    }
+}

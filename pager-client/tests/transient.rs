@@ -1,0 +1,321 @@
+//! Transient faults cost only what changed: a donor paused (SIGSTOP) while
+//! I/O is in flight, then resumed. In mode none its requests wait, within
+//! the grace, and nothing is lost; past the grace its copies are lost, and
+//! taken back when it returns with its label. In mirror mode it is failed at
+//! once, and when it returns only the extents written meanwhile are
+//! re-created. Real pager-server donors; skipped with a note when
+//! libpager_server.so is not built.
+
+mod common;
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use common::{config, wait_status, Model, Rng};
+use pager_client::config::Mode;
+use pager_client::device::Device;
+use pager_client::status::{render_table, ClientStatus};
+
+const EXTENT: u64 = 64 << 10;
+const SIZE: u64 = 4 << 20;
+
+fn donor_of<'a>(s: &'a ClientStatus, name: &str) -> &'a pager_client::status::DonorReport {
+    s.donors.iter().find(|d| d.name == name).expect("a member")
+}
+
+/// Writes and verifies random extents on another thread until told to
+/// stop, then hands its model back with the extents it wrote.
+struct Writer {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<(Model, HashSet<u64>)>,
+}
+
+impl Writer {
+    fn start(dev: &Arc<Device>, model: &Model, seed: u64) -> Writer {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (dev, mut model, flag) = (dev.clone(), model.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            let mut rng = Rng::new(seed);
+            let mut written = HashSet::new();
+            while !flag.load(Ordering::Relaxed) {
+                let e = rng.below(SIZE / EXTENT);
+                model.write_random(&dev, &mut rng, e * EXTENT + 512, 8192);
+                model.check(&dev, e * EXTENT, EXTENT);
+                written.insert(e);
+            }
+            (model, written)
+        });
+        Writer { stop, thread }
+    }
+
+    /// Stops it; its model and the extents it wrote.
+    fn finish(self) -> (Model, HashSet<u64>) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().expect("every write and read succeeded")
+    }
+}
+
+/// Mode none, a donor paused for several request timeouts but less than
+/// the grace while writes and reads go on: they wait for it, and nothing
+/// is lost or failed.
+#[test]
+fn mode_none_waits_out_a_pause_shorter_than_the_grace() {
+    let Some(mut ds) = netpager_test_support::pager_servers(2) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(Mode::None, SIZE, EXTENT, &ds.iter().collect::<Vec<_>>());
+    cfg.grace_ms = 60_000;
+    let dev = Arc::new(Device::open(cfg, dir.path()).unwrap());
+    let mut model = Model::new(SIZE);
+    model.fill(&dev, &mut Rng::new(1), EXTENT);
+    let writer = Writer::start(&dev, &model, 2);
+    ds[0].stop();
+    // Requests have waited past several request timeouts (1 s each).
+    let s = wait_status(&dev, "the paused donor to be silent 3 s", |s| {
+        donor_of(s, "d0").silent_ms.is_some_and(|ms| ms >= 3000)
+    });
+    assert!(!donor_of(&s, "d0").failed, "{}", render_table(&s));
+    assert!(
+        render_table(&s).contains("not answering"),
+        "{}",
+        render_table(&s)
+    );
+    ds[0].cont();
+    wait_status(&dev, "the donor to answer again", |s| {
+        donor_of(s, "d0").silent_ms.is_none()
+    });
+    let (model, written) = writer.finish();
+    assert!(!written.is_empty());
+    model.check_all(&dev, EXTENT);
+    let s = dev.status();
+    assert_eq!(s.totals.lost, 0, "{}", render_table(&s));
+    assert!(s.donors.iter().all(|d| !d.failed), "{}", render_table(&s));
+}
+
+/// Mode none, a donor paused past the grace: its copies are lost then
+/// (reads of them fail, writes go elsewhere); when it comes back with its
+/// label, every copy nobody wrote meanwhile is taken back and reads as it
+/// was.
+#[test]
+fn mode_none_takes_back_a_donor_that_returns_after_the_grace() {
+    let Some(mut ds) = netpager_test_support::pager_servers(2) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(Mode::None, SIZE, EXTENT, &ds.iter().collect::<Vec<_>>());
+    cfg.grace_ms = 1500;
+    let dev = Device::open(cfg, dir.path()).unwrap();
+    let mut model = Model::new(SIZE);
+    model.fill(&dev, &mut Rng::new(3), EXTENT);
+    let held = donor_of(&dev.status(), "d0").extents_held;
+    assert!(held > 1, "{}", render_table(&dev.status()));
+    ds[0].stop();
+    let s = wait_status(&dev, "the paused donor's copies lost", |s| {
+        donor_of(s, "d0").failed && s.totals.lost == held
+    });
+    let lost = s.totals.lost_extents.clone();
+    // One lost extent is written anew: it goes to the other donor.
+    let rewritten = lost[0];
+    model.write_random(&dev, &mut Rng::new(4), rewritten * EXTENT, EXTENT);
+    ds[0].cont();
+    let s = wait_status(&dev, "the donor taken back", |s| {
+        !donor_of(s, "d0").failed && s.totals.lost == 0
+    });
+    assert_eq!(
+        donor_of(&s, "d0").taken_back,
+        held - 1,
+        "every copy but the rewritten one: {}",
+        render_table(&s)
+    );
+    model.check_all(&dev, EXTENT);
+}
+
+/// Reads and checks random extents on another thread until told to stop.
+fn reader(
+    dev: &Arc<Device>,
+    model: &Model,
+    stop: &Arc<AtomicBool>,
+) -> std::thread::JoinHandle<u64> {
+    let (dev, model, stop) = (dev.clone(), model.clone(), stop.clone());
+    std::thread::spawn(move || {
+        let mut rng = Rng::new(7);
+        let mut reads = 0;
+        while !stop.load(Ordering::Relaxed) {
+            let e = rng.below(SIZE / EXTENT);
+            model.check(&dev, e * EXTENT, EXTENT);
+            reads += 1;
+        }
+        reads
+    })
+}
+
+/// Mirror, a donor paused while reads go on: it is failed at once (the
+/// other copies serve), its copies wait out the grace instead of being
+/// re-created, and when it comes back with nothing written meanwhile
+/// every copy is taken back as it was. Paused again, every extent is
+/// written while it is away: then nothing is taken back and everything
+/// is re-created. Every byte reads back both times.
+#[test]
+fn mirror_takes_back_a_paused_donor_and_recreates_only_what_changed() {
+    let Some(mut ds) = netpager_test_support::pager_servers(3) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(Mode::Mirror, SIZE, EXTENT, &ds.iter().collect::<Vec<_>>());
+    cfg.grace_ms = 60_000;
+    let dev = Arc::new(Device::open(cfg, dir.path()).unwrap());
+    let mut model = Model::new(SIZE);
+    model.fill(&dev, &mut Rng::new(5), EXTENT);
+    let held = donor_of(&dev.status(), "d0").extents_held;
+    assert!(held > 0);
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let reads = reader(&dev, &model, &stop);
+    ds[0].stop();
+    wait_status(&dev, "the paused donor failed", |s| {
+        donor_of(s, "d0").failed
+    });
+    ds[0].cont();
+    let s = wait_status(&dev, "the donor back and nothing degraded", |s| {
+        !donor_of(s, "d0").failed && s.totals.degraded == 0 && s.totals.lost == 0
+    });
+    stop.store(true, Ordering::Relaxed);
+    assert!(reads.join().expect("every read right") > 0);
+    assert_eq!(
+        donor_of(&s, "d0").taken_back,
+        held,
+        "nothing written: every copy taken back: {}",
+        render_table(&s)
+    );
+    model.check_all(&dev, EXTENT);
+
+    ds[0].stop();
+    wait_status(&dev, "the paused donor failed again", |s| {
+        donor_of(s, "d0").failed
+    });
+    model.fill(&dev, &mut Rng::new(8), EXTENT);
+    ds[0].cont();
+    let s = wait_status(&dev, "the donor back, its copies re-created", |s| {
+        !donor_of(s, "d0").failed && s.totals.degraded == 0 && s.totals.lost == 0
+    });
+    assert_eq!(
+        donor_of(&s, "d0").taken_back,
+        held,
+        "everything written while away: nothing more taken back: {}",
+        render_table(&s)
+    );
+    model.check_all(&dev, EXTENT);
+}
+
+/// A TCP relay on a loopback address of its own to `to`: a second
+/// address of one donor, which can be cut (bytes stop flowing both ways,
+/// connections stay open: a partition) until dropped.
+struct Relay {
+    addr: String,
+    cut: Arc<AtomicBool>,
+}
+
+impl Relay {
+    fn start(ip: &str, to: &str) -> Relay {
+        let l = std::net::TcpListener::bind((ip, 0)).expect("bind the relay");
+        let addr = l.local_addr().expect("bound").to_string();
+        let cut = Arc::new(AtomicBool::new(false));
+        let (to, flag) = (to.to_string(), cut.clone());
+        std::thread::spawn(move || {
+            for c in l.incoming().flatten() {
+                let Ok(d) = std::net::TcpStream::connect(&to) else {
+                    continue;
+                };
+                for (mut from, mut into) in
+                    [(c.try_clone().unwrap(), d.try_clone().unwrap()), (d, c)]
+                {
+                    let flag = flag.clone();
+                    std::thread::spawn(move || {
+                        let mut b = [0u8; 65536];
+                        loop {
+                            use std::io::{Read, Write};
+                            let Ok(n) = from.read(&mut b) else { return };
+                            // Cut: what arrives is held, never passed on.
+                            while flag.load(Ordering::Relaxed) {
+                                std::thread::sleep(std::time::Duration::from_millis(20));
+                            }
+                            if n == 0 || into.write_all(&b[..n]).is_err() {
+                                let _ = into.shutdown(std::net::Shutdown::Write);
+                                return;
+                            }
+                        }
+                    });
+                }
+            }
+        });
+        Relay { addr, cut }
+    }
+
+    fn cut(&self) {
+        self.cut.store(true, Ordering::Relaxed);
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.cut.store(false, Ordering::Relaxed);
+    }
+}
+
+/// A member cut off at its address (a partition) while still reachable at
+/// another (a host renumbered, a second route): `donor-add` of the new
+/// address moves the member instead of adding a donor, and it is taken
+/// back there with all its copies.
+#[test]
+fn a_member_found_at_a_new_address_moves_with_its_copies() {
+    let Some(so) = netpager_test_support::pager_server_so() else {
+        return;
+    };
+    let args: Vec<String> = [
+        so.display().to_string(),
+        "mlock=false".into(),
+        "size=16M".into(),
+        "budget=64M".into(),
+        "reserve=0".into(),
+        "busy-load=1000".into(),
+        "poll-ms=100".into(),
+    ]
+    .into();
+    let a = common::Nbdkit::start_on("127.0.0.1", &args, true);
+    // The member is known at the relay's address; later the relay is cut
+    // and the donor is found at its own.
+    let relay = Relay::start("127.0.0.2", &a.addr);
+    let Some(ds) = netpager_test_support::pager_servers(2) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(Mode::Mirror, SIZE, EXTENT, &ds.iter().collect::<Vec<_>>());
+    let mut first = pager_client::config::DonorConfig::new("a", relay.addr.clone());
+    first.status = a.status.clone();
+    cfg.donors.insert(0, first);
+    cfg.grace_ms = 60_000;
+    let dev = Device::open(cfg, dir.path()).unwrap();
+    let mut model = Model::new(SIZE);
+    model.fill(&dev, &mut Rng::new(9), EXTENT);
+    let held = donor_of(&dev.status(), "a").extents_held;
+    relay.cut();
+    // Reads go on; a request to the cut-off member times out and fails it.
+    model.check_all(&dev, EXTENT);
+    wait_status(&dev, "a failed", |s| donor_of(s, "a").failed);
+    let mut again = pager_client::config::DonorConfig::new("a-again", a.addr.clone());
+    again.status = a.status.clone();
+    dev.add_donor(again, netpager_membership::Joined::Added)
+        .unwrap();
+    let s = wait_status(&dev, "a back at its new address", |s| {
+        !donor_of(s, "a").failed && s.totals.degraded == 0
+    });
+    drop(relay);
+    let mut names: Vec<&str> = s.donors.iter().map(|d| d.name.as_str()).collect();
+    names.sort_unstable();
+    assert_eq!(names, ["a", "d0", "d1"], "{}", render_table(&s));
+    assert_eq!(donor_of(&s, "a").address, a.addr);
+    assert_eq!(donor_of(&s, "a").taken_back, held, "{}", render_table(&s));
+    model.check_all(&dev, EXTENT);
+}
