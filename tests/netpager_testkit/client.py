@@ -1,6 +1,8 @@
 """The netpager client as the tests drive it: `pagerctl` attach/detach/status
 around a state directory, with its detach registered in the test's Teardown
-the moment an attach starts, and a check that a detach left nothing behind."""
+the moment an attach starts, and a check that a detach left nothing behind.
+Attach and detach hold the machine's FUSE io_uring switch lock, and a device
+attached as swap the machine's swap lock until its detach (`machine`)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 
 from .cgroup import MemoryCgroup
 from .cleanup import Teardown
+from .machine import SWAP, URING_SWITCH
 from .procs import OwnedProcess, wait_for
 from .attach import mounted, swaps
 from .paths import pagerctl, target_dir
@@ -162,6 +165,7 @@ class PagerClient:
         self.attach_stderr = ""
         self._registered = False
         self._pids: list[int] = []
+        self._swap_held = False
 
     @property
     def socket(self) -> Path:
@@ -190,12 +194,17 @@ class PagerClient:
         args += list(extra)
         if not self._registered:
             # Registered before the attach runs: an interrupted attach leaves
-            # attach.json, which detach undoes.
+            # attach.json, which detach undoes (and then lets the swap lock go).
+            self.teardown.add(f"swap lock of {self.state_dir}", self._release_swap)
             self.teardown.add(f"pagerctl detach {self.state_dir}", self._teardown_detach)
             self.teardown.add_log(self.state_dir / "nbdkit.log")
             self.teardown.add_log(self.state_dir / "serve.log")
             self._registered = True
-        p = run_pagerctl(args)
+        if "--swap" in args and not self._swap_held:
+            SWAP.acquire()
+            self._swap_held = True
+        with URING_SWITCH.held():
+            p = run_pagerctl(args)
         self.attach_stderr = p.stderr
         self.device = p.stdout.strip().splitlines()[-1]
         pid = self.server_pid()
@@ -224,8 +233,15 @@ class PagerClient:
         return st["transport"] or st["frontend"]
 
     def detach(self) -> None:
-        run_pagerctl(["detach", "--state-dir", self.state_dir])
+        with URING_SWITCH.held():
+            run_pagerctl(["detach", "--state-dir", self.state_dir])
         self.device = None
+        self._release_swap()
+
+    def _release_swap(self) -> None:
+        if self._swap_held:
+            self._swap_held = False
+            SWAP.release()
 
     def _teardown_detach(self) -> None:
         if self.attach_json() is not None:

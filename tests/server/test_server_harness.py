@@ -17,6 +17,7 @@ from netpager_testkit import (oom_killed, repo_root, run_job_in_cgroup, swaps,
                               wait_for)
 from netpager_testkit.attach import mounted, run
 from netpager_testkit.donor import nbd_handshake
+from netpager_testkit.machine import SWAP, loopback, loopback_block
 from netpager_testkit.procs import proc_start_time
 
 MIB = 1 << 20
@@ -41,9 +42,29 @@ def test_cgroup_limit_is_enforced(root, teardown, tmp_path, memhog):
     assert not r.cgroup.exists(), f"{r.cgroup} left behind"
 
 
+def test_loopback_blocks_and_machine_locks_are_each_process_own(teardown):
+    """Concurrent test runs never share an address or a machine-wide lock:
+    another process gets another loopback block, and waits for a lock this
+    one holds (naming the holder)."""
+    mine = loopback_block()
+    probe = ("import sys; sys.path.insert(0, sys.argv[1]); from netpager_testkit import machine; "
+             "print(machine.loopback_block()); "
+             "machine.SWAP.acquire(timeout=0.5)")
+    SWAP.hold(teardown)
+    p = subprocess.run([sys.executable, "-c", probe, str(repo_root() / "tests")],
+                       capture_output=True, text=True, timeout=60)
+    other = int(p.stdout.split()[0])
+    assert other != mine and 1 <= other <= 254, (mine, p.stdout)
+    assert p.returncode != 0 and f"held by pid {os.getpid()}" in p.stderr, p.stderr
+    SWAP.release()
+    p = subprocess.run([sys.executable, "-c", probe, str(repo_root() / "tests")],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+
+
 def test_donor_control(memory_cluster, teardown):
     d1, d2 = memory_cluster.start_donors(2, size="64M")
-    assert (d1.addr, d2.addr) == ("127.0.0.2", "127.0.0.3")
+    assert (d1.addr, d2.addr) == (loopback(2), loopback(3))
     port = d1.port
     d1.kill9()
     assert not d1.alive() and not nbd_handshake(d1.uri())
