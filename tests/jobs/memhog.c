@@ -10,6 +10,11 @@
  *      rewrite one page in three with the next generation;
  *   3. verify every page in reverse order.
  *
+ * --until FILE repeats step 2 (at least PASSES times) until FILE exists, so
+ * a test that must do things while the job runs keeps it running until it
+ * has done them, then lets it verify and end. Each round of step 2 prints
+ * "memhog: round N verified" (flushed), an event a test can wait for.
+ *
  * --flip PAGE flips one bit of PAGE after the first pass, so a test can show
  * that the verifier catches a damaged page.
  *
@@ -24,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -91,6 +97,7 @@ static void usage(void)
 		"usage: memhog SIZE [--passes N] [--seed S]\n"
 		"  SIZE   bytes to touch, with optional K/M/G suffix (binary)\n"
 		"  --passes N  shuffled verify+rewrite rounds (default 2)\n"
+		"  --until F   more rounds until file F exists (at least N)\n"
 		"  --seed S    pattern seed (default 1)\n"
 		"  --flip P    flip one bit of page P after writing (proves the check)\n");
 	exit(2);
@@ -107,6 +114,7 @@ static uint64_t next_random(void)
 int main(int argc, char **argv)
 {
 	uint64_t size = 0, seed = 1, passes = 2, flip = UINT64_MAX;
+	const char *until = NULL;
 	int have_size = 0;
 
 	for (int i = 1; i < argc; i++) {
@@ -116,6 +124,8 @@ int main(int argc, char **argv)
 		} else if (strcmp(argv[i], "--seed") == 0 && i + 1 < argc) {
 			if (parse_size(argv[++i], &seed))
 				usage();
+		} else if (strcmp(argv[i], "--until") == 0 && i + 1 < argc) {
+			until = argv[++i];
 		} else if (strcmp(argv[i], "--flip") == 0 && i + 1 < argc) {
 			if (parse_size(argv[++i], &flip))
 				usage();
@@ -161,7 +171,11 @@ int main(int argc, char **argv)
 	if (flip < pages)
 		base[flip * page_size + 100] ^= 0x10;
 
+	struct stat st;
 	for (uint64_t round = 0; round <= passes; round++) {
+		/* With --until, one more round while the file is not there yet. */
+		if (round == passes && until && stat(until, &st) != 0)
+			passes++;
 		const int last = round == passes;
 		for (uint64_t i = 0; i < pages; i++)
 			order[i] = (uint32_t)(last ? pages - 1 - i : i);
@@ -190,6 +204,8 @@ int main(int argc, char **argv)
 		touched += pages;
 		if (last)
 			break;
+		printf("memhog: round %" PRIu64 " verified\n", round + 1);
+		fflush(stdout);
 		for (uint64_t i = round % 3; i < pages; i += 3) {
 			gen[i]++;
 			fill_page((uint64_t *)(base + i * page_size), words, page_key(seed, i, gen[i]));

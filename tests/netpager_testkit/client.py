@@ -48,17 +48,34 @@ class Job:
     The cgroup and the process are undone by the test's Teardown; the job is
     started after the attach, so it is killed before the detach (swapoff
     could not bring a live job's pages back into its small cgroup).
+
+    `until=True` appends `--until FILE` (memhog, prefetch-job): the job runs
+    until `stop()` creates FILE, then verifies and ends, so a test that must
+    do things while it runs never sizes it to outlast them.
     """
 
-    def __init__(self, teardown: Teardown, cmd, limit_bytes: int, log_path, swap_device: str | None = None):
+    def __init__(self, teardown: Teardown, cmd, limit_bytes: int, log_path, swap_device: str | None = None,
+                 until: bool = False):
         self.cgroup = MemoryCgroup(teardown, limit_bytes)
         self.swap_device = swap_device
         self.swap_peak = 0
+        self.stop_file = Path(str(log_path) + ".stop")
+        self.stop_file.unlink(missing_ok=True)
+        cmd = [str(c) for c in cmd] + (["--until", str(self.stop_file)] if until else [])
         argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.cgroup.procs_file)]
-        self.proc = OwnedProcess(argv + [str(c) for c in cmd], log_path, teardown, f"job {Path(str(cmd[0])).name}")
+        self.proc = OwnedProcess(argv + cmd, log_path, teardown, f"job {Path(cmd[0]).name}")
 
     def alive(self) -> bool:
         return self.proc.alive()
+
+    def stop(self) -> None:
+        """Tells a job started with `until=True` to verify and end."""
+        self.stop_file.touch()
+
+    def rounds(self) -> int:
+        """memhog's verify rounds so far (its "round N verified" lines)."""
+        return sum(1 for line in self.proc.log_path.read_text(errors="replace").splitlines()
+                   if line.startswith("memhog: round "))
 
     def swapped(self) -> int:
         """Bytes on the swap device now (and the peak so far)."""
@@ -81,9 +98,18 @@ class Job:
         return self.proc.log_tail()
 
 
-def run_memhog(teardown: Teardown, memhog, limit_bytes: int, log_path, device: str) -> Job:
-    """memhog touching 3x `limit_bytes` (one verify pass) swapping to `device`."""
-    return Job(teardown, [memhog, str(3 * limit_bytes), "--passes", "1"], limit_bytes, log_path, device)
+def run_memhog(teardown: Teardown, memhog, limit_bytes: int, log_path, device: str,
+               until: bool = False) -> Job:
+    """memhog touching 3x `limit_bytes` (one verify pass, or passes until
+    `job.stop()` with `until`) swapping to `device`."""
+    return Job(teardown, [memhog, str(3 * limit_bytes), "--passes", "1"], limit_bytes, log_path, device,
+               until=until)
+
+
+def device_ios(device: str) -> int:
+    """Requests a block device has completed (reads + writes, /sys/block/DEV/stat)."""
+    f = Path(f"/sys/block/{Path(device).name}/stat").read_text().split()
+    return int(f[0]) + int(f[4])
 
 
 def donor_report(status: dict, name: str) -> dict:

@@ -32,6 +32,37 @@ def test_memhog_verifies_and_catches_a_flipped_bit(memhog):
     assert "bad page 1234 (offset 0x4d2060) word 12:" in bad.stderr, bad.stderr
 
 
+def test_blkhog_verifies_and_catches_a_flipped_bit(blkhog, tmp_path):
+    disk = tmp_path / "disk.img"
+    disk.write_bytes(b"\0" * (4 * MIB))
+    ok = subprocess.run([blkhog, disk, "4M", "--threads", "8"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "blkhog: OK blocks=1024 threads=8 " in ok.stdout, ok.stdout
+    bad = subprocess.run([blkhog, disk, "4M", "--threads", "8", "--flip", "777"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 1
+    assert "bad block 777 (offset 0x309060) word 12:" in bad.stderr, bad.stderr
+    # --until: random rewrites and checks until the file appears, then all.
+    stop = tmp_path / "stop"
+    job = subprocess.Popen([blkhog, disk, "4M", "--threads", "8", "--until", stop],
+                           stdout=subprocess.PIPE, text=True)
+    assert job.stdout.readline().strip() == "blkhog: filled"
+    stop.touch()
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode == 0 and "blkhog: OK blocks=1024 " in out, out
+
+
+def test_memhog_runs_until_told_to_stop(memhog, tmp_path):
+    stop = tmp_path / "stop"
+    job = subprocess.Popen([memhog, "4M", "--passes", "1", "--until", stop],
+                           stdout=subprocess.PIPE, text=True)
+    assert job.stdout.readline().strip() == "memhog: round 1 verified"
+    assert job.stdout.readline().strip() == "memhog: round 2 verified"
+    stop.touch()
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode == 0 and "memhog: OK pages=1024 " in out, out
+
+
 def test_cgroup_limit_is_enforced(root, teardown, tmp_path, memhog):
     # No swap allowed: a job touching 4x its limit must be OOM-killed, which
     # shows the limit applies to the job (and so forces swap when allowed).
