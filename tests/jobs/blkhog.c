@@ -35,16 +35,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "verify.h"
+
 #define BLOCK 4096
 #define WORDS (BLOCK / sizeof(uint64_t))
-
-static uint64_t splitmix64(uint64_t x)
-{
-	x += 0x9e3779b97f4a7c15ULL;
-	x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-	x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-	return x ^ (x >> 31);
-}
 
 struct job {
 	int fd;
@@ -82,9 +76,7 @@ static int io(struct job *j, int write, uint64_t *buf, uint64_t block)
 static int write_block(struct job *j, uint64_t *buf, uint64_t i)
 {
 	uint64_t block = j->first + i;
-	uint64_t key = block_key(j->seed, block, ++j->gen[i]);
-	for (size_t w = 0; w < WORDS; w++)
-		buf[w] = splitmix64(key + w);
+	fill_words(buf, WORDS, block_key(j->seed, block, ++j->gen[i]));
 	j->writes++;
 	return io(j, 1, buf, block);
 }
@@ -96,19 +88,18 @@ static int check_block(struct job *j, uint64_t *buf, uint64_t i)
 		return -1;
 	j->reads++;
 	uint64_t key = block_key(j->seed, block, j->gen[i]);
-	for (size_t w = 0; w < WORDS; w++)
-		if (buf[w] != splitmix64(key + w)) {
-			fprintf(stderr,
-				"blkhog: FAILED thread %d: bad block %" PRIu64 " (offset 0x%" PRIx64
-				") word %zu: expected 0x%016" PRIx64 " got 0x%016" PRIx64
-				" (generation %" PRIu32 ")\n",
-				j->id, block, block * BLOCK + w * sizeof(uint64_t), w,
-				splitmix64(key + w), buf[w], j->gen[i]);
-			j->failed = 1;
-			atomic_store(&failing, 1);
-			return -1;
-		}
-	return 0;
+	size_t w = check_words(buf, WORDS, key);
+	if (w == WORDS)
+		return 0;
+	fprintf(stderr,
+		"blkhog: FAILED thread %d: bad block %" PRIu64 " (offset 0x%" PRIx64
+		") word %zu: expected 0x%016" PRIx64 " got 0x%016" PRIx64
+		" (generation %" PRIu32 ")\n",
+		j->id, block, block * BLOCK + w * sizeof(uint64_t), w,
+		splitmix64(key + w), buf[w], j->gen[i]);
+	j->failed = 1;
+	atomic_store(&failing, 1);
+	return -1;
 }
 
 static uint64_t next_random(uint64_t *state)
@@ -198,29 +189,10 @@ static int flip_bit(int fd, uint64_t block)
 	return rc;
 }
 
-static int parse_size(const char *s, uint64_t *out)
-{
-	char *end;
-	errno = 0;
-	unsigned long long v = strtoull(s, &end, 10);
-	if (errno || end == s)
-		return -1;
-	switch (*end) {
-	case 'k': case 'K': v <<= 10; end++; break;
-	case 'm': case 'M': v <<= 20; end++; break;
-	case 'g': case 'G': v <<= 30; end++; break;
-	default: break;
-	}
-	if (*end != '\0')
-		return -1;
-	*out = v;
-	return 0;
-}
-
 static void usage(void)
 {
 	fprintf(stderr,
-		"usage: blkhog DEVICE SIZE [--threads N] [--seed S] [--until FILE]\n"
+		"usage: blkhog DEVICE SIZE [--threads N] [--until F] [--seed S] [--flip B]\n"
 		"  SIZE         bytes from the start of DEVICE (K/M/G suffix), a multiple\n"
 		"               of 4096 x N\n"
 		"  --threads N  threads, each with one request in flight (default 32)\n"
@@ -233,20 +205,15 @@ static void usage(void)
 
 int main(int argc, char **argv)
 {
-	const char *path = NULL, *until = NULL;
-	uint64_t size = 0, seed = 1, threads = 32, flip = UINT64_MAX;
+	const char *path = NULL;
+	uint64_t size = 0, threads = 32;
+	struct job_options opt = JOB_OPTIONS_DEFAULT;
 	int have_size = 0;
 	for (int i = 1; i < argc; i++) {
+		if (job_option(argc, argv, &i, &opt, usage))
+			continue;
 		if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
 			if (parse_size(argv[++i], &threads) || threads == 0 || threads > 1024)
-				usage();
-		} else if (strcmp(argv[i], "--seed") == 0 && i + 1 < argc) {
-			if (parse_size(argv[++i], &seed))
-				usage();
-		} else if (strcmp(argv[i], "--until") == 0 && i + 1 < argc) {
-			until = argv[++i];
-		} else if (strcmp(argv[i], "--flip") == 0 && i + 1 < argc) {
-			if (parse_size(argv[++i], &flip))
 				usage();
 		} else if (!path) {
 			path = argv[i];
@@ -258,9 +225,9 @@ int main(int argc, char **argv)
 	}
 	if (!path || !have_size || size == 0 || size % (BLOCK * threads))
 		usage();
-	if (flip != UINT64_MAX && flip >= size / BLOCK) {
+	if (opt.flip != UINT64_MAX && opt.flip >= size / BLOCK) {
 		fprintf(stderr, "blkhog: --flip %" PRIu64 " is past the last block %" PRIu64 "\n",
-			flip, size / BLOCK - 1);
+			opt.flip, size / BLOCK - 1);
 		return 2;
 	}
 	int fd = open(path, O_RDWR | O_DIRECT);
@@ -273,7 +240,7 @@ int main(int argc, char **argv)
 	if (!jobs)
 		return 2;
 	for (uint64_t i = 0; i < threads; i++) {
-		jobs[i] = (struct job){ .fd = fd, .seed = seed, .first = i * per, .blocks = per,
+		jobs[i] = (struct job){ .fd = fd, .seed = opt.seed, .first = i * per, .blocks = per,
 					.gen = calloc(per, sizeof(uint32_t)), .id = (int)i };
 		if (!jobs[i].gen)
 			return 2;
@@ -281,13 +248,13 @@ int main(int argc, char **argv)
 	struct timespec t0, t1;
 	clock_gettime(CLOCK_MONOTONIC, &t0);
 	int rc = run_phase(jobs, (int)threads, FILL, NULL);
-	if (rc == 0 && flip != UINT64_MAX)
-		rc = flip_bit(fd, flip);
+	if (rc == 0 && opt.flip != UINT64_MAX)
+		rc = flip_bit(fd, opt.flip);
 	if (rc == 0) {
 		printf("blkhog: filled\n");
 		fflush(stdout);
-		if (until)
-			rc = run_phase(jobs, (int)threads, MIX, until);
+		if (opt.until)
+			rc = run_phase(jobs, (int)threads, MIX, opt.until);
 	}
 	if (rc == 0)
 		rc = run_phase(jobs, (int)threads, VERIFY, NULL);
