@@ -4,7 +4,7 @@ at the lowest priority, and every test that failed at least once is
 reported with its failure.
 
     PYTHONPATH=tests /usr/bin/python3 -m netpager_testkit.stress [--count N]
-        [--phases quiet,stress] [--rust] [--out DIR] [-- PYTEST ARGUMENTS...]
+        [--phases quiet,stress] [--rust | --rust-only] [--out DIR] [-- PYTEST ARGUMENTS...]
 
 Each phase runs the suite N times (`--count`, or NETPAGER_TEST_REPEAT,
 default 3): pytest with the arguments given (default: the whole of
@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phases", default="quiet,stress",
                     help="comma-separated, of: quiet, stress (default both, in that order)")
     ap.add_argument("--rust", action="store_true", help="cargo test in each run too")
+    ap.add_argument("--rust-only", action="store_true", help="cargo test alone, no pytest")
     ap.add_argument("--timeout", type=float, default=3 * 3600,
                     help="seconds one pytest or cargo run may take (default 3 h)")
     ap.add_argument("--out", type=Path, default=repo_root() / "bench-results" / "stress")
@@ -183,9 +184,10 @@ def main(argv: list[str] | None = None) -> int:
                 start_stress(td, out / "stress-ng.log")
             for n in range(1, args.count + 1):
                 tag = f"{phase}-{n}"
-                suites = [("pytest", [sys.executable, "-m", "pytest", "-ra", "-p", "no:cacheprovider",
-                                      f"--junitxml={out / f'{tag}.xml'}", *pytest_args])]
-                if args.rust:
+                suites = [] if args.rust_only else [
+                    ("pytest", [sys.executable, "-m", "pytest", "-ra", "-p", "no:cacheprovider",
+                                f"--junitxml={out / f'{tag}.xml'}", *pytest_args])]
+                if args.rust or args.rust_only:
                     suites.append(("cargo", ["cargo", "test", *cargo_args, "--no-fail-fast"]))
                 for what, cmd in suites:
                     log = out / f"{tag}-{what}.log"
