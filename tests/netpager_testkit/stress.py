@@ -11,8 +11,10 @@ default 3): pytest with the arguments given (default: the whole of
 tests/), each run writing JUnit XML; with `--rust` also `cargo test
 --release --workspace --no-fail-fast` (STRESS_CARGO replaces its
 arguments). In the stress phase stress-ng runs at nice 19 and the idle
-I/O class, started by pid in a session of its own and stopped with its
-workers on every exit path (end, failure, Ctrl-C, SIGTERM).
+I/O class, in a private mount namespace (its io stressor would otherwise
+hold every test's FUSE mount busy), started by pid in a session of its own
+and stopped with its workers on every exit path (end, failure, Ctrl-C,
+SIGTERM).
 
 DIR (default bench-results/stress) gets each run's log and XML, the
 pytest run's temporary directory (`--basetemp`, with every test's logs)
@@ -46,10 +48,18 @@ FAILURE_LINES = 12
 
 def start_stress(td: Teardown, log: Path) -> OwnedProcess:
     """stress-ng at nice 19 and the idle I/O class; its workers go with it
-    (they share its session) on every exit path."""
+    (they share its session) on every exit path.
+
+    It runs in a mount namespace of its own, made private before the tests
+    mount anything: its io stressor opens every mounted file system to
+    syncfs it and keeps the descriptors, which would hold the tests' FUSE
+    mounts busy, so that no unmount of theirs could succeed while it runs
+    (seen in the hunt: detaches failing with EBUSY). It still syncs the
+    machine's own file systems, which is the load asked for."""
     if shutil.which("stress-ng") is None:
         raise SystemExit(f"{PROG}: stress-ng is not installed (make deps)")
-    argv = ["nice", "-n", "19", "ionice", "-c", "3", *STRESS_NG]
+    argv = ["unshare", "--mount", "--propagation", "private",
+            "nice", "-n", "19", "ionice", "-c", "3", *STRESS_NG]
     proc = OwnedProcess(argv, log, td, "stress-ng")
     td.add(f"stress-ng's workers (session {proc.pid})", proc.stop_session)
     return proc
