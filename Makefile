@@ -23,8 +23,8 @@ export NETPAGER_VERSION := $(shell bash scripts/version.sh)
 export NETPAGER_COMMIT := $(shell git rev-parse HEAD 2>/dev/null)
 
 .PHONY: all deps build demo lab-demo test test-unit test-server test-client test-prefetch \
-        test-ansible test-security test-monitoring test-bench bench bench-server bench-client bench-prefetch bench-apps \
-        fuzz soak faults clean lint deb test-deb
+        test-ansible test-security test-monitoring test-bench test-stress bench bench-server bench-client \
+        bench-prefetch bench-apps fuzz soak faults clean lint deb test-deb
 
 all: build
 
@@ -84,6 +84,16 @@ test-monitoring: build
 # shortest configuration.
 test-bench: build
 	$(PYTEST) tests/bench
+
+# The flake hunt: the end-to-end tests (and, with --rust, cargo test)
+# NETPAGER_TEST_REPEAT times (default 3) on a quiet machine, then as many
+# times with stress-ng --cpu 2 --io 1 beside them at nice 19; every test
+# that failed at least once, with its failure, in
+# bench-results/stress/summary.txt (docs/HACKING.md, "Tests that cannot
+# flake"). STRESS_ARGS picks what runs: e.g. "--phases stress tests/client".
+STRESS_ARGS ?= --rust tests
+test-stress: build
+	$(BENCH_PY).stress $(STRESS_ARGS)
 
 # Debian packages netpager-donor, netpager-client and netpager-prefetchd
 # into dist/, lintian-checked (scripts/deb.sh; docs/HACKING.md, "Packages").

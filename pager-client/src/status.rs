@@ -172,8 +172,8 @@ pub struct Totals {
     #[serde(default)]
     pub groups_resynced: u64,
     /// The stride prefetcher (`prefetch_pages` > 0): pages read ahead,
-    /// reads served from its cache, pages that left it unread, and the
-    /// bytes it holds now.
+    /// reads served from its cache, pages that left it unread, the bytes
+    /// it holds now, and the pages predicted that are not there yet.
     #[serde(default)]
     pub prefetch_pages: u32,
     #[serde(default)]
@@ -184,6 +184,8 @@ pub struct Totals {
     pub prefetch_wasted: u64,
     #[serde(default)]
     pub prefetch_cache_bytes: u64,
+    #[serde(default)]
+    pub prefetch_pending: u64,
 }
 
 /// Requests of one kind the device served since it started.
@@ -440,12 +442,13 @@ pub fn render_table(s: &ClientStatus) -> String {
         w(
             &mut out,
             format!(
-                "prefetch: {} pages ahead, {} issued, {} hits, {} wasted, {} cached",
+                "prefetch: {} pages ahead, {} issued, {} hits, {} wasted, {} cached, {} pending",
                 t.prefetch_pages,
                 t.prefetch_issued,
                 t.prefetch_hits,
                 t.prefetch_wasted,
-                format_size(t.prefetch_cache_bytes)
+                format_size(t.prefetch_cache_bytes),
+                t.prefetch_pending
             ),
         );
     }

@@ -338,6 +338,12 @@ impl DonorLane {
         self.failed.load(Ordering::Relaxed)
     }
 
+    /// Failed or stopping: it takes no more work, and fails at once (on
+    /// the caller's own stack) whatever it is given.
+    pub fn refuses_work(&self) -> bool {
+        self.failed() || self.queues.lock().expect("donor queue lock").stopping
+    }
+
     /// Reads slot `slot` (a whole block) for a global-to-local fill.
     pub fn read_slot(&self, slot: u32, done: SlotRead) {
         let mut q = self.queues.lock().expect("donor queue lock");

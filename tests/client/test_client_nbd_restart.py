@@ -46,13 +46,16 @@ def test_kill9_of_nbdkit_then_a_restart_while_swapping(teardown, donors, client,
                            extra=["--restartable"])
     assert device.startswith("/dev/nbd"), device
     assert client.status()["restartable"]
-    job = Job(teardown, [memhog, str(3 * LIMIT)], LIMIT, tmp_path / "memhog.log", device)
+    # The job swaps until the kill and the restart are done, then verifies.
+    job = Job(teardown, [memhog, str(3 * LIMIT)], LIMIT, tmp_path / "memhog.log", device, until=True)
     wait_for(lambda: job.swapped() >= 16 * MIB or not job.alive(), 300, f"16 MiB swapped out to {device}")
     assert job.alive(), f"the job ended before it swapped enough: {job.proc.log_tail()}"
     old = client.kill_serving_process()
     assert client.serving_pid() != old
     out = run_pagerctl(["restart", "--state-dir", client.state_dir]).stdout
     assert "replaced by" in out, out
+    assert job.alive(), f"the job ended during the restarts: {job.proc.log_tail()}"
+    job.stop()
     assert "memhog: OK" in job.finish()
     h = client.holder()
     assert h["restarts"] == 2 and h["crashes"] == 1 and h["expired"] == 0, h

@@ -52,7 +52,6 @@ def test_swap_job_in_each_mode(mode, frontend, teardown, donors, client, memhog,
 
     client.detach()
     assert client.leftovers() == []
-    assert device not in swaps()
 
 
 def test_donors_give_memory_back_when_a_swap_job_exits(teardown, donors, client, memhog, tmp_path):
@@ -87,7 +86,6 @@ def test_donors_give_memory_back_when_a_swap_job_exits(teardown, donors, client,
 
     client.detach()
     assert client.leftovers() == []
-    assert device not in swaps()
 
 
 def test_attach_failure_undoes_every_step(teardown, donors, client):

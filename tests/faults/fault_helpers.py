@@ -294,14 +294,21 @@ def mem_available() -> int:
 
 class MemoryHog:
     """stress-ng holding `size` bytes of anonymous memory in a memory cgroup
-    of its own (limit a little above it), so the node's MemAvailable drops."""
+    of its own (limit a little above it), so the node's MemAvailable drops;
+    it holds them until stopped (by the test or its teardown)."""
 
     def __init__(self, teardown: Teardown, size: int, log_path):
+        self.size = size
         self.cgroup = MemoryCgroup(teardown, size + 512 * MIB)
         argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.cgroup.procs_file),
                 "stress-ng", "--vm", "1", "--vm-bytes", f"{size // MIB}M", "--vm-keep",
-                "--vm-populate", "--timeout", "300s"]
+                "--vm-populate", "--timeout", "0"]
         self.proc = OwnedProcess(argv, log_path, teardown, "memory hog")
+
+    def holding(self) -> bool:
+        """Once it holds its whole size (raises if it died)."""
+        assert self.proc.alive(), f"the memory hog ended: {self.proc.log_tail()}"
+        return self.cgroup.memory_bytes() >= self.size
 
     def stop(self) -> None:
         self.proc.stop()

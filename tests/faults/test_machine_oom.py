@@ -31,6 +31,7 @@ import pytest
 
 from netpager_testkit.attach import Swap, swaps
 from netpager_testkit.donor import free_ports, nbd_handshake
+from netpager_testkit.machine import loopback
 from netpager_testkit.procs import OwnedProcess, has_cap_sys_resource, wait_for
 
 GIB = 1 << 30
@@ -46,7 +47,7 @@ class LockedDonor:
     whose memory is all allocated and locked when it starts."""
 
     def __init__(self, teardown, workdir: Path, name: str, size: str):
-        self.name, self.addr = name, "127.0.0.1"
+        self.name, self.addr = name, loopback(2, net=1)
         self.port = free_ports(self.addr, 1)[0]
         self.status_addr = None
         argv = ["nbdkit", "-f", "-i", self.addr, "--port", str(self.port), "memory", size,

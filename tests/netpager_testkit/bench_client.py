@@ -101,6 +101,7 @@ from .cgroup import run_job_in_cgroup
 from .cleanup import Teardown, install_handlers
 from .client import Job, PagerClient, client_plugin
 from .demo import parse_size
+from . import machine
 from .donor import Cluster, Donor
 from .paths import job, pagerctl, server_plugin, target_dir
 from .procs import OwnedProcess, tail, wait_for
@@ -164,7 +165,7 @@ class Bench:
         link (None: loopback speed)."""
         filters = {"filters": ["rate"], "filter_params": {"rate": rate}} if rate else {}
         cluster = Cluster(td, self.work / tag, server_plugin())
-        return cluster.start_donors(n, size="2G", budgets="2G", reserve=0, busy_load=1000, **filters)
+        return cluster.start_donors(n, size="2G", budgets="2G", **filters)
 
     def attach(self, td: Teardown, tag: str, donors, mode: str, size: str, frontend: str,
                swap: bool = False, width: int | None = None, client_id: str = "bench",
@@ -354,7 +355,7 @@ def memory_server(b: Bench, td: Teardown, rate: str | None) -> Donor:
     """One `nbdkit memory` over TCP on a loopback address of its own, as a
     remote memory server would be."""
     filters = {"filters": ["rate"], "filter_params": {"rate": rate}} if rate else {}
-    return Donor(td, b.work, "mem", "127.0.0.9", "memory", {"size": "1G"}, **filters).start()
+    return Donor(td, b.work, "mem", machine.loopback(9, net=1), "memory", {"size": "1G"}, **filters).start()
 
 
 class SwapTargets:
@@ -394,7 +395,9 @@ class SwapTargets:
     def floor_file(self, td: Teardown) -> Path:
         """examples/fuse-memory mounted in the work directory; its file."""
         if URING_SWITCH.exists():
-            # On, as pagerctl attach turns it on for the client (and detach back).
+            # On, as pagerctl attach turns it on for the client (and detach back);
+            # no other test run flips it meanwhile.
+            machine.URING_SWITCH.hold(td)
             was = URING_SWITCH.read_text().strip()
             td.add(f"{URING_SWITCH} back to {was}", lambda: URING_SWITCH.write_text(was))
             URING_SWITCH.write_text("Y")

@@ -1,6 +1,8 @@
 """The netpager client as the tests drive it: `pagerctl` attach/detach/status
 around a state directory, with its detach registered in the test's Teardown
-the moment an attach starts, and a check that a detach left nothing behind."""
+the moment an attach starts, and a check that a detach left nothing behind.
+Attach and detach hold the machine's FUSE io_uring switch lock, and a device
+attached as swap the machine's swap lock until its detach (`machine`)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 
 from .cgroup import MemoryCgroup
 from .cleanup import Teardown
+from .machine import SWAP, URING_SWITCH
 from .procs import OwnedProcess, wait_for
 from .attach import mounted, swaps
 from .paths import pagerctl, target_dir
@@ -45,17 +48,34 @@ class Job:
     The cgroup and the process are undone by the test's Teardown; the job is
     started after the attach, so it is killed before the detach (swapoff
     could not bring a live job's pages back into its small cgroup).
+
+    `until=True` appends `--until FILE` (memhog, prefetch-job): the job runs
+    until `stop()` creates FILE, then verifies and ends, so a test that must
+    do things while it runs never sizes it to outlast them.
     """
 
-    def __init__(self, teardown: Teardown, cmd, limit_bytes: int, log_path, swap_device: str | None = None):
+    def __init__(self, teardown: Teardown, cmd, limit_bytes: int, log_path, swap_device: str | None = None,
+                 until: bool = False):
         self.cgroup = MemoryCgroup(teardown, limit_bytes)
         self.swap_device = swap_device
         self.swap_peak = 0
+        self.stop_file = Path(str(log_path) + ".stop")
+        self.stop_file.unlink(missing_ok=True)
+        cmd = [str(c) for c in cmd] + (["--until", str(self.stop_file)] if until else [])
         argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.cgroup.procs_file)]
-        self.proc = OwnedProcess(argv + [str(c) for c in cmd], log_path, teardown, f"job {Path(str(cmd[0])).name}")
+        self.proc = OwnedProcess(argv + cmd, log_path, teardown, f"job {Path(cmd[0]).name}")
 
     def alive(self) -> bool:
         return self.proc.alive()
+
+    def stop(self) -> None:
+        """Tells a job started with `until=True` to verify and end."""
+        self.stop_file.touch()
+
+    def rounds(self) -> int:
+        """memhog's verify rounds so far (its "round N verified" lines)."""
+        return sum(1 for line in self.proc.log_path.read_text(errors="replace").splitlines()
+                   if line.startswith("memhog: round "))
 
     def swapped(self) -> int:
         """Bytes on the swap device now (and the peak so far)."""
@@ -78,9 +98,18 @@ class Job:
         return self.proc.log_tail()
 
 
-def run_memhog(teardown: Teardown, memhog, limit_bytes: int, log_path, device: str) -> Job:
-    """memhog touching 3x `limit_bytes` (one verify pass) swapping to `device`."""
-    return Job(teardown, [memhog, str(3 * limit_bytes), "--passes", "1"], limit_bytes, log_path, device)
+def run_memhog(teardown: Teardown, memhog, limit_bytes: int, log_path, device: str,
+               until: bool = False) -> Job:
+    """memhog touching 3x `limit_bytes` (one verify pass, or passes until
+    `job.stop()` with `until`) swapping to `device`."""
+    return Job(teardown, [memhog, str(3 * limit_bytes), "--passes", "1"], limit_bytes, log_path, device,
+               until=until)
+
+
+def device_ios(device: str) -> int:
+    """Requests a block device has completed (reads + writes, /sys/block/DEV/stat)."""
+    f = Path(f"/sys/block/{Path(device).name}/stat").read_text().split()
+    return int(f[0]) + int(f[4])
 
 
 def donor_report(status: dict, name: str) -> dict:
@@ -162,6 +191,7 @@ class PagerClient:
         self.attach_stderr = ""
         self._registered = False
         self._pids: list[int] = []
+        self._swap_held = False
 
     @property
     def socket(self) -> Path:
@@ -190,12 +220,17 @@ class PagerClient:
         args += list(extra)
         if not self._registered:
             # Registered before the attach runs: an interrupted attach leaves
-            # attach.json, which detach undoes.
+            # attach.json, which detach undoes (and then lets the swap lock go).
+            self.teardown.add(f"swap lock of {self.state_dir}", self._release_swap)
             self.teardown.add(f"pagerctl detach {self.state_dir}", self._teardown_detach)
             self.teardown.add_log(self.state_dir / "nbdkit.log")
             self.teardown.add_log(self.state_dir / "serve.log")
             self._registered = True
-        p = run_pagerctl(args)
+        if "--swap" in args and not self._swap_held:
+            SWAP.acquire()
+            self._swap_held = True
+        with URING_SWITCH.held():
+            p = run_pagerctl(args)
         self.attach_stderr = p.stderr
         self.device = p.stdout.strip().splitlines()[-1]
         pid = self.server_pid()
@@ -224,8 +259,15 @@ class PagerClient:
         return st["transport"] or st["frontend"]
 
     def detach(self) -> None:
-        run_pagerctl(["detach", "--state-dir", self.state_dir])
+        with URING_SWITCH.held():
+            run_pagerctl(["detach", "--state-dir", self.state_dir])
         self.device = None
+        self._release_swap()
+
+    def _release_swap(self) -> None:
+        if self._swap_held:
+            self._swap_held = False
+            SWAP.release()
 
     def _teardown_detach(self) -> None:
         if self.attach_json() is not None:

@@ -200,6 +200,7 @@ impl Inner {
             t.prefetch_hits = n.hits;
             t.prefetch_wasted = n.wasted;
             t.prefetch_cache_bytes = pf.cache.ready_bytes();
+            t.prefetch_pending = pf.cache.pending() as u64;
         }
         if layout.mode.striped() {
             t.groups_open = self.map.open_intents().len() as u64;

@@ -373,6 +373,12 @@ impl PrefetchCache {
     pub fn slots(&self) -> usize {
         self.inner.lock_or_recover().slots.len()
     }
+
+    /// Pages predicted and not in the cache yet: queued or being read.
+    pub fn pending(&self) -> usize {
+        let c = self.inner.lock_or_recover();
+        c.slots.len() - (self.capacity - c.free.len())
+    }
 }
 
 impl Cache {
