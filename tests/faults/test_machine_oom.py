@@ -179,7 +179,12 @@ def test_parity_swap_holds_with_the_whole_machine_out_of_memory(root, teardown, 
     # marks itself an I/O flusher (auto would pick kernel nbd where the
     # module is loaded, as in the test VM: nbdkit never asks).
     frontend = "fuse-uring" if URING_SWITCH.exists() else "fuse"
-    device = client.attach(ds, mode="parity", size=f"{device_size >> 20}M", swap=True, frontend=frontend)
+    # attach trims each donor's whole export in one request: under the
+    # test VM's emulation, a few hundred MiB of locked memory take longer
+    # than the default 5 s request timeout, and parity on 3 donors needs
+    # all three.
+    device = client.attach(ds, mode="parity", size=f"{device_size >> 20}M", swap=True, frontend=frontend,
+                           extra=["--request-timeout", "30"])
     assert client.status()["io_flusher"], "the serving process is no I/O flusher"
     row = run_under_pressure(teardown, tmp_path, memhog, device, job_size, client.state_dir / "fuse")
     st = client.device_status()

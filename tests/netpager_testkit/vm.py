@@ -272,7 +272,7 @@ def run_vm(tests: list[str], timeout: float, mem_mib: int = 2048, cpus: int = 2,
     image = build()
     runs = cache_dir() / "runs"
     runs.mkdir(parents=True, exist_ok=True)
-    _prune(runs, 5)
+    _prune(runs, 4)
     out = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=runs))
     share = out / "share"
     share.mkdir(parents=True)
