@@ -32,7 +32,8 @@ NBD_TIMEOUT = 5
 
 no_kernel_nbd = pytest.mark.skipif(
     not Path("/dev/nbd0").exists(),
-    reason="no /dev/nbd0: the kernel nbd module is not loaded (modprobe nbd), so a restartable kernel nbd device cannot run here",
+    reason="no /dev/nbd0: the kernel nbd module is not loaded (modprobe nbd), so a restartable kernel nbd "
+           "device cannot run here (make test-vm runs it in the test VM)",
 )
 
 

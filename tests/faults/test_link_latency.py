@@ -28,11 +28,14 @@ from netlab import Latency
 LIMIT = job_limit(32 * MIB)
 REQUEST_TIMEOUT = 20
 
+# Asked before the lab is built.
+pytestmark = pytest.mark.skipif(not netlab.netem_available(),
+                                reason="this kernel has no netem (sch_netem): the test VM runs this "
+                                       "test (make test-vm)")
+
 
 def test_latency_fails_over_only_the_donor_past_the_request_timeout(teardown, lab_donors, client, memhog,
                                                                    tmp_path):
-    if not netlab.netem_available():
-        pytest.skip("this kernel has no netem (sch_netem): the test VM runs this test (make test-vm)")
     ds = lab_donors(4)
     links = {d.name: Latency(teardown, lab_donors.lab, d.name, "40ms") for d in ds}
     timeouts = ["--request-timeout", str(REQUEST_TIMEOUT), "--connect-timeout", str(REQUEST_TIMEOUT)]
