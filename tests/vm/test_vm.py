@@ -24,7 +24,7 @@ from netpager_testkit.ci import skip_or_fail
 
 SLICE = ["tests/client/test_client_nbd_restart.py", "-k", "stall"]
 # The tests' own bound in the VM; the run ends vm.GRACE_S later at worst.
-SLICE_TIMEOUT = 480
+SLICE_TIMEOUT = 600
 
 
 def test_kernel_nbd_stall_in_the_vm(root, tmp_path):
