@@ -21,10 +21,19 @@ export NETPAGER_REQUIRE_SERVER := 1
 # (netpager_util::version!, scripts/version.sh).
 export NETPAGER_VERSION := $(shell bash scripts/version.sh)
 export NETPAGER_COMMIT := $(shell git rev-parse HEAD 2>/dev/null)
+# When this make began: `make test` leaves out its VM slice when the suite
+# has no time left for it (tests/vm/test_vm.py, NETPAGER_TEST_BUDGET).
+export NETPAGER_TEST_STARTED ?= $(shell date +%s)
+# What `make test-vm` runs in the test VM (Debian's kernel under qemu:
+# kernel nbd, cgroup v2, netem, CAP_SYS_RESOURCE; netpager_testkit.vm), and
+# for how long at most.
+VM_TESTS ?= tests/client/test_client_nbd_restart.py tests/faults/test_machine_oom.py \
+            tests/faults/test_link_latency.py tests/client/test_client_swap.py
+VM_TIMEOUT ?= 3600
 
 .PHONY: all deps build demo lab-demo test test-unit test-server test-client test-prefetch \
         test-ansible test-security test-monitoring test-bench test-stress bench bench-server bench-client \
-        bench-prefetch bench-apps fuzz soak faults clean lint deb test-deb
+        bench-prefetch bench-apps fuzz soak faults clean lint deb test-deb test-vm
 
 all: build
 
@@ -105,6 +114,12 @@ deb: build
 # also part of `make test`.
 test-deb: build
 	$(PYTEST) tests/deb
+
+# VM_TESTS in the test VM, booted once (docs/HACKING.md, "The test VM");
+# its kernel, initramfs and runs are cached in target/vm/. `make test`
+# runs a short slice of it (tests/vm/test_vm.py).
+test-vm: build
+	NETPAGER_FAULTS=full VM_TIMEOUT=$(VM_TIMEOUT) $(BENCH_PY).vm $(VM_TESTS)
 
 fuzz: deps
 	bash scripts/fuzz.sh $(FUZZ_SECONDS)

@@ -12,6 +12,7 @@ debs=(
   ansible ansible-lint prometheus tmux openssh-server
   pandoc help2man lintian dpkg-dev mmdebstrap
   redis-server redis-tools python3-igraph python3-numpy
+  qemu-system-x86 busybox-static
 )
 
 missing=()

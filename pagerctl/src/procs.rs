@@ -71,6 +71,21 @@ pub fn io_flusher(pid: u32) -> Option<bool> {
     Some(flags & PF_MEMALLOC_NOIO != 0)
 }
 
+/// PF_EXITING (include/linux/sched.h): the process is in exit(2).
+const PF_EXITING: u64 = 0x4;
+
+/// Whether `pid` is on its way out (in exit(2), or a zombie): its files,
+/// sockets included, are closing or closed.
+pub fn exiting(pid: u32) -> bool {
+    let Some(stat) = read_stat(pid) else {
+        return true;
+    };
+    let flags: u64 = stat_field(&stat, 9)
+        .and_then(|f| f.parse().ok())
+        .unwrap_or(0);
+    stat_field(&stat, 3) == Some("Z") || flags & PF_EXITING != 0
+}
+
 /// Whether `pid` is still the live process that started at `started`; a pid
 /// reused after a crash or a reboot is never ours.
 pub fn owned(pid: u32, started: u64) -> bool {

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from netpager_testkit.client import MIB, donor_spec, run_memhog, run_pagerctl
+from netpager_testkit.client import MIB, donor_spec, job_limit, run_memhog, run_pagerctl
 from netpager_testkit.procs import has_cap_sys_resource, wait_for
 from netpager_testkit import swaps
 
-LIMIT = 64 * MIB
+LIMIT = job_limit(64 * MIB)
 
 
 @pytest.mark.parametrize("mode,frontend", [("none", "fuse-uring"), ("mirror", "fuse-uring"),

@@ -392,19 +392,21 @@ class LabDonor(Donor):
         return self.host.netns_argv(super().argv())
 
 
-class SlowLink:
-    """A token-bucket filter on both ends of a host's link: `rate` each way,
-    packets queued up to `latency`, dropped beyond. Removed by `heal` and on
-    teardown."""
+class _LinkQdisc:
+    """A root qdisc on both ends of a host's link (the machine's veth end
+    and the host's eth0); removed by `heal` and on teardown."""
 
-    def __init__(self, teardown: Teardown, lab: Lab, host: str, rate: str = "4mbit",
-                 burst: str = "32kb", latency: str = "200ms"):
+    def __init__(self, teardown: Teardown, lab: Lab, host: str, qdisc: list[str], what: str):
         self.lab, self.host = lab, lab[host]
         self.active = True
-        teardown.add(f"tbf qdiscs on {self.host.veth}", self.heal)
-        tbf = ["root", "tbf", "rate", rate, "burst", burst, "latency", latency]
-        run(["tc", "qdisc", "add", "dev", self.host.veth] + tbf)
-        lab.netns_run(host, ["tc", "qdisc", "add", "dev", "eth0"] + tbf)
+        teardown.add(f"{what} qdiscs on {self.host.veth}", self.heal)
+        run(["tc", "qdisc", "add", "dev", self.host.veth, "root"] + qdisc)
+        lab.netns_run(host, ["tc", "qdisc", "add", "dev", "eth0", "root"] + qdisc)
+
+    def change(self, qdisc: list[str]) -> None:
+        """Replaces the qdisc's parameters on both ends."""
+        run(["tc", "qdisc", "change", "dev", self.host.veth, "root"] + qdisc)
+        self.lab.netns_run(self.host.name, ["tc", "qdisc", "change", "dev", "eth0", "root"] + qdisc)
 
     def heal(self) -> None:
         if not self.active:
@@ -416,6 +418,41 @@ class SlowLink:
                     and "Cannot delete qdisc with handle of zero" not in p.stderr:
                 raise LabError(f"{' '.join(argv)}: {p.stderr.strip()}")
         self.active = False
+
+
+class SlowLink(_LinkQdisc):
+    """A token-bucket filter on both ends of a host's link: `rate` each way,
+    packets queued up to `latency`, dropped beyond. Removed by `heal` and on
+    teardown."""
+
+    def __init__(self, teardown: Teardown, lab: Lab, host: str, rate: str = "4mbit",
+                 burst: str = "32kb", latency: str = "200ms"):
+        super().__init__(teardown, lab, host, ["tbf", "rate", rate, "burst", burst, "latency", latency],
+                         "tbf")
+
+
+def netem_available() -> bool:
+    """Whether this kernel has netem (sch_netem; loaded now if it is a
+    module). The test VM's kernel has it; this machine's does not."""
+    return subprocess.run(["modprobe", "-q", "sch_netem"], capture_output=True).returncode == 0
+
+
+class Latency(_LinkQdisc):
+    """netem on both ends of a host's link: `delay` added each way. Needs
+    sch_netem (`netem_available`). The queue holds 100000 packets (netem's
+    default 1000 drops a swap burst's packets within a long delay, and TCP's
+    backoff then stalls the link for seconds). No jitter: netem reorders
+    packets to make it. Removed by `heal` and on teardown."""
+
+    def __init__(self, teardown: Teardown, lab: Lab, host: str, delay: str = "40ms"):
+        super().__init__(teardown, lab, host, self.spec(delay), "netem")
+
+    @staticmethod
+    def spec(delay: str) -> list[str]:
+        return ["netem", "delay", delay, "limit", "100000"]
+
+    def set(self, delay: str) -> None:
+        self.change(self.spec(delay))
 
 
 class LinkDown:

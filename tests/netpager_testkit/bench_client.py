@@ -99,7 +99,7 @@ from .attach import FuseFile, LoopDevice, Swap, run
 from .bench import Report, arg_parser, die, disk_workdir, env_int, env_str, fio_json, mean, nbdkit, ratio, require
 from .cgroup import run_job_in_cgroup
 from .cleanup import Teardown, install_handlers
-from .client import Job, PagerClient, client_plugin
+from .client import URING_SWITCH, Job, PagerClient, client_plugin
 from .demo import parse_size
 from . import machine
 from .donor import Cluster, Donor
@@ -107,8 +107,6 @@ from .paths import job, pagerctl, server_plugin, target_dir
 from .procs import OwnedProcess, tail, wait_for
 
 PROG = "bench-client"
-# pagerctl's FUSE front ends switch the kernel's FUSE-over-io_uring on (and back).
-URING_SWITCH = Path("/sys/module/fuse/parameters/enable_uring")
 
 
 @dataclass

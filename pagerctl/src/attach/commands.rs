@@ -161,7 +161,11 @@ pub fn hold_nbd_command(
 
 /// nbdkit with the client plugin as `pagerctl hold-nbd`'s child: in the
 /// foreground (the holder waits for it and starts the next), on the state
-/// directory's unix socket.
+/// directory's unix socket, exiting once its last connection closes
+/// (exitlast: the kernel's, after a disconnect, or after the holder shut
+/// it for writing for `pagerctl restart`). A SIGTERM would make nbdkit
+/// fail the requests it has read with ESHUTDOWN, errors the kernel hands
+/// to the jobs; the end of the request stream lets it answer them first.
 pub fn held_nbdkit_command(
     nbdkit: &Path,
     plugin: &Path,
@@ -174,6 +178,7 @@ pub fn held_nbdkit_command(
         "--log=stderr".into(),
         "--unix".into(),
         s(socket),
+        "--filter=exitlast".into(),
         s(plugin),
         format!("state={}", state_dir.display()),
     ]
@@ -502,6 +507,7 @@ mod tests {
                 "--log=stderr",
                 "--unix",
                 "/st/sock",
+                "--filter=exitlast",
                 "/lib/plugin.so",
                 "state=/st"
             ]
