@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use netpager_metrics::{labels, AtomicHistogram, BaseUnit, Exposition, Labels, Value};
 
+use crate::stages::StageStats;
 use crate::status::{ClientStatus, Progress, RequestReport};
 
 /// Kinds of request the device serves.
@@ -47,6 +48,11 @@ pub struct RequestStats {
     latency: [AtomicHistogram; 5],
     bytes: [AtomicU64; 5],
     errors: [AtomicU64; 5],
+    /// Where the serving process's requests spend their time, counted by
+    /// the front end (`pagerctl serve`) when it commits each reply.
+    pub stages: StageStats,
+    /// The front end's write-back buffer (capacity 0: none).
+    pub writeback: std::sync::Arc<crate::writeback::Counters>,
 }
 
 impl RequestStats {
@@ -399,6 +405,14 @@ pub fn exposition(s: &ClientStatus, fe: &FrontendInfo) -> Exposition {
         s.requests
             .iter()
             .map(|r| (labels([("op", &r.op)]), r.histogram()))
+            .collect(),
+    );
+    e.histogram(
+        "request_stage",
+        "Time a request of the kernel spends in each stage inside the serving process, by kind (read, write, other; drain: the write-back buffer's batches).",
+        s.stages
+            .iter()
+            .map(|r| (labels([("stage", &r.stage), ("op", &r.op)]), r.histogram()))
             .collect(),
     );
     e

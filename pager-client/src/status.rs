@@ -276,6 +276,13 @@ pub struct ClientStatus {
     /// Requests served, by kind (files from before have none).
     #[serde(default)]
     pub requests: Vec<RequestReport>,
+    /// Where the serving process's requests spent their time, by kind and
+    /// stage (none when no front end counts them: the nbd front end).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stages: Vec<crate::stages::StageReport>,
+    /// The serving process's write-back buffer, when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub writeback: Option<crate::writeback::WriteBackReport>,
 }
 
 impl ClientStatus {
