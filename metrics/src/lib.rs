@@ -64,15 +64,18 @@ pub const BUCKETS: usize = 18;
 /// Upper bounds of the histogram buckets in nanoseconds: 10 µs doubling to
 /// 1.31 s, which spans a page served from a donor's RAM up to a request
 /// that waits out a donor's failure.
-pub const BUCKET_BOUNDS_NS: [u64; BUCKETS] = {
-    let mut b = [0u64; BUCKETS];
+pub const BUCKET_BOUNDS_NS: [u64; BUCKETS] = doubling(10_000);
+
+/// `N` bounds from `first` nanoseconds, each twice the one before.
+const fn doubling<const N: usize>(first: u64) -> [u64; N] {
+    let mut b = [0u64; N];
     let mut i = 0;
-    while i < BUCKETS {
-        b[i] = 10_000 << i;
+    while i < N {
+        b[i] = first << i;
         i += 1;
     }
     b
-};
+}
 
 /// Finite buckets of a stage histogram ([`AtomicHistogram::stages`]).
 pub const STAGE_BUCKETS: usize = 23;
@@ -81,15 +84,7 @@ pub const STAGE_BUCKETS: usize = 23;
 /// doubling to 1.05 s. A request's hops inside one process (a hand-off
 /// between threads, a copy, a commit) take from a few hundred nanoseconds
 /// to tens of microseconds, below the request histograms' first bucket.
-pub const STAGE_BOUNDS_NS: [u64; STAGE_BUCKETS] = {
-    let mut b = [0u64; STAGE_BUCKETS];
-    let mut i = 0;
-    while i < STAGE_BUCKETS {
-        b[i] = 250 << i;
-        i += 1;
-    }
-    b
-};
+pub const STAGE_BOUNDS_NS: [u64; STAGE_BUCKETS] = doubling(250);
 
 /// A latency histogram that request threads update with relaxed atomic
 /// adds only: no lock and no allocation, so it may sit on the swap path.
@@ -168,6 +163,25 @@ pub struct HistogramSnapshot {
 }
 
 impl HistogramSnapshot {
+    /// A histogram as a status file keeps it: cumulative counts within each
+    /// of `bounds_ns`, then of all.
+    pub fn from_counts(
+        bounds_ns: &[u64],
+        sum_seconds: f64,
+        count: u64,
+        cumulative: &[u64],
+    ) -> Self {
+        let bounds = bounds_ns
+            .iter()
+            .map(|&ns| ns as f64 / 1e9)
+            .chain(std::iter::once(f64::INFINITY));
+        HistogramSnapshot {
+            sum_seconds,
+            count,
+            buckets: bounds.zip(cumulative.iter().copied()).collect(),
+        }
+    }
+
     /// The smallest bucket bound under which at least `q` (0..1) of the
     /// observations fall, in seconds: an upper estimate of that quantile.
     pub fn quantile_bound(&self, q: f64) -> Option<f64> {

@@ -183,15 +183,7 @@ pub struct StageReport {
 impl StageReport {
     /// The histogram, as `/metrics` shows it.
     pub fn histogram(&self) -> HistogramSnapshot {
-        let bounds = STAGE_BOUNDS_NS
-            .iter()
-            .map(|&ns| ns as f64 / 1e9)
-            .chain(std::iter::once(f64::INFINITY));
-        HistogramSnapshot {
-            sum_seconds: self.seconds,
-            count: self.count,
-            buckets: bounds.zip(self.buckets.iter().copied()).collect(),
-        }
+        HistogramSnapshot::from_counts(&STAGE_BOUNDS_NS, self.seconds, self.count, &self.buckets)
     }
 
     /// Mean time in the stage, in microseconds.

@@ -197,15 +197,7 @@ pub struct RequestReport {
 impl RequestReport {
     /// The latency histogram, as `/metrics` shows it.
     pub fn histogram(&self) -> HistogramSnapshot {
-        let bounds = BUCKET_BOUNDS_NS
-            .iter()
-            .map(|&ns| ns as f64 / 1e9)
-            .chain(std::iter::once(f64::INFINITY));
-        HistogramSnapshot {
-            sum_seconds: self.seconds,
-            count: self.count,
-            buckets: bounds.zip(self.buckets.iter().copied()).collect(),
-        }
+        HistogramSnapshot::from_counts(&BUCKET_BOUNDS_NS, self.seconds, self.count, &self.buckets)
     }
 
     /// What happened between `before` and `self` (same kind, a later look).
