@@ -320,7 +320,7 @@ impl<S: Sink> WriteBack<S> {
         }
         let first = offset / PAGE as u64;
         for (k, page) in data.chunks(PAGE).enumerate() {
-            self.put(first + k as u64, page);
+            self.put(first + k as u64, page)?;
         }
         Ok(())
     }
@@ -337,7 +337,7 @@ impl<S: Sink> WriteBack<S> {
         let first = offset / PAGE as u64;
         let mut put: [(u32, u64); MAX_READ] = [(0, 0); MAX_READ];
         for (k, page) in data.chunks(PAGE).enumerate() {
-            put[k] = self.put(first + k as u64, page);
+            put[k] = self.put(first + k as u64, page)?;
         }
         let mut st = self.lock();
         let failures = st.failures;
@@ -359,8 +359,14 @@ impl<S: Sink> WriteBack<S> {
     /// Buffers one page: into its slot if it has one, else into a free
     /// one (waiting for one while the buffer is full). Returns the slot
     /// and the write's sequence number.
-    fn put(&self, page: u64, bytes: &[u8]) -> (u32, u64) {
+    ///
+    /// A writer waiting for a slot gives up with the drain's error once a
+    /// drain fails meanwhile: a device that refuses every page (its donors
+    /// gone) would otherwise keep the buffer full and the kernel's write
+    /// waiting forever, and with it every request queued behind it.
+    fn put(&self, page: u64, bytes: &[u8]) -> Result<(u32, u64), WriteBackError> {
         let mut st = self.lock();
+        let failures = st.failures;
         let slot = loop {
             if let Some(&s) = st.index.get(&page) {
                 break s;
@@ -378,6 +384,9 @@ impl<S: Sink> WriteBack<S> {
                 st.index.insert(page, s);
                 self.set_used(&st);
                 break s;
+            }
+            if st.failures != failures {
+                return Err(st.failure());
             }
             self.count(|c| {
                 c.full_waits.fetch_add(1, Relaxed);
@@ -406,7 +415,7 @@ impl<S: Sink> WriteBack<S> {
         self.count(|c| {
             c.pages_in.fetch_add(1, Relaxed);
         });
-        (slot, seq)
+        Ok((slot, seq))
     }
 
     /// Reads `buf.len()` bytes at `offset`: buffered pages from the

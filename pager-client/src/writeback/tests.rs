@@ -250,3 +250,19 @@ fn a_durable_write_returns_only_once_drained() {
         assert_eq!(mem.page(9), page_of(6));
     });
 }
+
+#[test]
+fn a_full_buffer_whose_drains_fail_fails_its_writers() {
+    let mem = Mem::new(256 * PAGE);
+    mem.fail.store(true, SeqCst);
+    with_buffer(&mem, 32, |wb, _| {
+        // Every page the buffer holds is refused: a writer waiting for a
+        // slot gets the drain's error instead of waiting forever.
+        let r: Result<Vec<()>, _> = (0..64u64)
+            .map(|p| wb.write(&page_of(p as u8), p * PAGE as u64))
+            .collect();
+        let e = r.unwrap_err();
+        assert_eq!(e.errno(), libc::EIO);
+        mem.fail.store(false, SeqCst);
+    });
+}
