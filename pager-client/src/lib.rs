@@ -10,5 +10,7 @@ pub mod metrics;
 pub mod page_log;
 pub mod policy;
 pub mod readahead;
+pub mod stages;
 pub mod status;
+pub mod writeback;
 pub mod zero_pages;

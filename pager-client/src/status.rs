@@ -207,15 +207,7 @@ pub struct RequestReport {
 impl RequestReport {
     /// The latency histogram, as `/metrics` shows it.
     pub fn histogram(&self) -> HistogramSnapshot {
-        let bounds = BUCKET_BOUNDS_NS
-            .iter()
-            .map(|&ns| ns as f64 / 1e9)
-            .chain(std::iter::once(f64::INFINITY));
-        HistogramSnapshot {
-            sum_seconds: self.seconds,
-            count: self.count,
-            buckets: bounds.zip(self.buckets.iter().copied()).collect(),
-        }
+        HistogramSnapshot::from_counts(&BUCKET_BOUNDS_NS, self.seconds, self.count, &self.buckets)
     }
 
     /// What happened between `before` and `self` (same kind, a later look).
@@ -294,6 +286,13 @@ pub struct ClientStatus {
     /// Requests served, by kind (files from before have none).
     #[serde(default)]
     pub requests: Vec<RequestReport>,
+    /// Where the serving process's requests spent their time, by kind and
+    /// stage (none when no front end counts them: the nbd front end).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stages: Vec<crate::stages::StageReport>,
+    /// The serving process's write-back buffer, when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub writeback: Option<crate::writeback::WriteBackReport>,
 }
 
 impl ClientStatus {

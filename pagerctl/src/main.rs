@@ -7,6 +7,7 @@
 
 mod cmd;
 mod procs;
+mod serving;
 mod steps;
 #[allow(unsafe_code)]
 mod sys;

@@ -24,8 +24,8 @@ pub struct Plan {
     /// Resolved: never `Auto`.
     pub frontend: Frontend,
     pub via: Via,
-    /// `pagerctl serve`'s threads (per queue with io_uring).
-    pub serve_threads: usize,
+    /// How `pagerctl serve` runs (threads, write-back buffer).
+    pub serve: commands::ServeOptions,
     /// A holder keeps the FUSE connection; serving processes may come and go.
     pub restartable: bool,
     /// A restartable kernel nbd device's request and dead-conn timeouts.
@@ -241,12 +241,11 @@ fn start_server(plan: &Plan, record: &mut AttachRecord) -> Result<()> {
     let (cmd, what) = if plan.restartable {
         let _ = std::fs::remove_file(layout.holder_json());
         (
-            commands::hold_command(&me, &layout.dir, plan.serve_threads),
+            commands::hold_command(&me, &layout.dir, &plan.serve),
             "pagerctl hold",
         )
     } else {
-        let mut cmd = commands::serve_command(&me, &layout.dir, plan.frontend);
-        cmd.extend(["--threads".into(), plan.serve_threads.to_string()]);
+        let cmd = commands::plain_serve_command(&me, &layout.dir, plan.frontend, &plan.serve);
         (cmd, "pagerctl serve")
     };
     let log = layout.serve_log();

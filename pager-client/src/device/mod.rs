@@ -394,6 +394,12 @@ impl Device {
         &self.inner.cfg
     }
 
+    /// The request counters: the front end counts its requests' stages
+    /// and its write-back buffer's work there (`status.json`, `/metrics`).
+    pub fn stats(&self) -> &RequestStats {
+        &self.inner.stats
+    }
+
     /// Counts a finished request for `/metrics`: atomics only, so the
     /// request path stays free of locks and allocations.
     fn timed(&self, kind: RequestKind, bytes: u64, t0: Instant, r: Result<()>) -> Result<()> {

@@ -300,6 +300,8 @@ impl Inner {
             not_admitted: book.not_admitted.clone(),
             totals: t,
             requests: self.stats.reports(),
+            stages: self.stats.stages.reports(),
+            writeback: Some(self.stats.writeback.report()).filter(|w| w.capacity_bytes > 0),
         }
     }
 }

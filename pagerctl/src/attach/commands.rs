@@ -107,25 +107,57 @@ pub fn serve_command(pagerctl: &Path, state_dir: &Path, frontend: Frontend) -> V
     ]
 }
 
+/// What every serving process of a device is started with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServeOptions {
+    /// Serving threads (per queue with io_uring).
+    pub threads: usize,
+    /// `--writeback-buffer`, as given.
+    pub writeback: String,
+}
+
+impl ServeOptions {
+    fn args(&self) -> [String; 4] {
+        [
+            "--threads".into(),
+            self.threads.to_string(),
+            "--writeback-buffer".into(),
+            self.writeback.clone(),
+        ]
+    }
+}
+
 /// `pagerctl hold`: keeps a restartable device's FUSE connection and runs
 /// `pagerctl serve --held` processes on it, one after another.
-pub fn hold_command(pagerctl: &Path, state_dir: &Path, threads: usize) -> Vec<String> {
-    vec![
+pub fn hold_command(pagerctl: &Path, state_dir: &Path, serve: &ServeOptions) -> Vec<String> {
+    let mut cmd = vec![
         s(pagerctl),
         "hold".into(),
         "--state-dir".into(),
         s(state_dir),
-        "--threads".into(),
-        threads.to_string(),
-    ]
+    ];
+    cmd.extend(serve.args());
+    cmd
 }
 
 /// `pagerctl serve --held`: a serving process that takes the connection
 /// from the holder (classic `/dev/fuse`: the only transport whose
 /// unanswered requests the kernel resends).
-pub fn held_serve_command(pagerctl: &Path, state_dir: &Path, threads: usize) -> Vec<String> {
-    let mut cmd = serve_command(pagerctl, state_dir, Frontend::Fuse);
-    cmd.extend(["--threads".into(), threads.to_string(), "--held".into()]);
+pub fn held_serve_command(pagerctl: &Path, state_dir: &Path, serve: &ServeOptions) -> Vec<String> {
+    let mut cmd = plain_serve_command(pagerctl, state_dir, Frontend::Fuse, serve);
+    cmd.push("--held".into());
+    cmd
+}
+
+/// [`serve_command`] with the serving options.
+pub fn plain_serve_command(
+    pagerctl: &Path,
+    state_dir: &Path,
+    frontend: Frontend,
+    serve: &ServeOptions,
+) -> Vec<String> {
+    let mut cmd = serve_command(pagerctl, state_dir, frontend);
+    cmd.extend(serve.args());
     cmd
 }
 
@@ -441,13 +473,32 @@ mod tests {
             Frontend::Fuse
         );
         assert_eq!(r(Frontend::Auto, false).unwrap(), Frontend::FuseUring);
+        let serve = ServeOptions {
+            threads: 2,
+            writeback: "1M".into(),
+        };
         assert_eq!(
-            held_serve_command(&p("/bin/pagerctl"), &p("/st"), 2)[5..],
-            ["fuse", "--threads", "2", "--held"]
+            held_serve_command(&p("/bin/pagerctl"), &p("/st"), &serve)[5..],
+            [
+                "fuse",
+                "--threads",
+                "2",
+                "--writeback-buffer",
+                "1M",
+                "--held"
+            ]
         );
         assert_eq!(
-            hold_command(&p("/bin/pagerctl"), &p("/st"), 2)[1..],
-            ["hold", "--state-dir", "/st", "--threads", "2"]
+            hold_command(&p("/bin/pagerctl"), &p("/st"), &serve)[1..],
+            [
+                "hold",
+                "--state-dir",
+                "/st",
+                "--threads",
+                "2",
+                "--writeback-buffer",
+                "1M"
+            ]
         );
         for f in ["auto", "fuse-uring", "fuse", "nbd"] {
             assert_eq!(f.parse::<Frontend>().unwrap().to_string(), f);

@@ -11,7 +11,7 @@ use pagerctl::attach::record::StateLayout;
 use pagerctl::attach::{self, AttachRecord, DeviceOptions, DonorSpec, Frontend, ModeChoice, Via};
 use pagerctl::lost;
 
-use super::{parse_secs, parse_secs_or_zero};
+use super::{check_size, parse_secs, parse_secs_or_zero};
 use crate::{procs, steps};
 
 /// `p` from the working directory: the serving process runs elsewhere.
@@ -145,6 +145,13 @@ pub struct Args {
     /// the requests one CPU's queue answers at once).
     #[arg(long, default_value_t = 16, value_name = "N")]
     serve_threads: usize,
+    /// The serving process's write-back buffer for swap-outs (FUSE front
+    /// ends; 0: none): writes acknowledged once buffered (with
+    /// --restartable once drained), sent to the donors in batches in the
+    /// background, reads of buffered pages served from it
+    /// (pagerctl(1) PERFORMANCE).
+    #[arg(long, default_value = super::serve::DEFAULT_WRITEBACK, value_name = "SIZE", value_parser = check_size)]
+    writeback_buffer: String,
     /// Keep the device's FUSE connection (or kernel nbd device) in a
     /// holder process, so that the serving process can crash (it is
     /// restarted at once) or be replaced (pagerctl restart) while swap
@@ -343,7 +350,10 @@ pub fn run(a: Args) -> Result<()> {
         export: cfg.client_id.clone(),
         frontend,
         via,
-        serve_threads: a.serve_threads.max(1),
+        serve: pagerctl::attach::commands::ServeOptions {
+            threads: a.serve_threads.max(1),
+            writeback: a.writeback_buffer.clone(),
+        },
         restartable,
         nbd_timeouts: (a.nbd_timeout, a.dead_conn_timeout),
         swap: a.swap.then_some(a.priority),

@@ -35,6 +35,14 @@ pub fn parse_secs_or_zero(s: &str) -> Result<Duration, String> {
 }
 
 /// Seconds, more than 0.
+/// A size as `--writeback-buffer` takes it (`8M`), checked, kept as given
+/// for the serving processes' command lines.
+pub fn check_size(s: &str) -> Result<String, String> {
+    netpager_util::parse_size(s)
+        .map(|_| s.to_string())
+        .map_err(|e| e.to_string())
+}
+
 pub fn parse_secs(s: &str) -> Result<Duration, String> {
     let v: f64 = s
         .parse()

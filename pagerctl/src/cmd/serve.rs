@@ -18,7 +18,7 @@
 //! its pager) and is exempt from the OOM killer.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -27,100 +27,11 @@ use pager_client::config::DeviceConfig;
 use pager_client::device::Device;
 use pager_fuse::fdstore;
 use pager_fuse::handover::{self, Request};
-use pager_fuse::{Backend, Mount, Options, Transport};
+use pager_fuse::{Mount, Options, Transport};
 use pagerctl::attach::record::{frontend_info, ServeInfo, StateLayout};
 
+use crate::serving::{Buffer, DeviceBackend, Gate};
 use crate::{procs, steps, sys};
-
-/// Closed when the process hands over to the next one: a request that
-/// reaches the device after that waits forever, unanswered, and the
-/// kernel sends it again to the next process. Counts the requests inside.
-#[derive(Default)]
-struct Gate {
-    closed: AtomicBool,
-    inside: AtomicUsize,
-}
-
-struct Inside<'a>(&'a Gate);
-
-impl Drop for Inside<'_> {
-    fn drop(&mut self) {
-        self.0.inside.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-impl Gate {
-    fn enter(&self) -> Inside<'_> {
-        self.inside.fetch_add(1, Ordering::SeqCst);
-        if self.closed.load(Ordering::SeqCst) {
-            self.inside.fetch_sub(1, Ordering::SeqCst);
-            loop {
-                std::thread::park();
-            }
-        }
-        Inside(self)
-    }
-
-    /// Closes the gate and waits until no request is inside (at most
-    /// `limit`); whether none is.
-    fn close_and_drain(&self, limit: Duration) -> bool {
-        self.closed.store(true, Ordering::SeqCst);
-        let start = Instant::now();
-        while self.inside.load(Ordering::SeqCst) > 0 {
-            if start.elapsed() > limit {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        true
-    }
-}
-
-/// The device as the FUSE front end sees it.
-struct DeviceBackend {
-    device: Arc<Device>,
-    gate: Arc<Gate>,
-}
-
-impl Backend for DeviceBackend {
-    fn size(&self) -> u64 {
-        self.device.size()
-    }
-    fn read(&self, buf: &mut [u8], offset: u64) -> Result<(), i32> {
-        let _in = self.gate.enter();
-        self.device
-            .read(buf, offset)
-            .map_err(|e| log_errno("read", offset, e))
-    }
-    fn write(&self, data: &[u8], offset: u64) -> Result<(), i32> {
-        let _in = self.gate.enter();
-        self.device
-            .write(data, offset)
-            .map_err(|e| log_errno("write", offset, e))
-    }
-    fn zero(&self, len: u64, offset: u64) -> Result<(), i32> {
-        let _in = self.gate.enter();
-        self.device
-            .zero(len, offset)
-            .map_err(|e| log_errno("zero", offset, e))
-    }
-    fn trim(&self, len: u64, offset: u64) -> Result<(), i32> {
-        let _in = self.gate.enter();
-        self.device
-            .trim(len, offset)
-            .map_err(|e| log_errno("trim", offset, e))
-    }
-    fn flush(&self) -> Result<(), i32> {
-        let _in = self.gate.enter();
-        self.device.flush().map_err(|e| log_errno("flush", 0, e))
-    }
-}
-
-/// The kernel sees only an errno: the reason goes to the log.
-fn log_errno(what: &str, offset: u64, e: pager_client::device::DeviceError) -> i32 {
-    tracing::error!("{what} at offset {offset}: {e}");
-    e.errno()
-}
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -137,6 +48,18 @@ pub struct Args {
     /// restartable device instead of mounting one.
     #[arg(long)]
     held: bool,
+    /// The write-back buffer: swap-outs acknowledged once buffered (a
+    /// restartable device's once drained) and sent to the donors in the
+    /// background in batches (0: none; pagerctl(1) PERFORMANCE).
+    #[arg(long, default_value = DEFAULT_WRITEBACK, value_parser = parse_size, value_name = "SIZE")]
+    writeback_buffer: u64,
+}
+
+/// `--writeback-buffer`'s default (pagerctl(1) PERFORMANCE says why).
+pub const DEFAULT_WRITEBACK: &str = "8M";
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    netpager_util::parse_size(s).map_err(|e| e.to_string())
 }
 
 fn parse_transport(s: &str) -> Result<Transport, String> {
@@ -173,10 +96,6 @@ pub fn run(a: Args) -> Result<()> {
     sys::block_stop_signals().context("cannot block SIGTERM and SIGINT")?;
     let device = Arc::new(Device::open(cfg, &layout.dir)?);
     let gate = Arc::new(Gate::default());
-    let backend = DeviceBackend {
-        device: device.clone(),
-        gate: gate.clone(),
-    };
     let mountpoint = layout.fuse_dir();
     let opts = Options {
         transport: a.transport,
@@ -206,6 +125,17 @@ pub fn run(a: Args) -> Result<()> {
         n => n,
     };
     let restartable = a.held || stored.is_some() || store_in.is_some();
+    // Late acknowledgement wherever the connection outlives this process
+    // (serving.rs).
+    let buffer = (a.writeback_buffer > 0)
+        .then(|| Buffer::start(&device, a.writeback_buffer, restartable))
+        .transpose()
+        .context("cannot start the write-back buffer's drainers")?;
+    let backend = DeviceBackend {
+        device: device.clone(),
+        gate: gate.clone(),
+        buffer: buffer.clone(),
+    };
     let mount = if a.held {
         let socket = layout.holder_socket();
         let (fd, fresh) = handover::take(&socket, Duration::from_secs(10))
@@ -296,13 +226,20 @@ pub fn run(a: Args) -> Result<()> {
             .context("cannot start the resent thread")?;
     }
     let stopper = mountpoint.clone();
-    let (held, to_flush) = (restartable, device.clone());
+    let (held, to_flush, buf) = (restartable, device.clone(), buffer.clone());
     std::thread::Builder::new()
         .name("signals".into())
-        .spawn(move || on_signals(&stopper, held, &gate, &to_flush))
+        .spawn(move || on_signals(&stopper, held, &gate, &to_flush, buf.as_deref()))
         .context("cannot start the signal thread")?;
     let served = mount.wait();
     let _ = std::fs::remove_file(layout.serve_json());
+    // A detach: every acknowledged write reaches the donors before the
+    // device's final flush.
+    if let Some(b) = &buffer {
+        if let Err(e) = b.drain() {
+            tracing::error!("draining the write-back buffer at unmount: {e}");
+        }
+    }
     drop(device);
     served.context("serving the FUSE mount")?;
     tracing::info!("unmounted; the device's map is synced");
@@ -334,12 +271,15 @@ fn report_resent(socket: &Path, me: u32, resent: &std::sync::atomic::AtomicU64) 
 /// device quiesced (background work stopped, flushed: no request left in
 /// flight to a donor), the process exits leaving the mount to the next
 /// one.
-fn hand_over(gate: &Gate, device: &Device) -> ! {
+fn hand_over(gate: &Gate, device: &Device, buffer: Option<&Buffer>) -> ! {
     let t0 = Instant::now();
     if !gate.close_and_drain(DRAIN_LIMIT) {
         tracing::warn!(
             "requests still running after {DRAIN_LIMIT:?}: the next process answers them again"
         );
+    }
+    if let Some(Err(e)) = buffer.map(Buffer::drain) {
+        tracing::warn!("draining the write-back buffer before the hand-over: {e}");
     }
     if let Err(e) = device.quiesce() {
         tracing::warn!("flush before the hand-over: {e} (the next process resyncs)");
@@ -351,10 +291,16 @@ fn hand_over(gate: &Gate, device: &Device) -> ! {
     std::process::exit(0)
 }
 
-fn on_signals(mountpoint: &Path, held: bool, gate: &Gate, device: &Device) {
+fn on_signals(
+    mountpoint: &Path,
+    held: bool,
+    gate: &Gate,
+    device: &Device,
+    buffer: Option<&Buffer>,
+) {
     loop {
         match sys::wait_stop_signal() {
-            libc::SIGUSR1 if held => hand_over(gate, device),
+            libc::SIGUSR1 if held => hand_over(gate, device, buffer),
             libc::SIGUSR1 => tracing::warn!("SIGUSR1: not restartable (attach --restartable)"),
             // Unmounted here while another mount namespace still holds a
             // copy of the mount: the connection lives on, and no request
@@ -364,7 +310,7 @@ fn on_signals(mountpoint: &Path, held: bool, gate: &Gate, device: &Device) {
                     "signal {sig}: {} is unmounted here: exiting",
                     mountpoint.display()
                 );
-                hand_over(gate, device)
+                hand_over(gate, device, buffer)
             }
             sig => unmount_on_signal(mountpoint, sig),
         }
