@@ -1,0 +1,94 @@
+//! What the kernel says is set up: mount points (`/proc/self/mountinfo`),
+//! active swap (`/proc/swaps`), loop devices' backing files and free nbd
+//! devices (`/sys/block`).
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Context, Result};
+use pagerctl::attach::commands;
+
+pub fn free_nbd_device() -> Result<PathBuf> {
+    let mut devs = Vec::new();
+    for entry in std::fs::read_dir("/sys/block").context("cannot list /sys/block")? {
+        let entry = entry.context("cannot list /sys/block")?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with("nbd") {
+            let connected = entry.path().join("pid").exists();
+            devs.push((name, connected));
+        }
+    }
+    if devs.is_empty() {
+        bail!("no kernel nbd devices (/sys/block/nbdN): load the nbd module (modprobe nbd) or use --via nbdfuse");
+    }
+    commands::first_free_nbd(&devs)
+        .map(PathBuf::from)
+        .ok_or_else(|| {
+            anyhow!(
+                "no free /dev/nbdN: all {} kernel nbd devices are connected",
+                devs.len()
+            )
+        })
+}
+
+/// Whether `path` is a mount point (from /proc/self/mountinfo).
+pub fn is_mounted(path: &Path) -> bool {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
+    let target = path.to_string_lossy();
+    // Field 5 is the mount point, with spaces etc. octal-escaped.
+    info.lines().any(|l| {
+        l.split(' ')
+            .nth(4)
+            .is_some_and(|m| unescape_mountinfo(m) == target)
+    })
+}
+
+fn unescape_mountinfo(field: &str) -> String {
+    let mut out = Vec::new();
+    let b = field.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
+            out.push(u8::from_str_radix(&field[i + 1..i + 4], 8).unwrap_or(b'?'));
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Whether swap is on for `device` (from /proc/swaps).
+pub fn swap_active(device: &Path) -> bool {
+    std::fs::read_to_string("/proc/swaps")
+        .map(|t| {
+            t.lines()
+                .skip(1)
+                .any(|l| l.split_whitespace().next() == Some(&*device.to_string_lossy()))
+        })
+        .unwrap_or(false)
+}
+
+/// The file a loop device is backed by, if it is set up.
+pub fn loop_backing(device: &Path) -> Option<PathBuf> {
+    let name = device.file_name()?.to_string_lossy().into_owned();
+    let text = std::fs::read_to_string(format!("/sys/block/{name}/loop/backing_file")).ok()?;
+    Some(PathBuf::from(text.trim_end()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mountinfo_escapes() {
+        assert_eq!(unescape_mountinfo("/tmp/a\\040b"), "/tmp/a b");
+        assert_eq!(unescape_mountinfo("/plain"), "/plain");
+        assert_eq!(unescape_mountinfo("/end\\04"), "/end\\04");
+    }
+}
