@@ -141,17 +141,8 @@ impl<'a> LogJournal<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::extent_map::{CopyState, Layout, Loc, Member, Redundancy};
-
-    /// Parity width 3, 1 MiB extents of 256 pages, 2 log units.
-    fn log_layout() -> Layout {
-        Layout {
-            size: 8 << 20,
-            extent: 1 << 20,
-            mode: Redundancy::Parity { width: 3 },
-            log_units: 2,
-        }
-    }
+    use crate::extent_map::tests::log_layout;
+    use crate::extent_map::{CopyState, Loc, Member};
 
     /// The parity log's page table the map replayed, held as the device's
     /// parity log holds it.

@@ -306,6 +306,19 @@ impl Lanes {
                 ""
             }
         );
+        self.register(planner, donor, 1, lane);
+        if let Err(e) = self.start_poller(donor) {
+            tracing::warn!(
+                "donor {donor}: no status poller: {}",
+                crate::error_chain(&e)
+            );
+        }
+        Ok(donor)
+    }
+
+    /// Tells the planner of life `life` of donor `donor`, filing its lane
+    /// under the id the planner gives it.
+    fn register(&self, planner: Arc<dyn Planner>, donor: usize, life: u32, lane: Arc<DonorLane>) {
         let spec = DonorSpec {
             slots: lane.slots,
             replica: lane.has_replica,
@@ -317,19 +330,12 @@ impl Lanes {
                 debug_assert_eq!(recs.len(), id);
                 recs.push(LaneRec {
                     donor,
-                    life: 1,
+                    life,
                     lane,
                     ended: None,
                 });
             }),
         );
-        if let Err(e) = self.start_poller(donor) {
-            tracing::warn!(
-                "donor {donor}: no status poller: {}",
-                crate::error_chain(&e)
-            );
-        }
-        Ok(donor)
     }
 
     /// Donor `donor` leaves the set: its lane is let go as a draining
@@ -431,23 +437,7 @@ impl Lanes {
             lane.name,
             lane.slots
         );
-        let spec = DonorSpec {
-            slots: lane.slots,
-            replica: lane.has_replica,
-        };
-        planner.add_donor(
-            spec,
-            Box::new(|id| {
-                let mut recs = self.recs();
-                debug_assert_eq!(recs.len(), id);
-                recs.push(LaneRec {
-                    donor,
-                    life,
-                    lane,
-                    ended: None,
-                });
-            }),
-        );
+        self.register(planner, donor, life, lane);
     }
 }
 

@@ -40,7 +40,7 @@ mod open;
 mod record;
 mod slots;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 mod unfound;
 
 use std::fs::{self, File, OpenOptions};

@@ -154,7 +154,7 @@ fn compaction_and_a_crash_between_snapshot_and_journal_reset() {
 }
 
 /// Parity width 3, 1 MiB extents of 256 pages, 2 log units.
-fn log_layout() -> Layout {
+pub(crate) fn log_layout() -> Layout {
     Layout {
         size: 8 << 20,
         extent: 1 << 20,
