@@ -65,13 +65,21 @@ fn unescape_mountinfo(field: &str) -> String {
 
 /// Whether swap is on for `device` (from /proc/swaps).
 pub fn swap_active(device: &Path) -> bool {
-    std::fs::read_to_string("/proc/swaps")
-        .map(|t| {
-            t.lines()
-                .skip(1)
-                .any(|l| l.split_whitespace().next() == Some(&*device.to_string_lossy()))
-        })
-        .unwrap_or(false)
+    swap_used(device).is_some()
+}
+
+/// KiB of swap in use on `device`, if swap is on there (from /proc/swaps:
+/// name, type, size, used, priority).
+pub fn swap_used(device: &Path) -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/swaps").ok()?;
+    let name = device.to_string_lossy();
+    text.lines().skip(1).find_map(|l| {
+        let mut f = l.split_whitespace();
+        if f.next() != Some(&*name) {
+            return None;
+        }
+        Some(f.nth(2).and_then(|u| u.parse().ok()).unwrap_or(0))
+    })
 }
 
 /// The file a loop device is backed by, if it is set up.
