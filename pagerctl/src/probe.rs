@@ -63,6 +63,31 @@ fn unescape_mountinfo(field: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// The processes using something under `mountpoint` (their working or
+/// root directory, or an open file), as "COMMAND (pid N)".
+pub fn mount_users(mountpoint: &Path) -> Vec<String> {
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let inside = |link: PathBuf| std::fs::read_link(link).is_ok_and(|t| t.starts_with(mountpoint));
+    procs
+        .flatten()
+        .filter(|p| p.file_name().to_string_lossy().parse::<u32>().is_ok())
+        .filter(|p| {
+            let dir = p.path();
+            inside(dir.join("cwd"))
+                || inside(dir.join("root"))
+                || std::fs::read_dir(dir.join("fd"))
+                    .map(|fds| fds.flatten().any(|fd| inside(fd.path())))
+                    .unwrap_or(false)
+        })
+        .map(|p| {
+            let comm = std::fs::read_to_string(p.path().join("comm")).unwrap_or_default();
+            format!("{} (pid {})", comm.trim(), p.file_name().to_string_lossy())
+        })
+        .collect()
+}
+
 /// Whether swap is on for `device` (from /proc/swaps).
 pub fn swap_active(device: &Path) -> bool {
     swap_used(device).is_some()
@@ -92,6 +117,18 @@ pub fn loop_backing(device: &Path) -> Option<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_process_with_a_directory_open_uses_its_mount() {
+        let dir = std::env::temp_dir().join(format!("np-probe-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let me = format!("(pid {})", std::process::id());
+        assert!(!mount_users(&dir).iter().any(|u| u.ends_with(&me)));
+        let open = std::fs::File::open(&dir).unwrap();
+        assert!(mount_users(&dir).iter().any(|u| u.ends_with(&me)));
+        drop(open);
+        std::fs::remove_dir(&dir).unwrap();
+    }
 
     #[test]
     fn mountinfo_escapes() {

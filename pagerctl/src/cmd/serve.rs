@@ -369,10 +369,11 @@ fn on_signals(mountpoint: &Path, held: bool, gate: &Gate, device: &Device) {
             libc::SIGUSR1 => tracing::warn!(
                 "SIGUSR1: not restartable (attach --restartable, or a service manager that keeps the connection: FDSTORE)"
             ),
-            // Unmounted here while another mount namespace still holds a
-            // copy of the mount: the connection lives on, and no request
-            // will end the threads. The holder exits after this process.
-            sig if held && !probe::is_mounted(mountpoint) => {
+            // Unmounted here while the connection lives on (another mount
+            // namespace holds a copy of the mount, or detach unmounted it
+            // lazily while a process still used it): no request will end
+            // the threads. A holder exits after this process.
+            sig if !probe::is_mounted(mountpoint) => {
                 tracing::info!(
                     "signal {sig}: {} is unmounted here: exiting",
                     mountpoint.display()

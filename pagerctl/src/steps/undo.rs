@@ -21,7 +21,7 @@ use pagerctl::attach::{AttachRecord, Step};
 
 use netpager_nbd::Connection;
 
-use crate::probe::{is_mounted, loop_backing, swap_active, swap_used};
+use crate::probe::{is_mounted, loop_backing, mount_users, swap_active, swap_used};
 use crate::procs;
 
 /// How long the rest of a detach may take once the processes were killed:
@@ -232,14 +232,9 @@ fn undo(step: &Step, layout: &StateLayout, export: &str, deadline: Deadline) -> 
             pidfile,
             ..
         } => {
-            while is_mounted(mountpoint) {
-                match procs::run(&commands::fuse_unmount(mountpoint)) {
-                    Ok(_) => break,
-                    Err(e) if deadline.passed() => return Err(e),
-                    // Busy for a moment after the loop device let go.
-                    Err(_) => std::thread::sleep(Duration::from_millis(100)),
-                }
-            }
+            unmount(mountpoint, deadline, || {
+                procs::run(&commands::fuse_unmount(mountpoint)).map(drop)
+            });
             // nbdfuse exits by itself once unmounted.
             if !procs::wait_gone(*pid, *started, deadline.left()) {
                 procs::stop(*pid, *started, "nbdfuse", Duration::from_secs(5))?;
@@ -258,24 +253,17 @@ fn undo(step: &Step, layout: &StateLayout, export: &str, deadline: Deadline) -> 
             ..
         } => {
             let holder_json = mountpoint.with_file_name("holder.json");
-            while is_mounted(mountpoint) {
-                // A server that died leaves a dead connection: detach it.
-                let lazy = !procs::owned(*pid, *started);
-                match pager_fuse::unmount(mountpoint, lazy) {
-                    Ok(()) => break,
-                    Err(e) if deadline.passed() => {
-                        return Err(e)
-                            .with_context(|| format!("cannot unmount {}", mountpoint.display()))
-                    }
-                    // Busy for a moment after the loop device let go.
-                    Err(_) => std::thread::sleep(Duration::from_millis(100)),
-                }
-            }
+            // A server that died leaves a dead connection: detach it.
+            let lazy = !procs::owned(*pid, *started);
+            unmount(mountpoint, deadline, || {
+                pager_fuse::unmount(mountpoint, lazy).map_err(anyhow::Error::from)
+            });
             // The server exits by itself once unmounted, its map synced
-            // (and a holder right after its serving process). Not when
-            // another mount namespace keeps a copy of the mount (the
-            // connection lives on): a restartable device's serving process
-            // is then told to exit.
+            // (and a holder right after its serving process). Not when the
+            // connection lives on (another mount namespace keeps a copy of
+            // the mount, or a process used it when it was detached
+            // lazily): a restartable device's serving process is then
+            // told to exit, and a plain one is at the deadline.
             if *restartable && !procs::wait_gone(*pid, *started, Duration::from_secs(2)) {
                 if let Some(serving) = HolderInfo::load(&holder_json).and_then(|h| h.serve_pid) {
                     tracing::info!("asking serving process {serving} to exit");
@@ -283,7 +271,12 @@ fn undo(step: &Step, layout: &StateLayout, export: &str, deadline: Deadline) -> 
                 }
             }
             if !procs::wait_gone(*pid, *started, deadline.left()) {
-                procs::stop(*pid, *started, "pagerctl serve", Duration::from_secs(5))?;
+                let what = if *restartable {
+                    "pagerctl hold"
+                } else {
+                    "pagerctl serve"
+                };
+                procs::stop(*pid, *started, what, Duration::from_secs(5))?;
             }
         }
         Step::Nbdkit {
@@ -316,6 +309,37 @@ fn undo(step: &Step, layout: &StateLayout, export: &str, deadline: Deadline) -> 
         }
     }
     Ok(())
+}
+
+/// Unmounts `mountpoint` with `unmount`, again while it is busy (for a
+/// moment after a loop device let go of its file), until the deadline;
+/// then detaches it lazily, naming what still uses it (a process that
+/// opened the directory, say): the mount is gone from here at once, and
+/// its server is told to exit as after any unmount.
+fn unmount(mountpoint: &Path, deadline: Deadline, mut unmount: impl FnMut() -> Result<()>) {
+    while is_mounted(mountpoint) {
+        match unmount() {
+            Ok(()) => return,
+            Err(e) if deadline.passed() => {
+                let users = mount_users(mountpoint);
+                tracing::warn!(
+                    "cannot unmount {} within the detach deadline ({:?}): {e:#}; used by {}; detaching it lazily",
+                    mountpoint.display(),
+                    deadline.limit,
+                    if users.is_empty() {
+                        "nothing this namespace shows".to_string()
+                    } else {
+                        users.join(", ")
+                    }
+                );
+                if let Err(e) = pager_fuse::unmount(mountpoint, true) {
+                    tracing::warn!("lazy unmount of {}: {e}", mountpoint.display());
+                }
+                return;
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(100)),
+        }
+    }
 }
 
 /// Flushes the device's write cache down to its server: fsync on a block
