@@ -8,6 +8,7 @@ pub mod erasure;
 pub mod extent_map;
 pub mod metrics;
 pub mod page_log;
+pub mod page_table;
 pub mod policy;
 pub mod readahead;
 pub mod stages;

@@ -6,6 +6,7 @@
 //! `lost`) and, where it runs processes, `steps`, `procs` and `sys` here.
 
 mod cmd;
+mod probe;
 mod procs;
 mod serving;
 mod steps;

@@ -91,6 +91,9 @@ pub enum DonorError {
     /// A worker or poller thread that did not start.
     #[error(transparent)]
     Thread(#[from] std::io::Error),
+    /// A donor joining while the daemon is being dropped.
+    #[error("the daemon is stopping")]
+    Stopping,
 }
 
 fn parse_endpoint(

@@ -8,7 +8,8 @@
 //! key, verifies; one that stops announcing is not removed for that alone.
 //!
 //! The decisions are pure ([`parse_donors_file`], [`changes`],
-//! [`discovered_arg`]); [`Watcher`] applies them each status-poll period.
+//! [`discovered_arg`]); [`Watcher`] applies them to the lanes
+//! ([`crate::lanes`]) each status-poll period.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -18,30 +19,8 @@ use netpager_membership::discovery::{admit, Announced, Browser, Check, Discovery
 use netpager_membership::{parse_lines, DonorsFileError};
 use netpager_nbd::Endpoint;
 
-use crate::daemon::Daemon;
 use crate::donor::DonorArg;
-use crate::lanes::status_client;
-
-/// How a donor joined prefetchd's set.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Source {
-    /// `--donor`.
-    Command,
-    /// A line of the donors file.
-    File,
-    /// Announced and verified.
-    Discovered,
-}
-
-impl Source {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Source::Command => "command",
-            Source::File => "file",
-            Source::Discovered => "discovered",
-        }
-    }
-}
+use crate::lanes::{status_client, Lanes, Source};
 
 /// Discovery's settings (`--discover`).
 #[derive(Debug, Clone)]
@@ -169,18 +148,18 @@ impl Watcher {
     }
 
     /// One pass: the donors file, then what is announced.
-    pub(crate) fn pass(&mut self, d: &Arc<Daemon>) {
+    pub(crate) fn pass(&mut self, lanes: &Arc<Lanes>) {
         if let Some(path) = self.cfg.donors_file.clone() {
-            self.follow_file(d, &path);
+            self.follow_file(lanes, &path);
         }
         if let (Some(b), Some(disc)) = (&self.browser, self.cfg.discover.clone()) {
             for a in b.announced() {
-                self.consider(d, &a, &disc);
+                self.consider(lanes, &a, &disc);
             }
         }
     }
 
-    fn follow_file(&mut self, d: &Arc<Daemon>, path: &Path) {
+    fn follow_file(&mut self, lanes: &Arc<Lanes>, path: &Path) {
         let wanted = match std::fs::read_to_string(path)
             .map_err(|source| DonorsFileError::Read {
                 path: path.to_path_buf(),
@@ -200,8 +179,7 @@ impl Watcher {
                 return;
             }
         };
-        let applied: Vec<(usize, String, DonorArg)> = d
-            .lanes
+        let applied: Vec<(usize, String, DonorArg)> = lanes
             .members()
             .iter()
             .enumerate()
@@ -216,12 +194,12 @@ impl Watcher {
         for name in &c.remove {
             if let Some((i, _, _)) = applied.iter().find(|(_, n, _)| n == name) {
                 tracing::info!("donor {name}: its line left the donors file; letting it go");
-                d.remove_member(*i);
+                lanes.remove_member(*i);
             }
         }
         for arg in c.add {
             let name = donor_name(&arg);
-            match d.add_member(arg, Source::File) {
+            match lanes.add_member(arg, Source::File) {
                 Ok(_) => self.said.clear(&name),
                 // Retried next period: the donor may not be up yet.
                 Err(e) => self.said.warn(
@@ -235,14 +213,14 @@ impl Watcher {
         }
     }
 
-    fn consider(&mut self, d: &Arc<Daemon>, a: &Announced, disc: &Discover) {
+    fn consider(&mut self, lanes: &Arc<Lanes>, a: &Announced, disc: &Discover) {
         let arg = discovered_arg(a, disc);
         let name = donor_name(&arg);
-        if d.lanes.members().iter().any(|m| donor_name(&m.arg) == name) {
+        if lanes.members().iter().any(|m| donor_name(&m.arg) == name) {
             return;
         }
         let key = format!("announced {}", a.node_id);
-        let verdict = match status_client(&arg, d.timeouts().connect) {
+        let verdict = match status_client(&arg, lanes.connect_timeout()) {
             Err(e) => Err(crate::error_chain(&e)),
             Ok(client) if client.key.is_none() => admit(a, Check::NoKey, disc.insecure),
             Ok(client) => match client.query(&a.status.to_string()) {
@@ -251,7 +229,7 @@ impl Watcher {
             },
         };
         match verdict {
-            Ok(why) => match d.add_member(arg, Source::Discovered) {
+            Ok(why) => match lanes.add_member(arg, Source::Discovered) {
                 Ok(_) => {
                     tracing::info!("donor {} ({name}) discovered: {why}", a.node_id);
                     self.said.clear(&key);
@@ -273,26 +251,25 @@ impl Watcher {
     }
 }
 
-impl Daemon {
-    /// Starts the thread that follows the donors file and discovery, one
-    /// pass at once and then one each status-poll period.
-    pub(crate) fn start_membership(self: &Arc<Self>, cfg: Config) -> Result<(), MembershipError> {
-        if cfg.donors_file.is_none() && cfg.discover.is_none() {
-            return Ok(());
-        }
-        let mut w = Watcher::new(cfg)?;
-        let me = self.clone();
-        let t = std::thread::Builder::new()
-            .name("membership".into())
-            .spawn(move || {
-                w.pass(&me);
-                while !me.lanes.sleep(me.lanes.poll) {
-                    w.pass(&me);
-                }
-            })?;
-        self.keep_thread(t);
-        Ok(())
+/// Starts the thread that follows the donors file and discovery, one pass
+/// at once and then one each status-poll period; the lanes join it when
+/// they stop.
+pub(crate) fn start(cfg: Config, lanes: &Arc<Lanes>) -> Result<(), MembershipError> {
+    if cfg.donors_file.is_none() && cfg.discover.is_none() {
+        return Ok(());
     }
+    let mut w = Watcher::new(cfg)?;
+    let l = lanes.clone();
+    let t = std::thread::Builder::new()
+        .name("membership".into())
+        .spawn(move || {
+            w.pass(&l);
+            while !l.sleep(l.poll) {
+                w.pass(&l);
+            }
+        })?;
+    lanes.keep_thread(t);
+    Ok(())
 }
 
 #[cfg(test)]

@@ -26,9 +26,9 @@ use std::sync::{Arc, Mutex};
 
 use hints::{HintError, HintReader, References, Staleness};
 
-use crate::daemon::HintStream;
 use crate::files::FileTable;
 use crate::plan::{BlockId, FileId};
+use crate::status::HintStream;
 
 /// What happened to a job's hints, for status.
 #[derive(Debug, Default)]

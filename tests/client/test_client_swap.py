@@ -1,7 +1,8 @@
 """The client as swap: 4 donors on loopback, `pagerctl attach --swap` in each
-mode, a job in a memory cgroup touching 3x its limit and verifying every
-page, then `pagerctl detach` leaving nothing behind; the donors' memory
-given back once a job that swapped exits (swap with discard)."""
+mode and front end (restartable by default: classic FUSE behind a holder),
+a job in a memory cgroup touching 3x its limit and verifying every page,
+then `pagerctl detach` leaving nothing behind; the donors' memory given
+back once a job that swapped exits (swap with discard)."""
 
 from __future__ import annotations
 
@@ -16,14 +17,30 @@ from netpager_testkit import swaps
 LIMIT = job_limit(64 * MIB)
 
 
-@pytest.mark.parametrize("mode,frontend", [("none", "fuse-uring"), ("mirror", "fuse-uring"),
-                                           ("parity", "fuse-uring"), ("disk", "fuse-uring"),
-                                           ("parity", "fuse"), ("parity", "nbd")])
-def test_swap_job_in_each_mode(mode, frontend, teardown, donors, client, memhog, tmp_path):
+# (mode, --frontend, more attach options, the front end it gets, restartable):
+# a swap device is restartable by default (classic FUSE and a holder);
+# fuse-uring, and nbd without kernel nbd, cannot be, and say so.
+CELLS = {
+    "none": ("none", "fuse-uring", (), "fuse-uring", False),
+    "mirror": ("mirror", "fuse-uring", (), "fuse-uring", False),
+    "parity": ("parity", "fuse-uring", (), "fuse-uring", False),
+    "disk": ("disk", "fuse-uring", (), "fuse-uring", False),
+    "parity-default": ("parity", None, (), "fuse", True),
+    "parity-fuse-not-restartable": ("parity", "fuse", ("--no-restartable",), "fuse", False),
+    "parity-nbd": ("parity", "nbd", (), "nbd", False),
+}
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_swap_job_in_each_mode(cell, teardown, donors, client, memhog, tmp_path):
+    mode, asked, extra, frontend, restartable = CELLS[cell]
     ds = donors(4)
-    device = client.attach(ds, mode=mode, size="256M", swap=True, frontend=frontend)
+    device = client.attach(ds, mode=mode, size="256M", swap=True, frontend=asked, extra=extra)
     assert device in swaps(), f"{device} is not swap: {swaps()}"
     assert client.frontend() == frontend
+    assert client.status()["restartable"] is restartable
+    said = "this swap device is not restartable" in client.attach_stderr
+    assert said is (not restartable and not extra), client.attach_stderr
     # Whether the serving process can be an I/O flusher depends on the
     # machine (CAP_SYS_RESOURCE; nbdkit never asks): status says which, and
     # warns when it is not.

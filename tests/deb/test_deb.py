@@ -170,14 +170,17 @@ def test_install_use_upgrade_remove_purge_in_a_fresh_debian_root(debs):
         assert not list((root.dir / "etc/systemd/system").glob("**/netpager-*")), "a unit was enabled"
 
         # An upgrade (here: the same package again) with a device attached
-        # leaves it attached and says when the new version takes effect.
+        # leaves it attached and says when the new version takes effect
+        # (a record without a device: not restartable; real devices, a
+        # restartable one moved onto the new pagerctl, in
+        # tests/client/test_client_upgrade.py).
         attached = root.dir / "var/lib/netpager/swap"
         attached.mkdir(parents=True)
         (attached / "attach.json").write_text("{}\n")
         (root.dir / "var/lib/netpager/client").mkdir()  # the packaged unit's StateDirectory
         out = root.check(f"dpkg -i /tmp/debs/{debs['netpager-client'].name}")
-        assert "attached, left as they are: /var/lib/netpager/swap" in out, out
-        assert "takes effect at their next attach" in out, out
+        assert "/var/lib/netpager/swap: attached, not restartable, left as it is" in out, out
+        assert "takes effect at its next attach" in out, out
         assert (attached / "attach.json").exists()
 
         # Remove keeps the configuration, purge takes it and the package's

@@ -72,7 +72,7 @@ rounds of swap and latency), LIMIT (128M, the swap job's memory limit; it
 touches 3x), LINK_RATE (1G bits/s per emulated link), FIO_SIZE (512M),
 SWAP_MODE (parity) / SWAP_MODES, SWAP_SETTINGS ("links loopback"), MODES
 ("mirror parity parity-nolog disk ec"), FRONTENDS ("fuse-uring fuse nbd";
-fuse-held: fuse attached --restartable), DEPTH_QDS ("1 4 16 64"),
+fuse-held: fuse attached --restartable, the others --no-restartable), DEPTH_QDS ("1 4 16 64"),
 DEPTH_MODES ("none parity ec"), RESTARTS (20), RESTART_EVERY (2 s), SETTLE
 (10 s, discard's wait after the job).
 
@@ -175,8 +175,12 @@ class Bench:
         `client_id` (their export)."""
         extra = [*mode_args(mode, self.work / "writethrough.img", width), *spin_args(frontend), *extra]
         frontend = frontend.split("@")[0]
+        # Each front end as named: a swap device is restartable by default
+        # where it can be (classic FUSE), so plain "fuse" says it is not.
         if frontend == "fuse-held":
             frontend, extra = "fuse", extra + ["--restartable"]
+        else:
+            extra = extra + ["--no-restartable"]
         state = self.work / f"c-{tag}"
         shutil.rmtree(state, ignore_errors=True)
         client = PagerClient(td, state, client_id=client_id)

@@ -5,8 +5,10 @@
 1. donors: nbdkit + pager-server on 127.N.0.2, ... (`machine.loopback`)
 2. attach: `pagerctl attach --swap --frontend auto`: the client process
    serves its device (extents on the donors, parity) as a file on its own
-   FUSE mount (over io_uring where the kernel has it) -> loop device ->
-   swapon
+   FUSE mount -> loop device -> swapon; restartable, as every swap device
+   is by default: a small holder keeps the FUSE connection (classic
+   /dev/fuse), so the serving process may crash or be upgraded under the
+   job
 3. job: memhog in a memory cgroup touches FACTOR x its limit, so most of
    its pages live on the donors, and verifies every page
 4. the client's status (donors, weights, extents) and the donors' own
@@ -89,7 +91,11 @@ def attach(td: Teardown, state: Path, donors: list[Donor], mode: str, size: int)
     with machine.URING_SWITCH.held():
         device = pagerctl_run(args).strip().splitlines()[-1]
     status = json.loads(pagerctl_run(["status", "--state-dir", state, "--json"]))
-    print(f"client         pagerctl serve pid {status['server']['pid']} (mode {mode}), "
+    holder = status.get("holder") or {}
+    serving = (f"pagerctl serve pid {holder.get('serving_pid')}, restartable: "
+               f"holder pid {status['server']['pid']}" if status.get("restartable")
+               else f"pagerctl serve pid {status['server']['pid']}")
+    print(f"client         {serving} (mode {mode}), "
           f"front end {status['transport'] or status['frontend']}")
     if status.get("transport_fallback"):
         print(f"               io_uring not used: {status['transport_fallback']}")

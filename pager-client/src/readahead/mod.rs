@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use netpager_util::{CondvarExt, LockExt};
 
-use crate::page_log::PAGE;
+use crate::page_table::PAGE;
 
 /// Deltas the detector remembers (Leap's history window).
 pub const HISTORY: usize = 32;

@@ -95,6 +95,61 @@ impl Frontend {
     }
 }
 
+/// The front end a device gets and whether it is restartable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Served {
+    pub frontend: Frontend,
+    pub restartable: bool,
+    /// Why a swap device is not restartable although nobody asked for
+    /// that: its front end cannot be (said as a warning).
+    pub not_restartable: Option<&'static str>,
+}
+
+impl Frontend {
+    /// The front end and whether the device is restartable: as asked
+    /// (`--restartable`, `--no-restartable`: `asked`); else a swap device
+    /// is restartable where its front end allows (its serving process
+    /// would take every swapped page with it when it dies), over classic
+    /// FUSE (`auto` means `fuse` then), and any other device is not.
+    /// Kernel nbd's restarts are never the default: they have not run on a
+    /// real /dev/nbd0. `nbd_module`: /dev/nbd0 exists; `nbd_client`:
+    /// nbd-client is installed.
+    pub fn resolve_attach(
+        self,
+        asked: Option<bool>,
+        swap: bool,
+        kernel_uring: bool,
+        nbd_module: bool,
+        nbd_client: bool,
+    ) -> Result<Served, AttachError> {
+        let served = |frontend, restartable, not_restartable| Served {
+            frontend,
+            restartable,
+            not_restartable,
+        };
+        let plain = self.resolve(kernel_uring, nbd_module && nbd_client);
+        Ok(match (asked, swap, self) {
+            (Some(true), ..) => served(
+                self.resolve_restartable(true, kernel_uring, nbd_module)?,
+                true,
+                None,
+            ),
+            (Some(false), ..) | (None, false, _) => served(plain, false, None),
+            (None, true, Frontend::Auto | Frontend::Fuse) => served(Frontend::Fuse, true, None),
+            (None, true, Frontend::FuseUring) => served(
+                plain,
+                false,
+                Some("--frontend fuse-uring cannot be restartable: the kernel never resends the requests a dead server left in its io_uring entries (pagerctl(1) RESTARTS); if pagerctl serve dies, every process with pages on this swap device loses them (--frontend fuse makes it restartable)"),
+            ),
+            (None, true, Frontend::Nbd) => served(
+                plain,
+                false,
+                Some("--frontend nbd is restartable only when asked (--restartable, kernel nbd's reconnect, which has not run on a real /dev/nbd0 yet): if nbdkit dies, every process with pages on this swap device loses them (--frontend fuse makes it restartable)"),
+            ),
+        })
+    }
+}
+
 /// `pagerctl serve` for the FUSE front ends, run by `pagerctl` itself.
 pub fn serve_command(pagerctl: &Path, state_dir: &Path, frontend: Frontend) -> Vec<String> {
     vec![
@@ -447,6 +502,49 @@ mod tests {
 
     fn p(x: &str) -> PathBuf {
         PathBuf::from(x)
+    }
+
+    #[test]
+    fn a_swap_device_is_restartable_unless_asked_or_its_front_end_cannot() {
+        let r = |f: Frontend, asked, swap| f.resolve_attach(asked, swap, true, true, true);
+        let served = |s: Served| (s.frontend, s.restartable, s.not_restartable.is_some());
+        // The default: swap is restartable (classic FUSE), a block device not.
+        assert_eq!(
+            served(r(Frontend::Auto, None, true).unwrap()),
+            (Frontend::Fuse, true, false)
+        );
+        assert_eq!(
+            served(r(Frontend::Fuse, None, true).unwrap()),
+            (Frontend::Fuse, true, false)
+        );
+        assert_eq!(
+            served(r(Frontend::Auto, None, false).unwrap()),
+            (Frontend::FuseUring, false, false)
+        );
+        // --no-restartable asks for the last 10%: fuse-uring where it exists.
+        assert_eq!(
+            served(r(Frontend::Auto, Some(false), true).unwrap()),
+            (Frontend::FuseUring, false, false)
+        );
+        // A front end that cannot restart stays as asked, and says so.
+        let s = r(Frontend::FuseUring, None, true).unwrap();
+        assert_eq!(served(s), (Frontend::FuseUring, false, true));
+        assert!(s.not_restartable.unwrap().contains("io_uring"));
+        let s = r(Frontend::Nbd, None, true).unwrap();
+        assert_eq!(served(s), (Frontend::Nbd, false, true));
+        // Asked for, it is refused where it cannot be.
+        assert!(r(Frontend::FuseUring, Some(true), true).is_err());
+        assert!(Frontend::Nbd
+            .resolve_attach(Some(true), true, true, false, true)
+            .is_err());
+        // Without nbd-client, plain nbd goes through nbdfuse: auto is fuse.
+        assert_eq!(
+            Frontend::Auto
+                .resolve_attach(None, false, false, true, false)
+                .unwrap()
+                .frontend,
+            Frontend::Fuse
+        );
     }
 
     #[test]

@@ -156,11 +156,13 @@ pub struct Args {
     /// holder process, so that the serving process can crash (it is
     /// restarted at once) or be replaced (pagerctl restart) while swap
     /// stays on. Classic /dev/fuse or kernel nbd: --frontend auto then
-    /// means fuse (pagerctl(1) RESTARTS).
+    /// means fuse (pagerctl(1) RESTARTS). The default with --swap (over
+    /// FUSE: auto or fuse).
     #[arg(long, overrides_with = "no_restartable")]
     restartable: bool,
     /// The serving process is the device: if it dies, the device is lost
-    /// (the default).
+    /// (the default without --swap). With --swap it buys the last ~10% of
+    /// speed (fuse-uring where the kernel has it) at that risk.
     #[arg(long, overrides_with = "restartable")]
     no_restartable: bool,
     /// With --restartable --frontend nbd: how long the kernel holds the
@@ -312,17 +314,30 @@ pub fn run(a: Args) -> Result<()> {
             layout.dir.display()
         );
     }
-    let restartable = a.restartable && !a.no_restartable;
+    let asked = if a.restartable {
+        Some(true)
+    } else if a.no_restartable {
+        Some(false)
+    } else {
+        None
+    };
     // A restartable device connects over netlink itself: no nbd-client.
-    let kernel_nbd =
-        Path::new("/dev/nbd0").exists() && (restartable || procs::on_path("nbd-client"));
-    let frontend = a.frontend.resolve_restartable(
-        restartable,
+    let served = a.frontend.resolve_attach(
+        asked,
+        a.swap,
         Path::new(pager_fuse::ENABLE_URING).exists(),
-        kernel_nbd,
+        Path::new("/dev/nbd0").exists(),
+        procs::on_path("nbd-client"),
     )?;
-    if a.frontend == Frontend::Auto {
-        tracing::info!("front end: {frontend}");
+    let (frontend, restartable) = (served.frontend, served.restartable);
+    if let Some(why) = served.not_restartable {
+        tracing::warn!("this swap device is not restartable: {why}");
+    }
+    if a.frontend == Frontend::Auto || asked.is_none() {
+        tracing::info!(
+            "front end: {frontend}{}",
+            if restartable { ", restartable" } else { "" }
+        );
     }
     let plugin = if frontend == Frontend::Nbd {
         layout.checked_socket().map_err(anyhow::Error::msg)?;

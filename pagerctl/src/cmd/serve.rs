@@ -10,8 +10,10 @@
 //!
 //! Under a service manager (`$NOTIFY_SOCKET` set, `--transport fuse`) it
 //! gives the connection to the manager's fd store (systemd's
-//! `FileDescriptorStoreMax=`) and serves it as a held one; started again
-//! with that fd in `$LISTEN_FDS`, it takes it over as `--held` does.
+//! `FileDescriptorStoreMax=`) and serves it as a held one; it is
+//! restartable only when the manager says it keeps fds (`$FDSTORE`).
+//! Started again with that fd in `$LISTEN_FDS`, it takes it over as
+//! `--held` does.
 //!
 //! It sits on the swap path, so it locks its memory, marks itself an I/O
 //! flusher, leaves every memory cgroup (the job that swaps is limited, not
@@ -25,13 +27,13 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use pager_client::config::DeviceConfig;
 use pager_client::device::Device;
-use pager_fuse::fdstore;
+use pager_fuse::fdstore::{self, Stored};
 use pager_fuse::handover::{self, Request};
 use pager_fuse::{Mount, Options, Transport};
 use pagerctl::attach::record::{frontend_info, ServeInfo, StateLayout};
 
 use crate::serving::{Buffer, DeviceBackend, Gate};
-use crate::{procs, steps, sys};
+use crate::{probe, procs, sys};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -110,7 +112,8 @@ pub fn run(a: Args) -> Result<()> {
     let stored = if a.held {
         None
     } else {
-        fdstore::take(FDSTORE_NAME)
+        fdstore::ListenFds::claim()
+            .and_then(|mut fds| fds.take(FDSTORE_NAME))
             .context("taking the FUSE connection the service manager passed (LISTEN_FDS)")?
     };
     let store_in = match notify {
@@ -124,11 +127,19 @@ pub fn run(a: Args) -> Result<()> {
         }
         n => n,
     };
-    let restartable = a.held || stored.is_some() || store_in.is_some();
-    // Late acknowledgement wherever the connection outlives this process
-    // (serving.rs).
+    // Restartable once the connection is known to outlive this process.
+    let mut restartable = a.held || stored.is_some();
+    // Late acknowledgement wherever the connection may outlive this
+    // process (serving.rs): a stored connection counts before the service
+    // manager says it keeps it.
     let buffer = (a.writeback_buffer > 0)
-        .then(|| Buffer::start(&device, a.writeback_buffer, restartable))
+        .then(|| {
+            Buffer::start(
+                &device,
+                a.writeback_buffer,
+                restartable || store_in.is_some(),
+            )
+        })
         .transpose()
         .context("cannot start the write-back buffer's drainers")?;
     let backend = DeviceBackend {
@@ -180,9 +191,16 @@ pub fn run(a: Args) -> Result<()> {
             }
         };
         // Stored once INIT is answered: a successor never has to.
-        match fdstore::store(&notify, FDSTORE_NAME, &keep) {
-            Ok(()) => tracing::info!(
-                "gave the FUSE connection to the service manager's fd store as {FDSTORE_NAME}"
+        let fdstore_max = std::env::var("FDSTORE").ok();
+        match fdstore::store(&notify, fdstore_max.as_deref(), FDSTORE_NAME, &keep) {
+            Ok(Stored::Kept { max }) => {
+                restartable = true;
+                tracing::info!(
+                    "gave the FUSE connection to the service manager's fd store as {FDSTORE_NAME} (it keeps up to {max} fds: FDSTORE={max})"
+                )
+            }
+            Ok(Stored::NotKnownKept) => tracing::warn!(
+                "sent the FUSE connection to NOTIFY_SOCKET={notify}, but it is NOT known to be kept: FDSTORE is not set (the service manager keeps no fds for this unit, or is systemd before 254, which does not say: set FileDescriptorStoreMax=1, and on systemd before 254 Environment=FDSTORE=1 too); if this process dies, the device is lost, and SIGUSR1 does not hand over"
             ),
             Err(e) => tracing::warn!(
                 "cannot store the FUSE connection at NOTIFY_SOCKET={notify}: {e}; if this process dies, the device is lost"
@@ -301,11 +319,14 @@ fn on_signals(
     loop {
         match sys::wait_stop_signal() {
             libc::SIGUSR1 if held => hand_over(gate, device, buffer),
-            libc::SIGUSR1 => tracing::warn!("SIGUSR1: not restartable (attach --restartable)"),
-            // Unmounted here while another mount namespace still holds a
-            // copy of the mount: the connection lives on, and no request
-            // will end the threads. The holder exits after this process.
-            sig if held && !steps::is_mounted(mountpoint) => {
+            libc::SIGUSR1 => tracing::warn!(
+                "SIGUSR1: not restartable (attach --restartable, or a service manager that keeps the connection: FDSTORE)"
+            ),
+            // Unmounted here while the connection lives on (another mount
+            // namespace holds a copy of the mount, or detach unmounted it
+            // lazily while a process still used it): no request will end
+            // the threads. A holder exits after this process.
+            sig if !probe::is_mounted(mountpoint) => {
                 tracing::info!(
                     "signal {sig}: {} is unmounted here: exiting",
                     mountpoint.display()
