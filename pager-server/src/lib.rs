@@ -155,6 +155,8 @@ fn load_guard(cfg: &Config) -> Result<Guard> {
 pub struct PagerServer {
     export: Arc<Export>,
     donor: Arc<Donor>,
+    /// Counts this connection in the export's status while it lives.
+    _claim: donor::Claim,
 }
 
 impl PagerServer {
@@ -239,11 +241,7 @@ impl Server for PagerServer {
         };
         let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
         let settings = Settings::resolve(&cfg, mem, &host, ncpu);
-        if settings.budget_bytes == 0 {
-            return Err(einval(
-                "budget: less than one 4 KiB page; nothing to donate",
-            ));
-        }
+        settings.check_budget(&mem).map_err(einval)?;
         check_mlock(&settings)?;
         let guard = load_guard(&cfg)?;
         sys::log_debug(&describe(&settings));
@@ -373,6 +371,7 @@ impl Server for PagerServer {
         Ok(Box::new(PagerServer {
             export,
             donor: Arc::clone(d),
+            _claim: d.claim(&spec.name),
         }))
     }
 
