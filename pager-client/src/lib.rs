@@ -9,6 +9,7 @@ pub mod extent_map;
 pub mod metrics;
 pub mod page_log;
 pub mod policy;
+pub mod probe;
 pub mod readahead;
 pub mod status;
 pub mod zero_pages;

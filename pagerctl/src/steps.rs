@@ -13,7 +13,9 @@ use pagerctl::attach::record::{HolderInfo, ServeInfo, StateLayout};
 use pagerctl::attach::{AttachRecord, Frontend, Step, Via};
 
 use netpager_nbd::Connection;
+use pager_client::status::ClientStatus;
 
+use crate::devices::{is_mounted, loop_backing, swap_active};
 use crate::procs;
 
 /// What the attach needs beyond the device configuration.
@@ -86,6 +88,14 @@ fn run_steps(plan: &Plan, record: &mut AttachRecord) -> Result<PathBuf> {
         set_queue_depth(layout, record, &device, depth)?;
     }
     if let Some(priority) = plan.swap {
+        // status.json is written as the device opened: donors that went
+        // away since attach checked them mean no swap.
+        if let Some(why) = ClientStatus::read(&layout.dir)
+            .ok()
+            .and_then(|s| s.cannot_place())
+        {
+            bail!("the device cannot place a unit: {why}; swap is not turned on");
+        }
         procs::run(&commands::mkswap(&device, "netpager"))?;
         procs::run(&commands::swapon(&device, priority, plan.swap_discard))?;
         push(
@@ -523,55 +533,23 @@ fn free_nbd_device() -> Result<PathBuf> {
         })
 }
 
-/// Whether `path` is a mount point (from /proc/self/mountinfo).
-pub fn is_mounted(path: &Path) -> bool {
-    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
-        return false;
-    };
-    let target = path.to_string_lossy();
-    // Field 5 is the mount point, with spaces etc. octal-escaped.
-    info.lines().any(|l| {
-        l.split(' ')
-            .nth(4)
-            .is_some_and(|m| unescape_mountinfo(m) == target)
-    })
-}
-
-fn unescape_mountinfo(field: &str) -> String {
-    let mut out = Vec::new();
-    let b = field.as_bytes();
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\'
-            && i + 3 < b.len()
-            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
-        {
-            out.push(u8::from_str_radix(&field[i + 1..i + 4], 8).unwrap_or(b'?'));
-            i += 4;
-        } else {
-            out.push(b[i]);
-            i += 1;
+/// Who holds `device` (`devices::holders`) once they have had `limit` to
+/// let go (a udev probe opens a device for a moment), saying whom it
+/// waits for.
+fn wait_unheld(device: &Path, limit: Duration) -> Vec<String> {
+    let start = Instant::now();
+    let mut said = false;
+    loop {
+        let held = crate::devices::holders(device);
+        if held.is_empty() || start.elapsed() >= limit {
+            return held;
         }
+        if !said {
+            tracing::info!("waiting for {}: {}", device.display(), held.join(", "));
+            said = true;
+        }
+        std::thread::sleep(Duration::from_millis(100));
     }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-/// Whether swap is on for `device` (from /proc/swaps).
-pub fn swap_active(device: &Path) -> bool {
-    std::fs::read_to_string("/proc/swaps")
-        .map(|t| {
-            t.lines()
-                .skip(1)
-                .any(|l| l.split_whitespace().next() == Some(&*device.to_string_lossy()))
-        })
-        .unwrap_or(false)
-}
-
-/// The file a loop device is backed by, if it is set up.
-fn loop_backing(device: &Path) -> Option<PathBuf> {
-    let name = device.file_name()?.to_string_lossy().into_owned();
-    let text = std::fs::read_to_string(format!("/sys/block/{name}/loop/backing_file")).ok()?;
-    Some(PathBuf::from(text.trim_end()))
 }
 
 /// Flushes the device's write cache down to nbdkit: fsync on a block device
@@ -616,6 +594,14 @@ fn undo(step: &Step, layout: &StateLayout, export: &str, grace: Duration) -> Res
         }
         Step::LoopDevice { device, file } => {
             if loop_backing(device).as_deref() == Some(file.as_path()) {
+                let held = wait_unheld(device, grace.min(Duration::from_secs(5)));
+                if !held.is_empty() {
+                    bail!(
+                        "{} is in use: {}; stop that (close it, umount), then run pagerctl detach again",
+                        device.display(),
+                        held.join(", ")
+                    );
+                }
                 if let Err(e) = flush_device(device) {
                     tracing::warn!("{e:#} (the device's server may be gone)");
                 }
@@ -626,9 +612,10 @@ fn undo(step: &Step, layout: &StateLayout, export: &str, grace: Duration) -> Res
                 while loop_backing(device).as_deref() == Some(file.as_path()) {
                     if start.elapsed() > grace {
                         bail!(
-                            "{} still holds {} {grace:?} after losetup --detach",
+                            "{} still holds {} {grace:?} after losetup --detach ({})",
                             device.display(),
-                            file.display()
+                            file.display(),
+                            crate::devices::holders(device).join(", ")
                         );
                     }
                     std::thread::sleep(Duration::from_millis(50));
@@ -798,16 +785,4 @@ pub fn make_state_dir(dir: &Path) -> Result<()> {
         .with_context(|| format!("cannot create state directory {}", dir.display()))?;
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
         .with_context(|| format!("cannot make {} private", dir.display()))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn mountinfo_escapes() {
-        assert_eq!(unescape_mountinfo("/tmp/a\\040b"), "/tmp/a b");
-        assert_eq!(unescape_mountinfo("/plain"), "/plain");
-        assert_eq!(unescape_mountinfo("/end\\04"), "/end\\04");
-    }
 }

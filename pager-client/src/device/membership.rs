@@ -228,11 +228,17 @@ impl Inner {
         let now = unix_now();
         let d = self.push_donor(c, id, (how, now))?;
         self.attach(d);
+        if d.is_failed() {
+            // Why, in words an admin acts on (status shows it too).
+            if let Err(p) = crate::probe::check(&self.cfg, &d.cfg) {
+                d.health().failure = Some(p.to_string());
+            }
+        }
         if reachable && d.is_failed() {
             let why = d.health().failure.clone().unwrap_or_default();
             self.donors.retire(d);
             return Err(refuse(format!(
-                "donor {} cannot be reached: {why}",
+                "donor {} cannot be used: {why}",
                 d.cfg.name
             )));
         }

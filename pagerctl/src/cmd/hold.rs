@@ -24,7 +24,7 @@ use pagerctl::attach::commands;
 use pagerctl::attach::nbd_hold::{backoff, QUICK_DEATH};
 use pagerctl::attach::record::{HolderInfo, StateLayout};
 
-use crate::{procs, steps, sys};
+use crate::{devices, procs, sys};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -190,7 +190,7 @@ fn supervise(
             st.info.serve_pid = None;
             shared.save(&st);
         }
-        if !steps::is_mounted(mountpoint) {
+        if !devices::is_mounted(mountpoint) {
             tracing::info!("serving process {pid} exited ({status}) after the unmount: done");
             return Ok(());
         }

@@ -30,7 +30,7 @@ use pager_fuse::handover::{self, Request};
 use pager_fuse::{Backend, Mount, Options, Transport};
 use pagerctl::attach::record::{frontend_info, ServeInfo, StateLayout};
 
-use crate::{procs, steps, sys};
+use crate::{devices, procs, sys};
 
 /// Closed when the process hands over to the next one: a request that
 /// reaches the device after that waits forever, unanswered, and the
@@ -359,7 +359,7 @@ fn on_signals(mountpoint: &Path, held: bool, gate: &Gate, device: &Device) {
             // Unmounted here while another mount namespace still holds a
             // copy of the mount: the connection lives on, and no request
             // will end the threads. The holder exits after this process.
-            sig if held && !steps::is_mounted(mountpoint) => {
+            sig if held && !devices::is_mounted(mountpoint) => {
                 tracing::info!(
                     "signal {sig}: {} is unmounted here: exiting",
                     mountpoint.display()
