@@ -45,6 +45,7 @@ help2man_page() {
     --version-string "$version" "$bin/$name" -o "$out/$name.1"
 }
 help2man_page netpager-token "derive a client's export token or the /metrics bearer token"
+help2man_page netpager-drain "drain netpager donors and wait until they hold nothing"
 help2man_page pager-hints "netpager hint files: validate, convert, stats, check, merge, generate"
 help2man_page prefetch-job "replay a hint file's reads, verifying bytes (prefetchd's test job)"
 

@@ -285,6 +285,29 @@ impl StatusClient {
         };
         expect_status(addr, self.call(addr, req)?)
     }
+
+    /// Polls the donor at `addr` every half second until it holds nothing
+    /// (`None`: a drain is over) or `limit` has passed (its last status);
+    /// `seen` gets every status on the way.
+    pub fn wait_empty(
+        &self,
+        addr: &str,
+        limit: Duration,
+        mut seen: impl FnMut(&DonorStatus),
+    ) -> Result<Option<DonorStatus>, ProtoError> {
+        let start = std::time::Instant::now();
+        loop {
+            let s = self.query(addr)?;
+            seen(&s);
+            if s.used_bytes == 0 {
+                return Ok(None);
+            }
+            if start.elapsed() > limit {
+                return Ok(Some(s));
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
 }
 
 /// A status connection to one donor kept from one query to the next, so
@@ -377,6 +400,29 @@ impl DonorState {
             DonorState::Draining => "draining",
         }
     }
+}
+
+/// The exports of `s` holding pages that no client is connected to, as
+/// `NAME (SIZE)`: pages of a detached device, or of a client that is gone.
+pub fn unclaimed_exports(s: &DonorStatus) -> Vec<String> {
+    s.exports
+        .iter()
+        .filter(|e| e.clients == 0 && e.used_bytes > 0)
+        .map(|e| format!("{} ({})", e.name, netpager_util::format_size(e.used_bytes)))
+        .collect()
+}
+
+/// What a drain that did not finish says about pages no client can move
+/// (empty when there are none).
+pub fn unclaimed_note(s: &DonorStatus) -> String {
+    let u = unclaimed_exports(s);
+    if u.is_empty() {
+        return String::new();
+    }
+    format!(
+        "; no client is connected to {}: pages of a detached device no drain moves (pagerctl release --state-dir DIR on its client frees them)",
+        u.join(", ")
+    )
 }
 
 /// A donor's status as JSON, with the state as a word.

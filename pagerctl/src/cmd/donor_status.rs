@@ -115,12 +115,7 @@ fn render(addr: &str, s: &DonorStatus) -> String {
                 e.clients
             ));
         }
-        let unclaimed: Vec<String> = s
-            .exports
-            .iter()
-            .filter(|e| e.clients == 0 && e.used_bytes > 0)
-            .map(|e| format!("{} ({})", e.name, format_size(e.used_bytes)))
-            .collect();
+        let unclaimed = netpager_proto::unclaimed_exports(s);
         if !unclaimed.is_empty() {
             out.push(format!(
                 "UNCLAIMED: no client is connected to {}: pages of a detached device (pagerctl release --state-dir DIR on its client frees them) or of a client that is gone",

@@ -59,8 +59,9 @@ impl Health {
     }
 
     /// From what status found: attached, serving (the serving process runs
-    /// and wrote its status lately), and the device's own status.
-    fn of(attached: bool, serving: bool, status: Option<&ClientStatus>) -> Health {
+    /// and wrote its status lately), whether it warns (a restartable
+    /// device's holder is gone), and the device's own status.
+    fn of(attached: bool, serving: bool, warned: bool, status: Option<&ClientStatus>) -> Health {
         if !attached {
             return Health::NotAttached;
         }
@@ -68,7 +69,8 @@ impl Health {
             return Health::NotServing;
         };
         let t = &s.totals;
-        if t.degraded > 0
+        if warned
+            || t.degraded > 0
             || t.lost > 0
             || t.unfound_pages > 0
             || t.writethrough_error.is_some()
@@ -131,7 +133,7 @@ pub fn run(a: Args) -> Result<Health> {
     } else {
         server_alive
     } && !age_ms.is_some_and(|a| a > STALE_MS);
-    let health = Health::of(attached, is_serving, status.as_ref());
+    let health = Health::of(attached, is_serving, warning.is_some(), status.as_ref());
     if a.json {
         let v = serde_json::json!({
             "state_dir": layout.dir,
@@ -284,16 +286,21 @@ mod tests {
             }],
             ..Default::default()
         };
-        assert_eq!(Health::of(false, false, None), Health::NotAttached);
-        assert_eq!(Health::of(true, false, Some(&s)), Health::NotServing);
-        assert_eq!(Health::of(true, true, None), Health::NotServing);
-        assert_eq!(Health::of(true, true, Some(&s)), Health::Ok);
+        assert_eq!(Health::of(false, false, false, None), Health::NotAttached);
+        assert_eq!(Health::of(true, false, false, Some(&s)), Health::NotServing);
+        assert_eq!(Health::of(true, true, false, None), Health::NotServing);
+        assert_eq!(Health::of(true, true, false, Some(&s)), Health::Ok);
+        assert_eq!(
+            Health::of(true, true, true, Some(&s)),
+            Health::Degraded,
+            "holder gone"
+        );
         s.totals.lost = 1;
-        assert_eq!(Health::of(true, true, Some(&s)), Health::Degraded);
+        assert_eq!(Health::of(true, true, false, Some(&s)), Health::Degraded);
         s.totals.lost = 0;
         s.donors[0].failed = true;
         assert_eq!(
-            Health::of(true, true, Some(&s)),
+            Health::of(true, true, false, Some(&s)),
             Health::Degraded,
             "no donor takes pages"
         );
