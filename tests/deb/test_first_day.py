@@ -30,12 +30,26 @@ ROFF = {"aq": "'", "dq": '"', "ga": "`", "ti": "~", "ha": "^", "at": "@", "rs": 
 
 def md_blocks(text: str, heading: str) -> list[str]:
     """The fenced code blocks under the Markdown heading `heading`, up to
-    the next heading of its level or above."""
-    level = heading.split(" ")[0]
-    start = text.index(f"\n{heading}\n")
-    end = min((m.start() for m in re.finditer(rf"\n#{{1,{len(level)}}} ", text[start + 1:])), default=None)
-    body = text[start:] if end is None else text[start:start + 1 + end]
-    return re.findall(r"```[a-z]*\n(.*?)```", body, re.S)
+    the next heading of its level or above (a `#` line inside a code block
+    is a shell comment, not a heading)."""
+    level = len(heading.split(" ")[0])
+    blocks, inside, fence = [], False, None
+    for line in text.splitlines():
+        if fence is not None:
+            if line.startswith("```"):
+                if inside:
+                    blocks.append("\n".join(fence) + "\n")
+                fence = None
+            else:
+                fence.append(line)
+        elif line.startswith("```"):
+            fence = []
+        elif line.startswith("#"):
+            if line == heading:
+                inside = True
+            elif inside and len(line) - len(line.lstrip("#")) <= level:
+                break
+    return blocks
 
 
 def unroff(line: str) -> str:
@@ -67,7 +81,7 @@ def commands(block: str) -> list[str]:
         cmd = cur.strip()
         cur = ""
         for part in re.split(r"\s*(?:&&|;|\|)\s*", cmd):
-            part = re.sub(r"^(?:for .* do|do|done|while .*|\w+=\$\()\s*", "", part.strip()).rstrip(")&").strip()
+            part = re.sub(r"^(?:for \w+ in .*|while .*|done|do|\w+=\$\()\s*", "", part.strip()).rstrip(")&").strip()
             if part and not part.startswith(("#", "...")):
                 out.append(part)
     return out
