@@ -227,6 +227,8 @@ def test_first_day_from_the_documents(debs):
         assert "donor1" in root.check("pagerctl donor-status 127.0.0.2:10810")
         day.sh(server[1])
         assert "/tmp/netpager-mnt" not in root.check("cat /proc/self/mounts")
+        # Its pages went back to the donor: nothing is left unclaimed.
+        assert "UNCLAIMED" not in root.check("pagerctl donor-status 127.0.0.2:10810")
 
         # README, "Client": the whole block, as written.
         (client,) = md_blocks(readme, "### Client")[:1]
@@ -256,7 +258,8 @@ def test_first_day_from_the_documents(debs):
         # addresses, this client's line in the lab key).
         root.check("pagerctl psk add /etc/netpager/netpager.psk \"$(hostname)\"")
         hosts = root.dir / "etc/hosts"
-        hosts.write_text(hosts.read_text() + "127.0.0.2 donor1\n127.0.0.3 donor2\n127.0.0.4 donor3\n")
+        known = hosts.read_text() if hosts.exists() else "127.0.0.1 localhost\n"
+        hosts.write_text(known + "127.0.0.2 donor1\n127.0.0.3 donor2\n127.0.0.4 donor3\n")
         unit = (root.dir / "usr/lib/systemd/system/netpager-client.service").read_text()
         attach = re.search(r"^ExecStart=(.*)$", unit, re.M).group(1)
         client_unit = (f"PAGERCTL_WAIT_DONORS=$(sed -n 's/^Environment=PAGERCTL_WAIT_DONORS=//p' "
