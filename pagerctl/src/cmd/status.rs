@@ -132,7 +132,7 @@ pub fn run(a: Args) -> Result<Health> {
         serving.is_some()
     } else {
         server_alive
-    } && !age_ms.is_some_and(|a| a > STALE_MS);
+    } && age_ms.is_none_or(|a| a <= STALE_MS);
     let health = Health::of(attached, is_serving, warning.is_some(), status.as_ref());
     if a.json {
         let v = serde_json::json!({
