@@ -221,6 +221,18 @@ def test_release_frees_a_detached_devices_pages(root, client_built, donors, clie
     client.detach()
 
 
+def test_two_devices_of_one_client_id_are_told_apart(root, client_built, donors, client, tmp_path):
+    (d,) = donors(1)
+    client.attach([d], mode="none", size="32M", frontend="fuse")
+    client.detach()
+    # Another device under the same client id asks the donor for the same
+    # export with another size: nbdkit calls that an unknown export.
+    err = refused_attach(tmp_path / "second", "--size", "64M", "--mode", "none", "--client-id",
+                         client.client_id, "--donor", donor_spec(d))
+    assert f"holds export {client.client_id} of 33 MiB already" in err, err
+    assert "this device asks for 65 MiB" in err and "give this device its own --client-id" in err, err
+
+
 def test_donor_status_and_drain_name_the_problem(root, client_built, cluster, client, tmp_path):
     key = psk_new(tmp_path / "lab.psk", client.client_id)
     ds = cluster.start_donors(3, tls_psk=key, psk=key, budget="64M", size="1G")
