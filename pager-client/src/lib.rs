@@ -10,6 +10,7 @@ pub mod metrics;
 pub mod page_log;
 pub mod page_table;
 pub mod policy;
+pub mod probe;
 pub mod readahead;
 pub mod stages;
 pub mod status;

@@ -114,6 +114,48 @@ pub fn loop_backing(device: &Path) -> Option<PathBuf> {
     Some(PathBuf::from(text.trim_end()))
 }
 
+/// Who keeps `device` busy, in words: processes with it open (their pid
+/// and name; found through /proc/PID/fd, as fuser(1) does), mount points
+/// of file systems on it, and swap on it. This process is left out.
+pub fn holders(device: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let me = std::process::id().to_string();
+    if let Ok(procs) = std::fs::read_dir("/proc") {
+        for p in procs.flatten() {
+            let pid = p.file_name().to_string_lossy().into_owned();
+            if !pid.bytes().all(|b| b.is_ascii_digit()) || pid == me {
+                continue;
+            }
+            let Ok(fds) = std::fs::read_dir(p.path().join("fd")) else {
+                continue;
+            };
+            if fds
+                .flatten()
+                .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|t| t == device))
+            {
+                let comm = std::fs::read_to_string(p.path().join("comm")).unwrap_or_default();
+                out.push(format!("pid {pid} ({}) has it open", comm.trim()));
+            }
+        }
+    }
+    if let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") {
+        let dev = device.to_string_lossy();
+        for l in info.lines() {
+            // Fields after " - ": type, source, options.
+            let source = l.split(" - ").nth(1).and_then(|t| t.split(' ').nth(1));
+            if source == Some(&*dev) {
+                if let Some(m) = l.split(' ').nth(4) {
+                    out.push(format!("mounted on {}", unescape_mountinfo(m)));
+                }
+            }
+        }
+    }
+    if swap_active(device) {
+        out.push("swap is on on it".into());
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -135,5 +177,22 @@ mod tests {
         assert_eq!(unescape_mountinfo("/tmp/a\\040b"), "/tmp/a b");
         assert_eq!(unescape_mountinfo("/plain"), "/plain");
         assert_eq!(unescape_mountinfo("/end\\04"), "/end\\04");
+    }
+
+    #[test]
+    fn a_file_held_open_is_found_with_its_process() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("dev");
+        std::fs::write(&f, b"x").unwrap();
+        assert_eq!(holders(&f), Vec::<String>::new());
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .stdin(std::fs::File::open(&f).unwrap())
+            .spawn()
+            .unwrap();
+        let found = holders(&f);
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert_eq!(found, [format!("pid {} (sleep) has it open", child.id())]);
     }
 }

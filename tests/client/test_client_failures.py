@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from netpager_testkit.client import MIB, busiest, donor_report, nbd_errno, run_memhog, run_pagerctl
+from netpager_testkit.client import MIB, busiest, donor_report, nbd_errno, run_memhog, pagerctl_status, run_pagerctl
 from netpager_testkit import wait_for
 from netpager_testkit.machine import URING_SWITCH
 
@@ -107,7 +107,7 @@ def test_ec_job_survives_two_donors_killed_at_once(teardown, donors, client, mem
     for v in victims:
         gone = donor_report(final, v.name)
         assert gone["failed"] and gone["extents_held"] == 0, gone
-    table = run_pagerctl(["status", "--state-dir", client.state_dir]).stdout
+    table = pagerctl_status(client.state_dir).stdout
     assert "ec (code 4+2)" in table and "1.50x" in table, table
     client.detach()
     assert client.leftovers() == []
@@ -144,7 +144,7 @@ def test_mode_none_reports_lost_extents_and_keeps_the_rest(teardown, donors, cli
     assert donor_report(st, victim.name)["failed"]
     assert set(t["lost_extents"]) == bad, (t["lost_extents"], sorted(bad))
     assert t["lost"] == len(bad) and 0 < len(bad) < 64
-    table = run_pagerctl(["status", "--state-dir", client.state_dir]).stdout
+    table = pagerctl_status(client.state_dir).stdout
     assert "LOST extents:" in table and "FAILED" in table, table
     client.detach()
     assert client.leftovers() == []
@@ -183,7 +183,7 @@ def test_client_killed_while_swapping_leaves_a_kernel_that_answers(teardown, don
     # The job either finishes (its pages read back before the kill) or dies
     # of a failed swap-in; what it must not do is hang.
     assert job.proc.wait(120) is not None, "the job hangs after the client died"
-    p = run_pagerctl(["status", "--state-dir", client.state_dir, "--json"])
+    p = pagerctl_status(client.state_dir, "--json")
     st = json.loads(p.stdout)
     assert st["server"] and not st["server"]["alive"], st["server"]
     client.detach()

@@ -16,7 +16,8 @@ import threading
 import time
 from pathlib import Path
 
-from netpager_testkit.client import MIB, Job, busiest, device_ios, donor_report, pid_alive, run_pagerctl
+from netpager_testkit.client import (MIB, Job, busiest, device_ios, donor_report, pagerctl_status, pid_alive,
+                                    run_pagerctl)
 from netpager_testkit.paths import pagerctl
 from netpager_testkit import swaps, wait_for
 
@@ -71,7 +72,7 @@ def test_kill9_of_the_serving_process_while_swapping(teardown, donors, client, m
     assert h["resent_total"] >= 1, f"no request was resent after the kill: {h}"
     st = client.status()
     assert st["holder"]["info"]["restarts"] == 1 and st["warning"] is None, st["holder"]
-    text = run_pagerctl(["status", "--state-dir", client.state_dir]).stdout
+    text = pagerctl_status(client.state_dir).stdout
     assert "1 restarts (1 after a crash)" in text and "requests resent" in text, text
     assert client.device_status()["totals"]["lost"] == 0
     client.detach()
@@ -188,14 +189,13 @@ def test_holder_killed_status_warns_before_anything_is_lost(teardown, donors, cl
     client.attach(ds, mode="parity", size="64M", extra=["--restartable"])
     serving = client.serving_pid()
     holder = client.server_pid()
-    assert json.loads(run_pagerctl(["status", "--state-dir", client.state_dir,
-                                    "--json"]).stdout)["warning"] is None
+    assert json.loads(pagerctl_status(client.state_dir, "--json").stdout)["warning"] is None
     os.kill(holder, 9)
     wait_for(lambda: not pid_alive(holder), 10, f"holder {holder} to die")
     assert pid_alive(serving), "the serving process went with its holder"
     st = client.status()
     assert st["warning"] and "holder is gone" in st["warning"], st
-    text = run_pagerctl(["status", "--state-dir", client.state_dir]).stdout
+    text = pagerctl_status(client.state_dir).stdout
     assert "WARNING: the connection holder is gone" in text, text
     p = run_pagerctl(["restart", "--state-dir", client.state_dir], check=False)
     assert p.returncode != 0 and "holder" in p.stderr, p.stderr

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from netpager_testkit.client import MIB, donor_spec, job_limit, run_memhog, run_pagerctl
+from netpager_testkit.client import MIB, donor_spec, job_limit, pagerctl_status, run_memhog, run_pagerctl
 from netpager_testkit.procs import has_cap_sys_resource, wait_for
 from netpager_testkit import swaps
 
@@ -47,7 +47,7 @@ def test_swap_job_in_each_mode(cell, teardown, donors, client, memhog, tmp_path)
     full = client.status()
     if frontend != "nbd":
         assert full["io_flusher"] is has_cap_sys_resource(), full["io_flusher"]
-    text = run_pagerctl(["status", "--state-dir", client.state_dir]).stdout
+    text = pagerctl_status(client.state_dir).stdout
     assert ("is not an I/O flusher" in text) is (full["io_flusher"] is False), text
 
     job = run_memhog(teardown, memhog, LIMIT, tmp_path / "memhog.log", device)

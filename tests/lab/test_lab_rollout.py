@@ -114,7 +114,7 @@ def test_rollout_over_ssh_serves_the_clients_across_the_bridge(rollout):
     versions = {p: subprocess.run(["dpkg-query", "-W", "-f", "${Version}", p], capture_output=True, text=True,
                                   check=True).stdout for p in PACKAGES}
     for h in HOSTS:
-        assert ro.pagerctl(h, "--version").startswith(f"pagerctl {versions['netpager-client']} (commit "), h
+        assert ro.pagerctl(h, "--version").stdout.startswith(f"pagerctl {versions['netpager-client']} (commit "), h
     lab_key_hex = ro.lab_key().read_text().strip()
     assert lab_key_hex not in out, "the lab key appeared in ansible's output"
     secret = (ro.inv / "netpager-export.secret").read_text().strip()

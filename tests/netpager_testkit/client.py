@@ -50,6 +50,18 @@ def run_pagerctl(args, timeout: float = 300.0, check: bool = True) -> subprocess
     return p
 
 
+# What `pagerctl status` exits with besides errors (pagerctl(1), EXIT STATUS).
+STATUS_EXITS = {0: "ok", 3: "not attached", 4: "not serving", 5: "degraded"}
+
+
+def pagerctl_status(state_dir, *extra) -> subprocess.CompletedProcess:
+    """`pagerctl status`, whatever health it reports; an error raises."""
+    p = run_pagerctl(["status", "--state-dir", state_dir, *extra], check=False)
+    if p.returncode not in STATUS_EXITS:
+        raise AssertionError(f"pagerctl status --state-dir {state_dir} failed ({p.returncode}):\n{p.stderr}")
+    return p
+
+
 def nbd_errno(e) -> str:
     """The errno name of a libnbd error (python3-libnbd 1.14 gives the name)."""
     return e.errno if isinstance(e.errno, str) else errno.errorcode.get(e.errno, str(e.errno))
@@ -294,7 +306,7 @@ class PagerClient:
 
     def status(self) -> dict:
         """`pagerctl status --json`."""
-        return json.loads(run_pagerctl(["status", "--state-dir", self.state_dir, "--json"]).stdout)
+        return json.loads(pagerctl_status(self.state_dir, "--json").stdout)
 
     def device_status(self) -> dict:
         """The device's own part of the status (status.json), once written."""

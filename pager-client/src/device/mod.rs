@@ -34,7 +34,7 @@ mod placement;
 mod prefetch;
 mod replica;
 mod report;
-mod session;
+pub mod session;
 mod stripe;
 mod transient;
 mod writethrough;

@@ -3,10 +3,12 @@
 //! runs the attach steps (`crate::steps`); prints the block device.
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use pager_client::config::DeviceConfig;
+use pager_client::config::{DeviceConfig, DonorConfig};
+use pager_client::probe;
+use pagerctl::attach::check::{self, Checked, Verdict};
 use pagerctl::attach::record::StateLayout;
 use pagerctl::attach::{self, AttachRecord, DeviceOptions, DonorSpec, Frontend, ModeChoice, Via};
 use pagerctl::lost;
@@ -186,6 +188,17 @@ pub struct Args {
     /// writeback instead of being OOM-killed in a memory cgroup v1.
     #[arg(long, default_value_t = 16, value_name = "N")]
     queue_depth: u32,
+    /// Wait up to this long for enough donors to take pages before the
+    /// device is created (at boot, donors or the network may come up
+    /// later). Without it attach fails at once, naming each donor's
+    /// problem.
+    #[arg(long, value_parser = parse_secs, value_name = "SECS")]
+    wait_donors: Option<Duration>,
+    /// Attach even when fewer donors take pages than the mode places a unit
+    /// on (writes to unplaced extents fail until donors come). Never with
+    /// --swap.
+    #[arg(long)]
+    allow_degraded: bool,
     /// How long the serving process (or nbdkit and nbdfuse) may take to
     /// start.
     #[arg(long, default_value = "30", value_parser = parse_secs, value_name = "SECS")]
@@ -229,14 +242,6 @@ impl Args {
     }
 }
 
-fn host_name() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_string())
-        .ok()
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "client".to_string())
-}
-
 /// The client plugin: --plugin, else $NETPAGER_PLUGIN_DIR, else next to
 /// pagerctl (cargo puts both in target/release), else in ../lib/netpager
 /// from pagerctl's directory (the package's /usr/lib/netpager).
@@ -268,9 +273,9 @@ fn find_plugin(given: Option<&Path>) -> Result<PathBuf> {
         .with_context(|| format!("cannot resolve {}", path.display()))
 }
 
-/// Writes device.toml for a new device, or checks that the options given
-/// to a re-attach match the device the state directory already holds.
-fn prepare_config(a: &Args, layout: &StateLayout) -> Result<DeviceConfig> {
+/// The device: a new one's configuration (true: not saved yet), or the
+/// one the state directory holds, checked against the options given.
+fn prepare_config(a: &Args, layout: &StateLayout) -> Result<(DeviceConfig, bool)> {
     let path = layout.device_toml();
     let mut o = a.device_options();
     if path.exists() {
@@ -284,13 +289,79 @@ fn prepare_config(a: &Args, layout: &StateLayout) -> Result<DeviceConfig> {
             );
         }
         tracing::info!("reusing {}", path.display());
-        return Ok(old);
+        return Ok((old, false));
     }
-    o.client_id.get_or_insert_with(host_name);
-    let cfg = attach::build_config(&o, &layout.dir)?;
-    cfg.save(&path)?;
-    tracing::info!("wrote {}", path.display());
-    Ok(cfg)
+    o.client_id.get_or_insert_with(super::host_name);
+    Ok((attach::build_config(&o, &layout.dir)?, true))
+}
+
+/// Checks every donor the device starts with (`pager_client::probe`), in
+/// parallel.
+fn check_donors(cfg: &DeviceConfig, donors: &[DonorConfig]) -> Vec<Checked> {
+    std::thread::scope(|s| {
+        let running: Vec<_> = donors
+            .iter()
+            .map(|d| s.spawn(move || probe::check(cfg, d).err()))
+            .collect();
+        donors
+            .iter()
+            .zip(running)
+            .map(|(d, t)| Checked {
+                name: d.name.clone(),
+                address: d.address.clone(),
+                problem: t.join().unwrap_or_else(|_| {
+                    Some(probe::Problem::Unreachable("its check panicked".into()))
+                }),
+            })
+            .collect()
+    })
+}
+
+/// Before the device is created: enough donors take pages for the mode to
+/// place a unit, or attach waits (--wait-donors), goes on degraded
+/// (--allow-degraded, never with --swap) or fails naming each donor's
+/// problem. `existing`: the state directory of a device that exists (its
+/// map's journal names members that joined later).
+fn require_donors(a: &Args, cfg: &DeviceConfig, existing: Option<&Path>) -> Result<()> {
+    let donors = probe::starting_donors(cfg, existing).map_err(anyhow::Error::msg)?;
+    let needed = probe::donors_needed(cfg);
+    let deadline = a.wait_donors.map(|w| Instant::now() + w);
+    let mut progress = super::Progress::default();
+    loop {
+        let checked = check_donors(cfg, &donors);
+        let why = match check::verdict(&checked, needed, cfg.mode.word()) {
+            Verdict::Enough { warnings } => {
+                progress.done();
+                for w in warnings {
+                    tracing::warn!("{w}");
+                }
+                return Ok(());
+            }
+            Verdict::TooFew(why) => why,
+        };
+        if deadline.is_some_and(|d| Instant::now() < d) {
+            let usable = checked.iter().filter(|c| c.problem.is_none()).count();
+            progress.show(format!(
+                "waiting for donors (--wait-donors): {usable} of {needed} needed take pages"
+            ));
+            std::thread::sleep(Duration::from_secs(1));
+            continue;
+        }
+        progress.done();
+        let waited = a
+            .wait_donors
+            .map(|w| format!(" after waiting {} s", w.as_secs_f64()))
+            .unwrap_or_default();
+        if a.swap {
+            bail!("{why}\nswap is not turned on for a device that cannot place a unit{waited}; fix the donors above, or attach with --wait-donors SECS to wait for them");
+        }
+        // Donors found by discovery join later: they are not checked here.
+        if a.allow_degraded || cfg.discover {
+            tracing::warn!("{why}\nattaching anyway (--allow-degraded or --discover): writes to extents not placed yet fail until donors can take them");
+            return Ok(());
+        }
+        bail!("{why}\nnothing was attached{waited}; fix the donors above, or attach with --wait-donors SECS to wait for them, or --allow-degraded to attach anyway");
+    }
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -345,7 +416,12 @@ pub fn run(a: Args) -> Result<()> {
     } else {
         PathBuf::new()
     };
-    let cfg = prepare_config(&a, &layout)?;
+    let (cfg, new) = prepare_config(&a, &layout)?;
+    require_donors(&a, &cfg, (!new).then_some(layout.dir.as_path()))?;
+    if new {
+        cfg.save(&layout.device_toml())?;
+        tracing::info!("wrote {}", layout.device_toml().display());
+    }
     if a.swap {
         // Swap's contents never outlive a detach: whatever an old map says
         // is lost there is garbage, and mkswap must be able to write.

@@ -17,6 +17,8 @@ use pagerctl::attach::commands;
 use pagerctl::attach::record::StateLayout;
 use pagerctl::attach::{AttachRecord, Frontend, Step, Via};
 
+use pager_client::status::ClientStatus;
+
 use crate::procs;
 use run::{
     enable_uring, kernel_side_of_nbd, loop_device, set_queue_depth, start_nbd_holder, start_nbdkit,
@@ -94,6 +96,14 @@ fn run_steps(plan: &Plan, record: &mut AttachRecord) -> Result<PathBuf> {
         set_queue_depth(layout, record, &device, depth)?;
     }
     if let Some(priority) = plan.swap {
+        // status.json is written as the device opened: donors that went
+        // away since attach checked them mean no swap.
+        if let Some(why) = ClientStatus::read(&layout.dir)
+            .ok()
+            .and_then(|s| s.cannot_place())
+        {
+            anyhow::bail!("the device cannot place a unit: {why}; swap is not turned on");
+        }
         procs::run(&commands::mkswap(&device, "netpager"))?;
         procs::run(&commands::swapon(&device, priority, plan.swap_discard))?;
         push(

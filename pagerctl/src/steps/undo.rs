@@ -21,7 +21,7 @@ use pagerctl::attach::{AttachRecord, Step};
 
 use netpager_nbd::Connection;
 
-use crate::probe::{is_mounted, loop_backing, mount_users, swap_active, swap_used};
+use crate::probe::{holders, is_mounted, loop_backing, mount_users, swap_active, swap_used};
 use crate::procs;
 
 /// How long the rest of a detach may take once the processes were killed:
@@ -154,6 +154,24 @@ fn kill_started(steps: &[Step]) -> Vec<String> {
     killed
 }
 
+/// Who holds `device` ([`holders`]) once they have had `limit` to let go
+/// (a udev probe opens a device for a moment), saying whom it waits for.
+fn wait_unheld(device: &Path, limit: Duration) -> Vec<String> {
+    let start = Instant::now();
+    let mut said = false;
+    loop {
+        let held = holders(device);
+        if held.is_empty() || start.elapsed() >= limit {
+            return held;
+        }
+        if !said {
+            tracing::info!("waiting for {}: {}", device.display(), held.join(", "));
+            said = true;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 fn undo(step: &Step, layout: &StateLayout, export: &str, deadline: Deadline) -> Result<()> {
     match step {
         Step::Swap { device, .. } => {
@@ -163,6 +181,14 @@ fn undo(step: &Step, layout: &StateLayout, export: &str, deadline: Deadline) -> 
         }
         Step::LoopDevice { device, file } => {
             if loop_backing(device).as_deref() == Some(file.as_path()) {
+                let held = wait_unheld(device, deadline.left().min(Duration::from_secs(5)));
+                if !held.is_empty() {
+                    bail!(
+                        "{} is in use: {}; stop that (close it, umount), then run pagerctl detach again",
+                        device.display(),
+                        held.join(", ")
+                    );
+                }
                 flush_device(device, deadline)?;
                 procs::run(&commands::losetup_detach(device))?;
                 // The kernel lets go of the backing file asynchronously;
@@ -170,10 +196,11 @@ fn undo(step: &Step, layout: &StateLayout, export: &str, deadline: Deadline) -> 
                 while loop_backing(device).as_deref() == Some(file.as_path()) {
                     if deadline.passed() {
                         bail!(
-                            "{} still holds {} {:?} after losetup --detach (is it in use?)",
+                            "{} still holds {} {:?} after losetup --detach ({})",
                             device.display(),
                             file.display(),
-                            deadline.limit
+                            deadline.limit,
+                            holders(device).join(", ")
                         );
                     }
                     std::thread::sleep(Duration::from_millis(50));
