@@ -7,9 +7,11 @@ injected, and every read is checked against the last write acknowledged
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import random
+import struct
 import threading
 import time
 import uuid
@@ -20,6 +22,7 @@ from .procs import wait_for
 
 PAGE = 4096
 BLOCK = 256 * 1024
+BLKDISCARD = 0x1277  # _IO(0x12, 119), linux/fs.h
 
 
 class BlockWorkload:
@@ -29,13 +32,17 @@ class BlockWorkload:
 
     Per block it knows the last generation whose write succeeded; a write
     that failed leaves the block either as it was or as the new generation
-    (both are accepted). Generation 0 is the zeros of a fresh device. A
-    read-back that returns any other content is corruption, recorded with
-    the block and time; an EIO is a lost block.
+    (both are accepted). Generation 0 is the zeros of a fresh device, and
+    of a block discarded (BLKDISCARD of its aligned group of `group`
+    blocks, with probability `discard` instead of a write: the device frees
+    what held them, and a discarded block reads as zeros; a thread owns
+    whole groups). A block's generations only grow, so an older copy never
+    passes for the last one. A read-back that returns any other content is
+    corruption, recorded with the block and time; an EIO is a lost block.
     """
 
     def __init__(self, device: str, size: int, seed: str | None = None, threads: int = 2,
-                 block: int = BLOCK, offset: int = 0):
+                 block: int = BLOCK, offset: int = 0, discard: float = 0.0, group: int = 1):
         self.device, self.size, self.block = device, size, block
         # Where block 0 starts on the device (the rest may be another job's).
         self.offset = offset
@@ -43,6 +50,9 @@ class BlockWorkload:
         self.nblocks = size // block
         self.threads_n = threads
         self.gen = [0] * self.nblocks
+        self.top = [0] * self.nblocks  # the highest generation each block was given
+        self.discard, self.group = discard, group
+        self.discards = 0
         self.maybe: dict[int, set[int]] = {}
         self.lock = threading.Lock()
         self.stop_event = threading.Event()
@@ -65,23 +75,52 @@ class BlockWorkload:
             return bytes(self.block)
         return pattern(f"{self.seed}:{gen}", b * self.block, self.block)
 
-    def _write(self, buf: mmap.mmap, b: int, gen: int) -> bool:
+    def _write(self, buf: mmap.mmap, b: int, gen: int | None = None) -> bool:
+        """Writes block b's next generation (or `gen`); a failure is kept."""
+        with self.lock:
+            gen = gen if gen is not None else self.top[b] + 1
+            self.top[b] = max(self.top[b], gen)
         buf[:] = self.expected(b, gen)
         self.attempts += 1
         try:
             os.pwrite(self.fd, buf, self.at(b))
         except OSError as e:
-            with self.lock:
-                name = errno.errorcode.get(e.errno, str(e.errno))
-                self.write_errors[name] = self.write_errors.get(name, 0) + 1
-                self.maybe.setdefault(b, {self.gen[b]}).add(gen)
-                self.first_error_at = self.first_error_at or time.monotonic()
+            self._failed(b, gen, e)
             return False
+        self._done(b, gen)
+        return True
+
+    def _failed(self, b: int, gen: int, e: OSError) -> None:
+        with self.lock:
+            name = errno.errorcode.get(e.errno, str(e.errno))
+            self.write_errors[name] = self.write_errors.get(name, 0) + 1
+            self.maybe.setdefault(b, {self.gen[b]}).add(gen)
+            self.first_error_at = self.first_error_at or time.monotonic()
+
+    def _done(self, b: int, gen: int) -> None:
         with self.lock:
             self.gen[b] = gen
             self.maybe.pop(b, None)
             self.writes += 1
-        return True
+
+    def _discard(self, b: int) -> None:
+        """BLKDISCARD of block b's group: its blocks read as zeros
+        (generation 0) after."""
+        first = b - b % self.group
+        blocks = range(first, min(first + self.group, self.nblocks))
+        self.attempts += 1
+        try:
+            fcntl.ioctl(self.fd, BLKDISCARD, struct.pack("QQ", self.at(first), len(blocks) * self.block))
+        except OSError as e:
+            if e.errno == errno.EOPNOTSUPP:
+                self.discard = 0.0  # the device cannot: writes only
+                return
+            for x in blocks:
+                self._failed(x, 0, e)
+            return
+        for x in blocks:
+            self._done(x, 0)
+        self.discards += 1
 
     def accepted(self, b: int) -> set[int]:
         with self.lock:
@@ -109,29 +148,38 @@ class BlockWorkload:
         return all(any(data[o:o + PAGE] == w[o:o + PAGE] for w in want)
                    for o in range(0, self.block, PAGE))
 
-    def diagnose(self, b: int) -> str:
-        """What a corrupt block holds: which generation each page matches."""
+    def diagnose(self, b: int, reads: int = 4) -> str:
+        """What a corrupt block holds: which generation each page matches,
+        read `reads` times (copies of a mirror are read in turn: reads
+        that differ say one copy is wrong)."""
         buf = mmap.mmap(-1, self.block)
-        try:
-            os.preadv(self.fd, [buf], self.at(b))
-        except OSError as e:
-            return f"block {b}: read fails now ({e})"
-        data = bytes(buf)
         gens = self.accepted(b)
-        top = max(gens) + 2
-        pages = []
-        for o in range(0, self.block, PAGE):
-            page = data[o:o + PAGE]
-            match = [g for g in range(top) if page == self.expected(b, g)[o:o + PAGE]]
-            pages.append(str(match[0]) if match else "?")
-        runs, prev, n = [], None, 0
-        for p in pages + [None]:
-            if p != prev and prev is not None:
-                runs.append(f"{prev}x{n}")
-                n = 0
-            prev, n = p, n + 1
-        return (f"block {b} (offset {self.at(b)}): accepted generations {sorted(gens)}, "
-                f"pages hold generations {' '.join(runs)} ('?' matches none, 0 is zeros)")
+        top = self.top[b] + 2
+        seen: list[str] = []
+        for _ in range(reads):
+            try:
+                os.preadv(self.fd, [buf], self.at(b))
+            except OSError as e:
+                seen.append(f"read fails ({e})")
+                continue
+            data = bytes(buf)
+            pages = []
+            for o in range(0, self.block, PAGE):
+                page = data[o:o + PAGE]
+                match = [g for g in range(top) if page == self.expected(b, g)[o:o + PAGE]]
+                pages.append(str(match[0]) if match else "?")
+            runs, prev, n = [], None, 0
+            for p in pages + [None]:
+                if p != prev and prev is not None:
+                    runs.append(f"{prev}x{n}")
+                    n = 0
+                prev, n = p, n + 1
+            seen.append(" ".join(runs))
+        distinct = list(dict.fromkeys(seen))
+        what = (f"pages hold generations {distinct[0]}" if len(distinct) == 1 else
+                f"{reads} reads disagree (one copy is wrong): " + "; ".join(distinct))
+        return (f"block {b} (offset {self.at(b)}): accepted generations {sorted(gens)}, {what} "
+                f"('?' matches none, 0 is zeros)")
 
     def fill(self) -> None:
         """Generation 1 on every block, then fsync: the device is full of data."""
@@ -142,12 +190,15 @@ class BlockWorkload:
 
     def _run(self, t: int) -> None:
         rng = random.Random(f"{self.seed}:{t}")
-        mine = list(range(t, self.nblocks, self.threads_n))
+        mine = [b for b in range(self.nblocks) if b // self.group % self.threads_n == t]
         wbuf, rbuf = mmap.mmap(-1, self.block), mmap.mmap(-1, self.block)
         ops = 0
         while not self.stop_event.is_set():
             b = rng.choice(mine)
-            self._write(wbuf, b, max(self.accepted(b)) + 1)
+            if self.discard and rng.random() < self.discard:
+                self._discard(b)
+            else:
+                self._write(wbuf, b)
             r = rng.choice(mine)
             res = self.check_block(rbuf, r)
             with self.lock:
