@@ -37,6 +37,21 @@ TOTAL_FIELDS = {
 }
 
 
+def export_key(name: str) -> str:
+    """An export's name as a donor keeps it: without the `@SIZE` a client
+    asks for, the `~TOKEN` of its client id, the `:GEN` of its session
+    (pager-server's `CLIENT[~TOKEN][/DEVICE[:GEN]][@SIZE]`)."""
+    name = name.split("@")[0]
+    client, slash, device = name.partition("/")
+    return client.split("~")[0] + slash + device.split(":")[0]
+
+
+def export_keys(st: dict) -> set[str]:
+    """The exports a device uses (export_key), from its donors' reports
+    (its client id when it has no donor)."""
+    return {export_key(d["export"]) for d in st["donors"]} or {st["client_id"]}
+
+
 def _types(where: str, obj, fields: dict) -> list[str]:
     out = []
     if not isinstance(obj, dict):

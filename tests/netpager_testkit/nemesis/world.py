@@ -283,14 +283,15 @@ class World:
 
     # --- settle and invariants ------------------------------------------------
 
-    def used_bytes(self, client_id: str, model) -> dict[str, int | None]:
-        """Bytes each running donor keeps for export `client_id`."""
+    def used_bytes(self, keys: set[str], model) -> dict[str, int | None]:
+        """Bytes each running donor keeps for the exports `keys`
+        (checker.export_key), None where it has none of them."""
         out = {}
         for n, d in self.donors.items():
             if not d.alive() or n in (WRONG_KEY, STRANGER) or model.donors[n].fault:
                 continue
-            st = d.status()
-            out[n] = next((e.used_bytes for e in st.exports if e.name == client_id), None)
+            mine = [e.used_bytes for e in d.status().exports if checker.export_key(e.name) in keys]
+            out[n] = sum(mine) if mine else None
         return out
 
     def settle(self, view: dict, model, timeout: float = SETTLE_TIMEOUT) -> None:
@@ -331,7 +332,7 @@ class World:
                     return False
                 st = full["status"]
                 asked_ms = time.time() * 1000
-                used = self.used_bytes(st["client_id"], model)
+                used = self.used_bytes(checker.export_keys(st), model)
                 # The device's status written after the donors answered.
                 after = wait_for(lambda: (lambda s: s if s and s["updated_unix_ms"] > asked_ms
                                           else None)(c.status()["status"]), 10,
@@ -382,7 +383,8 @@ class World:
                                     f"{p.stdout.strip()[-500:]} {p.stderr.strip()}")
         d = self.donors[op.target]
         if d.alive():
-            used = self.used_bytes(self.a.client_id, model).get(op.target)
+            keys = checker.export_keys(self.a.status()["status"])
+            used = self.used_bytes(keys, model).get(op.target)
             if used:
                 raise Failure("invariant", f"{op.target} left device A's set but keeps {used} bytes "
                                            f"of its export")
