@@ -127,7 +127,7 @@ def run_schedule(setup: Setup, ops: list[Op], seed: int, memhog: Path, log=print
             res.failed_at, res.failure = res.findings[0]
         if world is not None:
             res.verified_bytes = world.verified_bytes()
-            res.notes += world.notes
+            res.notes += world.notes + (world.swapjob.notes if world.swapjob else [])
             if keep is not None and not res.ok:
                 try:
                     world.keep_logs(keep)

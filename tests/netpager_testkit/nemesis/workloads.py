@@ -209,8 +209,10 @@ class MemhogLoop:
     Swap is the kernel's, not the job's: while another swap area of the
     same priority or higher is on (another test's, on a shared machine),
     the job's pages may go there, and what happens to them says nothing
-    about `device`. A run that fails then is a `shared` trouble (the
-    runner's error, not a finding), naming the other areas."""
+    about `device`. A run that fails then ends the loop with a note naming
+    the other areas, not a trouble. A run the cgroup's OOM killer ends
+    (reclaim outran the swap device, under a fault) is a note too: no
+    byte was read wrong."""
 
     def __init__(self, teardown: Teardown, memhog: Path, limit: int, workdir: Path, seed: int,
                  device: str):
@@ -225,6 +227,7 @@ class MemhogLoop:
         self.thread: threading.Thread | None = None
         self.proc: OwnedProcess | None = None
         self.shared: set[str] = set()  # other swap areas the run under way shared
+        self.notes: list[str] = []
 
     def _run(self) -> None:
         while not self.stop_event.is_set():
@@ -246,10 +249,12 @@ class MemhogLoop:
                 self.shared |= {f"{d} (priority {p})" for d, p in prio.items()
                                 if d != self.device and p >= mine}
                 rc = self.proc.wait(1)
+            if rc == -signal.SIGKILL and self.stop_event.is_set():
+                return  # stop() gave up waiting and killed it: said there
             if rc != 0 and self.shared:
-                self.trouble.append(Trouble("shared", f"memhog run {n} exited {rc} while other swap "
-                                            f"areas took its pages too: {sorted(self.shared)}; "
-                                            f"{tail(log, 3)}"))
+                self.notes.append(f"memhog run {n} exited {rc} while other swap areas took its "
+                                  f"pages too ({', '.join(sorted(self.shared))}): its verdict says "
+                                  "nothing of this device; no more runs")
                 return
             if rc is None:
                 self.proc.kill9()
@@ -263,8 +268,10 @@ class MemhogLoop:
                 self.runs = n + 1
                 continue
             if self.cgroup.oom_kills() > oom_before:
-                kind = "oom"
-            elif rc == -signal.SIGBUS:
+                self.notes.append(f"memhog run {n} was OOM-killed in its cgroup")
+                self.runs = n + 1
+                continue
+            if rc == -signal.SIGBUS:
                 kind = "eio"
             elif rc == 1:
                 kind = "corrupt"
@@ -286,10 +293,12 @@ class MemhogLoop:
             if self.thread.is_alive():
                 if self.proc is not None:
                     self.proc.kill9()
-                self.trouble.append(Trouble("shared" if self.shared else "job",
-                                            f"memhog did not finish its run within {timeout:.0f}s "
-                                            f"of the stop: swap hangs (other swap areas of its "
-                                            f"priority: {sorted(self.shared) or 'none'})"))
+                what = f"memhog did not finish its run within {timeout:.0f}s of the stop"
+                if self.shared:
+                    self.notes.append(f"{what}, while other swap areas took its pages too "
+                                      f"({', '.join(sorted(self.shared))})")
+                else:
+                    self.trouble.append(Trouble("job", f"{what}: swap hangs"))
             self.thread = None
 
     def running(self) -> bool:
