@@ -33,7 +33,7 @@ VM_TIMEOUT ?= 3600
 
 .PHONY: all deps build demo lab-demo test test-unit test-server test-client test-prefetch \
         test-ansible test-security test-monitoring test-bench test-stress bench bench-server bench-client \
-        bench-prefetch bench-apps fuzz soak faults clean lint deb test-deb test-vm
+        bench-prefetch bench-apps fuzz soak faults nemesis clean lint deb test-deb test-vm
 
 all: build
 
@@ -135,6 +135,17 @@ faults: build
 	rm -f bench-results/faults-rows.jsonl
 	NETPAGER_FAULTS=full $(PYTEST) tests/faults tests/lab; rc=$$?; \
 	/usr/bin/python3 scripts/faults_table.py; exit $$rc
+
+# The nemesis (issue 34, tests/nemesis): random schedules of operations and
+# faults against a device in each mode while verifying workloads run on it,
+# for DURATION seconds in all (default 600) over MODES (default "none mirror
+# parity ec"); SEED (the first schedule's), OPS (per schedule, default 40),
+# KNOWN=1 (also the ops of bugs still open), EXCLUDE=kind,..., NO_SHRINK=1;
+# SCHEDULE='SETUP | OP; ...' replays one schedule. Each run prints its seed
+# and replay command, a failing one is shrunk; the table goes to
+# bench-results/nemesis/. `make test` runs a slice of about 5 minutes.
+nemesis: build
+	$(BENCH_PY).nemesis
 
 bench: bench-server bench-client bench-prefetch
 	$(CARGO) bench --workspace

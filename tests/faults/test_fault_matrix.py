@@ -2,7 +2,7 @@
 while a verifying workload has I/O in flight on the client's device, never
 after a flush or between jobs.
 
-Workloads: `block` is BlockWorkload (fault_helpers): two threads writing
+Workloads: `block` is BlockWorkload (netpager_testkit.blockio): two threads writing
 and read-verifying generations of a pattern with O_DIRECT on the device
 (the loop device over `pagerctl serve`'s FUSE file); `swap` is
 tests/jobs/memhog swapping through the device (it verifies every page);
@@ -33,11 +33,12 @@ from pathlib import Path
 import pytest
 
 from netpager_testkit.client import MIB, Job, busiest, donor_report, run_pagerctl
-from fault_helpers import (BLOCK, PAGE, MemoryHog, Partition, StatusFlood, append_row,
-                           extent_size, mem_available, start_block_workload)
+from fault_helpers import (MemoryHog, Partition, StatusFlood, append_row, extent_size,
+                           mem_available)
 from netlab import LinkDown, SlowLink
 from netpager_testkit import state_word, wait_for
 from netpager_testkit.attach import Mount, file_checksums
+from netpager_testkit.blockio import BLOCK, PAGE, start_block_workload
 from netpager_testkit.paths import pagerctl
 
 MODES = ("none", "mirror", "parity", "disk")

@@ -47,6 +47,16 @@ def swaps() -> dict[str, int]:
     return out
 
 
+def swap_priorities() -> dict[str, int]:
+    """Active swap areas: device -> priority (from /proc/swaps)."""
+    out = {}
+    with open("/proc/swaps") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            out[fields[0]] = int(fields[4])
+    return out
+
+
 class FuseFile:
     """An NBD export as a regular file `MOUNTDIR/nbd`, served by nbdfuse."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import socket
 import subprocess
 import time
 import uuid
@@ -207,10 +208,14 @@ def processes_mentioning(text: str) -> list[str]:
 class PagerClient:
     """One client state directory driven through pagerctl."""
 
-    def __init__(self, teardown: Teardown, state_dir, client_id: str | None = None):
+    def __init__(self, teardown: Teardown, state_dir, client_id: str | None = None,
+                 default_id: bool = False):
+        """`default_id`: attach without --client-id, so the device takes
+        pagerctl's default, the host name."""
         self.teardown = teardown
         self.state_dir = Path(state_dir)
-        self.client_id = client_id or f"t{uuid.uuid4().hex[:8]}"
+        self.default_id = default_id
+        self.client_id = socket.gethostname() if default_id else client_id or f"t{uuid.uuid4().hex[:8]}"
         self.device: str | None = None
         # What the last attach said on stderr (its warnings).
         self.attach_stderr = ""
@@ -243,7 +248,9 @@ class PagerClient:
         if frontend:
             args += ["--frontend", frontend]
         if new_device:
-            args += ["--size", size, "--mode", mode, "--client-id", self.client_id]
+            args += ["--size", size, "--mode", mode]
+            if not self.default_id:
+                args += ["--client-id", self.client_id]
             for d in donors:
                 args += ["--donor", donor_spec(d)]
         if swap:
