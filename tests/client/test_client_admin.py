@@ -203,11 +203,13 @@ def test_release_frees_a_detached_devices_pages(root, client_built, donors, clie
         f.write(os.urandom(8 * MIB))
         os.fsync(f.fileno())
     client.detach()
+    # The device's store on each donor: CLIENT/DEVICE.
+    store = f"{client.client_id}/{tomllib.loads((client.state_dir / 'device.toml').read_text())['device_id']}"
     for d in ds:
-        export = next(e for e in d.status().exports if e.name == client.client_id)
+        export = next(e for e in d.status().exports if e.name == store)
         assert export.used_bytes >= 8 * MIB and export.clients == 0, export
     text = run_pagerctl(["donor-status", "{}:{}".format(*ds[0].status_addr)]).stdout
-    assert f"UNCLAIMED: no client is connected to {client.client_id} (" in text, text
+    assert f"UNCLAIMED: no client is connected to {store} (" in text, text
     p = run_pagerctl(["release", "--state-dir", client.state_dir])
     assert p.stdout.count("released") == 2 and "its next attach starts empty" in p.stdout, p.stdout
     for d in ds:

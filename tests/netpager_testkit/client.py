@@ -17,7 +17,8 @@ from pathlib import Path
 
 from .cgroup import MemoryCgroup
 from .cleanup import Teardown
-from .machine import SWAP, URING_SWITCH
+from . import machine
+from .machine import SWAP
 from .procs import OwnedProcess, wait_for
 from .attach import mounted, swaps
 from .paths import pagerctl, target_dir
@@ -267,7 +268,7 @@ class PagerClient:
         if "--swap" in args and not self._swap_held:
             SWAP.acquire()
             self._swap_held = True
-        with URING_SWITCH.held():
+        with machine.URING_SWITCH.held():
             p = run_pagerctl(args)
         self.attach_stderr = p.stderr
         self.device = p.stdout.strip().splitlines()[-1]
@@ -297,7 +298,7 @@ class PagerClient:
         return st["transport"] or st["frontend"]
 
     def detach(self) -> None:
-        with URING_SWITCH.held():
+        with machine.URING_SWITCH.held():
             run_pagerctl(["detach", "--state-dir", self.state_dir])
         self.device = None
         self._release_swap()
