@@ -169,16 +169,23 @@ pub struct ServeOptions {
     pub threads: usize,
     /// `--writeback-buffer`, as given.
     pub writeback: String,
+    /// Buffered writes acknowledged only once on the donors: a block
+    /// device keeps what it acknowledged if its serving process dies.
+    pub ack_late: bool,
 }
 
 impl ServeOptions {
-    fn args(&self) -> [String; 4] {
-        [
+    fn args(&self) -> Vec<String> {
+        let mut v = vec![
             "--threads".into(),
             self.threads.to_string(),
             "--writeback-buffer".into(),
             self.writeback.clone(),
-        ]
+        ];
+        if self.ack_late {
+            v.push("--writeback-ack-late".into());
+        }
+        v
     }
 }
 
@@ -574,6 +581,7 @@ mod tests {
         let serve = ServeOptions {
             threads: 2,
             writeback: "1M".into(),
+            ack_late: false,
         };
         assert_eq!(
             held_serve_command(&p("/bin/pagerctl"), &p("/st"), &serve)[5..],

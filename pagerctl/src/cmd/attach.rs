@@ -444,6 +444,9 @@ pub fn run(a: Args) -> Result<()> {
         serve: pagerctl::attach::commands::ServeOptions {
             threads: a.serve_threads.max(1),
             writeback: a.writeback_buffer.clone(),
+            // Early acknowledgement only for swap, whose pages die with a
+            // serving process that is the device anyway.
+            ack_late: !a.swap,
         },
         restartable,
         nbd_timeouts: (a.nbd_timeout, a.dead_conn_timeout),

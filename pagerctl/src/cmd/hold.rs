@@ -141,6 +141,8 @@ pub fn run(a: Args) -> Result<()> {
     let serve = commands::ServeOptions {
         threads: a.threads.max(1),
         writeback: a.writeback_buffer.clone(),
+        // Held: acknowledged once drained whatever this says.
+        ack_late: false,
     };
     let result = supervise(&shared, &layout, &serve, &mountpoint);
     let _ = std::fs::remove_file(&socket);

@@ -55,6 +55,11 @@ pub struct Args {
     /// background in batches (0: none; pagerctl(1) PERFORMANCE).
     #[arg(long, default_value = DEFAULT_WRITEBACK, value_parser = parse_size, value_name = "SIZE")]
     writeback_buffer: u64,
+    /// Acknowledge buffered writes only once they are on the donors, as a
+    /// restartable device does (attach sets it for a block device: what it
+    /// acknowledged survives a crash of this process and a re-attach).
+    #[arg(long)]
+    writeback_ack_late: bool,
 }
 
 /// `--writeback-buffer`'s default (pagerctl(1) PERFORMANCE says why).
@@ -130,14 +135,14 @@ pub fn run(a: Args) -> Result<()> {
     // Restartable once the connection is known to outlive this process.
     let mut restartable = a.held || stored.is_some();
     // Late acknowledgement wherever the connection may outlive this
-    // process (serving.rs): a stored connection counts before the service
-    // manager says it keeps it.
+    // process (serving.rs; a stored connection counts before the service
+    // manager says it keeps it) or a block device's data must.
     let buffer = (a.writeback_buffer > 0)
         .then(|| {
             Buffer::start(
                 &device,
                 a.writeback_buffer,
-                restartable || store_in.is_some(),
+                restartable || store_in.is_some() || a.writeback_ack_late,
             )
         })
         .transpose()
