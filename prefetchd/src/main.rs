@@ -107,7 +107,12 @@ struct ServeArgs {
     /// The export used on a discovered donor (default prefetchd-HOSTNAME@64M).
     #[arg(long, value_name = "NAME[@SIZE]", requires = "discover")]
     discover_export: Option<String>,
-    /// Use discovered donors beyond loopback and the test network without --psk.
+    /// Without --psk: a network (ADDR/BITS) whose announced donors are used
+    /// unverified, besides loopback (only one where nobody but the lab's
+    /// own machines can announce). Repeat.
+    #[arg(long, value_name = "CIDR", requires = "discover")]
+    trust_network: Vec<netpager_membership::discovery::Network>,
+    /// Use discovered donors anywhere without --psk.
     #[arg(long, requires = "discover")]
     discover_insecure: bool,
     /// Register a job at start: NAME=HINTFILE.
@@ -319,6 +324,7 @@ fn serve(args: ServeArgs, control_path: &Path) -> Result<()> {
                     format!("prefetchd-{host}@64M")
                 }),
                 insecure: args.discover_insecure,
+                trust_network: args.trust_network.clone(),
             }),
         },
     };

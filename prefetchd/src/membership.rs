@@ -14,7 +14,9 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use netpager_membership::discovery::{admit, Announced, Browser, Check, DiscoveryError};
+use netpager_membership::discovery::{
+    self, Admission, Announced, Browser, DiscoveryError, Network, Trust, Verdict,
+};
 use netpager_membership::{parse_lines, DonorsFileError};
 use netpager_nbd::Endpoint;
 
@@ -52,8 +54,10 @@ pub struct Discover {
     pub user: Option<String>,
     /// The export prefetchd uses on a discovered donor.
     pub export: String,
-    /// Use discovered donors beyond loopback and the test network without a key.
+    /// Use discovered donors beyond loopback and `trust_network` without a key.
     pub insecure: bool,
+    /// Networks whose announced donors are used without a key, besides loopback.
+    pub trust_network: Vec<Network>,
 }
 
 /// Where the set's changes come from.
@@ -150,32 +154,55 @@ pub enum MembershipError {
 /// Applies the donors file's and discovery's changes to the running set.
 pub(crate) struct Watcher {
     cfg: Config,
-    browser: Option<Browser>,
+    /// Checks announced donors on a thread of its own.
+    admission: Option<Admission>,
     said: Said,
 }
 
 impl Watcher {
-    pub(crate) fn new(cfg: Config) -> Result<Watcher, MembershipError> {
-        let browser = cfg
-            .discover
-            .as_ref()
-            .map(|_| Browser::start())
-            .transpose()?;
+    /// `connect`: the status query's timeout; `period`: how often the
+    /// announcements are looked at.
+    pub(crate) fn new(
+        cfg: Config,
+        connect: std::time::Duration,
+        period: std::time::Duration,
+    ) -> Result<Watcher, MembershipError> {
+        let admission = match &cfg.discover {
+            None => None,
+            Some(disc) => {
+                let browser = Browser::start()?;
+                let disc = disc.clone();
+                let trust = Trust {
+                    networks: disc.trust_network.clone(),
+                    insecure: disc.insecure,
+                };
+                let check = move |a: &Announced| -> Verdict {
+                    let client = status_client(&discovered_arg(a, &disc), connect)
+                        .map_err(|e| crate::error_chain(&e))?;
+                    discovery::check(&client, a, &trust)
+                };
+                Some(Admission::start(
+                    move || (browser.announced(), Vec::new()),
+                    check,
+                    period,
+                )?)
+            }
+        };
         Ok(Watcher {
             cfg,
-            browser,
+            admission,
             said: Said::default(),
         })
     }
 
-    /// One pass: the donors file, then what is announced.
+    /// One pass: the donors file, then the announced donors admitted.
     pub(crate) fn pass(&mut self, d: &Arc<Daemon>) {
         if let Some(path) = self.cfg.donors_file.clone() {
             self.follow_file(d, &path);
         }
-        if let (Some(b), Some(disc)) = (&self.browser, self.cfg.discover.clone()) {
-            for a in b.announced() {
-                self.consider(d, &a, &disc);
+        if let (Some(adm), Some(disc)) = (&self.admission, &self.cfg.discover) {
+            for (a, verdict) in adm.verdicts() {
+                consider(&mut self.said, d, adm, &a, verdict, disc);
             }
         }
     }
@@ -234,42 +261,45 @@ impl Watcher {
             }
         }
     }
+}
 
-    fn consider(&mut self, d: &Arc<Daemon>, a: &Announced, disc: &Discover) {
-        let arg = discovered_arg(a, disc);
-        let name = donor_name(&arg);
-        if d.lanes.members().iter().any(|m| donor_name(&m.arg) == name) {
-            return;
-        }
-        let key = format!("announced {}", a.node_id);
-        let verdict = match status_client(&arg, d.timeouts().connect) {
-            Err(e) => Err(crate::error_chain(&e)),
-            Ok(client) if client.key.is_none() => admit(a, Check::NoKey, disc.insecure),
-            Ok(client) => match client.query(&a.status.to_string()) {
-                Ok(s) => admit(a, Check::Signed(Ok(&s.node_id)), disc.insecure),
-                Err(e) => admit(a, Check::Signed(Err(&e.to_string())), disc.insecure),
-            },
-        };
-        match verdict {
-            Ok(why) => match d.add_member(arg, Source::Discovered) {
-                Ok(_) => {
-                    tracing::info!("donor {} ({name}) discovered: {why}", a.node_id);
-                    self.said.clear(&key);
-                }
-                Err(e) => self.said.warn(
+/// Joins an admitted announced donor, or says (once) why not.
+fn consider(
+    said: &mut Said,
+    d: &Arc<Daemon>,
+    adm: &Admission,
+    a: &Announced,
+    verdict: Verdict,
+    disc: &Discover,
+) {
+    let arg = discovered_arg(a, disc);
+    let name = donor_name(&arg);
+    if d.lanes.members().iter().any(|m| donor_name(&m.arg) == name) {
+        return;
+    }
+    let key = format!("announced {}", a.node_id);
+    match verdict {
+        Ok(why) => match d.add_member(arg, Source::Discovered) {
+            Ok(_) => {
+                tracing::info!("donor {} ({name}) discovered: {why}", a.node_id);
+                said.clear(&key);
+            }
+            Err(e) => {
+                let e = crate::error_chain(&e);
+                adm.not_added(&a.node_id, e.clone());
+                said.warn(
                     &key,
                     format!(
-                        "discovered donor {} ({name}): not joined yet: {}",
-                        a.node_id,
-                        crate::error_chain(&e)
+                        "discovered donor {} ({name}): not joined yet: {e}",
+                        a.node_id
                     ),
-                ),
-            },
-            Err(why) => self.said.warn(
-                &key,
-                format!("discovered donor {} not used: {why}", a.node_id),
-            ),
-        }
+                )
+            }
+        },
+        Err(why) => said.warn(
+            &key,
+            format!("discovered donor {} not used: {why}", a.node_id),
+        ),
     }
 }
 
@@ -280,7 +310,7 @@ impl Daemon {
         if cfg.donors_file.is_none() && cfg.discover.is_none() {
             return Ok(());
         }
-        let mut w = Watcher::new(cfg)?;
+        let mut w = Watcher::new(cfg, self.timeouts().connect, self.lanes.poll)?;
         let me = self.clone();
         let t = std::thread::Builder::new()
             .name("membership".into())
@@ -374,6 +404,7 @@ mod tests {
             user: Some("lab".into()),
             export: "prefetchd-busy1@256M".into(),
             insecure: false,
+            trust_network: Vec::new(),
         };
         let g = discovered_arg(&a, &d);
         assert_eq!(donor_name(&g), "10.213.47.11:10809/prefetchd-busy1@256M");

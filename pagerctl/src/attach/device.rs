@@ -81,6 +81,8 @@ pub struct DeviceOptions {
     pub discover: bool,
     /// With `discover`: use announced donors without a key, anywhere.
     pub insecure: bool,
+    /// With `discover`: networks whose announced donors need no key.
+    pub trust_network: Vec<netpager_membership::discovery::Network>,
     /// Pages the stride prefetcher reads ahead (0: off).
     pub prefetch_pages: Option<u32>,
 }
@@ -185,6 +187,7 @@ pub fn apply_options(
     if o.discover {
         c.discover = true;
         c.discover_insecure = o.insecure;
+        c.trust_network.clone_from(&o.trust_network);
     }
     if let Some(n) = o.prefetch_pages {
         c.prefetch_pages = n;

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use netpager_membership::discovery::Network;
 use pager_client::config::DeviceConfig;
 use pagerctl::attach::record::StateLayout;
 use pagerctl::attach::{self, AttachRecord, DeviceOptions, DonorSpec, Frontend, ModeChoice, Via};
@@ -58,9 +59,14 @@ pub struct Args {
     donors_file: Option<PathBuf>,
     /// Add donors announced on the lab's network (DNS-SD, `_netpager._tcp`,
     /// as `pagerctl discover` lists them) once their status verifies with
-    /// --psk; without a key only on loopback and the test network.
+    /// --psk; without a key only on loopback and --trust-network.
     #[arg(long)]
     discover: bool,
+    /// With --discover and no --psk: a network (ADDR/BITS) whose announced
+    /// donors are used unverified, besides loopback; only one where nobody
+    /// but the lab's own machines can announce. Repeat.
+    #[arg(long, value_name = "CIDR", requires = "discover")]
+    trust_network: Vec<Network>,
     /// With --discover: use announced donors without a lab key, on any
     /// network (anyone there can then lend this device memory).
     #[arg(long, requires = "discover")]
@@ -215,6 +221,7 @@ impl Args {
             grace: self.grace,
             discover: self.discover,
             insecure: self.insecure,
+            trust_network: self.trust_network.clone(),
             prefetch_pages: self.prefetch_pages,
         }
     }

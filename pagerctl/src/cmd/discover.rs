@@ -1,13 +1,12 @@
 //! `pagerctl discover`: the donors announced on the lab's network now
 //! (DNS-SD, `pager-server announce=true`), each checked as `attach
 //! --discover` checks it: with the lab key its signed status must verify,
-//! without one only loopback and the test network count.
+//! without one only loopback and --trust-network count.
 
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use netpager_membership::discovery::{admit, Announced, Browser, Check};
-use netpager_proto::StatusClient;
+use netpager_membership::discovery::{self, Announced, Browser, Network, Trust};
 
 use super::{parse_secs, EndpointArgs};
 
@@ -19,7 +18,11 @@ pub struct Args {
     /// Return as soon as these nodes are seen (repeat), at the latest after --for.
     #[arg(long, value_name = "NODE")]
     expect: Vec<String>,
-    /// Use donors outside loopback and the test network without a lab key.
+    /// Without --psk: a network (ADDR/BITS) whose donors count as usable
+    /// unverified, besides loopback (attach --trust-network). Repeat.
+    #[arg(long, value_name = "CIDR")]
+    trust_network: Vec<Network>,
+    /// Without --psk: donors anywhere count as usable unverified.
     #[arg(long)]
     insecure: bool,
     #[arg(long)]
@@ -50,10 +53,14 @@ pub fn run(args: Args) -> Result<()> {
         seen = browser.announced();
     }
     drop(browser);
+    let trust = Trust {
+        networks: args.trust_network.clone(),
+        insecure: args.insecure,
+    };
     let rows: Vec<Row> = seen
         .into_iter()
         .map(|a| Row {
-            usable: check(&client, &a, args.insecure),
+            usable: discovery::check(&client, &a, &trust),
             a,
         })
         .collect();
@@ -76,16 +83,6 @@ pub fn run(args: Args) -> Result<()> {
         println!("{}", render(&rows));
     }
     Ok(())
-}
-
-fn check(client: &StatusClient, a: &Announced, insecure: bool) -> Result<&'static str, String> {
-    if client.key.is_none() {
-        return admit(a, Check::NoKey, insecure);
-    }
-    match client.query(&a.status.to_string()) {
-        Ok(s) => admit(a, Check::Signed(Ok(&s.node_id)), insecure),
-        Err(e) => admit(a, Check::Signed(Err(&e.to_string())), insecure),
-    }
 }
 
 fn render(rows: &[Row]) -> String {
