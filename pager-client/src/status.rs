@@ -278,6 +278,9 @@ pub struct ClientStatus {
     /// The device adds donors announced on the lab's network.
     #[serde(default)]
     pub discover: bool,
+    /// DNS domains it browses for announced donors (wide-area DNS-SD).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub discover_domain: Vec<String>,
     /// Why discovery is not running although asked for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub discovery_error: Option<String>,
@@ -591,14 +594,21 @@ pub fn render_table(s: &ClientStatus) -> String {
     {
         w(&mut out, format!("  {note}"));
     }
-    if s.discover {
+    if s.discover || !s.discover_domain.is_empty() {
+        let mut what: Vec<String> = Vec::new();
+        if s.discover {
+            what.push("the local segment".into());
+        }
+        what.extend(s.discover_domain.iter().map(|d| format!("domain {d}")));
         w(
             &mut out,
             format!(
-                "discovery: {}",
+                "discovery: browsing _netpager._tcp on {}{}",
+                what.join(", "),
                 s.discovery_error
                     .as_deref()
-                    .unwrap_or("browsing _netpager._tcp")
+                    .map(|e| format!("; {e}"))
+                    .unwrap_or_default()
             ),
         );
     }

@@ -14,9 +14,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use netpager_membership::discovery::{
-    self, Admission, Announced, Browser, DiscoveryError, Network, Trust, Verdict,
-};
+use netpager_membership::discovery::{self, Admission, Announced, Network, Trust, Verdict};
 use netpager_membership::{parse_lines, DonorsFileError};
 use netpager_nbd::Endpoint;
 
@@ -45,9 +43,14 @@ impl Source {
     }
 }
 
-/// Discovery's settings (`--discover`).
+/// Discovery's settings (`--discover`, `--discover-domain`).
 #[derive(Debug, Clone)]
 pub struct Discover {
+    /// Browse the local segment (multicast DNS).
+    pub mdns: bool,
+    /// DNS domains browsed, and the server asked (else the resolver's).
+    pub domains: Vec<String>,
+    pub dns_server: Option<std::net::SocketAddr>,
     /// The lab key: TLS to discovered donors, and their status must verify.
     pub psk: Option<PathBuf>,
     /// The user name of the key in `psk` (its first line's).
@@ -144,8 +147,8 @@ impl Said {
 /// Why following the donors file and discovery could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum MembershipError {
-    #[error(transparent)]
-    Discovery(#[from] DiscoveryError),
+    #[error("discovery: {0}")]
+    Sources(String),
     /// The membership thread did not start.
     #[error(transparent)]
     Thread(#[from] std::io::Error),
@@ -170,7 +173,9 @@ impl Watcher {
         let admission = match &cfg.discover {
             None => None,
             Some(disc) => {
-                let browser = Browser::start()?;
+                let mut sources =
+                    discovery::Sources::start(disc.mdns, &disc.domains, disc.dns_server, connect)
+                        .map_err(MembershipError::Sources)?;
                 let disc = disc.clone();
                 let trust = Trust {
                     networks: disc.trust_network.clone(),
@@ -182,7 +187,13 @@ impl Watcher {
                     discovery::check(&client, a, &trust)
                 };
                 Some(Admission::start(
-                    move || (browser.announced(), Vec::new()),
+                    move || {
+                        let (found, errors) = sources.announced();
+                        for e in &errors {
+                            tracing::warn!("discovery: {e}");
+                        }
+                        (found, errors)
+                    },
                     check,
                     period,
                 )?)
@@ -405,6 +416,9 @@ mod tests {
             export: "prefetchd-busy1@256M".into(),
             insecure: false,
             trust_network: Vec::new(),
+            mdns: true,
+            domains: Vec::new(),
+            dns_server: None,
         };
         let g = discovered_arg(&a, &d);
         assert_eq!(donor_name(&g), "10.213.47.11:10809/prefetchd-busy1@256M");

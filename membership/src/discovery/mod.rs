@@ -20,6 +20,7 @@ pub mod admission;
 pub mod mdns;
 pub mod trust;
 
+use crate::dns::DomainBrowser;
 pub use admission::{Admission, Verdict};
 pub use mdns::{Announcer, Browser};
 pub use trust::{admit, check, Check, Network, Trust};
@@ -182,6 +183,62 @@ impl Seen {
             }
         }
         by_node.into_values().map(|(_, a)| a.clone()).collect()
+    }
+}
+
+/// Where announcements come from: multicast DNS on the local segment, and
+/// DNS domains browsed on the lab's DNS (wide-area DNS-SD).
+pub struct Sources {
+    pub mdns: Option<Browser>,
+    pub domains: Vec<DomainBrowser>,
+}
+
+impl Sources {
+    /// `mdns`: browse the local segment; `domains`: browse these on
+    /// `server` (else the system resolver's), each query waiting `timeout`.
+    pub fn start(
+        mdns: bool,
+        domains: &[String],
+        server: Option<SocketAddr>,
+        timeout: std::time::Duration,
+    ) -> Result<Sources, String> {
+        let domains = domains
+            .iter()
+            .map(|d| DomainBrowser::new(d, server, timeout).map_err(|e| e.to_string()))
+            .collect::<Result<_, _>>()?;
+        let mdns = match mdns {
+            true => Some(Browser::start().map_err(|e| e.to_string())?),
+            false => None,
+        };
+        Ok(Sources { mdns, domains })
+    }
+
+    /// One round: every source's donors, one per node id (multicast DNS's
+    /// first, then the domains' in order), and what went wrong.
+    pub fn announced(&mut self) -> (Vec<Announced>, Vec<String>) {
+        let mut found: Vec<Announced> = self
+            .mdns
+            .as_ref()
+            .map(Browser::announced)
+            .unwrap_or_default();
+        let mut errors = Vec::new();
+        for d in &mut self.domains {
+            match d.browse() {
+                Ok((more, errs)) => {
+                    for a in more {
+                        if !found.iter().any(|f| f.node_id == a.node_id) {
+                            found.push(a);
+                        }
+                    }
+                    errors.extend(
+                        errs.into_iter()
+                            .map(|e| format!("domain {}: {e}", d.domain)),
+                    );
+                }
+                Err(e) => errors.push(format!("domain {}: {e}", d.domain)),
+            }
+        }
+        (found, errors)
     }
 }
 

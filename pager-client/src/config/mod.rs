@@ -360,6 +360,14 @@ pub struct DeviceConfig {
     /// lab's own machines can announce (none by default).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub trust_network: Vec<netpager_membership::discovery::Network>,
+    /// DNS domains browsed for `_netpager._tcp.DOMAIN` (wide-area DNS-SD,
+    /// across routers); admission as for `discover`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub discover_domain: Vec<String>,
+    /// The DNS server asked for `discover_domain` (`ADDR[:PORT]`; default
+    /// the system resolver's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dns_server: Option<String>,
     /// A donor dead this long is forgotten once nothing depends on it
     /// (0: never).
     #[serde(default = "default_forget_after_ms")]
@@ -507,6 +515,8 @@ impl DeviceConfig {
             discover: false,
             discover_insecure: false,
             trust_network: Vec::new(),
+            discover_domain: Vec::new(),
+            dns_server: None,
             forget_after_ms: default_forget_after_ms(),
             grace_ms: default_grace_ms(),
             donors: Vec::new(),

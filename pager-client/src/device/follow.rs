@@ -35,16 +35,23 @@ fn spec_of(c: &DonorConfig) -> DonorSpec {
     }
 }
 
-/// Starts checking announced donors (`discover`) on a thread of its own,
-/// as `admit` says: the lab key's signed status, or a trusted network.
+/// Starts browsing (`discover`, `discover_domain`) and checking announced
+/// donors on a thread of its own, as `admit` says: the lab key's signed
+/// status, or a trusted network.
 pub(crate) fn start_admission(cfg: &DeviceConfig) -> Result<Admission, String> {
-    let browser = discovery::Browser::start().map_err(|e| e.to_string())?;
+    let timeout = Duration::from_millis(cfg.timeouts.connect_ms);
+    let server = cfg
+        .dns_server
+        .as_deref()
+        .map(netpager_membership::dns::parse_server)
+        .transpose()?;
+    let mut sources =
+        discovery::Sources::start(cfg.discover, &cfg.discover_domain, server, timeout)?;
     let key = cfg.lab_key();
     let trust = Trust {
         networks: cfg.trust_network.clone(),
         insecure: cfg.discover_insecure,
     };
-    let timeout = Duration::from_millis(cfg.timeouts.connect_ms);
     let check = move |a: &Announced| -> Verdict {
         let key = key
             .as_deref()
@@ -54,7 +61,7 @@ pub(crate) fn start_admission(cfg: &DeviceConfig) -> Result<Admission, String> {
         discovery::check(&netpager_proto::StatusClient { timeout, key }, a, &trust)
     };
     Admission::start(
-        move || (browser.announced(), Vec::new()),
+        move || sources.announced(),
         check,
         Duration::from_millis(cfg.policy.epoch_ms),
     )

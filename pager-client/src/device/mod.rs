@@ -252,7 +252,7 @@ impl Device {
         };
         let backend = Backend::open(&cfg, layout, &map)?;
         let mut book = membership::Book::default();
-        let admission = if cfg.discover {
+        let admission = if cfg.discover || !cfg.discover_domain.is_empty() {
             match follow::start_admission(&cfg) {
                 Ok(a) => Some(a),
                 Err(e) => {

@@ -21,6 +21,7 @@ fn absolute(p: &Path) -> std::io::Result<PathBuf> {
 }
 
 #[derive(clap::Args)]
+#[command(group(clap::ArgGroup::new("discovery").multiple(true).args(["discover", "discover_domain"])))]
 pub struct Args {
     /// The client's state directory: device.toml, extent map, status, socket.
     #[arg(long, value_name = "DIR")]
@@ -65,12 +66,21 @@ pub struct Args {
     /// With --discover and no --psk: a network (ADDR/BITS) whose announced
     /// donors are used unverified, besides loopback; only one where nobody
     /// but the lab's own machines can announce. Repeat.
-    #[arg(long, value_name = "CIDR", requires = "discover")]
+    #[arg(long, value_name = "CIDR", requires = "discovery")]
     trust_network: Vec<Network>,
     /// With --discover: use announced donors without a lab key, on any
     /// network (anyone there can then lend this device memory).
-    #[arg(long, requires = "discover")]
+    #[arg(long, requires = "discovery")]
     insecure: bool,
+    /// Add donors published in this DNS domain (`_netpager._tcp.DOMAIN`
+    /// PTR/SRV/TXT records: wide-area DNS-SD, across routers), admitted as
+    /// with --discover. Repeat.
+    #[arg(long, value_name = "DOMAIN")]
+    discover_domain: Vec<String>,
+    /// The DNS server asked for --discover-domain (default: the system
+    /// resolver's).
+    #[arg(long, value_name = "ADDR[:PORT]", requires = "discover_domain")]
+    dns_server: Option<String>,
     /// Forget a donor dead this long (its pages already rebuilt
     /// elsewhere); 0 keeps it in the set for ever. Default 600.
     #[arg(long, value_parser = parse_secs_or_zero, value_name = "SECS")]
@@ -222,6 +232,8 @@ impl Args {
             discover: self.discover,
             insecure: self.insecure,
             trust_network: self.trust_network.clone(),
+            discover_domain: self.discover_domain.clone(),
+            dns_server: self.dns_server.clone(),
             prefetch_pages: self.prefetch_pages,
         }
     }
