@@ -128,3 +128,36 @@ def test_a_flood_of_bogus_records_leaves_the_epochs_as_they_were(teardown, tmp_p
           f"{statistics.median(during)} µs during it ({ratio:.2f}x)")
     assert ratio < 10, (baseline, during)
     assert [d["name"] for d in client.device_status()["donors"]] == ["d1"]
+
+
+def test_prefetchd_follows_the_domain_and_uses_only_the_verified_donor(teardown, tmp_path, cluster):
+    from netpager_testkit.ci import skip_or_fail
+    from netpager_testkit.prefetch import Prefetchd, finish_job, generate, missing_binaries, start_job
+
+    if missing_binaries():
+        skip_or_fail(f"not built: {missing_binaries()} (run `make build`)")
+    dns = DnsServer(teardown, tmp_path)
+    key, wrong = tmp_path / "lab.psk", tmp_path / "wrong.psk"
+    key.write_text(f"lab:{secrets.token_hex(32)}\n")
+    wrong.write_text(f"lab:{secrets.token_hex(32)}\n")
+    common = {"budget": "8M", "size": "4M", "mlock": False, "poll_ms": 100, "busy_load": 1000}
+    (good,) = cluster.start_donors(1, tls_psk=key, psk=key, **common, **dns_params(dns))
+    (stranger,) = cluster.start_donors(1, tls_psk=wrong, psk=wrong, **common)
+    dns.update(dns.forge("forged", stranger.addr, stranger.port, stranger.status_addr[1]))
+    ds = generate("cyclic-random", tmp_path / "ds", 0.025)
+    pd = Prefetchd(teardown, tmp_path, ds["data"], local_cache="256K",
+                   extra=["--discover-domain", ZONE, "--dns-server", dns.server, "--psk", key,
+                          "--discover-export", "prefetchd@2M", "--status-poll-ms", "100"])
+    name = f"{good.addr}:{good.port}/prefetchd@2M"
+    lane = wait_for(lambda: next((d for d in pd.status()["donors"] if d["name"] == name), None), 30,
+                    f"a lane for the donor published in DNS, {name}")
+    assert lane["joined"] == "discovered", lane
+    pd.add_job("j", ds["hints_path"])
+    result = finish_job(start_job(teardown, tmp_path, ds["hints_path"], pd.mount / "jobs" / "j",
+                                  manifest=ds["manifest_path"], compute_us=500))
+    assert result["mismatches"] == 0 and result["records"] > 0, result
+    assert good.status().used_bytes > 0
+    log = pd.proc.log_path.read_text()
+    assert "discovered donor forged not used: status not verified with the lab key" in log, log[-3000:]
+    assert [d["name"] for d in pd.status()["donors"]] == [name]
+    assert pd.stop() == 0

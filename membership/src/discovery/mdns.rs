@@ -137,22 +137,10 @@ impl Drop for Announcer {
     }
 }
 
-/// The host name in the SRV record: the node id as one DNS label in
-/// `.local.` (anything but letters, digits and `-` becomes `-`). Browsers
-/// reach the donor by the addresses announced with it, not by this name.
+/// The host name in the SRV record, in `.local.`. Browsers reach the donor
+/// by the addresses announced with it, not by this name.
 fn host_label(node_id: &str) -> String {
-    let label: String = node_id
-        .chars()
-        .take(63)
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' {
-                c
-            } else {
-                '-'
-            }
-        })
-        .collect();
-    format!("{label}-netpager.local.")
+    format!("{}-netpager.local.", super::node_label(node_id))
 }
 
 #[cfg(test)]

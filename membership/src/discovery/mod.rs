@@ -186,6 +186,23 @@ impl Seen {
     }
 }
 
+/// The node id as one DNS label that leaves room for `-netpager`: anything
+/// but letters, digits and `-` becomes `-` (the names of a donor's SRV
+/// target and DNS instance; browsers go by the TXT record's node id).
+pub fn node_label(node_id: &str) -> String {
+    node_id
+        .chars()
+        .take(54)
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .collect()
+}
+
 /// Where announcements come from: multicast DNS on the local segment, and
 /// DNS domains browsed on the lab's DNS (wide-area DNS-SD).
 pub struct Sources {

@@ -20,7 +20,7 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use crate::discovery::{decode, txt_record, Announced};
+use crate::discovery::{decode, node_label, txt_record, Announced};
 use wire::{Message, Name, Question, RData, Record};
 use wire::{CLASS_ANY, CLASS_IN, CLASS_NONE, FLAG_QR, FLAG_RD, FLAG_TC, OPCODE_UPDATE};
 use wire::{TYPE_A, TYPE_AAAA, TYPE_ANY, TYPE_CNAME, TYPE_PTR, TYPE_SOA, TYPE_SRV, TYPE_TXT};
@@ -364,26 +364,12 @@ pub struct Publication {
 }
 
 impl Publication {
-    /// The node id as one DNS label (anything but letters, digits and `-`
-    /// becomes `-`): the instance and host names are made of it.
-    fn label(&self) -> String {
-        self.node_id
-            .chars()
-            .take(54)
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || c == '-' {
-                    c
-                } else {
-                    '-'
-                }
-            })
-            .collect()
-    }
-
     fn names(&self) -> Result<(Name, Name, Name), wire::WireError> {
         let service = Name::parse(&format!("{SERVICE}.{}", self.zone))?;
-        let instance = service.child(&self.label())?;
-        let host = self.zone.child(&format!("{}-netpager", self.label()))?;
+        let instance = service.child(&node_label(&self.node_id))?;
+        let host = self
+            .zone
+            .child(&format!("{}-netpager", node_label(&self.node_id)))?;
         Ok((service, instance, host))
     }
 
