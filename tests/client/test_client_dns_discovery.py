@@ -161,3 +161,34 @@ def test_prefetchd_follows_the_domain_and_uses_only_the_verified_donor(teardown,
     assert "discovered donor forged not used: status not verified with the lab key" in log, log[-3000:]
     assert [d["name"] for d in pd.status()["donors"]] == [name]
     assert pd.stop() == 0
+
+
+def test_a_dns_server_that_does_not_answer_delays_no_io_and_shows_in_status(teardown, tmp_path, cluster,
+                                                                             client):
+    """The domain's server takes queries and never answers (a UDP socket
+    nobody reads): every browse waits out its timeout on discovery's
+    thread; the device serves its I/O meanwhile and says what is wrong."""
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    teardown.add("the silent DNS socket", silent.close)
+    silent.bind(("127.0.0.1", 0))
+    server = f"127.0.0.1:{silent.getsockname()[1]}"
+    (d1,) = cluster.start_donors(1, budget="64M", mlock=False, poll_ms=100, busy_load=1000)
+    client.attach([d1], mode="none", size="32M",
+                  extra=["--discover-domain", ZONE, "--dns-server", server, "--epoch", "0.2",
+                         "--connect-timeout", "2"])
+    st = wait_for(lambda: (lambda s: s if s.get("discovery_error") else None)(client.device_status()),
+                  60, "the DNS server's silence in status")
+    assert f"domain {ZONE}: DNS server {server}: no answer" in st["discovery_error"], st["discovery_error"]
+    data = secrets.token_bytes(1 << 20)
+    fd = os.open(client.device, os.O_RDWR)
+    try:
+        for off in range(0, 8 << 20, 1 << 20):
+            os.pwrite(fd, data, off)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        for off in range(0, 8 << 20, 1 << 20):
+            assert os.pread(fd, 1 << 20, off) == data, f"mismatch at {off}"
+    finally:
+        os.close(fd)
+    text = run_pagerctl(["status", "--state-dir", client.state_dir]).stdout
+    assert f"discovery: browsing _netpager._tcp on domain {ZONE}; domain {ZONE}: DNS server" in text, text
