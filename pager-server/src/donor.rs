@@ -3,6 +3,7 @@
 //! nbdkit so that tests drive it directly; logging goes through the
 //! [`Logger`] it is given.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -64,6 +65,23 @@ impl Settings {
             meminfo: cfg.meminfo.clone(),
             ncpu: ncpu.max(1),
         }
+    }
+
+    /// Refuses a budget the node cannot give: less than a page, or more
+    /// memory than the node has (MemTotal), which the donor would
+    /// advertise as free and then fail on.
+    pub fn check_budget(&self, mem: &MemInfo) -> Result<(), String> {
+        if self.budget_bytes == 0 {
+            return Err("budget: less than one 4 KiB page; nothing to donate".into());
+        }
+        if self.budget_bytes > mem.total {
+            return Err(format!(
+                "budget={} is more than this node's memory (MemTotal {}): it would be advertised as free and fail when used; give a size below MemTotal, or a share such as budget=50%",
+                format_size(self.budget_bytes),
+                format_size(mem.total)
+            ));
+        }
+        Ok(())
     }
 
     fn policy(&self) -> Policy {
@@ -128,6 +146,28 @@ pub struct Donor {
     start: Instant,
     log: Logger,
     watch: Mutex<Watch>,
+    /// NBD connections open per export name, for status: pages in an
+    /// export nobody is connected to belong to a detached device.
+    clients: Mutex<BTreeMap<String, u32>>,
+}
+
+/// One open NBD connection to an export, counted in the donor's status
+/// while it lives.
+pub struct Connected {
+    donor: Arc<Donor>,
+    export: String,
+}
+
+impl Drop for Connected {
+    fn drop(&mut self) {
+        let mut c = self.donor.clients.lock_or_recover();
+        if let Some(n) = c.get_mut(&self.export) {
+            *n -= 1;
+            if *n == 0 {
+                c.remove(&self.export);
+            }
+        }
+    }
 }
 
 impl Donor {
@@ -152,6 +192,7 @@ impl Donor {
                 assessment,
                 util,
             }),
+            clients: Mutex::new(BTreeMap::new()),
         }
     }
 
@@ -165,6 +206,19 @@ impl Donor {
 
     pub fn log(&self) -> Logger {
         self.log
+    }
+
+    /// Counts a connection to export `name` until the guard is dropped.
+    pub fn connected(self: &Arc<Self>, name: &str) -> Connected {
+        *self
+            .clients
+            .lock_or_recover()
+            .entry(name.to_string())
+            .or_default() += 1;
+        Connected {
+            donor: Arc::clone(self),
+            export: name.to_string(),
+        }
     }
 
     /// Age tick of an instant: page stamps are in these units.
@@ -277,6 +331,7 @@ impl Donor {
             .xth_oldest_stamp(self.settings.age_x)
             .map_or(0, |s| u64::from(now.saturating_sub(s)) * TICK_MS);
         let c = &self.counters;
+        let clients = self.clients.lock_or_recover().clone();
         DonorStatus {
             node_id: self.settings.node_id.clone(),
             state: state as i32,
@@ -288,6 +343,7 @@ impl Donor {
                 .usage()
                 .into_iter()
                 .map(|u| ExportUsage {
+                    clients: clients.get(&u.name).copied().unwrap_or(0),
                     name: u.name,
                     size_bytes: u.size,
                     used_bytes: u.used_pages * page,
@@ -454,6 +510,51 @@ mod tests {
     }
 
     #[test]
+    fn a_budget_above_the_node_memory_is_refused() {
+        let (d, _) = donor(500);
+        let mem = MemInfo {
+            total: 1000 * MIB,
+            available: 500 * MIB,
+        };
+        assert_eq!(d.settings().check_budget(&mem), Ok(()));
+        let mut s = d.settings().clone();
+        s.budget_bytes = 1 << 40;
+        let e = s.check_budget(&mem).unwrap_err();
+        assert!(
+            e.contains("budget=1 TiB") && e.contains("MemTotal 1000 MiB"),
+            "{e}"
+        );
+        s.budget_bytes = 0;
+        assert!(s.check_budget(&mem).unwrap_err().contains("less than one"));
+    }
+
+    #[test]
+    fn status_counts_the_connections_of_each_export() {
+        let (d, t0) = donor(500);
+        let d = Arc::new(d);
+        for name in ["held", "left"] {
+            let spec = ExportSpec {
+                name: name.into(),
+                size: Some(MIB),
+            };
+            d.pool().open(&spec, MIB).unwrap();
+        }
+        let (a, b) = (d.connected("held"), d.connected("held"));
+        let clients = |d: &Donor| -> Vec<(String, u32)> {
+            d.status(t0)
+                .exports
+                .into_iter()
+                .map(|e| (e.name, e.clients))
+                .collect()
+        };
+        assert_eq!(clients(&d), [("held".into(), 2), ("left".into(), 0)]);
+        drop(a);
+        assert_eq!(clients(&d)[0], ("held".into(), 1));
+        drop(b);
+        assert_eq!(clients(&d)[0], ("held".into(), 0));
+    }
+
+    #[test]
     fn status_fills_every_field() {
         let (d, t0) = donor(500);
         let e = d
@@ -487,7 +588,8 @@ mod tests {
             vec![ExportUsage {
                 name: "a".into(),
                 size_bytes: MIB,
-                used_bytes: 3 * 4096
+                used_bytes: 3 * 4096,
+                clients: 0,
             }]
         );
         assert_eq!(

@@ -166,6 +166,8 @@ pub struct PagerServer {
     donor: Arc<Donor>,
     /// The client session's claim on the export, when it named one.
     claim: Option<Claim>,
+    /// Counts this connection in the export's status while it lives.
+    _counted: donor::Connected,
 }
 
 impl PagerServer {
@@ -255,11 +257,7 @@ impl Server for PagerServer {
         };
         let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
         let settings = Settings::resolve(&cfg, mem, &host, ncpu);
-        if settings.budget_bytes == 0 {
-            return Err(einval(
-                "budget: less than one 4 KiB page; nothing to donate",
-            ));
-        }
+        settings.check_budget(&mem).map_err(einval)?;
         check_mlock(&settings)?;
         let guard = load_guard(&cfg)?;
         sys::log_debug(&describe(&settings));
@@ -399,6 +397,7 @@ impl Server for PagerServer {
             export,
             donor: Arc::clone(d),
             claim,
+            _counted: d.connected(&req.spec.name),
         }))
     }
 

@@ -158,6 +158,7 @@ mod tests {
                 name: "c1".into(),
                 size_bytes: 1 << 20,
                 used_bytes: 8192,
+                clients: 1,
             }],
             age_x: 64,
             age_x_ms: 1500,

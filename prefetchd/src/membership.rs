@@ -8,7 +8,8 @@
 //! key, verifies; one that stops announcing is not removed for that alone.
 //!
 //! The decisions are pure ([`parse_donors_file`], [`changes`],
-//! [`discovered_arg`]); [`Watcher`] applies them each status-poll period.
+//! [`discovered_arg`]); [`Watcher`] applies them to the lanes
+//! ([`crate::lanes`]) each status-poll period.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -18,30 +19,8 @@ use netpager_membership::discovery::{self, Admission, Announced, Network, Trust,
 use netpager_membership::{parse_lines, DonorsFileError};
 use netpager_nbd::Endpoint;
 
-use crate::daemon::Daemon;
 use crate::donor::DonorArg;
-use crate::lanes::status_client;
-
-/// How a donor joined prefetchd's set.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Source {
-    /// `--donor`.
-    Command,
-    /// A line of the donors file.
-    File,
-    /// Announced and verified.
-    Discovered,
-}
-
-impl Source {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Source::Command => "command",
-            Source::File => "file",
-            Source::Discovered => "discovered",
-        }
-    }
-}
+use crate::lanes::{status_client, Lanes, Source};
 
 /// Discovery's settings (`--discover`, `--discover-domain`).
 #[derive(Debug, Clone)]
@@ -207,18 +186,18 @@ impl Watcher {
     }
 
     /// One pass: the donors file, then the announced donors admitted.
-    pub(crate) fn pass(&mut self, d: &Arc<Daemon>) {
+    pub(crate) fn pass(&mut self, lanes: &Arc<Lanes>) {
         if let Some(path) = self.cfg.donors_file.clone() {
-            self.follow_file(d, &path);
+            self.follow_file(lanes, &path);
         }
         if let (Some(adm), Some(disc)) = (&self.admission, &self.cfg.discover) {
             for (a, verdict) in adm.verdicts() {
-                consider(&mut self.said, d, adm, &a, verdict, disc);
+                consider(&mut self.said, lanes, adm, &a, verdict, disc);
             }
         }
     }
 
-    fn follow_file(&mut self, d: &Arc<Daemon>, path: &Path) {
+    fn follow_file(&mut self, lanes: &Arc<Lanes>, path: &Path) {
         let wanted = match std::fs::read_to_string(path)
             .map_err(|source| DonorsFileError::Read {
                 path: path.to_path_buf(),
@@ -238,8 +217,7 @@ impl Watcher {
                 return;
             }
         };
-        let applied: Vec<(usize, String, DonorArg)> = d
-            .lanes
+        let applied: Vec<(usize, String, DonorArg)> = lanes
             .members()
             .iter()
             .enumerate()
@@ -254,12 +232,12 @@ impl Watcher {
         for name in &c.remove {
             if let Some((i, _, _)) = applied.iter().find(|(_, n, _)| n == name) {
                 tracing::info!("donor {name}: its line left the donors file; letting it go");
-                d.remove_member(*i);
+                lanes.remove_member(*i);
             }
         }
         for arg in c.add {
             let name = donor_name(&arg);
-            match d.add_member(arg, Source::File) {
+            match lanes.add_member(arg, Source::File) {
                 Ok(_) => self.said.clear(&name),
                 // Retried next period: the donor may not be up yet.
                 Err(e) => self.said.warn(
@@ -277,7 +255,7 @@ impl Watcher {
 /// Joins an admitted announced donor, or says (once) why not.
 fn consider(
     said: &mut Said,
-    d: &Arc<Daemon>,
+    lanes: &Arc<Lanes>,
     adm: &Admission,
     a: &Announced,
     verdict: Verdict,
@@ -285,12 +263,12 @@ fn consider(
 ) {
     let arg = discovered_arg(a, disc);
     let name = donor_name(&arg);
-    if d.lanes.members().iter().any(|m| donor_name(&m.arg) == name) {
+    if lanes.members().iter().any(|m| donor_name(&m.arg) == name) {
         return;
     }
     let key = format!("announced {}", a.node_id);
     match verdict {
-        Ok(why) => match d.add_member(arg, Source::Discovered) {
+        Ok(why) => match lanes.add_member(arg, Source::Discovered) {
             Ok(_) => {
                 tracing::info!("donor {} ({name}) discovered: {why}", a.node_id);
                 said.clear(&key);
@@ -314,26 +292,25 @@ fn consider(
     }
 }
 
-impl Daemon {
-    /// Starts the thread that follows the donors file and discovery, one
-    /// pass at once and then one each status-poll period.
-    pub(crate) fn start_membership(self: &Arc<Self>, cfg: Config) -> Result<(), MembershipError> {
-        if cfg.donors_file.is_none() && cfg.discover.is_none() {
-            return Ok(());
-        }
-        let mut w = Watcher::new(cfg, self.timeouts().connect, self.lanes.poll)?;
-        let me = self.clone();
-        let t = std::thread::Builder::new()
-            .name("membership".into())
-            .spawn(move || {
-                w.pass(&me);
-                while !me.lanes.sleep(me.lanes.poll) {
-                    w.pass(&me);
-                }
-            })?;
-        self.keep_thread(t);
-        Ok(())
+/// Starts the thread that follows the donors file and discovery, one pass
+/// at once and then one each status-poll period; the lanes join it when
+/// they stop.
+pub(crate) fn start(cfg: Config, lanes: &Arc<Lanes>) -> Result<(), MembershipError> {
+    if cfg.donors_file.is_none() && cfg.discover.is_none() {
+        return Ok(());
     }
+    let mut w = Watcher::new(cfg, lanes.connect_timeout(), lanes.poll)?;
+    let l = lanes.clone();
+    let t = std::thread::Builder::new()
+        .name("membership".into())
+        .spawn(move || {
+            w.pass(&l);
+            while !l.sleep(l.poll) {
+                w.pass(&l);
+            }
+        })?;
+    lanes.keep_thread(t);
+    Ok(())
 }
 
 #[cfg(test)]

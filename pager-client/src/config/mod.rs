@@ -15,7 +15,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use netpager_util::HostPort;
+use netpager_util::{defaults, HostPort};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::extent_map::Redundancy;
@@ -442,25 +442,25 @@ fn default_b() -> f64 {
     policy::DEFAULT_B
 }
 fn default_epoch_ms() -> u64 {
-    5000
+    defaults::EPOCH_MS
 }
 fn default_n_clients() -> u32 {
     1
 }
 fn default_connect_ms() -> u64 {
-    3000
+    defaults::CONNECT_TIMEOUT_MS
 }
 fn default_spin_us() -> u64 {
     50
 }
 fn default_forget_after_ms() -> u64 {
-    10 * 60 * 1000
+    defaults::FORGET_AFTER_MS
 }
 fn default_grace_ms() -> u64 {
     30_000
 }
 fn default_request_ms() -> u64 {
-    5000
+    defaults::REQUEST_TIMEOUT_MS
 }
 
 /// Configuration errors, naming the file and the field.

@@ -34,7 +34,7 @@ mod placement;
 mod prefetch;
 mod replica;
 mod report;
-mod session;
+pub mod session;
 mod stripe;
 mod transient;
 mod writethrough;
@@ -393,6 +393,12 @@ impl Device {
 
     pub fn config(&self) -> &DeviceConfig {
         &self.inner.cfg
+    }
+
+    /// The request counters: the front end counts its requests' stages
+    /// and its write-back buffer's work there (`status.json`, `/metrics`).
+    pub fn stats(&self) -> &RequestStats {
+        &self.inner.stats
     }
 
     /// Counts a finished request for `/metrics`: atomics only, so the

@@ -200,6 +200,7 @@ impl Inner {
             t.prefetch_hits = n.hits;
             t.prefetch_wasted = n.wasted;
             t.prefetch_cache_bytes = pf.cache.ready_bytes();
+            t.prefetch_pending = pf.cache.pending() as u64;
         }
         if layout.mode.striped() {
             t.groups_open = self.map.open_intents().len() as u64;
@@ -300,6 +301,8 @@ impl Inner {
             not_admitted: book.not_admitted.clone(),
             totals: t,
             requests: self.stats.reports(),
+            stages: self.stats.stages.reports(),
+            writeback: Some(self.stats.writeback.report()).filter(|w| w.capacity_bytes > 0),
         }
     }
 }

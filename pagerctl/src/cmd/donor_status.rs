@@ -102,13 +102,24 @@ fn render(addr: &str, s: &DonorStatus) -> String {
             .unwrap_or(0)
             .max("export".len());
         out.push(String::new());
-        out.push(format!("{:<nw$}  {:>12}  {:>12}", "export", "size", "used"));
+        out.push(format!(
+            "{:<nw$}  {:>12}  {:>12}  {:>7}",
+            "export", "size", "used", "clients"
+        ));
         for e in &s.exports {
             out.push(format!(
-                "{:<nw$}  {:>12}  {:>12}",
+                "{:<nw$}  {:>12}  {:>12}  {:>7}",
                 e.name,
                 format_size(e.size_bytes),
-                format_size(e.used_bytes)
+                format_size(e.used_bytes),
+                e.clients
+            ));
+        }
+        let unclaimed = netpager_proto::unclaimed_exports(s);
+        if !unclaimed.is_empty() {
+            out.push(format!(
+                "UNCLAIMED: no client is connected to {}: pages of a detached device (pagerctl release --state-dir DIR on its client frees them) or of a client that is gone",
+                unclaimed.join(", ")
             ));
         }
     }
@@ -127,11 +138,20 @@ mod tests {
             state: DonorState::Draining as i32,
             state_reason: "asked by 127.0.0.1".into(),
             used_bytes: 8 << 20,
-            exports: vec![ExportUsage {
-                name: "alice".into(),
-                size_bytes: 64 << 20,
-                used_bytes: 8 << 20,
-            }],
+            exports: vec![
+                ExportUsage {
+                    name: "alice".into(),
+                    size_bytes: 64 << 20,
+                    used_bytes: 8 << 20,
+                    clients: 1,
+                },
+                ExportUsage {
+                    name: "bob".into(),
+                    size_bytes: 64 << 20,
+                    used_bytes: 4 << 20,
+                    clients: 0,
+                },
+            ],
             ..Default::default()
         };
         let t = render("127.0.0.2:7070", &s);
@@ -143,7 +163,15 @@ mod tests {
         );
         assert!(
             t.lines()
-                .any(|l| l.starts_with("alice") && l.contains("64 MiB")),
+                .any(|l| l.starts_with("alice") && l.contains("64 MiB") && l.ends_with(" 1")),
+            "{t}"
+        );
+        // Pages nobody is connected to are named, with what frees them.
+        let note = t.lines().last().unwrap();
+        assert!(
+            note.starts_with("UNCLAIMED")
+                && note.contains("bob (4 MiB)")
+                && !note.contains("alice"),
             "{t}"
         );
     }
