@@ -250,3 +250,34 @@ def test_a_keyless_device_uses_announced_donors_only_on_networks_it_trusts(lab_r
     finally:
         errors = td.close()
     assert errors == []
+
+
+def test_donors_published_in_the_labs_dns_are_found_from_another_host(lab_root, donor_plugin):
+    """BIND on lab host ns serves the lab's zone; donor d1 publishes itself
+    there (announce=dns, from its own address) and not by multicast DNS;
+    `pagerctl discover --domain` on c1 finds and verifies it through the
+    DNS, plain `pagerctl discover` there does not see it; d1's clean stop
+    removes its records."""
+    from netpager_testkit.dns import DnsServer
+
+    td = Teardown("dns discovery")
+    try:
+        lab = netlab.Lab(td, lab_root, ["ns", "d1", "c1"], ssh=False)
+        dns = DnsServer(td, lab_root, addr=lab["ns"].addr, wrap=lab["ns"].netns_argv)
+        key = lab_root / "lab.psk"
+        key.write_text(f"lab:{secrets.token_hex(32)}\n")
+        d1 = netlab.LabDonor(lab["d1"], td, lab_root, donor_plugin,
+                             {"size": "64M", "budget": "64M", "mlock": False, "psk": key,
+                              "announce": "dns", "dns_zone": dns.zone, "dns_key": dns.key_file,
+                              "dns_server": dns.server}, tls_psk=key).start()
+        seen = discover(lab, "c1", "--psk", str(key), "--domain", dns.zone, "--dns-server", dns.server,
+                        expect=["d1"])
+        assert list(seen) == ["d1"], seen
+        assert seen["d1"]["usable"] and seen["d1"]["why"] == "verified with the lab key", seen["d1"]
+        assert seen["d1"]["nbd"] == f"{lab['d1'].addr}:{d1.port}", seen["d1"]
+        assert "d1" not in discover(lab, "c1", "--psk", str(key), listen=3)
+        d1.terminate()
+        assert dns.records(f"_netpager._tcp.{dns.zone}", "PTR") == []
+    finally:
+        errors = td.close()
+    assert errors == []

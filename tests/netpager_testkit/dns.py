@@ -1,6 +1,7 @@
 """A real DNS server for the wide-area discovery tests: BIND's `named`
 (Debian's bind9, installed by scripts/deps.sh) serving one zone on
-127.0.0.1 at a free port of the test's own, taking dynamic updates signed
+127.0.0.1 at a free port of the test's own (or on a lab host's address,
+run in its namespace: `addr`, `wrap`), taking dynamic updates signed
 with a TSIG key it is given, as a lab's DNS would. Started in the
 foreground by pid with its configuration, zone, journal and log in the
 test's directory; stopped on teardown. Nothing of the machine's (its
@@ -32,15 +33,18 @@ def missing_tools() -> list[str]:
 
 
 class DnsServer:
-    def __init__(self, teardown: Teardown, workdir, zone: str = "lab.test"):
+    def __init__(self, teardown: Teardown, workdir, zone: str = "lab.test", addr: str = ADDR,
+                 wrap=lambda argv: argv):
         missing = missing_tools()
         if missing:
             skip_or_fail(f"no {', '.join(missing)} (Debian's bind9 and bind9-dnsutils: make deps)")
         self.zone = zone
+        self.addr = addr
         self.dir = Path(workdir) / "named"
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.port = free_ports(ADDR, 1)[0]
-        self.server = f"{ADDR}:{self.port}"
+        # A lab host's namespace is its own: any port is free there.
+        self.port = free_ports(ADDR, 1)[0] if addr == ADDR else 53
+        self.server = f"{addr}:{self.port}"
         self.key_file = self.dir / "tsig.key"
         secret = base64.b64encode(os.urandom(32)).decode()
         self.key_file.write_text(
@@ -48,13 +52,13 @@ class DnsServer:
         (self.dir / f"{zone}.zone").write_text(
             f"$ORIGIN {zone}.\n$TTL 60\n"
             f"@ IN SOA ns.{zone}. admin.{zone}. 1 60 60 600 60\n"
-            f"@ IN NS ns.{zone}.\nns IN A {ADDR}\n")
+            f"@ IN NS ns.{zone}.\nns IN A {addr}\n")
         conf = self.dir / "named.conf"
         d = self.dir
         conf.write_text(f"""options {{
     directory "{d}";
     pid-file none;
-    listen-on port {self.port} {{ {ADDR}; }};
+    listen-on port {self.port} {{ {addr}; }};
     listen-on-v6 {{ none; }};
     recursion no;
     allow-query {{ any; }};
@@ -75,7 +79,7 @@ zone "{zone}" {{
 """)
         # -g: foreground, logging to stderr (the log file); as root, so it
         # can write its journal in the test's directory.
-        self.proc = OwnedProcess([shutil.which("named", path="/usr/sbin:/usr/bin"), "-g", "-c", conf],
+        self.proc = OwnedProcess(wrap([shutil.which("named", path="/usr/sbin:/usr/bin"), "-g", "-c", conf]),
                                  self.dir / "named.log", teardown, "named")
         wait_for(lambda: self._answers() or (None if self.proc.alive() else self._died()), 30,
                  f"named to serve {zone} on {self.server}")
@@ -88,13 +92,13 @@ zone "{zone}" {{
 
     def records(self, name: str, rtype: str) -> list[str]:
         """The zone's records of `rtype` at `name` (dig +short)."""
-        p = subprocess.run(["dig", f"@{ADDR}", "-p", str(self.port), "+short", "+tries=1", "+time=2",
+        p = subprocess.run(["dig", f"@{self.addr}", "-p", str(self.port), "+short", "+tries=1", "+time=2",
                             name, rtype], capture_output=True, text=True, timeout=30)
         return [l for l in p.stdout.splitlines() if l and not l.startswith(";")]
 
     def update(self, lines: list[str]) -> None:
         """nsupdate with the zone's key: `lines` such as "update add NAME TTL TYPE DATA"."""
-        script = "\n".join([f"server {ADDR} {self.port}", f"zone {self.zone}", *lines, "send", ""])
+        script = "\n".join([f"server {self.addr} {self.port}", f"zone {self.zone}", *lines, "send", ""])
         p = subprocess.run(["nsupdate", "-k", str(self.key_file)], input=script, capture_output=True,
                            text=True, timeout=60)
         if p.returncode != 0:
