@@ -664,22 +664,17 @@ pub fn render_table(s: &ClientStatus) -> String {
     {
         w(&mut out, format!("  {note}"));
     }
-    if s.discover || !s.discover_domain.is_empty() {
-        let mut what: Vec<String> = Vec::new();
-        if s.discover {
-            what.push("the local segment".into());
-        }
-        what.extend(s.discover_domain.iter().map(|d| format!("domain {d}")));
+    let local = s.discover.then(|| "the local segment".to_string());
+    let what: Vec<String> = local
+        .into_iter()
+        .chain(s.discover_domain.iter().map(|d| format!("domain {d}")))
+        .collect();
+    if !what.is_empty() {
+        let error = s.discovery_error.as_deref().map(|e| format!("; {e}"));
+        let line = format!("browsing _netpager._tcp on {}", what.join(", "));
         w(
             &mut out,
-            format!(
-                "discovery: browsing _netpager._tcp on {}{}",
-                what.join(", "),
-                s.discovery_error
-                    .as_deref()
-                    .map(|e| format!("; {e}"))
-                    .unwrap_or_default()
-            ),
+            format!("discovery: {line}{}", error.unwrap_or_default()),
         );
     }
     for (node, why) in &s.not_admitted {
