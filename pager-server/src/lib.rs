@@ -12,14 +12,15 @@
 //! The modules form layers; each uses only those below it, so there is no
 //! import cycle:
 //!
-//! 1. [`config`] (parameters, export names, the page size) and
-//!    [`memwatch`] (meminfo, load average) use nothing of the crate;
+//! 1. [`config`] (parameters, export names, the page size),
+//!    [`memwatch`] (meminfo, load average) and [`ratio`] (the compression
+//!    ratio offered) use nothing of the crate;
 //! 2. [`access`] uses `config`; [`state`] uses `memwatch`;
 //! 3. [`sys`] (FFI: pages, slabs, the peer's address) uses `access` and
 //!    `config`; [`slab`] uses `sys`; [`store`] uses `slab`, `sys` and
 //!    `config`;
 //! 4. [`donor`] (the whole donor, and the thread that feeds it meminfo)
-//!    uses `store`, `state`, `memwatch` and `config`;
+//!    uses `store`, `state`, `ratio`, `memwatch` and `config`;
 //! 5. [`status`] uses `donor`; this file uses them all.
 //!
 //! The one edge upward is nbdkit's entry point, `sys::plugin_init`, which
@@ -32,6 +33,7 @@ pub mod config;
 pub mod donor;
 pub mod memwatch;
 pub mod metrics;
+pub mod ratio;
 pub mod session;
 pub mod slab;
 pub mod state;

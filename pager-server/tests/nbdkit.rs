@@ -69,6 +69,9 @@ impl Donor {
             "node-id=it-donor".into(),
             format!("meminfo={}", meminfo.display()),
             "poll-ms=20".into(),
+            // Pages of one repeated byte, kept raw: the budget and drain
+            // are counted page by page here (compression has its own tests).
+            "compress=off".into(),
             "busy-load=1000".into(),
             "age-x=4".into(),
         ];

@@ -426,6 +426,12 @@ pub fn unclaimed_note(s: &DonorStatus) -> String {
 }
 
 /// A donor's status as JSON, with the state as a word.
+/// Logical bytes over the bytes they take (a donor's or an export's
+/// compression ratio); `None` while they take nothing.
+pub fn compression_ratio(logical: u64, stored: u64) -> Option<f64> {
+    (stored > 0).then(|| logical as f64 / stored as f64)
+}
+
 pub fn status_json(s: &DonorStatus) -> serde_json::Value {
     serde_json::json!({
         "node_id": s.node_id,
@@ -451,9 +457,16 @@ pub fn status_json(s: &DonorStatus) -> serde_json::Value {
         "zeroes": s.zeroes,
         "enospc": s.enospc,
         "uptime_ms": s.uptime_ms,
+        "compress": s.compress,
+        "logical_bytes": s.logical_bytes,
+        "ratio": compression_ratio(s.logical_bytes, s.used_bytes),
+        "capacity_bytes": s.capacity_bytes,
+        "offered_ratio": s.offered_ratio,
         "exports": s.exports.iter().map(|e| serde_json::json!({
             "name": e.name, "size_bytes": e.size_bytes, "used_bytes": e.used_bytes,
             "clients": e.clients,
+            "logical_bytes": e.logical_bytes,
+            "ratio": compression_ratio(e.logical_bytes, e.used_bytes),
         })).collect::<Vec<_>>(),
     })
 }

@@ -9,7 +9,7 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use netpager_proto::DonorState;
+use netpager_proto::{DonorState, DonorStatus};
 use netpager_util::LockExt;
 
 use super::donor::Donor;
@@ -249,7 +249,7 @@ impl Inner {
                             service.push(s.mean_service_us);
                         }
                         let page = if s.page_size > 0 { s.page_size } else { 4096 };
-                        let give = s.free_bytes / page;
+                        let give = offered_bytes(s) / page;
                         let x = self.cfg.policy.age_x.unwrap_or(s.age_x).max(1);
                         DonorView {
                             give_pages: give,
@@ -325,5 +325,42 @@ impl Inner {
         }
         pl.throttle = throttle;
         pl.freqs = freqs;
+    }
+}
+
+/// Most a donor's compression may multiply its free budget by in G_i.
+const MAX_OFFERED_RATIO: u64 = 4;
+
+/// G_i in bytes: what the donor can take at the compression ratio it
+/// offers (`capacity_bytes`), at most [`MAX_OFFERED_RATIO`] times its free
+/// budget (about what zram holds at best), so no donor calls every client
+/// to it on a ratio without bound. A donor that reports no capacity
+/// (older, or draining) offers its free bytes.
+fn offered_bytes(s: &DonorStatus) -> u64 {
+    match s.capacity_bytes {
+        0 => s.free_bytes,
+        c => c.min(s.free_bytes.saturating_mul(MAX_OFFERED_RATIO)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn g_i_is_the_capacity_offered_within_bounds() {
+        let st = |free_bytes, capacity_bytes| DonorStatus {
+            free_bytes,
+            capacity_bytes,
+            ..Default::default()
+        };
+        assert_eq!(
+            offered_bytes(&st(100, 0)),
+            100,
+            "a donor without capacity: its free bytes"
+        );
+        assert_eq!(offered_bytes(&st(100, 250)), 250, "at the ratio it offers");
+        assert_eq!(offered_bytes(&st(100, 10_000)), 400, "capped");
+        assert_eq!(offered_bytes(&st(0, 0)), 0, "draining or full");
     }
 }

@@ -29,12 +29,6 @@ from dataclasses import dataclass, field
 # The lead removes an entry with its fix (and tests/nemesis/test_known_bugs.py's
 # xfail marker).
 KNOWN_BUGS = {
-    "add-alias": "issue 34: a donor added under another address of the same nbdkit is "
-                 "accepted as a second member, and extents come back with each other's bytes",
-    "second-same": "issue 34: a second device with the same client id clears the first "
-                   "device's export on every donor",
-    "partition-long": "issue 34 (fencing): writes a connection the client gave up still carried "
-                      "land on the donor after it was revived as a new one (stale copies, leaks)",
     # Not an op: a state the model keeps out of the schedules (`candidates`).
     "drain-overlap": "a write that moves a member off a donor that just refused new pages picks "
                      "another donor that has just turned draining too: ENOSPC to the application",
