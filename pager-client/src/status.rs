@@ -272,6 +272,9 @@ pub struct ClientStatus {
     /// The device adds donors announced on the lab's network.
     #[serde(default)]
     pub discover: bool,
+    /// DNS domains it browses for announced donors (wide-area DNS-SD).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub discover_domain: Vec<String>,
     /// Why discovery is not running although asked for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub discovery_error: Option<String>,
@@ -661,15 +664,17 @@ pub fn render_table(s: &ClientStatus) -> String {
     {
         w(&mut out, format!("  {note}"));
     }
-    if s.discover {
+    let local = s.discover.then(|| "the local segment".to_string());
+    let what: Vec<String> = local
+        .into_iter()
+        .chain(s.discover_domain.iter().map(|d| format!("domain {d}")))
+        .collect();
+    if !what.is_empty() {
+        let error = s.discovery_error.as_deref().map(|e| format!("; {e}"));
+        let line = format!("browsing _netpager._tcp on {}", what.join(", "));
         w(
             &mut out,
-            format!(
-                "discovery: {}",
-                s.discovery_error
-                    .as_deref()
-                    .unwrap_or("browsing _netpager._tcp")
-            ),
+            format!("discovery: {line}{}", error.unwrap_or_default()),
         );
     }
     for (node, why) in &s.not_admitted {

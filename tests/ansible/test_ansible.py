@@ -431,7 +431,9 @@ def test_systemd_units_pass_systemd_analyze(tmp_path):
     # Host vars: they outrank the group_vars/all.yml linked in below.
     common = {"ansible_connection": "local", "ansible_python_interpreter": "/usr/bin/python3",
               # Binaries that exist, so that verify checks the command lines.
-              "netpager_install": "build", "netpager_bin_dir": str(target_dir()), "netpager_units_out": str(out)}
+              "netpager_install": "build", "netpager_bin_dir": str(target_dir()), "netpager_units_out": str(out),
+              # Donors found through the lab's DNS (wide-area DNS-SD).
+              "netpager_discovery": "dns", "netpager_dns_zone": "lab.test", "netpager_dns_server": "10.0.0.53"}
     # d1 is a namespace of a shared machine (as on the lab, tests/lab).
     d1 = dict(common, netpager_donor_address="10.0.0.11", netpager_donor_budget="1G", netpager_netns="nplab-d1")
     c1 = dict(common, netpager_prefetchd_datasets=[{
@@ -455,7 +457,11 @@ def test_systemd_units_pass_systemd_analyze(tmp_path):
     assert "psk=/etc/netpager/netpager.psk" in donor and "insecure" not in donor, donor
     assert "reserve=5%%" in donor, donor
     assert "NetworkNamespacePath=/run/netns/nplab-d1" in donor, donor
-    assert "NetworkNamespacePath" not in (out / "netpager-client-c1.service").read_text()
+    assert "announce=dns dns-zone=lab.test dns-key=/etc/netpager/dns.key dns-ttl=60 dns-server=10.0.0.53" \
+        in donor, donor
+    client = (out / "netpager-client-c1.service").read_text()
+    assert "NetworkNamespacePath" not in client
+    assert "--discover-domain lab.test --dns-server 10.0.0.53" in client, client
     v = subprocess.run(["systemd-analyze", "verify", "--man=no", *map(str, units)],
                        capture_output=True, text=True, timeout=120)
     assert v.returncode == 0 and not (v.stdout + v.stderr).strip(), v.stdout + v.stderr

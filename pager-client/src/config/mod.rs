@@ -349,12 +349,25 @@ pub struct DeviceConfig {
     pub donors_file: Option<PathBuf>,
     /// Add donors announced on the lab's network (DNS-SD, `_netpager._tcp`)
     /// once their status verifies with `lab_key`; without a key, only on
-    /// loopback and the project's test network unless `discover_insecure`.
+    /// loopback and the `trust_network`s unless `discover_insecure`.
     #[serde(default)]
     pub discover: bool,
     /// Use announced donors without a lab key to verify them, anywhere.
     #[serde(default)]
     pub discover_insecure: bool,
+    /// Networks (`ADDR/BITS`) whose announced donors are used without a
+    /// lab key, besides loopback: only a network where nobody but the
+    /// lab's own machines can announce (none by default).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub trust_network: Vec<netpager_membership::discovery::Network>,
+    /// DNS domains browsed for `_netpager._tcp.DOMAIN` (wide-area DNS-SD,
+    /// across routers); admission as for `discover`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub discover_domain: Vec<String>,
+    /// The DNS server asked for `discover_domain` (`ADDR[:PORT]`; default
+    /// the system resolver's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dns_server: Option<String>,
     /// A donor dead this long is forgotten once nothing depends on it
     /// (0: never).
     #[serde(default = "default_forget_after_ms")]
@@ -501,6 +514,9 @@ impl DeviceConfig {
             donors_file: None,
             discover: false,
             discover_insecure: false,
+            trust_network: Vec::new(),
+            discover_domain: Vec::new(),
+            dns_server: None,
             forget_after_ms: default_forget_after_ms(),
             grace_ms: default_grace_ms(),
             donors: Vec::new(),

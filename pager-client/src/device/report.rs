@@ -296,6 +296,7 @@ impl Inner {
             donors_file_error: book.file_error.clone(),
             donors_file_pending: book.file_pending.clone(),
             discover: self.cfg.discover,
+            discover_domain: self.cfg.discover_domain.clone(),
             discovery_error: book.discovery_error.clone(),
             not_admitted: book.not_admitted.clone(),
             totals: t,

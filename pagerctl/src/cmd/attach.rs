@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use netpager_membership::discovery::Network;
 use pager_client::config::{DeviceConfig, DonorConfig};
 use pager_client::probe;
 use pagerctl::attach::check::{self, Checked, Verdict};
@@ -22,6 +23,7 @@ fn absolute(p: &Path) -> std::io::Result<PathBuf> {
 }
 
 #[derive(clap::Args)]
+#[command(group(clap::ArgGroup::new("discovery").multiple(true).args(["discover", "discover_domain"])))]
 pub struct Args {
     /// The client's state directory: device.toml, extent map, status, socket.
     #[arg(long, value_name = "DIR")]
@@ -60,13 +62,27 @@ pub struct Args {
     donors_file: Option<PathBuf>,
     /// Add donors announced on the lab's network (DNS-SD, `_netpager._tcp`,
     /// as `pagerctl discover` lists them) once their status verifies with
-    /// --psk; without a key only on loopback and the test network.
+    /// --psk; without a key only on loopback and --trust-network.
     #[arg(long)]
     discover: bool,
+    /// With --discover and no --psk: a network (ADDR/BITS) whose announced
+    /// donors are used unverified, besides loopback; only one where nobody
+    /// but the lab's own machines can announce. Repeat.
+    #[arg(long, value_name = "CIDR", requires = "discovery")]
+    trust_network: Vec<Network>,
     /// With --discover: use announced donors without a lab key, on any
     /// network (anyone there can then lend this device memory).
-    #[arg(long, requires = "discover")]
+    #[arg(long, requires = "discovery")]
     insecure: bool,
+    /// Add donors published in this DNS domain (`_netpager._tcp.DOMAIN`
+    /// PTR/SRV/TXT records: wide-area DNS-SD, across routers), admitted as
+    /// with --discover. Repeat.
+    #[arg(long, value_name = "DOMAIN")]
+    discover_domain: Vec<String>,
+    /// The DNS server asked for --discover-domain (default: the system
+    /// resolver's).
+    #[arg(long, value_name = "ADDR[:PORT]", requires = "discover_domain")]
+    dns_server: Option<String>,
     /// Forget a donor dead this long (its pages already rebuilt
     /// elsewhere); 0 keeps it in the set for ever. Default 600.
     #[arg(long, value_parser = parse_secs_or_zero, value_name = "SECS")]
@@ -237,6 +253,9 @@ impl Args {
             grace: self.grace,
             discover: self.discover,
             insecure: self.insecure,
+            trust_network: self.trust_network.clone(),
+            discover_domain: self.discover_domain.clone(),
+            dns_server: self.dns_server.clone(),
             prefetch_pages: self.prefetch_pages,
         }
     }
@@ -356,8 +375,8 @@ fn require_donors(a: &Args, cfg: &DeviceConfig, existing: Option<&Path>) -> Resu
             bail!("{why}\nswap is not turned on for a device that cannot place a unit{waited}; fix the donors above, or attach with --wait-donors SECS to wait for them");
         }
         // Donors found by discovery join later: they are not checked here.
-        if a.allow_degraded || cfg.discover {
-            tracing::warn!("{why}\nattaching anyway (--allow-degraded or --discover): writes to extents not placed yet fail until donors can take them");
+        if a.allow_degraded || cfg.discover || !cfg.discover_domain.is_empty() {
+            tracing::warn!("{why}\nattaching anyway (--allow-degraded, --discover or --discover-domain): writes to extents not placed yet fail until donors can take them");
             return Ok(());
         }
         bail!("{why}\nnothing was attached{waited}; fix the donors above, or attach with --wait-donors SECS to wait for them, or --allow-degraded to attach anyway");
