@@ -464,8 +464,10 @@ pub fn run(a: Args) -> Result<()> {
             threads: a.serve_threads.max(1),
             writeback: a.writeback_buffer.clone(),
             // Early acknowledgement only for swap, whose pages die with a
-            // serving process that is the device anyway.
-            ack_late: !a.swap,
+            // serving process that is the device anyway; a held device
+            // acknowledges late by itself (and its holder takes no such
+            // option).
+            ack_late: !a.swap && !restartable,
         },
         restartable,
         nbd_timeouts: (a.nbd_timeout, a.dead_conn_timeout),
