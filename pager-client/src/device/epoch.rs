@@ -50,6 +50,7 @@ impl Inner {
             return;
         }
         let (t0, at) = (Instant::now(), super::membership::unix_now_ms());
+        self.rebalancer.next_epoch();
         self.follow_donors_file();
         self.follow_discovery();
         self.poll_status();

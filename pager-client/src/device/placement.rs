@@ -217,6 +217,37 @@ impl Inner {
         })
     }
 
+    /// A slot on donor entry `i` for something in `extent`, if it may take
+    /// one now (eligible, labelled, not in `exclude`): where the
+    /// rebalancer sends a member.
+    pub(crate) fn allocate_on(&self, i: usize, exclude: &[u16], extent: u64) -> Result<Loc> {
+        let _set = self.members.change();
+        let d = &self.members[i];
+        let why = if exclude.contains(&d.id) {
+            Some("holds another member of its unit")
+        } else if self.map.donor_label(d.id) == 0 {
+            Some("not labelled")
+        } else {
+            self.ineligible_reason(i)
+        };
+        if let Some(why) = why {
+            return Err(DeviceError::NoSpace {
+                extent,
+                reason: format!("donor {}: {why}", d.cfg.name),
+            });
+        }
+        match self.map.alloc(SlotOwner::Donor(d.id)) {
+            Some((loc, _)) => Ok(loc),
+            None => {
+                d.full.store(true, Ordering::Release);
+                Err(DeviceError::NoSpace {
+                    extent,
+                    reason: format!("donor {}: export full", d.cfg.name),
+                })
+            }
+        }
+    }
+
     /// Up to `k` distinct eligible donors by the selector; fewer only when
     /// fewer qualify (all of them then, or none if everything is capped and
     /// a fallback exists). Also says why donors were left out.
