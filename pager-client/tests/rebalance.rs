@@ -4,8 +4,10 @@
 //! alone (no rewrite places anything on it) while a job writes and checks
 //! a hot region; the target, or the source, killed with -9 mid-move loses
 //! nothing (in mode none when the target dies: the source still holds the
-//! member); a balanced set moves nothing. Real pager-server donors; skipped
-//! with a note when libpager_server.so is not built.
+//! member); the serving process killed mid-move finds each member where
+//! its data is when it opens again; a balanced set moves nothing. Real
+//! pager-server donors; skipped with a note when libpager_server.so is not
+//! built.
 
 mod common;
 
@@ -351,4 +353,105 @@ fn a_balanced_set_moves_nothing_for_ten_epochs() {
     assert_eq!(s.totals.rebalance.moves, 0, "{}", render_table(&s));
     assert!(s.totals.rebalance.paused.is_none(), "{}", render_table(&s));
     model.check_all(&dev, 256 << 10);
+}
+
+/// The state directory the restart test's serving process uses, when this
+/// test binary runs as that process.
+const CHILD_DIR: &str = "NETPAGER_TEST_REBALANCE_CHILD";
+/// The address of the donor it adds.
+const CHILD_LATE: &str = "NETPAGER_TEST_REBALANCE_LATE";
+
+/// Not a test of its own: the serving process of
+/// [`a_restart_mid_move_finds_every_member_where_its_data_is`], run as a
+/// child of that test (this binary, this test alone, with [`CHILD_DIR`]
+/// set). Opens the device, adds the slow donor and serves until killed.
+#[test]
+#[ignore = "the serving process of a_restart_mid_move_finds_every_member_where_its_data_is, run by it"]
+fn restart_child_serves_until_killed() {
+    let Some(dir) = std::env::var_os(CHILD_DIR) else {
+        return;
+    };
+    let dir = std::path::PathBuf::from(dir);
+    let cfg = DeviceConfig::load_from_state_dir(&dir).unwrap();
+    let dev = Device::open(cfg, &dir).unwrap();
+    let late = std::env::var(CHILD_LATE).unwrap();
+    let mut c = DonorConfig::new("late", late.clone());
+    c.status = std::env::var(format!("{CHILD_LATE}_STATUS")).ok();
+    dev.add_donor(c, Joined::Added).unwrap();
+    // Killed with -9 by the parent: this loop ends only with the process.
+    loop {
+        std::thread::park();
+    }
+}
+
+/// Mode none: the serving process is killed with -9 while its first move
+/// is copying (a slow newcomer holds the write). The next open finds the
+/// member where its data is, the source, and every byte reads back; the
+/// moves then go on.
+#[test]
+fn a_restart_mid_move_finds_every_member_where_its_data_is() {
+    let (Some(ds), Some(late)) = (netpager_test_support::pager_servers(2), slow_donor("500ms"))
+    else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(Mode::None, SIZE, EXTENT, &ds.iter().collect::<Vec<_>>());
+    cfg.rebalance_rate = ByteSize(64 << 20);
+    cfg.timeouts.request_ms = 20_000;
+    let mut model = Model::new(SIZE);
+    {
+        let dev = Device::open(cfg.clone(), dir.path()).unwrap();
+        model.fill(&dev, &mut Rng::new(31), EXTENT);
+    }
+    cfg.save(&dir.path().join("device.toml")).unwrap();
+    let before = bytes_received(&late.addr);
+    let exe = std::env::current_exe().unwrap();
+    let mut child = std::process::Command::new(exe)
+        .args([
+            "--exact",
+            "restart_child_serves_until_killed",
+            "--ignored",
+            "--nocapture",
+        ])
+        .env(CHILD_DIR, dir.path())
+        .env(CHILD_LATE, &late.addr)
+        .env(
+            format!("{CHILD_LATE}_STATUS"),
+            late.status.clone().unwrap_or_default(),
+        )
+        .spawn()
+        .unwrap();
+    // Killed on every way out of this test, by pid.
+    struct Reap<'a>(&'a mut std::process::Child);
+    impl Drop for Reap<'_> {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let reap = Reap(&mut child);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while bytes_received(&late.addr) < before + EXTENT {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no move reached the newcomer"
+        );
+        if let Some(st) = reap.0.try_wait().unwrap() {
+            panic!("the serving process exited: {st}");
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    drop(reap);
+    let dev = Device::open(cfg, dir.path()).unwrap();
+    let s = dev.status();
+    assert_eq!(s.totals.lost, 0, "{}", render_table(&s));
+    assert!(
+        s.donors.iter().any(|d| d.name == "late"),
+        "{}",
+        render_table(&s)
+    );
+    model.check_all(&dev, 256 << 10);
+    wait_status(&dev, "the moves going on", |s| s.totals.rebalance.moves > 0);
+    model.check_all(&dev, 256 << 10);
+    assert_eq!(dev.status().totals.lost, 0);
 }
