@@ -455,3 +455,64 @@ fn a_restart_mid_move_finds_every_member_where_its_data_is() {
     model.check_all(&dev, 256 << 10);
     assert_eq!(dev.status().totals.lost, 0);
 }
+
+/// Writes a MemTotal/MemAvailable file for a donor's `meminfo=`, renamed
+/// into place so the donor never reads half of it.
+fn write_meminfo(path: &std::path::Path, total: u64, available: u64) {
+    let tmp = path.with_extension("new");
+    std::fs::write(
+        &tmp,
+        format!(
+            "MemTotal: {} kB\nMemFree: 0 kB\nMemAvailable: {} kB\n",
+            total / 1024,
+            available / 1024
+        ),
+    )
+    .unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+/// Gradual shedding: a donor whose node's memory use rises toward its
+/// reserve offers less (G_i, its free_bytes), and the rebalancer moves
+/// its members to the others while it is still idle, before it has to
+/// drain. Every byte reads back.
+#[test]
+fn a_donor_whose_memory_use_rises_sheds_its_members_before_it_drains() {
+    let mem = tempfile::tempdir().unwrap();
+    let meminfo = mem.path().join("meminfo");
+    const GIB: u64 = 1 << 30;
+    write_meminfo(&meminfo, 8 * GIB, 4 * GIB);
+    let watched = format!("meminfo={}", meminfo.display());
+    let (Some(d0), Some(rest)) = (
+        netpager_test_support::pager_server(&[
+            "size=16M",
+            "budget=64M",
+            "reserve=1G",
+            "busy-load=1000",
+            "poll-ms=100",
+            &watched,
+        ]),
+        netpager_test_support::pager_servers(2),
+    ) else {
+        return;
+    };
+    let mut ds = vec![d0];
+    ds.extend(rest);
+    let dir = tempfile::tempdir().unwrap();
+    let dev = open(&Mode::None, &ds.iter().collect::<Vec<_>>(), &dir);
+    let mut model = Model::new(SIZE);
+    model.fill(&dev, &mut Rng::new(41), EXTENT);
+    let held = donor(&dev.status(), "d0").extents_held;
+    assert!(held > 4, "{}", render_table(&dev.status()));
+    // 2 MiB above the reserve: d0 offers 2 MiB, not the 60 MiB its budget
+    // has left, and is not draining.
+    write_meminfo(&meminfo, 8 * GIB, GIB + (2 << 20));
+    let s = wait_status(&dev, "d0 to shed its members", |s| {
+        let d = donor(s, "d0");
+        d.extents_held <= 2 && s.totals.rebalance.moves >= held - 2
+    });
+    assert_eq!(donor(&s, "d0").state, "idle", "{}", render_table(&s));
+    assert_eq!(s.totals.drain.done, 0, "{}", render_table(&s));
+    model.check_all(&dev, 256 << 10);
+    assert_eq!(dev.status().totals.lost, 0);
+}

@@ -14,7 +14,39 @@ use crate::memwatch::MemInfo;
 pub struct Policy {
     pub reserve: u64,
     pub busy_load: f64,
+    /// Load per CPU from which the donor offers less (`shed-load`).
+    pub shed_load: f64,
     pub ncpu: usize,
+}
+
+/// The share of its room a donor at or above busy-load still offers: the
+/// load shedding ends there, and clients' bounds (`u_star`) do the rest.
+pub const BUSY_GIVE: f64 = 0.25;
+
+/// G_i, the bytes the donor offers (`free_bytes` in its status): its
+/// budget left, but never more than MemAvailable above the reserve (the
+/// node's own memory use comes first, and rising use offers less, down to
+/// nothing at the reserve, where draining starts), scaled down as its load
+/// per CPU rises from shed-load to busy-load, to [`BUSY_GIVE`] of it. So a
+/// donor whose owner returns offers less before it turns busy or drains:
+/// clients place less there and their rebalancers move the coldest pages
+/// off first (GMS's idle-to-active transition, gradually), and a later
+/// drain has less to move. Nothing while draining.
+pub fn give_bytes(policy: &Policy, obs: &Observation, state: DonorState, budget_left: u64) -> u64 {
+    if state == DonorState::Draining {
+        return 0;
+    }
+    let room = budget_left.min(obs.mem.available.saturating_sub(policy.reserve));
+    let per_cpu = obs.load1 / policy.ncpu.max(1) as f64;
+    let span = policy.busy_load - policy.shed_load;
+    let shed = if per_cpu <= policy.shed_load {
+        0.0
+    } else if span <= 0.0 || per_cpu >= policy.busy_load {
+        1.0
+    } else {
+        (per_cpu - policy.shed_load) / span
+    };
+    (room as f64 * (1.0 - shed * (1.0 - BUSY_GIVE))) as u64
 }
 
 impl Policy {
@@ -195,10 +227,55 @@ mod tests {
     }
 
     #[test]
+    fn the_offer_shrinks_as_load_and_memory_use_rise() {
+        let p = Policy {
+            reserve: 100 * MIB,
+            busy_load: 0.5,
+            shed_load: 0.25,
+            ncpu: 2,
+        };
+        let give = |avail, load1, budget_left_mib: u64| {
+            give_bytes(
+                &p,
+                &obs(avail, load1),
+                DonorState::Idle,
+                budget_left_mib * MIB,
+            ) / MIB
+        };
+        // Idle and roomy: the whole budget left.
+        assert_eq!(give(900, 0.2, 300), 300);
+        // Memory use rises: at most MemAvailable above the reserve.
+        assert_eq!(give(350, 0.2, 300), 250);
+        assert_eq!(give(150, 0.2, 300), 50);
+        assert_eq!(give(90, 0.2, 300), 0);
+        // Load rises past shed-load (0.25 per CPU): less, down to a
+        // quarter at busy-load (0.5 per CPU) and above.
+        assert_eq!(give(900, 0.5, 400), 400);
+        assert_eq!(give(900, 0.75, 400), 250);
+        assert_eq!(give(900, 1.0, 400), 100);
+        assert_eq!(give(900, 4.0, 400), 100);
+        // Draining: nothing.
+        assert_eq!(
+            give_bytes(&p, &obs(900, 0.0), DonorState::Draining, 400 * MIB),
+            0
+        );
+        // shed-load at busy-load: no shedding before busy.
+        let q = Policy {
+            shed_load: 0.5,
+            ..p
+        };
+        assert_eq!(
+            give_bytes(&q, &obs(900, 0.9), DonorState::Idle, 400 * MIB),
+            400 * MIB
+        );
+    }
+
+    #[test]
     fn states_follow_memory_load_and_admin() {
         let p = Policy {
             reserve: 100 * MIB,
             busy_load: 0.5,
+            shed_load: 0.25,
             ncpu: 2,
         };
         let mut m = StateMachine::default();
