@@ -36,25 +36,6 @@ fn donor_config(name: &str, d: &Nbdkit) -> DonorConfig {
     c
 }
 
-/// A pager-server donor whose writes each wait `delay` (nbdkit's delay
-/// filter): a move to it stays in flight that long.
-fn slow_donor(delay: &str) -> Option<Nbdkit> {
-    let so = netpager_test_support::pager_server_so()?;
-    let args = [
-        "--filter=delay",
-        &so.display().to_string(),
-        "mlock=false",
-        "size=16M",
-        "budget=64M",
-        "reserve=0",
-        "busy-load=1000",
-        "poll-ms=100",
-        &format!("delay-write={delay}"),
-    ]
-    .map(String::from);
-    Some(Nbdkit::start(&args, true))
-}
-
 /// A device in `mode` on `ds`, its rebalancer moving up to 64 MiB/s.
 fn open(mode: &Mode, ds: &[&Nbdkit], dir: &tempfile::TempDir) -> Arc<Device> {
     open_with(mode, ds, dir, |_| {})
@@ -239,7 +220,7 @@ fn kill_mid_move(mode: Mode, width: usize, victim: Victim, seed: u64) {
     let (Some(d0), Some(rest), Some(mut late)) = (
         netpager_test_support::pager_server(&first),
         netpager_test_support::pager_servers(width - 1),
-        slow_donor("500ms"),
+        netpager_test_support::slow_pager_server("500ms"),
     ) else {
         return;
     };
@@ -390,8 +371,10 @@ fn restart_child_serves_until_killed() {
 /// moves then go on.
 #[test]
 fn a_restart_mid_move_finds_every_member_where_its_data_is() {
-    let (Some(ds), Some(late)) = (netpager_test_support::pager_servers(2), slow_donor("500ms"))
-    else {
+    let (Some(ds), Some(late)) = (
+        netpager_test_support::pager_servers(2),
+        netpager_test_support::slow_pager_server("500ms"),
+    ) else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
@@ -456,22 +439,6 @@ fn a_restart_mid_move_finds_every_member_where_its_data_is() {
     assert_eq!(dev.status().totals.lost, 0);
 }
 
-/// Writes a MemTotal/MemAvailable file for a donor's `meminfo=`, renamed
-/// into place so the donor never reads half of it.
-fn write_meminfo(path: &std::path::Path, total: u64, available: u64) {
-    let tmp = path.with_extension("new");
-    std::fs::write(
-        &tmp,
-        format!(
-            "MemTotal: {} kB\nMemFree: 0 kB\nMemAvailable: {} kB\n",
-            total / 1024,
-            available / 1024
-        ),
-    )
-    .unwrap();
-    std::fs::rename(&tmp, path).unwrap();
-}
-
 /// Gradual shedding: a donor whose node's memory use rises toward its
 /// reserve offers less (G_i, its free_bytes), and the rebalancer moves
 /// its members to the others while it is still idle, before it has to
@@ -481,7 +448,7 @@ fn a_donor_whose_memory_use_rises_sheds_its_members_before_it_drains() {
     let mem = tempfile::tempdir().unwrap();
     let meminfo = mem.path().join("meminfo");
     const GIB: u64 = 1 << 30;
-    write_meminfo(&meminfo, 8 * GIB, 4 * GIB);
+    netpager_test_support::write_meminfo(&meminfo, 8 * GIB, 4 * GIB);
     let watched = format!("meminfo={}", meminfo.display());
     let (Some(d0), Some(rest)) = (
         netpager_test_support::pager_server(&[
@@ -506,7 +473,7 @@ fn a_donor_whose_memory_use_rises_sheds_its_members_before_it_drains() {
     assert!(held > 4, "{}", render_table(&dev.status()));
     // 2 MiB above the reserve: d0 offers 2 MiB, not the 60 MiB its budget
     // has left, and is not draining.
-    write_meminfo(&meminfo, 8 * GIB, GIB + (2 << 20));
+    netpager_test_support::write_meminfo(&meminfo, 8 * GIB, GIB + (2 << 20));
     let s = wait_status(&dev, "d0 to shed its members", |s| {
         let d = donor(s, "d0");
         d.extents_held <= 2 && s.totals.rebalance.moves >= held - 2

@@ -270,12 +270,14 @@ impl Donor {
         let page = PAGE_SIZE as u64;
         let budget = self.pool.budget();
         let used_bytes = budget.used_pages() * page;
-        let free_bytes = crate::state::give_bytes(
+        let offer_bytes = crate::state::offer_bytes(
             &self.settings.policy(),
             &last,
             state,
-            self.settings.budget_bytes.saturating_sub(used_bytes),
+            self.settings.budget_bytes,
+            used_bytes,
         );
+        let free_bytes = offer_bytes.saturating_sub(used_bytes);
         let now = self.tick(at);
         let age_x_ms = self
             .pool
@@ -288,6 +290,7 @@ impl Donor {
             budget_bytes: self.settings.budget_bytes,
             used_bytes,
             free_bytes,
+            offer_bytes: Some(offer_bytes),
             exports: self
                 .pool
                 .usage()

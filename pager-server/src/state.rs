@@ -23,20 +23,34 @@ pub struct Policy {
 /// load shedding ends there, and clients' bounds (`u_star`) do the rest.
 pub const BUSY_GIVE: f64 = 0.25;
 
-/// G_i, the bytes the donor offers (`free_bytes` in its status): its
-/// budget left, but never more than MemAvailable above the reserve (the
-/// node's own memory use comes first, and rising use offers less, down to
-/// nothing at the reserve, where draining starts), scaled down as its load
-/// per CPU rises from shed-load to busy-load, to [`BUSY_GIVE`] of it. So a
-/// donor whose owner returns offers less before it turns busy or drains:
-/// clients place less there and their rebalancers move the coldest pages
-/// off first (GMS's idle-to-active transition, gradually), and a later
-/// drain has less to move. Nothing while draining.
-pub fn give_bytes(policy: &Policy, obs: &Observation, state: DonorState, budget_left: u64) -> u64 {
+/// G_i in all, the bytes the donor would lend now counting the pages it
+/// holds (`offer_bytes` in its status; `free_bytes` is this less what it
+/// holds): its budget, but never more than its node can spare (MemAvailable
+/// plus its own pages, less the reserve), and less as the node's owner
+/// returns: from MemAvailable at twice the reserve down to nothing at the
+/// reserve (where draining starts), and from load per CPU at shed-load
+/// down to [`BUSY_GIVE`] of it at busy-load. An offer below what it holds
+/// asks for pages back: clients place nothing new there and their
+/// rebalancers move the coldest pages off first (GMS's idle-to-active
+/// transition, gradually), so a later drain has less to move. Nothing
+/// while draining.
+pub fn offer_bytes(
+    policy: &Policy,
+    obs: &Observation,
+    state: DonorState,
+    budget: u64,
+    used: u64,
+) -> u64 {
     if state == DonorState::Draining {
         return 0;
     }
-    let room = budget_left.min(obs.mem.available.saturating_sub(policy.reserve));
+    let avail = obs.mem.available;
+    let spare = (avail + used).saturating_sub(policy.reserve);
+    let mem = if policy.reserve == 0 {
+        1.0
+    } else {
+        (avail.saturating_sub(policy.reserve) as f64 / policy.reserve as f64).min(1.0)
+    };
     let per_cpu = obs.load1 / policy.ncpu.max(1) as f64;
     let span = policy.busy_load - policy.shed_load;
     let shed = if per_cpu <= policy.shed_load {
@@ -46,7 +60,8 @@ pub fn give_bytes(policy: &Policy, obs: &Observation, state: DonorState, budget_
     } else {
         (per_cpu - policy.shed_load) / span
     };
-    (room as f64 * (1.0 - shed * (1.0 - BUSY_GIVE))) as u64
+    let load = 1.0 - shed * (1.0 - BUSY_GIVE);
+    (budget.min(spare) as f64 * mem * load) as u64
 }
 
 impl Policy {
@@ -234,40 +249,41 @@ mod tests {
             shed_load: 0.25,
             ncpu: 2,
         };
-        let give = |avail, load1, budget_left_mib: u64| {
-            give_bytes(
+        // Offer in MiB with `avail` MiB available, load `load1`, a budget
+        // of 400 MiB of which 100 MiB held.
+        let offer = |avail, load1| {
+            offer_bytes(
                 &p,
                 &obs(avail, load1),
                 DonorState::Idle,
-                budget_left_mib * MIB,
+                400 * MIB,
+                100 * MIB,
             ) / MIB
         };
-        // Idle and roomy: the whole budget left.
-        assert_eq!(give(900, 0.2, 300), 300);
-        // Memory use rises: at most MemAvailable above the reserve.
-        assert_eq!(give(350, 0.2, 300), 250);
-        assert_eq!(give(150, 0.2, 300), 50);
-        assert_eq!(give(90, 0.2, 300), 0);
+        // Idle and roomy: the whole budget.
+        assert_eq!(offer(900, 0.2), 400);
+        // Memory use rises: at most what the node can spare (its pages
+        // included), less from MemAvailable at twice the reserve.
+        assert_eq!(offer(300, 0.2), 300);
+        assert_eq!(offer(150, 0.2), 75);
+        assert_eq!(offer(100, 0.2), 0);
         // Load rises past shed-load (0.25 per CPU): less, down to a
         // quarter at busy-load (0.5 per CPU) and above.
-        assert_eq!(give(900, 0.5, 400), 400);
-        assert_eq!(give(900, 0.75, 400), 250);
-        assert_eq!(give(900, 1.0, 400), 100);
-        assert_eq!(give(900, 4.0, 400), 100);
+        assert_eq!(offer(900, 0.5), 400);
+        assert_eq!(offer(900, 0.75), 250);
+        assert_eq!(offer(900, 1.0), 100);
+        assert_eq!(offer(900, 4.0), 100);
         // Draining: nothing.
-        assert_eq!(
-            give_bytes(&p, &obs(900, 0.0), DonorState::Draining, 400 * MIB),
-            0
-        );
-        // shed-load at busy-load: no shedding before busy.
+        let draining = offer_bytes(&p, &obs(900, 0.0), DonorState::Draining, 400 * MIB, 0);
+        assert_eq!(draining, 0);
+        // shed-load at busy-load and no reserve: everything until busy.
         let q = Policy {
             shed_load: 0.5,
+            reserve: 0,
             ..p
         };
-        assert_eq!(
-            give_bytes(&q, &obs(900, 0.9), DonorState::Idle, 400 * MIB),
-            400 * MIB
-        );
+        let all = offer_bytes(&q, &obs(50, 0.9), DonorState::Idle, 400 * MIB, 100 * MIB);
+        assert_eq!(all, 150 * MIB);
     }
 
     #[test]

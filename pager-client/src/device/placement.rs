@@ -41,6 +41,9 @@ pub(crate) struct Placement {
     selector: Selector,
     /// This epoch's frequencies, indexed like the configured donors.
     pub freqs: Frequencies,
+    /// The same rule with what this device holds on each donor counted as
+    /// its to give: the shares the rebalancer moves toward (epoch.rs).
+    pub targets: Frequencies,
     /// Why the last placement could not use donors only, if it could not.
     pub note: Option<String>,
     note_kind: &'static str,
@@ -53,6 +56,7 @@ impl Placement {
         Placement {
             selector: Selector::new(n),
             freqs: Frequencies::default(),
+            targets: Frequencies::default(),
             note: None,
             note_kind: "",
             throttle: None,

@@ -121,13 +121,26 @@ impl Inner {
         }
     }
 
-    /// Each donor entry as the policy sees it, and the members that may
-    /// move (on donors that may give).
+    /// Whether donor `d` has a share of the device to keep: in the set,
+    /// connected, answering, not draining or leaving (the drain empties
+    /// those).
+    pub(crate) fn holds_share(&self, d: &super::donor::Donor) -> bool {
+        !d.is_retired()
+            && !d.is_failed()
+            && !d.is_suspect()
+            && d.attached.load(Ordering::Acquire)
+            && !d.is_leaving()
+            && !d.draining.load(Ordering::Acquire)
+    }
+
+    /// Each donor entry as the policy sees it (its target the epoch's
+    /// `targets`: the rule counting what this device holds there), and
+    /// the members that may move (on donors that may give).
     fn rebalance_view(&self) -> (Vec<DonorShare>, Vec<Candidate>) {
         let n = self.members.len();
         let (f, capped) = {
             let pl = self.placement.lock_or_recover();
-            (pl.freqs.f.clone(), pl.freqs.capped.clone())
+            (pl.targets.f.clone(), pl.freqs.capped.clone())
         };
         let mut shares: Vec<DonorShare> = (0..n)
             .map(|i| {
@@ -135,12 +148,7 @@ impl Inner {
                 DonorShare {
                     held: 0,
                     f: f.get(i).copied().unwrap_or(0.0),
-                    may_give: !d.is_retired()
-                        && !d.is_failed()
-                        && !d.is_suspect()
-                        && d.attached.load(Ordering::Acquire)
-                        && !d.is_leaving()
-                        && !d.draining.load(Ordering::Acquire),
+                    may_give: self.holds_share(d),
                     may_take: self.ineligible_reason(i).is_none(),
                     room: u64::from(self.map.slot_usage(SlotOwner::Donor(d.id)).1),
                     over_bound: capped.get(i).copied().unwrap_or(false),
