@@ -191,7 +191,8 @@ impl Inner {
         (shares, cands)
     }
 
-    /// Why the rebalancer waits this pass, if it does.
+    /// Why the rebalancer waits this pass, if it does: a rebuild, drain or
+    /// move off the fallback making progress, or a silent donor.
     fn rebalance_blocked(&self) -> Option<String> {
         {
             let j = self.jobs.lock_or_recover();
@@ -200,7 +201,9 @@ impl Inner {
                 (Job::Drain, &j.drain),
                 (Job::OffFallback, &j.off_fallback),
             ] {
-                if p.active {
+                // A stalled job (no donor can take its copies) may wait
+                // long: the rebalancer goes on meanwhile.
+                if p.active && p.stalled.is_none() {
                     return Some(format!("waiting for {}", job.name()));
                 }
             }
