@@ -21,10 +21,19 @@ export NETPAGER_REQUIRE_SERVER := 1
 # (netpager_util::version!, scripts/version.sh).
 export NETPAGER_VERSION := $(shell bash scripts/version.sh)
 export NETPAGER_COMMIT := $(shell git rev-parse HEAD 2>/dev/null)
+# When this make began: `make test` leaves out its VM slice when the suite
+# has no time left for it (tests/vm/test_vm.py, NETPAGER_TEST_BUDGET).
+export NETPAGER_TEST_STARTED ?= $(shell date +%s)
+# What `make test-vm` runs in the test VM (Debian's kernel under qemu:
+# kernel nbd, cgroup v2, netem, CAP_SYS_RESOURCE; netpager_testkit.vm), and
+# for how long at most.
+VM_TESTS ?= tests/client/test_client_nbd_restart.py tests/faults/test_machine_oom.py \
+            tests/faults/test_link_latency.py tests/client/test_client_swap.py
+VM_TIMEOUT ?= 3600
 
 .PHONY: all deps build demo lab-demo test test-unit test-server test-client test-prefetch \
-        test-ansible test-security test-monitoring test-bench bench bench-server bench-client bench-prefetch bench-apps \
-        fuzz soak faults clean lint deb test-deb
+        test-ansible test-security test-monitoring test-bench test-stress bench bench-server bench-client \
+        bench-prefetch bench-apps fuzz soak faults nemesis clean lint deb test-deb test-vm
 
 all: build
 
@@ -85,6 +94,16 @@ test-monitoring: build
 test-bench: build
 	$(PYTEST) tests/bench
 
+# The flake hunt: the end-to-end tests (and, with --rust, cargo test)
+# NETPAGER_TEST_REPEAT times (default 3) on a quiet machine, then as many
+# times with stress-ng --cpu 2 --io 1 beside them at nice 19; every test
+# that failed at least once, with its failure, in
+# bench-results/stress/summary.txt (docs/HACKING.md, "Tests that cannot
+# flake"). STRESS_ARGS picks what runs: e.g. "--phases stress tests/client".
+STRESS_ARGS ?= --rust tests
+test-stress: build
+	$(BENCH_PY).stress $(STRESS_ARGS)
+
 # Debian packages netpager-donor, netpager-client and netpager-prefetchd
 # into dist/, lintian-checked (scripts/deb.sh; docs/HACKING.md, "Packages").
 deb: build
@@ -95,6 +114,12 @@ deb: build
 # also part of `make test`.
 test-deb: build
 	$(PYTEST) tests/deb
+
+# VM_TESTS in the test VM, booted once (docs/HACKING.md, "The test VM");
+# its kernel, initramfs and runs are cached in target/vm/. `make test`
+# runs a short slice of it (tests/vm/test_vm.py).
+test-vm: build
+	NETPAGER_FAULTS=full VM_TIMEOUT=$(VM_TIMEOUT) $(BENCH_PY).vm $(VM_TESTS)
 
 fuzz: deps
 	bash scripts/fuzz.sh $(FUZZ_SECONDS)
@@ -110,6 +135,17 @@ faults: build
 	rm -f bench-results/faults-rows.jsonl
 	NETPAGER_FAULTS=full $(PYTEST) tests/faults tests/lab; rc=$$?; \
 	/usr/bin/python3 scripts/faults_table.py; exit $$rc
+
+# The nemesis (issue 34, tests/nemesis): random schedules of operations and
+# faults against a device in each mode while verifying workloads run on it,
+# for DURATION seconds in all (default 600) over MODES (default "none mirror
+# parity ec"); SEED (the first schedule's), OPS (per schedule, default 40),
+# KNOWN=1 (also the ops of bugs still open), EXCLUDE=kind,..., NO_SHRINK=1;
+# SCHEDULE='SETUP | OP; ...' replays one schedule. Each run prints its seed
+# and replay command, a failing one is shrunk; the table goes to
+# bench-results/nemesis/. `make test` runs a slice of about 5 minutes.
+nemesis: build
+	$(BENCH_PY).nemesis
 
 bench: bench-server bench-client bench-prefetch
 	$(CARGO) bench --workspace

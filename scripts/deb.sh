@@ -24,7 +24,7 @@ fi
 
 # A package must hold what its version says: refuse binaries built from
 # another tree state (make build sets NETPAGER_VERSION for cargo).
-for b in pagerctl prefetchd prefetch-job pager-hints netpager-token; do
+for b in pagerctl prefetchd prefetch-job pager-hints netpager-token netpager-drain; do
   got=$("$bin/$b" --version)
   if [[ $got != "$b $version (commit $commit)" ]]; then
     echo "deb: $bin/$b --version says '$got', expected '$b $version (commit $commit)'; run make build first" >&2

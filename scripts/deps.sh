@@ -9,9 +9,10 @@ debs=(
   nbd-client nbd-server fio liburing-dev protobuf-compiler
   fuse3 libfuse3-dev e2fsprogs util-linux procps kmod
   python3 python3-pytest python3-matplotlib python3-protobuf stress-ng sqlite3 iptables systemd
-  ansible ansible-lint prometheus tmux openssh-server
+  ansible ansible-lint prometheus tmux openssh-server bind9 bind9-dnsutils
   pandoc help2man lintian dpkg-dev mmdebstrap
-  redis-server redis-tools python3-igraph python3-numpy
+  redis-server redis-tools python3-igraph python3-numpy bpftrace
+  qemu-system-x86 busybox-static
 )
 
 missing=()

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Fuzzes the hint parsers and the status decoder with cargo fuzz (nightly).
+# Fuzzes the hint parsers, the status decoder and the DNS message decoder
+# with cargo fuzz (nightly).
 # usage: scripts/fuzz.sh SECONDS_PER_TARGET
 # First replays every kept regression input (fuzz/regressions/TARGET/), then
 # explores for SECONDS_PER_TARGET. A crash fails the run; keep its input in
@@ -7,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../fuzz"
 secs=${1:-30}
-targets=(hints_text hints_binary status_decode)
+targets=(hints_text hints_binary status_decode dns_message)
 export CARGO_TARGET_DIR=${FUZZ_TARGET_DIR:-$PWD/target}
 for t in "${targets[@]}"; do
   mkdir -p "corpus/$t" "regressions/$t"

@@ -82,3 +82,8 @@ def memory_cluster(teardown, tmp_path):
 @pytest.fixture(scope="session")
 def memhog():
     return job("memhog")
+
+
+@pytest.fixture(scope="session")
+def blkhog():
+    return job("blkhog")

@@ -4,6 +4,9 @@
 
 use std::fs::File;
 use std::io::{self, IoSlice, Read, Write};
+use std::time::Instant;
+
+use netpager_util::trace::{self, Mark};
 
 use crate::abi::{self, InHeader};
 use crate::session::{Outcome, Session};
@@ -15,7 +18,10 @@ pub fn serve<B: Backend>(session: &Session<B>, mut fd: &File, buf_len: usize) ->
     let mut buf = vec![0xa5u8; buf_len].into_boxed_slice();
     loop {
         let n = match fd.read(&mut buf) {
-            Ok(n) => n,
+            Ok(n) => {
+                trace::start(Instant::now());
+                n
+            }
             // The request was interrupted before we read it, or a signal.
             Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::EINTR)) => continue,
             // Unmounted: the connection is gone. ECONNABORTED is the same
@@ -44,7 +50,10 @@ pub fn serve<B: Backend>(session: &Session<B>, mut fd: &File, buf_len: usize) ->
             h.unique,
         );
         match fd.write_vectored(&[IoSlice::new(&out), IoSlice::new(&payload[..len])]) {
-            Ok(_) => {}
+            Ok(_) => {
+                trace::mark(Mark::Committed);
+                session.traced(h.opcode);
+            }
             // The request was interrupted and is gone: nobody waits.
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
             Err(e) if e.raw_os_error() == Some(libc::ENODEV) => return Ok(()),

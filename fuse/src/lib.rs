@@ -28,6 +28,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
+use netpager_util::trace::Marks;
 pub use session::Session;
 pub use sys::{set_io_flusher, unmount};
 
@@ -39,6 +40,19 @@ pub trait Backend: Send + Sync + 'static {
     fn zero(&self, len: u64, offset: u64) -> Result<(), i32>;
     fn trim(&self, len: u64, offset: u64) -> Result<(), i32>;
     fn flush(&self) -> Result<(), i32>;
+    /// A request of `kind` was answered: `marks` are its clock's
+    /// (`netpager_util::trace`), from being taken from the kernel to its
+    /// reply committed. Called on the thread that served it.
+    fn traced(&self, _kind: IoKind, _marks: &Marks) {}
+}
+
+/// The kinds of request a backend's clock tells apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IoKind {
+    Read,
+    Write,
+    /// Flush, zero or trim.
+    Other,
 }
 
 #[derive(Debug, thiserror::Error)]

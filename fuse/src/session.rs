@@ -8,7 +8,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::abi::{self, op, Attr, InHeader};
-use crate::Backend;
+use crate::{Backend, IoKind};
+use netpager_util::trace;
 
 /// Node ids: FUSE's root is always 1.
 pub const ROOT: u64 = 1;
@@ -91,6 +92,20 @@ impl<B: Backend> Session<B> {
             gid: self.gid,
             time: self.mounted_at,
         })
+    }
+
+    /// Hands the clock of a request answered on this thread (started by
+    /// the transport when it took the request, `netpager_util::trace`) to
+    /// the backend, for the requests that reach it.
+    pub fn traced(&self, opcode: u32) {
+        let Some(marks) = trace::finish() else { return };
+        let kind = match opcode {
+            op::READ => IoKind::Read,
+            op::WRITE => IoKind::Write,
+            op::FSYNC | op::FALLOCATE => IoKind::Other,
+            _ => return,
+        };
+        self.backend.traced(kind, &marks);
     }
 
     /// Answers one request. `op_in` is its per-opcode header; the first

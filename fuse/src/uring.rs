@@ -15,6 +15,9 @@
 use std::fs::File;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use netpager_util::trace::{self, Mark};
 
 use crate::abi::{self, ring, InHeader};
 use crate::session::{Outcome, Session};
@@ -134,24 +137,36 @@ impl Queue {
 
     /// Answers the request in entry `i` and queues the commit that sends
     /// the reply and fetches the next request.
+    ///
+    /// The request's clock runs from here to the commit queued: the SQE
+    /// goes to the kernel with the thread's next wait for a request, in
+    /// one system call, so its submission cannot be told apart from the
+    /// wait.
     fn reply<B: Backend>(
         &mut self,
         i: usize,
         session: &Session<B>,
         answered: &AtomicU64,
     ) -> io::Result<()> {
-        self.last[i] = self.answer(i, session);
+        trace::start(Instant::now());
+        let (id, opcode) = self.answer(i, session);
+        self.last[i] = id;
         answered.fetch_add(1, Ordering::Relaxed);
-        self.ring.push_commit(i, self.qid, self.last[i])
+        let r = self.ring.push_commit(i, self.qid, id);
+        trace::mark(Mark::Committed);
+        session.traced(opcode);
+        r
     }
 
-    /// Answers the request in entry `i`; returns its commit id.
-    fn answer<B: Backend>(&mut self, i: usize, session: &Session<B>) -> u64 {
+    /// Answers the request in entry `i`; returns its commit id and opcode.
+    fn answer<B: Backend>(&mut self, i: usize, session: &Session<B>) -> (u64, u32) {
         let (header, payload) = self.ring.entry(i);
         let commit_id = abi::u64_at(header, ring::COMMIT_ID);
         let payload_in = (abi::u32_at(header, ring::PAYLOAD_SZ) as usize).min(payload.len());
+        let mut opcode = 0;
         let (error, len) = match InHeader::parse(&header[ring::IN_OUT..]) {
             Ok(h) => {
+                opcode = h.opcode;
                 let op_in = &header[ring::OP_IN..ring::OP_IN + abi::op_in_len(h.opcode).min(128)];
                 match session.handle(&h, op_in, payload, payload_in) {
                     Outcome::Reply(len) => (0, len),
@@ -176,7 +191,7 @@ impl Queue {
             unique,
         );
         abi::put_u32(header, ring::PAYLOAD_SZ, len as u32);
-        commit_id
+        (commit_id, opcode)
     }
 }
 

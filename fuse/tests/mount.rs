@@ -10,11 +10,13 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 use std::sync::Mutex;
 
+use netpager_test_support::machine::MachineLock;
 use netpager_util::LockExt;
 use pager_fuse::memory::Memory;
 use pager_fuse::{Mount, Options, Transport, ENABLE_URING};
 
-/// The sysfs switch is machine-wide: tests that depend on it take turns.
+/// The sysfs switch is machine-wide: tests that depend on it take turns,
+/// within this process and with other test runs' attaches and detaches.
 static URING_SWITCH: Mutex<()> = Mutex::new(());
 
 fn root() -> bool {
@@ -41,6 +43,7 @@ fn with_uring_switch(on: bool, test: impl FnOnce()) {
         panic!("needs root (mounts FUSE)");
     }
     let _turn = URING_SWITCH.lock_or_recover();
+    let _machine = MachineLock::acquire("uring-switch", "fuse's mount tests");
     let Some(old) = set_uring(on) else {
         eprintln!("this kernel has no FUSE over io_uring ({ENABLE_URING}); nothing to test");
         return;
@@ -211,7 +214,8 @@ fn requests_arriving_while_queues_register_are_answered() {
         let file = dir.path().join("device");
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (done_tx, done_rx) = std::sync::mpsc::channel();
-        let (f, s) = (file.clone(), stop.clone());
+        let answered = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let (f, s, a) = (file.clone(), stop.clone(), answered.clone());
         std::thread::spawn(move || {
             // Direct reads: each one is a request (attributes are cached).
             let (mut buf, at) = aligned(4096, 0);
@@ -227,6 +231,7 @@ fn requests_arriving_while_queues_register_are_answered() {
                 for _ in 0..64 {
                     if f.read_exact_at(&mut buf[at..at + 4096], 0).is_ok() {
                         seen += 1;
+                        a.store(seen, std::sync::atomic::Ordering::Relaxed);
                     }
                 }
             }
@@ -237,7 +242,16 @@ fn requests_arriving_while_queues_register_are_answered() {
             mount: Some(Mount::start(backend, dir.path(), &Options::default()).unwrap()),
             dir,
         };
-        std::thread::sleep(std::time::Duration::from_millis(200));
+        // Until the mount has answered a few rounds of the reader's
+        // requests, however long the machine takes for that.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while answered.load(std::sync::atomic::Ordering::Relaxed) < 256 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the mount answered no reads"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         // A request lost in a ring entry leaves the reader blocked for good.
         let seen = done_rx.recv_timeout(std::time::Duration::from_secs(30));

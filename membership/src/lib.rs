@@ -11,6 +11,7 @@
 //! follows the same file.
 
 pub mod discovery;
+pub mod dns;
 pub mod file;
 pub mod spec;
 

@@ -64,22 +64,36 @@ pub const BUCKETS: usize = 18;
 /// Upper bounds of the histogram buckets in nanoseconds: 10 µs doubling to
 /// 1.31 s, which spans a page served from a donor's RAM up to a request
 /// that waits out a donor's failure.
-pub const BUCKET_BOUNDS_NS: [u64; BUCKETS] = {
-    let mut b = [0u64; BUCKETS];
+pub const BUCKET_BOUNDS_NS: [u64; BUCKETS] = doubling(10_000);
+
+/// `N` bounds from `first` nanoseconds, each twice the one before.
+const fn doubling<const N: usize>(first: u64) -> [u64; N] {
+    let mut b = [0u64; N];
     let mut i = 0;
-    while i < BUCKETS {
-        b[i] = 10_000 << i;
+    while i < N {
+        b[i] = first << i;
         i += 1;
     }
     b
-};
+}
+
+/// Finite buckets of a stage histogram ([`AtomicHistogram::stages`]).
+pub const STAGE_BUCKETS: usize = 23;
+
+/// Upper bounds of a stage histogram's buckets in nanoseconds: 250 ns
+/// doubling to 1.05 s. A request's hops inside one process (a hand-off
+/// between threads, a copy, a commit) take from a few hundred nanoseconds
+/// to tens of microseconds, below the request histograms' first bucket.
+pub const STAGE_BOUNDS_NS: [u64; STAGE_BUCKETS] = doubling(250);
 
 /// A latency histogram that request threads update with relaxed atomic
 /// adds only: no lock and no allocation, so it may sit on the swap path.
 #[derive(Debug)]
 pub struct AtomicHistogram {
-    /// Per bucket (not cumulative); the last one is +Inf.
-    counts: [AtomicU64; BUCKETS + 1],
+    /// Upper bounds of the finite buckets.
+    bounds: &'static [u64],
+    /// Per bucket (not cumulative); the one after the last bound is +Inf.
+    counts: [AtomicU64; STAGE_BUCKETS + 1],
     sum_ns: AtomicU64,
 }
 
@@ -90,16 +104,27 @@ impl Default for AtomicHistogram {
 }
 
 impl AtomicHistogram {
+    /// A request histogram ([`BUCKET_BOUNDS_NS`]).
     pub const fn new() -> Self {
+        Self::with_bounds(&BUCKET_BOUNDS_NS)
+    }
+
+    /// A stage histogram ([`STAGE_BOUNDS_NS`]).
+    pub const fn stages() -> Self {
+        Self::with_bounds(&STAGE_BOUNDS_NS)
+    }
+
+    const fn with_bounds(bounds: &'static [u64]) -> Self {
         AtomicHistogram {
-            counts: [const { AtomicU64::new(0) }; BUCKETS + 1],
+            bounds,
+            counts: [const { AtomicU64::new(0) }; STAGE_BUCKETS + 1],
             sum_ns: AtomicU64::new(0),
         }
     }
 
     pub fn observe(&self, took: Duration) {
         let ns = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
-        let i = BUCKET_BOUNDS_NS.partition_point(|&b| b < ns);
+        let i = self.bounds.partition_point(|&b| b < ns);
         self.counts[i].fetch_add(1, Relaxed);
         self.sum_ns.fetch_add(ns, Relaxed);
     }
@@ -109,10 +134,11 @@ impl AtomicHistogram {
     /// that was true at some moment, which is all a scrape promises.
     pub fn snapshot(&self) -> HistogramSnapshot {
         let mut cumulative = 0;
-        let mut buckets = Vec::with_capacity(BUCKETS + 1);
-        for (i, c) in self.counts.iter().enumerate() {
+        let mut buckets = Vec::with_capacity(self.bounds.len() + 1);
+        for (i, c) in self.counts[..=self.bounds.len()].iter().enumerate() {
             cumulative += c.load(Relaxed);
-            let le = BUCKET_BOUNDS_NS
+            let le = self
+                .bounds
                 .get(i)
                 .map_or(f64::INFINITY, |&ns| ns as f64 / 1e9);
             buckets.push((le, cumulative));
@@ -125,6 +151,8 @@ impl AtomicHistogram {
     }
 }
 
+const _: () = assert!(BUCKETS <= STAGE_BUCKETS, "counts hold either kind");
+
 /// One histogram at one moment.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct HistogramSnapshot {
@@ -135,6 +163,25 @@ pub struct HistogramSnapshot {
 }
 
 impl HistogramSnapshot {
+    /// A histogram as a status file keeps it: cumulative counts within each
+    /// of `bounds_ns`, then of all.
+    pub fn from_counts(
+        bounds_ns: &[u64],
+        sum_seconds: f64,
+        count: u64,
+        cumulative: &[u64],
+    ) -> Self {
+        let bounds = bounds_ns
+            .iter()
+            .map(|&ns| ns as f64 / 1e9)
+            .chain(std::iter::once(f64::INFINITY));
+        HistogramSnapshot {
+            sum_seconds,
+            count,
+            buckets: bounds.zip(cumulative.iter().copied()).collect(),
+        }
+    }
+
     /// The smallest bucket bound under which at least `q` (0..1) of the
     /// observations fall, in seconds: an upper estimate of that quantile.
     pub fn quantile_bound(&self, q: f64) -> Option<f64> {

@@ -30,6 +30,22 @@ fn sample() -> Exposition {
 }
 
 #[test]
+fn stage_histograms_start_below_a_microsecond() {
+    assert_eq!(STAGE_BOUNDS_NS[0], 250);
+    assert_eq!(STAGE_BOUNDS_NS[STAGE_BUCKETS - 1], 250 << 22);
+    let h = AtomicHistogram::stages();
+    for ns in [100, 250, 300, 5_000, 2_000_000_000] {
+        h.observe(Duration::from_nanos(ns));
+    }
+    let s = h.snapshot();
+    assert_eq!(s.buckets.len(), STAGE_BUCKETS + 1);
+    assert_eq!(s.buckets[0], (250e-9, 2));
+    assert_eq!(s.buckets[1], (500e-9, 3));
+    assert_eq!(s.buckets[STAGE_BUCKETS - 1].1, 4);
+    assert_eq!(s.buckets[STAGE_BUCKETS], (f64::INFINITY, 5));
+}
+
+#[test]
 fn histogram_buckets_are_cumulative_and_bounded() {
     assert_eq!(BUCKET_BOUNDS_NS[0], 10_000);
     assert_eq!(BUCKET_BOUNDS_NS[BUCKETS - 1], 10_000 << 17);

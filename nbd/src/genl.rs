@@ -30,6 +30,9 @@ pub const CTRL_CMD_NEWFAMILY: u8 = 1;
 pub const CTRL_CMD_GETFAMILY: u8 = 3;
 pub const CTRL_ATTR_FAMILY_ID: u16 = 1;
 pub const CTRL_ATTR_FAMILY_NAME: u16 = 2;
+pub const CTRL_ATTR_MCAST_GROUPS: u16 = 7;
+pub const CTRL_ATTR_MCAST_GRP_NAME: u16 = 1;
+pub const CTRL_ATTR_MCAST_GRP_ID: u16 = 2;
 /// The version we speak to the controller (its own is 2; it ignores ours).
 const CTRL_VERSION: u8 = 2;
 
@@ -38,6 +41,9 @@ pub const NBD_GENL_VERSION: u8 = 1;
 pub const NBD_CMD_CONNECT: u8 = 1;
 pub const NBD_CMD_DISCONNECT: u8 = 2;
 pub const NBD_CMD_RECONFIGURE: u8 = 3;
+pub const NBD_CMD_LINK_DEAD: u8 = 4;
+/// The group the driver multicasts `NBD_CMD_LINK_DEAD` to.
+pub const NBD_GENL_MCAST_GROUP_NAME: &str = "nbd_mc_group";
 pub const NBD_ATTR_INDEX: u16 = 1;
 pub const NBD_ATTR_SIZE_BYTES: u16 = 2;
 pub const NBD_ATTR_BLOCK_SIZE_BYTES: u16 = 3;
@@ -57,6 +63,11 @@ pub enum GenlError {
     NoFamily { name: String },
     #[error("{command} refused by the kernel: {} (errno {errno})", std::io::Error::from_raw_os_error(*errno))]
     Kernel { command: &'static str, errno: i32 },
+    #[error("the kernel has no multicast group {group:?} in generic netlink family {family:?}")]
+    NoGroup { family: String, group: String },
+    /// The socket's buffer overflowed: the kernel dropped notices.
+    #[error("the kernel dropped netlink notices (receive buffer overrun): a connection may have died unannounced")]
+    Overrun,
     #[error("malformed netlink reply to {command}: {what}")]
     Malformed { command: &'static str, what: String },
     #[error("netlink {what}: {source}")]
@@ -193,8 +204,9 @@ pub enum Reply<'a> {
         seq: u32,
         errno: i32,
     },
-    /// A generic netlink message: its command and attributes.
+    /// A generic netlink message of `family`: its command and attributes.
     Genl {
+        family: u16,
         seq: u32,
         cmd: u8,
         attrs: &'a [u8],
@@ -238,6 +250,7 @@ pub fn replies<'a>(mut buf: &'a [u8], command: &'static str) -> Result<Vec<Reply
                     return Err(bad("generic netlink message without its header".into()));
                 }
                 Reply::Genl {
+                    family: kind,
                     seq,
                     cmd: body[0],
                     attrs: &body[GENL_HDRLEN..],
@@ -267,22 +280,108 @@ pub fn attrs(mut buf: &[u8]) -> Result<Vec<(u16, &[u8])>, String> {
     Ok(out)
 }
 
-/// The family id in the controller's answer to [`get_family`].
-pub fn family_id(attrs_buf: &[u8]) -> Result<u16, GenlError> {
+/// What the controller says of a family: its id and multicast groups.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Family {
+    pub id: u16,
+    /// (name, id) of each multicast group.
+    pub groups: Vec<(String, u32)>,
+}
+
+impl Family {
+    /// The id of the multicast group `name`.
+    pub fn group(&self, name: &str) -> Option<u32> {
+        self.groups
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, id)| *id)
+    }
+}
+
+/// The family in the controller's answer to [`get_family`]:
+/// `CTRL_ATTR_FAMILY_ID`, and `CTRL_ATTR_MCAST_GROUPS` { one nested
+/// attribute per group { `CTRL_ATTR_MCAST_GRP_NAME`, `CTRL_ATTR_MCAST_GRP_ID` } }.
+pub fn family(attrs_buf: &[u8]) -> Result<Family, GenlError> {
     let bad = |what: String| GenlError::Malformed {
         command: "CTRL_CMD_GETFAMILY",
         what,
     };
+    let mut id = None;
+    let mut groups = Vec::new();
     for (kind, data) in attrs(attrs_buf).map_err(bad)? {
-        if kind == CTRL_ATTR_FAMILY_ID {
-            let b: [u8; 2] = data
-                .get(..2)
-                .and_then(|d| d.try_into().ok())
-                .ok_or_else(|| bad(format!("family id of {} bytes", data.len())))?;
-            return Ok(u16::from_ne_bytes(b));
+        match kind {
+            CTRL_ATTR_FAMILY_ID => {
+                let b: [u8; 2] = data
+                    .get(..2)
+                    .and_then(|d| d.try_into().ok())
+                    .ok_or_else(|| bad(format!("family id of {} bytes", data.len())))?;
+                id = Some(u16::from_ne_bytes(b));
+            }
+            CTRL_ATTR_MCAST_GROUPS => {
+                for (_, group) in attrs(data).map_err(bad)? {
+                    let (mut name, mut gid) = (None, None);
+                    for (k, v) in attrs(group).map_err(bad)? {
+                        match k {
+                            CTRL_ATTR_MCAST_GRP_NAME => {
+                                let z = v.split(|&c| c == 0).next().unwrap_or_default();
+                                name = Some(String::from_utf8_lossy(z).into_owned());
+                            }
+                            CTRL_ATTR_MCAST_GRP_ID => {
+                                gid = v
+                                    .get(..4)
+                                    .map(|b| u32::from_ne_bytes(b.try_into().unwrap()));
+                            }
+                            _ => {}
+                        }
+                    }
+                    match (name, gid) {
+                        (Some(n), Some(g)) => groups.push((n, g)),
+                        _ => return Err(bad("a multicast group without its name or id".into())),
+                    }
+                }
+            }
+            _ => {}
         }
     }
-    Err(bad("no CTRL_ATTR_FAMILY_ID".into()))
+    Ok(Family {
+        id: id.ok_or_else(|| bad("no CTRL_ATTR_FAMILY_ID".into()))?,
+        groups,
+    })
+}
+
+/// The device indexes of the `NBD_CMD_LINK_DEAD` notices of `family` among
+/// `replies` (what one `recv` on a socket in `nbd_mc_group` gave).
+pub fn link_dead_indexes(replies: &[Reply<'_>], family: u16) -> Result<Vec<u32>, GenlError> {
+    let mut out = Vec::new();
+    for r in replies {
+        let Reply::Genl {
+            family: f,
+            cmd: NBD_CMD_LINK_DEAD,
+            attrs: a,
+            ..
+        } = *r
+        else {
+            continue;
+        };
+        if f != family {
+            continue;
+        }
+        let bad = |what: String| GenlError::Malformed {
+            command: "NBD_CMD_LINK_DEAD",
+            what,
+        };
+        let index = attrs(a)
+            .map_err(bad)?
+            .into_iter()
+            .find(|(k, _)| *k == NBD_ATTR_INDEX)
+            .and_then(|(_, v)| {
+                v.get(..4)
+                    .map(|b| u32::from_ne_bytes(b.try_into().unwrap()))
+            })
+            .ok_or_else(|| bad("a notice without NBD_ATTR_INDEX".into()))?;
+        out.push(index);
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -402,10 +501,10 @@ mod tests {
 
     #[test]
     fn replies_split_an_answer_an_ack_and_an_error() {
-        let mut family = vec![CTRL_CMD_NEWFAMILY, 2, 0, 0];
-        family.extend(attr(CTRL_ATTR_FAMILY_NAME, b"nbd\0"));
-        family.extend(attr(CTRL_ATTR_FAMILY_ID, &ne16(0x24)));
-        let mut buf = message(0x10, 5, &family);
+        let mut answer = vec![CTRL_CMD_NEWFAMILY, 2, 0, 0];
+        answer.extend(attr(CTRL_ATTR_FAMILY_NAME, b"nbd\0"));
+        answer.extend(attr(CTRL_ATTR_FAMILY_ID, &ne16(0x24)));
+        let mut buf = message(0x10, 5, &answer);
         let mut ack = ne32(0).to_vec();
         ack.extend(vec![0; 16]);
         buf.extend(message(NLMSG_ERROR, 5, &ack));
@@ -414,11 +513,23 @@ mod tests {
         buf.extend(message(NLMSG_ERROR, 6, &err));
         let r = replies(&buf, "CTRL_CMD_GETFAMILY").unwrap();
         assert_eq!(r.len(), 3);
-        let Reply::Genl { seq: 5, cmd, attrs } = r[0] else {
+        let Reply::Genl {
+            family: 0x10,
+            seq: 5,
+            cmd,
+            attrs,
+        } = r[0]
+        else {
             panic!("{:?}", r[0])
         };
         assert_eq!(cmd, CTRL_CMD_NEWFAMILY);
-        assert_eq!(family_id(attrs).unwrap(), 0x24);
+        assert_eq!(
+            family(attrs).unwrap(),
+            Family {
+                id: 0x24,
+                groups: vec![]
+            }
+        );
         assert_eq!(r[1], Reply::Ack { seq: 5 });
         assert_eq!(r[2], Reply::Error { seq: 6, errno: 2 });
     }
@@ -431,7 +542,56 @@ mod tests {
         let mut long = m.clone();
         long[0] = 200;
         assert!(replies(&long, "NBD_CMD_CONNECT").is_err());
-        assert!(family_id(&attr(CTRL_ATTR_FAMILY_NAME, b"x\0")).is_err());
+        assert!(family(&attr(CTRL_ATTR_FAMILY_NAME, b"x\0")).is_err());
+    }
+
+    /// The controller's answer for nbd as `nbd_genl_family` registers it:
+    /// one group, `nbd_mc_group`, listed as CTRL_ATTR_MCAST_GROUPS { 1 {
+    /// name, id } } (`ctrl_fill_info`: groups numbered from 1).
+    #[test]
+    fn the_family_names_its_multicast_groups() {
+        let group = |n: u16, name: &[u8], id: u32| {
+            let mut g = attr(CTRL_ATTR_MCAST_GRP_ID, &ne32(id));
+            g.extend(attr(CTRL_ATTR_MCAST_GRP_NAME, name));
+            attr(n | NLA_F_NESTED, &g)
+        };
+        let mut groups = group(1, b"nbd_mc_group\0", 7);
+        groups.extend(group(2, b"other\0", 9));
+        let mut a = attr(CTRL_ATTR_FAMILY_NAME, b"nbd\0");
+        a.extend(attr(CTRL_ATTR_FAMILY_ID, &ne16(0x24)));
+        a.extend(attr(CTRL_ATTR_MCAST_GROUPS | NLA_F_NESTED, &groups));
+        let f = family(&a).unwrap();
+        assert_eq!(f.id, 0x24);
+        assert_eq!(f.group(NBD_GENL_MCAST_GROUP_NAME), Some(7));
+        assert_eq!(f.group("other"), Some(9));
+        assert_eq!(f.group("nope"), None);
+        // A group without its id is malformed, not skipped.
+        let mut a = attr(CTRL_ATTR_FAMILY_ID, &ne16(0x24));
+        let g = attr(1 | NLA_F_NESTED, &attr(CTRL_ATTR_MCAST_GRP_NAME, b"x\0"));
+        a.extend(attr(CTRL_ATTR_MCAST_GROUPS | NLA_F_NESTED, &g));
+        assert!(family(&a).is_err());
+    }
+
+    /// `nbd_mcast_index`: genlmsg_put with port 0, sequence 0, command
+    /// NBD_CMD_LINK_DEAD, and one u32 NBD_ATTR_INDEX.
+    #[test]
+    fn link_dead_notices_give_their_device_index() {
+        let notice = |family: u16, cmd: u8, index: u32| {
+            let mut body = vec![cmd, NBD_GENL_VERSION, 0, 0];
+            body.extend(attr(NBD_ATTR_INDEX, &ne32(index)));
+            message(family, 0, &body)
+        };
+        let mut buf = notice(0x24, NBD_CMD_LINK_DEAD, 3);
+        buf.extend(notice(0x24, NBD_CMD_LINK_DEAD, 0));
+        // Another command of the family, and the same command of another
+        // family: not notices of ours.
+        buf.extend(notice(0x24, NBD_CMD_CONNECT, 5));
+        buf.extend(notice(0x25, NBD_CMD_LINK_DEAD, 6));
+        let r = replies(&buf, "NBD_CMD_LINK_DEAD").unwrap();
+        assert_eq!(link_dead_indexes(&r, 0x24).unwrap(), [3, 0]);
+        let bare = message(0x24, 0, &[NBD_CMD_LINK_DEAD, 1, 0, 0]);
+        let r = replies(&bare, "NBD_CMD_LINK_DEAD").unwrap();
+        assert!(link_dead_indexes(&r, 0x24).is_err());
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! The kernel's nbd driver over generic netlink: the socket I/O around the
-//! messages of [`crate::genl`]. The driver must be loaded (`modprobe nbd`);
-//! every command needs CAP_SYS_ADMIN.
+//! messages of [`crate::genl`], and [`LinkDeadWatch`], a socket in the
+//! driver's multicast group that hears `NBD_CMD_LINK_DEAD`. The driver must
+//! be loaded (`modprobe nbd`); every command needs CAP_SYS_ADMIN.
 
 use std::io::IoSlice;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -67,9 +68,9 @@ impl Socket {
                     Reply::Error { seq: s, errno } if s == seq => {
                         return Err(GenlError::Kernel { command, errno })
                     }
-                    Reply::Genl { seq: s, cmd, attrs } if s == seq => {
-                        answers.push((cmd, attrs.to_vec()))
-                    }
+                    Reply::Genl {
+                        seq: s, cmd, attrs, ..
+                    } if s == seq => answers.push((cmd, attrs.to_vec())),
                     // An answer to an earlier request given up on.
                     _ => {}
                 }
@@ -83,10 +84,10 @@ impl Socket {
 /// is not loaded).
 pub fn family_id(name: &str) -> Result<u16, GenlError> {
     let mut s = Socket::open()?;
-    resolve(&mut s, name)
+    resolve(&mut s, name).map(|f| f.id)
 }
 
-fn resolve(s: &mut Socket, name: &str) -> Result<u16, GenlError> {
+fn resolve(s: &mut Socket, name: &str) -> Result<genl::Family, GenlError> {
     let seq = s.next_seq();
     let answers = match s.request(&genl::get_family(name, seq), seq, "CTRL_CMD_GETFAMILY") {
         Err(GenlError::Kernel { errno, .. }) if errno == libc::ENOENT => {
@@ -101,13 +102,72 @@ fn resolve(s: &mut Socket, name: &str) -> Result<u16, GenlError> {
             command: "CTRL_CMD_GETFAMILY",
             what: "acknowledged without the family".into(),
         })?;
-    genl::family_id(attrs)
+    genl::family(attrs)
+}
+
+/// A socket in multicast group `group` of `family` (`family_name`).
+fn subscribe(family_name: &str, family: &genl::Family, group: &str) -> Result<Socket, GenlError> {
+    let id = family.group(group).ok_or_else(|| GenlError::NoGroup {
+        family: family_name.into(),
+        group: group.into(),
+    })?;
+    let s = Socket::open()?;
+    sys::netlink_join_group(s.fd.as_raw_fd(), id).map_err(|source| GenlError::Io {
+        what: "joining the multicast group",
+        source,
+    })?;
+    Ok(s)
+}
+
+/// Hears the nbd driver's `NBD_CMD_LINK_DEAD` notices: the driver marked
+/// a device's connection dead (its server closed it, a send failed, or a
+/// request went unanswered for the request timeout). Requests then wait
+/// for `NBD_CMD_RECONFIGURE` up to the dead-conn timeout; a socket given
+/// before the driver marked the old one dead is dropped without an error.
+pub struct LinkDeadWatch {
+    sock: Socket,
+    family: u16,
+    buf: Vec<u8>,
+}
+
+impl LinkDeadWatch {
+    /// Waits for the next notices; the indexes of the devices they name.
+    /// [`GenlError::Overrun`] when the kernel dropped some (the socket's
+    /// buffer was full): a connection may have died unannounced.
+    pub fn wait(&mut self) -> Result<Vec<u32>, GenlError> {
+        loop {
+            let n = match sys::recv_datagram(self.sock.fd.as_raw_fd(), &mut self.buf) {
+                Ok(n) => n,
+                Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {
+                    return Err(GenlError::Overrun)
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(source) => {
+                    return Err(GenlError::Io {
+                        what: "recv",
+                        source,
+                    })
+                }
+            };
+            if n > self.buf.len() {
+                return Err(GenlError::Malformed {
+                    command: "NBD_CMD_LINK_DEAD",
+                    what: format!("a notice of {n} bytes, more than {}", self.buf.len()),
+                });
+            }
+            let replies = genl::replies(&self.buf[..n], "NBD_CMD_LINK_DEAD")?;
+            let indexes = genl::link_dead_indexes(&replies, self.family)?;
+            if !indexes.is_empty() {
+                return Ok(indexes);
+            }
+        }
+    }
 }
 
 /// The kernel's nbd driver, through its generic netlink family.
 pub struct NbdNetlink {
     sock: Socket,
-    family: u16,
+    family: genl::Family,
 }
 
 impl NbdNetlink {
@@ -119,11 +179,26 @@ impl NbdNetlink {
         Ok(NbdNetlink { sock, family })
     }
 
+    /// A socket that hears the driver's `NBD_CMD_LINK_DEAD` notices, for
+    /// every device, from now on.
+    pub fn watch_link_dead(&self) -> Result<LinkDeadWatch, GenlError> {
+        let sock = subscribe(
+            genl::NBD_GENL_FAMILY_NAME,
+            &self.family,
+            genl::NBD_GENL_MCAST_GROUP_NAME,
+        )?;
+        Ok(LinkDeadWatch {
+            sock,
+            family: self.family.id,
+            buf: vec![0; RECV_BUF],
+        })
+    }
+
     /// Connects `/dev/nbd{cfg.index}` to the negotiated sockets `fds` (the
     /// kernel takes its own reference to each).
     pub fn connect(&mut self, cfg: &ConnectConfig, fds: &[RawFd]) -> Result<(), GenlError> {
         let seq = self.sock.next_seq();
-        let msg = genl::connect(self.family, seq, cfg, fds);
+        let msg = genl::connect(self.family.id, seq, cfg, fds);
         self.sock.request(&msg, seq, "NBD_CMD_CONNECT").map(drop)
     }
 
@@ -131,7 +206,7 @@ impl NbdNetlink {
     /// dead connections.
     pub fn reconfigure(&mut self, index: u32, fds: &[RawFd]) -> Result<(), GenlError> {
         let seq = self.sock.next_seq();
-        let msg = genl::reconfigure(self.family, seq, index, fds);
+        let msg = genl::reconfigure(self.family.id, seq, index, fds);
         self.sock
             .request(&msg, seq, "NBD_CMD_RECONFIGURE")
             .map(drop)
@@ -140,7 +215,7 @@ impl NbdNetlink {
     /// Disconnects device `index` (requests still queued fail).
     pub fn disconnect(&mut self, index: u32) -> Result<(), GenlError> {
         let seq = self.sock.next_seq();
-        let msg = genl::disconnect(self.family, seq, index);
+        let msg = genl::disconnect(self.family.id, seq, index);
         self.sock.request(&msg, seq, "NBD_CMD_DISCONNECT").map(drop)
     }
 }
@@ -153,6 +228,14 @@ mod tests {
     #[test]
     fn the_controller_resolves_itself_and_names_modprobe_for_a_missing_family() {
         assert_eq!(family_id("nlctrl").unwrap(), genl::GENL_ID_CTRL);
+        // The controller's own multicast group ("notify") resolves and
+        // can be joined the way the nbd holder joins nbd_mc_group.
+        let mut s = Socket::open().unwrap();
+        let ctrl = resolve(&mut s, "nlctrl").unwrap();
+        assert!(ctrl.group("notify").is_some(), "{ctrl:?}");
+        subscribe("nlctrl", &ctrl, "notify").unwrap();
+        let e = subscribe("nlctrl", &ctrl, "np-no-group").err().unwrap();
+        assert!(matches!(e, GenlError::NoGroup { .. }), "{e:?}");
         if std::path::Path::new("/sys/module/nbd").exists() {
             // The driver is loaded here: its family resolves.
             assert!(NbdNetlink::open().is_ok());

@@ -27,7 +27,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
 
-use netpager_util::LockExt;
+use netpager_util::{trace, LockExt};
 
 use crate::plain::Plain;
 use crate::sys::{self, Latch, LoanCell};
@@ -69,6 +69,10 @@ struct Slot {
     /// Bytes of data a successful reply carries (reads).
     want: usize,
     waiter: Option<Thread>,
+    /// When its reply was read off the socket, for its waiter's request
+    /// clock (`netpager_util::trace`): the time between that and the
+    /// waiter running again is the hand-off's.
+    read_at: Option<Instant>,
 }
 
 #[derive(Default)]
@@ -209,6 +213,7 @@ impl Mux {
             s.seq = s.seq.wrapping_add(1);
             s.want = if cmd == Command::Read { len } else { 0 };
             s.waiter = Some(std::thread::current());
+            s.read_at = None;
             if !self.usable() {
                 s.phase = Phase::Done(Outcome::Failed(LibError::new(
                     "connection abandoned with requests in flight (one timed out or failed)",
@@ -229,8 +234,9 @@ impl Mux {
             let _g = self.send.lock_or_recover();
             self.send_all(&header, data, deadline)
         };
-        if let Err(e) = sent {
-            self.fail_waiting(slot, e);
+        match sent {
+            Ok(()) => trace::sent(),
+            Err(e) => self.fail_waiting(slot, e),
         }
     }
 
@@ -298,6 +304,9 @@ impl Mux {
                 let Phase::Done(o) = std::mem::take(&mut st.slots[slot].phase) else {
                     unreachable!("matched above")
                 };
+                if let Some(at) = st.slots[slot].read_at.take() {
+                    trace::replied(at);
+                }
                 return o;
             }
             if !st.reading {
@@ -410,10 +419,12 @@ impl Mux {
                 ),
             })
         };
+        let read_at = Instant::now();
         let mut st = self.lock();
         let s = &mut st.slots[slot];
         if matches!(s.phase, Phase::Waiting) {
             s.phase = Phase::Done(o);
+            s.read_at = Some(read_at);
             if slot != me {
                 if let Some(w) = &s.waiter {
                     w.unpark();
@@ -625,7 +636,9 @@ mod tests {
     #[test]
     fn a_timeout_fails_the_shared_connection_and_the_pool_opens_another() {
         let mut d = Nbdkit::memory("1M");
-        let p = pool(&d.addr, Duration::from_millis(300), Duration::ZERO);
+        // Long enough that a loaded machine never passes for a hung donor
+        // once it runs again.
+        let p = pool(&d.addr, Duration::from_secs(3), Duration::ZERO);
         p.checkout()
             .unwrap()
             .run(0, Op::Write(&[7u8; 4096]))

@@ -221,6 +221,25 @@ pub(crate) fn netlink_generic() -> io::Result<OwnedFd> {
     Ok(fd)
 }
 
+/// Joins the netlink multicast group `group` (`NETLINK_ADD_MEMBERSHIP`):
+/// the kernel's notices to it arrive on `fd` from now on.
+pub(crate) fn netlink_join_group(fd: RawFd, group: u32) -> io::Result<()> {
+    // SAFETY: `group` is a live u32 of the size given; fd is a socket.
+    let r = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_NETLINK,
+            libc::NETLINK_ADD_MEMBERSHIP,
+            (&group as *const u32).cast(),
+            std::mem::size_of::<u32>() as libc::socklen_t,
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// One datagram into `buf`; its whole length even when `buf` was too
 /// short for it (`MSG_TRUNC`), so that the caller can tell.
 pub(crate) fn recv_datagram(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use netpager_metrics::{labels, AtomicHistogram, BaseUnit, Exposition, Labels, Value};
 
+use crate::stages::StageStats;
 use crate::status::{ClientStatus, Progress, RequestReport};
 
 /// Kinds of request the device serves.
@@ -47,6 +48,11 @@ pub struct RequestStats {
     latency: [AtomicHistogram; 5],
     bytes: [AtomicU64; 5],
     errors: [AtomicU64; 5],
+    /// Where the serving process's requests spend their time, counted by
+    /// the front end (`pagerctl serve`) when it commits each reply.
+    pub stages: StageStats,
+    /// The front end's write-back buffer (capacity 0: none).
+    pub writeback: std::sync::Arc<crate::writeback::Counters>,
 }
 
 impl RequestStats {
@@ -424,6 +430,62 @@ pub fn exposition(s: &ClientStatus, fe: &FrontendInfo) -> Exposition {
         s.requests
             .iter()
             .map(|r| (labels([("op", &r.op)]), r.histogram()))
+            .collect(),
+    );
+    if let Some(w) = &s.writeback {
+        e.gauge(
+            "client_writeback_capacity",
+            "The serving process's write-back buffer.",
+            b,
+            one(w.capacity_bytes),
+        );
+        e.gauge(
+            "client_writeback_used",
+            "Buffered pages not yet on the donors.",
+            b,
+            one(w.used_bytes),
+        );
+        for (name, help, v) in [
+            (
+                "client_writeback_pages_in",
+                "Pages written into the buffer.",
+                w.pages_in,
+            ),
+            (
+                "client_writeback_pages_drained",
+                "Pages sent from the buffer to the donors.",
+                w.pages_drained,
+            ),
+            (
+                "client_writeback_batches",
+                "Requests the drained pages took.",
+                w.batches,
+            ),
+            (
+                "client_writeback_read_hits",
+                "Pages of reads served from the buffer.",
+                w.read_hits,
+            ),
+            (
+                "client_writeback_full_waits",
+                "Writes that waited for the full buffer.",
+                w.full_waits,
+            ),
+            (
+                "client_writeback_drain_failures",
+                "Batches the device refused (retried).",
+                w.drain_failures,
+            ),
+        ] {
+            e.counter(name, help, None, one(v));
+        }
+    }
+    e.histogram(
+        "request_stage",
+        "Time a request of the kernel spends in each stage inside the serving process, by kind (read, write, other; drain: the write-back buffer's batches).",
+        s.stages
+            .iter()
+            .map(|r| (labels([("stage", &r.stage), ("op", &r.op)]), r.histogram()))
             .collect(),
     );
     e

@@ -197,8 +197,8 @@ pub struct Totals {
     #[serde(default)]
     pub groups_resynced: u64,
     /// The stride prefetcher (`prefetch_pages` > 0): pages read ahead,
-    /// reads served from its cache, pages that left it unread, and the
-    /// bytes it holds now.
+    /// reads served from its cache, pages that left it unread, the bytes
+    /// it holds now, and the pages predicted that are not there yet.
     #[serde(default)]
     pub prefetch_pages: u32,
     #[serde(default)]
@@ -209,6 +209,8 @@ pub struct Totals {
     pub prefetch_wasted: u64,
     #[serde(default)]
     pub prefetch_cache_bytes: u64,
+    #[serde(default)]
+    pub prefetch_pending: u64,
 }
 
 /// Requests of one kind the device served since it started.
@@ -230,15 +232,7 @@ pub struct RequestReport {
 impl RequestReport {
     /// The latency histogram, as `/metrics` shows it.
     pub fn histogram(&self) -> HistogramSnapshot {
-        let bounds = BUCKET_BOUNDS_NS
-            .iter()
-            .map(|&ns| ns as f64 / 1e9)
-            .chain(std::iter::once(f64::INFINITY));
-        HistogramSnapshot {
-            sum_seconds: self.seconds,
-            count: self.count,
-            buckets: bounds.zip(self.buckets.iter().copied()).collect(),
-        }
+        HistogramSnapshot::from_counts(&BUCKET_BOUNDS_NS, self.seconds, self.count, &self.buckets)
     }
 
     /// What happened between `before` and `self` (same kind, a later look).
@@ -303,6 +297,9 @@ pub struct ClientStatus {
     /// The device adds donors announced on the lab's network.
     #[serde(default)]
     pub discover: bool,
+    /// DNS domains it browses for announced donors (wide-area DNS-SD).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub discover_domain: Vec<String>,
     /// Why discovery is not running although asked for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub discovery_error: Option<String>,
@@ -317,6 +314,13 @@ pub struct ClientStatus {
     /// Requests served, by kind (files from before have none).
     #[serde(default)]
     pub requests: Vec<RequestReport>,
+    /// Where the serving process's requests spent their time, by kind and
+    /// stage (none when no front end counts them: the nbd front end).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stages: Vec<crate::stages::StageReport>,
+    /// The serving process's write-back buffer, when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub writeback: Option<crate::writeback::WriteBackReport>,
 }
 
 impl ClientStatus {
@@ -340,6 +344,68 @@ impl ClientStatus {
             std::io::Error::new(
                 std::io::ErrorKind::InvalidData,
                 format!("{}: {e}", path.display()),
+            )
+        })
+    }
+}
+
+impl DonorReport {
+    /// Why a new extent cannot go to this donor now, if it cannot.
+    pub fn no_pages_because(&self, extent_bytes: u64) -> Option<String> {
+        if self.failed {
+            Some(format!(
+                "failed ({})",
+                self.failure.as_deref().unwrap_or("no reason recorded")
+            ))
+        } else if self.leaving {
+            Some("leaving".into())
+        } else if self.state == "draining" {
+            Some("draining".into())
+        } else if self.slots_free == 0 || self.free_bytes.is_some_and(|f| f < extent_bytes) {
+            Some("full".into())
+        } else {
+            None
+        }
+    }
+}
+
+impl ClientStatus {
+    /// Distinct donors a unit is placed on (K+R of the code).
+    pub fn donors_per_unit(&self) -> usize {
+        self.code
+            .split('+')
+            .map(|n| n.parse::<usize>().unwrap_or(0))
+            .sum::<usize>()
+            .max(1)
+    }
+
+    /// Why the device cannot place a new unit now, if it cannot: fewer
+    /// donors take pages than a unit needs, and no fallback file takes
+    /// the rest. Writes to unplaced extents then fail (ENOSPC).
+    pub fn cannot_place(&self) -> Option<String> {
+        if self.totals.fallback_path.is_some() {
+            return None;
+        }
+        let needed = self.donors_per_unit();
+        let why: Vec<String> = self
+            .donors
+            .iter()
+            .filter_map(|d| {
+                d.no_pages_because(self.extent_bytes)
+                    .map(|w| format!("{}: {w}", d.name))
+            })
+            .collect();
+        let usable = self.donors.len() - why.len();
+        (usable < needed).then(|| {
+            let detail = if why.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", why.join("; "))
+            };
+            format!(
+                "mode {} places each unit on {needed} distinct donors, and {usable} of {} take pages now{detail}",
+                self.mode,
+                self.donors.len()
             )
         })
     }
@@ -480,12 +546,13 @@ pub fn render_table(s: &ClientStatus) -> String {
         w(
             &mut out,
             format!(
-                "prefetch: {} pages ahead, {} issued, {} hits, {} wasted, {} cached",
+                "prefetch: {} pages ahead, {} issued, {} hits, {} wasted, {} cached, {} pending",
                 t.prefetch_pages,
                 t.prefetch_issued,
                 t.prefetch_hits,
                 t.prefetch_wasted,
-                format_size(t.prefetch_cache_bytes)
+                format_size(t.prefetch_cache_bytes),
+                t.prefetch_pending
             ),
         );
     }
@@ -508,6 +575,12 @@ pub fn render_table(s: &ClientStatus) -> String {
                 format_size(t.fallback_used_bytes),
                 format_size(t.fallback_size_bytes)
             ),
+        );
+    }
+    if let Some(why) = s.cannot_place() {
+        w(
+            &mut out,
+            format!("CANNOT PLACE new extents: {why}; writes to them fail until donors can take pages (pagerctl donor-add, or fix what the donors' lines say)"),
         );
     }
     if let Some(n) = &t.placement_note {
@@ -633,15 +706,17 @@ pub fn render_table(s: &ClientStatus) -> String {
     {
         w(&mut out, format!("  {note}"));
     }
-    if s.discover {
+    let local = s.discover.then(|| "the local segment".to_string());
+    let what: Vec<String> = local
+        .into_iter()
+        .chain(s.discover_domain.iter().map(|d| format!("domain {d}")))
+        .collect();
+    if !what.is_empty() {
+        let error = s.discovery_error.as_deref().map(|e| format!("; {e}"));
+        let line = format!("browsing _netpager._tcp on {}", what.join(", "));
         w(
             &mut out,
-            format!(
-                "discovery: {}",
-                s.discovery_error
-                    .as_deref()
-                    .unwrap_or("browsing _netpager._tcp")
-            ),
+            format!("discovery: {line}{}", error.unwrap_or_default()),
         );
     }
     for (node, why) in &s.not_admitted {
@@ -731,6 +806,26 @@ mod tests {
         s.totals.unfound_extents = vec![4, 5, 6];
         let t = render_table(&s);
         assert!(t.contains("UNFOUND: 255 pages in extents 4..6"), "{t}");
+    }
+
+    #[test]
+    fn a_device_with_too_few_donors_taking_pages_says_it_cannot_place() {
+        let mut s = sample();
+        s.code = "1+1".into();
+        s.donors[0].slots_free = 10;
+        let why = s.cannot_place().expect("one of two donors for mirror");
+        assert!(why.contains("2 distinct donors, and 1 of 2"), "{why}");
+        assert!(why.contains("d2: failed (read timed out)"), "{why}");
+        assert!(render_table(&s).contains("CANNOT PLACE new extents"));
+        s.donors[1].failed = false;
+        s.donors[1].slots_free = 10;
+        assert_eq!(s.cannot_place(), None);
+        s.donors[1].state = "draining".into();
+        assert!(s.cannot_place().unwrap().contains("d2: draining"));
+        // A fallback file takes what donors cannot.
+        s.totals.fallback_path = Some("/var/tmp/fb".into());
+        assert_eq!(s.cannot_place(), None);
+        assert!(!render_table(&s).contains("CANNOT PLACE"));
     }
 
     #[test]

@@ -86,7 +86,7 @@ const HOME_READS: [u64; 2] = [STRIPE_AT + 5 * PAGE as u64, STRIPE_AT + EXTENT + 
 const ROUNDS: u8 = 10;
 
 fn donor() -> Nbdkit {
-    netpager_test_support::pager_server(&["size=64M", "budget=256M", "reserve=0"])
+    netpager_test_support::pager_server(&["size=64M", "budget=256M"])
         .unwrap_or_else(|| Nbdkit::memory("64M"))
 }
 

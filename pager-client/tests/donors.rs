@@ -8,7 +8,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{config, wait_status, Model, Nbdkit, Rng};
+use common::{config, run_epoch, wait_status, Model, Nbdkit, Rng};
 use pager_client::config::{ByteSize, DeviceConfig, FallbackConfig, Mode};
 use pager_client::device::Device;
 use pager_client::status::render_table;
@@ -16,13 +16,7 @@ use pager_client::status::render_table;
 const EXTENT: u64 = 64 << 10;
 
 fn server(budget: &str) -> Option<Nbdkit> {
-    netpager_test_support::pager_server(&[
-        "size=8M",
-        &format!("budget={budget}"),
-        "reserve=0",
-        "busy-load=1000",
-        "poll-ms=100",
-    ])
+    netpager_test_support::pager_server(&["size=8M", &format!("budget={budget}"), "poll-ms=100"])
 }
 
 /// `n` donors of `budget` bytes each, or `None` when the plugin is not built.
@@ -75,7 +69,6 @@ fn memory_pressure_on_a_donor_empties_it_without_losing_a_page() {
         "size=8M",
         "budget=16M",
         "reserve=1G",
-        "busy-load=1000",
         "poll-ms=100",
         &watched,
     ]) else {
@@ -286,8 +279,7 @@ fn an_idle_device_is_not_throttled_and_a_busy_one_is() {
         s.donors.iter().all(|d| d.state == "busy")
     });
     for _ in 0..3 {
-        dev.poll_donors_now();
-        std::thread::sleep(Duration::from_millis(250));
+        run_epoch(&dev);
         let s = dev.status();
         assert!(
             !s.totals.throttled,

@@ -291,4 +291,15 @@ fn no_fallback_means_enospc_when_donors_are_full() {
     let mut b = [0u8; 100];
     dev.read(&mut b, EXTENT).unwrap();
     assert_eq!(b, [2u8; 100]);
+    // The reason names what is full, not the copies a unit already has.
+    assert!(
+        err.to_string().contains("our export on it is full"),
+        "{err}"
+    );
+    assert!(!err.to_string().contains("holds another copy"), "{err}");
+    // Room again (extent 0 trimmed whole): the next placement works and
+    // status no longer shows the old ENOSPC.
+    dev.trim(EXTENT, 0).unwrap();
+    dev.write(&[3u8; 100], 2 * EXTENT).unwrap();
+    assert_eq!(dev.status().totals.placement_note, None);
 }

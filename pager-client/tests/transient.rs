@@ -270,23 +270,15 @@ impl Drop for Relay {
 /// back there with all its copies.
 #[test]
 fn a_member_found_at_a_new_address_moves_with_its_copies() {
-    let Some(so) = netpager_test_support::pager_server_so() else {
+    let Some(a) = netpager_test_support::pager_server_on(
+        &netpager_test_support::next_ip(),
+        &["size=16M", "budget=64M", "poll-ms=100"],
+    ) else {
         return;
     };
-    let args: Vec<String> = [
-        so.display().to_string(),
-        "mlock=false".into(),
-        "size=16M".into(),
-        "budget=64M".into(),
-        "reserve=0".into(),
-        "busy-load=1000".into(),
-        "poll-ms=100".into(),
-    ]
-    .into();
-    let a = common::Nbdkit::start_on("127.0.0.1", &args, true);
     // The member is known at the relay's address; later the relay is cut
     // and the donor is found at its own.
-    let relay = Relay::start("127.0.0.2", &a.addr);
+    let relay = Relay::start(&netpager_test_support::next_ip(), &a.addr);
     let Some(ds) = netpager_test_support::pager_servers(2) else {
         return;
     };

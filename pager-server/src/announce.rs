@@ -1,11 +1,105 @@
 //! `announce=true`: the donor's DNS-SD announcement on the lab's network
-//! (netpager_membership::discovery). The announcement names the NBD port
-//! nbdkit listens on, which nbdkit does not tell its plugins: it is found
-//! among the process's listening TCP sockets (`/proc/self/fd` and
-//! `/proc/self/net/tcp{,6}`) once nbdkit has bound them, at `after_fork`.
+//! (netpager_membership::discovery), or with `announce=dns` its records in
+//! a zone of the lab's DNS (netpager_membership::dns). The announcement
+//! names the NBD port nbdkit listens on, which nbdkit does not tell its
+//! plugins: it is found among the process's listening TCP sockets
+//! (`/proc/self/fd` and `/proc/self/net/tcp{,6}`) once nbdkit has bound
+//! them, at `after_fork`.
 
 use std::collections::{BTreeSet, HashSet};
+use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
+use std::time::Duration;
+
+use netpager_membership::discovery::Announcer;
+use netpager_membership::dns::{self, tsig, wire::Name, Publication, Publisher};
+
+use crate::config::{Announce, Config};
+
+/// How long one DNS update waits for the server's answer.
+const DNS_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// The donor's announcement, withdrawn at unload.
+pub enum Announcement {
+    Mdns(Announcer),
+    Dns(Publisher),
+}
+
+/// `announce=dns`'s settings, read and checked at config_complete.
+pub struct DnsSettings {
+    server: SocketAddr,
+    zone: Name,
+    key: tsig::Key,
+    ttl: u32,
+}
+
+impl DnsSettings {
+    /// `None` unless `announce=dns`; an error names the parameter.
+    pub fn load(cfg: &Config) -> Result<Option<DnsSettings>, String> {
+        if cfg.announce != Announce::Dns {
+            return Ok(None);
+        }
+        let zone = cfg
+            .dns_zone
+            .as_deref()
+            .ok_or("announce=dns needs dns-zone=ZONE (the zone the records go in)")?;
+        let key = cfg.dns_key.as_deref().ok_or(
+            "announce=dns needs dns-key=FILE (the TSIG key the server takes updates with)",
+        )?;
+        let named = cfg
+            .dns_server
+            .as_deref()
+            .map(dns::parse_server)
+            .transpose()?;
+        Ok(Some(DnsSettings {
+            server: dns::server_or_resolver(named).map_err(|e| format!("announce=dns: {e}"))?,
+            zone: Name::parse(zone).map_err(|e| format!("dns-zone=: {e}"))?,
+            key: tsig::Key::from_file(key).map_err(|e| format!("dns-key=: {e}"))?,
+            ttl: cfg.dns_ttl,
+        }))
+    }
+
+    /// Publishes the donor (node id, NBD port, status endpoint `status`)
+    /// and keeps it published; a first failure is logged and retried.
+    pub fn publish(
+        &self,
+        node_id: &str,
+        nbd_port: u16,
+        status: SocketAddr,
+        log: impl Fn(&str) + Send + 'static,
+    ) -> Result<Publisher, String> {
+        // Listening on every address: the one the DNS server is reached from.
+        let addr: IpAddr = if status.ip().is_unspecified() {
+            dns::local_address_towards(self.server)
+                .map_err(|e| format!("announce=dns: no address towards {}: {e}", self.server))?
+        } else {
+            status.ip()
+        };
+        let p = Publication {
+            server: self.server,
+            zone: self.zone.clone(),
+            key: self.key.clone(),
+            ttl: self.ttl,
+            node_id: node_id.to_string(),
+            addr,
+            nbd_port,
+            status_port: status.port(),
+            timeout: DNS_TIMEOUT,
+        };
+        let what = format!("{node_id} at {addr} in {}", self.zone);
+        let (publisher, first) = Publisher::start(p, log);
+        match first {
+            Ok(()) => Ok(publisher),
+            Err(e) => {
+                crate::sys::log_error(&format!(
+                    "announce=dns: {what} not published yet: {e}; trying again every {} s",
+                    self.ttl
+                ));
+                Ok(publisher)
+            }
+        }
+    }
+}
 
 /// The local ports of the sockets in LISTEN state among `inodes`, from the
 /// text of `/proc/net/tcp` or `/proc/net/tcp6` tables.

@@ -37,6 +37,34 @@ fn bad(key: &str, value: &str, why: impl Into<String>) -> ConfigError {
     }
 }
 
+/// The compressor of a donor (`compress=`; the store's [`crate::store::codec`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Compress {
+    /// Every page kept raw (zero pages still as nothing).
+    Off,
+    /// LZ4 blocks (`lz4_flex`): the fastest to compress and decompress.
+    Lz4,
+    /// Zstandard level 1 (libzstd): denser, about 3x the CPU of LZ4.
+    Zstd,
+}
+
+impl Compress {
+    pub const ALL: [Compress; 3] = [Compress::Off, Compress::Lz4, Compress::Zstd];
+
+    /// The word of `compress=` and of status.
+    pub fn word(self) -> &'static str {
+        match self {
+            Compress::Off => "off",
+            Compress::Lz4 => "lz4",
+            Compress::Zstd => "zstd",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Compress> {
+        Compress::ALL.into_iter().find(|c| c.word() == s)
+    }
+}
+
 /// A byte count given either absolutely or as a share of MemTotal.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Amount {
@@ -82,8 +110,27 @@ pub struct Config {
     /// Allows plain-text connections and an unauthenticated status
     /// endpoint from beyond this machine.
     pub insecure: bool,
-    /// Announce the donor on the network by DNS-SD (multicast DNS).
-    pub announce: bool,
+    /// Announce the donor by DNS-SD: by multicast DNS, or in the lab's DNS.
+    pub announce: Announce,
+    /// `announce=dns`: the DNS server taking the updates (default: the
+    /// resolver's), the zone, the TSIG key file and the records' TTL.
+    pub dns_server: Option<String>,
+    pub dns_zone: Option<String>,
+    pub dns_key: Option<PathBuf>,
+    pub dns_ttl: u32,
+    /// How pages are kept: compressed (lz4, zstd) or raw (off).
+    pub compress: Compress,
+}
+
+/// How a donor announces itself (`announce=`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Announce {
+    #[default]
+    Off,
+    /// On the local segment, by multicast DNS (`announce=true`).
+    Mdns,
+    /// In a zone of the lab's DNS by signed dynamic updates (`announce=dns`).
+    Dns,
 }
 
 impl Default for Config {
@@ -106,7 +153,12 @@ impl Default for Config {
             psk: None,
             export_secret: None,
             insecure: false,
-            announce: false,
+            announce: Announce::Off,
+            dns_server: None,
+            dns_zone: None,
+            dns_key: None,
+            dns_ttl: 60,
+            compress: Compress::Lz4,
         }
     }
 }
@@ -133,8 +185,15 @@ psk=FILE             Lab TLS-PSK file: status requests must be signed with its k
 export-secret=FILE   Hex key: export names must be CLIENT~TOKEN[@SIZE].
 insecure=BOOL        Allow plain text from non-loopback peers and an
                      unauthenticated status or metrics endpoint on a network address.
-announce=BOOL        Announce _netpager._tcp by multicast DNS with the NBD and status
-                     ports and node id (default false; needs status=).";
+announce=BOOL|dns    Announce _netpager._tcp with the NBD and status ports and node
+                     id: true by multicast DNS, dns in the lab's DNS (default
+                     false; needs status=).
+dns-zone=ZONE        announce=dns: the zone the records go in (_netpager._tcp.ZONE).
+dns-key=FILE         announce=dns: the TSIG key (BIND key file, hmac-sha256).
+dns-server=ADDR[:PORT]  announce=dns: the server taking updates (default: resolv.conf's).
+dns-ttl=SECS         announce=dns: the records' TTL, and how often they are
+                     published again (default 60).
+compress=lz4|zstd|off  Keep pages compressed in size classes, or raw (default lz4).";
 
 impl Config {
     /// Applies one `key=value` parameter.
@@ -195,7 +254,38 @@ impl Config {
             "psk" => self.psk = Some(file_path(key, value)?),
             "export-secret" => self.export_secret = Some(file_path(key, value)?),
             "insecure" => self.insecure = parse_bool(value).map_err(|why| bad(key, value, why))?,
-            "announce" => self.announce = parse_bool(value).map_err(|why| bad(key, value, why))?,
+            "announce" => {
+                self.announce = match value {
+                    "dns" => Announce::Dns,
+                    "mdns" => Announce::Mdns,
+                    v => match parse_bool(v) {
+                        Ok(true) => Announce::Mdns,
+                        Ok(false) => Announce::Off,
+                        Err(why) => return Err(bad(key, value, format!("{why}, or dns"))),
+                    },
+                }
+            }
+            "dns-server" => {
+                netpager_membership::dns::parse_server(value)
+                    .map_err(|why| bad(key, value, why))?;
+                self.dns_server = Some(value.to_string());
+            }
+            "dns-zone" => {
+                netpager_membership::dns::wire::Name::parse(value)
+                    .map_err(|e| bad(key, value, e.to_string()))?;
+                self.dns_zone = Some(value.to_string());
+            }
+            "dns-key" => self.dns_key = Some(file_path(key, value)?),
+            "dns-ttl" => {
+                self.dns_ttl = match value.parse::<u32>() {
+                    Ok(t) if (1..=86400).contains(&t) => t,
+                    _ => return Err(bad(key, value, "must be 1 to 86400 seconds")),
+                }
+            }
+            "compress" => {
+                self.compress = Compress::parse(value)
+                    .ok_or_else(|| bad(key, value, "expected lz4, zstd or off"))?
+            }
             _ => {
                 return Err(ConfigError::UnknownKey {
                     key: key.to_string(),
@@ -465,6 +555,11 @@ mod tests {
             ("export-secret", "/etc/netpager/export.secret"),
             ("insecure", "yes"),
             ("announce", "on"),
+            ("dns-server", "127.0.0.1:5353"),
+            ("dns-zone", "lab.example"),
+            ("dns-key", "/etc/netpager/dns.key"),
+            ("dns-ttl", "30"),
+            ("compress", "zstd"),
         ] {
             c.set(k, v).unwrap();
         }
@@ -487,7 +582,14 @@ mod tests {
             Some(PathBuf::from("/etc/netpager/export.secret"))
         );
         assert!(c.insecure);
-        assert!(c.announce);
+        assert_eq!(c.announce, Announce::Mdns);
+        assert_eq!(c.dns_server.as_deref(), Some("127.0.0.1:5353"));
+        assert_eq!(c.dns_zone.as_deref(), Some("lab.example"));
+        assert_eq!(c.dns_key, Some(PathBuf::from("/etc/netpager/dns.key")));
+        assert_eq!(c.dns_ttl, 30);
+        c.set("announce", "dns").unwrap();
+        assert_eq!(c.announce, Announce::Dns);
+        assert_eq!(c.compress, Compress::Zstd);
     }
 
     #[test]
@@ -515,6 +617,11 @@ mod tests {
             ("export-secret", "", "file path"),
             ("insecure", "sometimes", "true/false"),
             ("announce", "loudly", "true/false"),
+            ("dns-server", "dns.lab", "ADDR or ADDR:PORT"),
+            ("dns-zone", "a..b", "empty label"),
+            ("dns-key", "", "file path"),
+            ("dns-ttl", "0", "1 to 86400"),
+            ("compress", "gzip", "lz4, zstd or off"),
         ];
         for (k, v, why) in cases {
             let e = c.set(k, v).unwrap_err();

@@ -3,6 +3,7 @@
 //! nbdkit so that tests drive it directly; logging goes through the
 //! [`Logger`] it is given.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -13,8 +14,9 @@ use netpager_proto::v1::{reply, request, Reply, Request};
 use netpager_proto::{DonorState, DonorStatus, ExportUsage};
 use netpager_util::{format_size, LockExt};
 
-use crate::config::{whole_pages, Config, PAGE_SIZE};
+use crate::config::{whole_pages, Compress, Config, PAGE_SIZE};
 use crate::memwatch::{read_loadavg, read_meminfo, MemInfo};
+use crate::ratio::{self, RecentRatio};
 use crate::state::{Assessment, Observation, Policy, StateMachine, UtilWindow};
 use crate::store::{Pool, StoreError, TICK_MS};
 
@@ -46,6 +48,7 @@ pub struct Settings {
     pub poll: Duration,
     pub meminfo: PathBuf,
     pub ncpu: usize,
+    pub compress: Compress,
 }
 
 impl Settings {
@@ -65,7 +68,25 @@ impl Settings {
             poll: cfg.poll,
             meminfo: cfg.meminfo.clone(),
             ncpu: ncpu.max(1),
+            compress: cfg.compress,
         }
+    }
+
+    /// Refuses a budget the node cannot give: less than a page, or more
+    /// memory than the node has (MemTotal), which the donor would
+    /// advertise as free and then fail on.
+    pub fn check_budget(&self, mem: &MemInfo) -> Result<(), String> {
+        if self.budget_bytes == 0 {
+            return Err("budget: less than one 4 KiB page; nothing to donate".into());
+        }
+        if self.budget_bytes > mem.total {
+            return Err(format!(
+                "budget={} is more than this node's memory (MemTotal {}): it would be advertised as free and fail when used; give a size below MemTotal, or a share such as budget=50%",
+                format_size(self.budget_bytes),
+                format_size(mem.total)
+            ));
+        }
+        Ok(())
     }
 
     fn policy(&self) -> Policy {
@@ -122,6 +143,7 @@ struct Watch {
     last: Observation,
     assessment: Assessment,
     util: UtilWindow,
+    recent: RecentRatio,
 }
 
 pub struct Donor {
@@ -131,6 +153,28 @@ pub struct Donor {
     start: Instant,
     log: Logger,
     watch: Mutex<Watch>,
+    /// NBD connections open per export name, for status: pages in an
+    /// export nobody is connected to belong to a detached device.
+    clients: Mutex<BTreeMap<String, u32>>,
+}
+
+/// One open NBD connection to an export, counted in the donor's status
+/// while it lives.
+pub struct Connected {
+    donor: Arc<Donor>,
+    export: String,
+}
+
+impl Drop for Connected {
+    fn drop(&mut self) {
+        let mut c = self.donor.clients.lock_or_recover();
+        if let Some(n) = c.get_mut(&self.export) {
+            *n -= 1;
+            if *n == 0 {
+                c.remove(&self.export);
+            }
+        }
+    }
 }
 
 impl Donor {
@@ -138,7 +182,11 @@ impl Donor {
     pub fn new(settings: Settings, first: Observation, at: Instant, log: Logger) -> Self {
         let mut machine = StateMachine::default();
         let assessment = machine.assess(&settings.policy(), &first);
-        let pool = Pool::new(settings.budget_bytes / PAGE_SIZE as u64, MAX_EXPORTS);
+        let pool = Pool::new(
+            settings.budget_bytes / PAGE_SIZE as u64,
+            MAX_EXPORTS,
+            settings.compress,
+        );
         pool.budget()
             .set_refusing(assessment.state == DonorState::Draining);
         let util = UtilWindow::new(settings.window, settings.ncpu, at, 0, 0);
@@ -154,7 +202,9 @@ impl Donor {
                 last: first,
                 assessment,
                 util,
+                recent: RecentRatio::default(),
             }),
+            clients: Mutex::new(BTreeMap::new()),
         }
     }
 
@@ -168,6 +218,19 @@ impl Donor {
 
     pub fn log(&self) -> Logger {
         self.log
+    }
+
+    /// Counts a connection to export `name` until the guard is dropped.
+    pub fn connected(self: &Arc<Self>, name: &str) -> Connected {
+        *self
+            .clients
+            .lock_or_recover()
+            .entry(name.to_string())
+            .or_default() += 1;
+        Connected {
+            donor: Arc::clone(self),
+            export: name.to_string(),
+        }
     }
 
     /// Age tick of an instant: page stamps are in these units.
@@ -227,17 +290,25 @@ impl Donor {
 
     /// A new look at the node (the watch thread, every poll).
     pub fn observe(&self, mem: MemInfo, load1: f64, at: Instant) {
+        self.pool.compact();
         let mut w = self.lock_watch();
         w.last = Observation { mem, load1 };
         self.reassess(&mut w);
-        let (busy, reqs) = self.totals();
-        w.util.push(at, busy, reqs);
+        self.sample(&mut w, at);
     }
 
-    /// Advances the utilisation window without a new look at the node.
+    /// Advances the utilisation window (and compacts) without a new look
+    /// at the node.
     pub fn sample_utilisation(&self, at: Instant) {
+        self.pool.compact();
+        self.sample(&mut self.lock_watch(), at);
+    }
+
+    fn sample(&self, w: &mut Watch, at: Instant) {
         let (busy, reqs) = self.totals();
-        self.lock_watch().util.push(at, busy, reqs);
+        w.util.push(at, busy, reqs);
+        let (pages, bytes) = self.pool.written();
+        w.recent.sample(pages, bytes, PAGE_SIZE as u64);
     }
 
     /// Starts or lifts an admin drain (DrainCommand).
@@ -256,7 +327,7 @@ impl Donor {
 
     /// The status published on the endpoint.
     pub fn status(&self, at: Instant) -> DonorStatus {
-        let (state, reason, last, util) = {
+        let (state, reason, last, util, recent) = {
             let w = self.lock_watch();
             let (busy, reqs) = self.totals();
             (
@@ -264,6 +335,7 @@ impl Donor {
                 w.assessment.reason.clone(),
                 w.last,
                 w.util.measure(at, busy, reqs),
+                w.recent.get(),
             )
         };
         let mem_available = last.mem.available;
@@ -278,12 +350,16 @@ impl Donor {
             used_bytes,
         );
         let free_bytes = offer_bytes.saturating_sub(used_bytes);
+        let usage = self.pool.usage();
+        let logical_bytes: u64 = usage.iter().map(|u| u.logical_bytes).sum();
+        let offered_ratio = ratio::offered(logical_bytes, used_bytes, recent);
         let now = self.tick(at);
         let age_x_ms = self
             .pool
             .xth_oldest_stamp(self.settings.age_x)
             .map_or(0, |s| u64::from(now.saturating_sub(s)) * TICK_MS);
         let c = &self.counters;
+        let clients = self.clients.lock_or_recover().clone();
         DonorStatus {
             node_id: self.settings.node_id.clone(),
             state: state as i32,
@@ -291,14 +367,14 @@ impl Donor {
             used_bytes,
             free_bytes,
             offer_bytes: Some(offer_bytes),
-            exports: self
-                .pool
-                .usage()
+            exports: usage
                 .into_iter()
                 .map(|u| ExportUsage {
+                    clients: clients.get(&u.name).copied().unwrap_or(0),
                     name: u.name,
                     size_bytes: u.size,
-                    used_bytes: u.used_pages * page,
+                    used_bytes: u.stored_bytes,
+                    logical_bytes: u.logical_bytes,
                 })
                 .collect(),
             age_x: self.settings.age_x,
@@ -319,6 +395,10 @@ impl Donor {
             uptime_ms: at.saturating_duration_since(self.start).as_millis() as u64,
             mean_service_us: util.mean_service_us,
             state_reason: reason,
+            logical_bytes,
+            capacity_bytes: (free_bytes as f64 * offered_ratio) as u64,
+            offered_ratio,
+            compress: self.settings.compress.word().into(),
         }
     }
 
@@ -369,12 +449,13 @@ fn log_state(log: Logger, from: Option<DonorState>, to: &Assessment) {
 /// Budget figures in words, for the start-up log line.
 pub fn describe(s: &Settings) -> String {
     format!(
-        "node {}: budget {}, reserve {}, default export size {}, mlock {}, status {}",
+        "node {}: budget {}, reserve {}, default export size {}, mlock {}, compress {}, status {}",
         s.node_id,
         format_size(s.budget_bytes),
         format_size(s.reserve_bytes),
         format_size(s.default_size),
         s.mlock,
+        s.compress.word(),
         s.status.as_deref().unwrap_or("off")
     )
 }
@@ -415,7 +496,7 @@ pub fn spawn_watch(donor: Arc<Donor>) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Amount, ExportSpec};
+    use crate::config::{Amount, Compress, ExportSpec};
     use netpager_proto::v1::{DrainCommand, StatusQuery};
 
     const MIB: u64 = 1 << 20;
@@ -427,11 +508,16 @@ mod tests {
     };
 
     fn donor(avail_mib: u64) -> (Donor, Instant) {
+        donor_with(avail_mib, Compress::Off)
+    }
+
+    fn donor_with(avail_mib: u64, compress: Compress) -> (Donor, Instant) {
         let cfg = Config {
             budget: Amount::Bytes(64 * 4096 + 100),
             reserve: Amount::PercentOfMemTotal(10.0),
             age_x: 2,
             u_star: 0.4,
+            compress,
             ..Config::default()
         };
         let mem = MemInfo {
@@ -459,6 +545,51 @@ mod tests {
             "{}",
             describe(s)
         );
+    }
+
+    #[test]
+    fn a_budget_above_the_node_memory_is_refused() {
+        let (d, _) = donor(500);
+        let mem = MemInfo {
+            total: 1000 * MIB,
+            available: 500 * MIB,
+        };
+        assert_eq!(d.settings().check_budget(&mem), Ok(()));
+        let mut s = d.settings().clone();
+        s.budget_bytes = 1 << 40;
+        let e = s.check_budget(&mem).unwrap_err();
+        assert!(
+            e.contains("budget=1 TiB") && e.contains("MemTotal 1000 MiB"),
+            "{e}"
+        );
+        s.budget_bytes = 0;
+        assert!(s.check_budget(&mem).unwrap_err().contains("less than one"));
+    }
+
+    #[test]
+    fn status_counts_the_connections_of_each_export() {
+        let (d, t0) = donor(500);
+        let d = Arc::new(d);
+        for name in ["held", "left"] {
+            let spec = ExportSpec {
+                name: name.into(),
+                size: Some(MIB),
+            };
+            d.pool().open(&spec, MIB).unwrap();
+        }
+        let (a, b) = (d.connected("held"), d.connected("held"));
+        let clients = |d: &Donor| -> Vec<(String, u32)> {
+            d.status(t0)
+                .exports
+                .into_iter()
+                .map(|e| (e.name, e.clients))
+                .collect()
+        };
+        assert_eq!(clients(&d), [("held".into(), 2), ("left".into(), 0)]);
+        drop(a);
+        assert_eq!(clients(&d)[0], ("held".into(), 1));
+        drop(b);
+        assert_eq!(clients(&d)[0], ("held".into(), 0));
     }
 
     #[test]
@@ -495,7 +626,9 @@ mod tests {
             vec![ExportUsage {
                 name: "a".into(),
                 size_bytes: MIB,
-                used_bytes: 3 * 4096
+                used_bytes: 3 * 4096,
+                clients: 0,
+                logical_bytes: 3 * 4096,
             }]
         );
         assert_eq!(
@@ -527,6 +660,62 @@ mod tests {
             "{}",
             s.state_reason
         );
+        assert_eq!(
+            (
+                s.logical_bytes,
+                s.offered_ratio,
+                s.capacity_bytes,
+                s.compress.as_str()
+            ),
+            (3 * 4096, 1.0, 61 * 4096, "off")
+        );
+    }
+
+    #[test]
+    fn status_offers_capacity_at_the_ratio_seen() {
+        let (d, t0) = donor_with(500, Compress::Lz4);
+        let e = d
+            .pool()
+            .open(
+                &ExportSpec {
+                    name: "a".into(),
+                    size: Some(MIB),
+                },
+                MIB,
+            )
+            .unwrap();
+        // Text pages: each packs into well under a third of a page.
+        let text: Vec<u8> = (0..16 * 4096)
+            .map(|i| b"donor pages "[i % 12] ^ (i / 4096) as u8)
+            .collect();
+        e.write(&text, 0, 0).unwrap();
+        let s = d.status(t0);
+        assert_eq!(s.compress, "lz4");
+        assert_eq!(s.logical_bytes, 16 * 4096);
+        assert!(s.used_bytes < 16 * 4096 / 3, "{}", s.used_bytes);
+        assert_eq!(s.exports[0].logical_bytes, 16 * 4096);
+        assert!(s.exports[0].used_bytes <= s.used_bytes);
+        assert_eq!(s.offered_ratio, crate::ratio::MAX_OFFER_RATIO, "capped");
+        assert_eq!(
+            s.capacity_bytes,
+            s.free_bytes * 4,
+            "free bytes at the ratio offered"
+        );
+        // A run of noise brings the offer down to what it holds, then to
+        // raw once the recent ratio sees it.
+        let mut x = 1u64;
+        let noise: Vec<u8> = (0..40 * 4096)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                (x >> 33) as u8
+            })
+            .collect();
+        e.write(&noise, 16 * 4096, 0).unwrap();
+        let s = d.status(t0);
+        assert!(s.offered_ratio < 1.5, "{}", s.offered_ratio);
+        assert!(s.capacity_bytes <= s.free_bytes * 3 / 2);
     }
 
     #[test]

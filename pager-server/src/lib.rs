@@ -12,14 +12,15 @@
 //! The modules form layers; each uses only those below it, so there is no
 //! import cycle:
 //!
-//! 1. [`config`] (parameters, export names, the page size) and
-//!    [`memwatch`] (meminfo, load average) use nothing of the crate;
+//! 1. [`config`] (parameters, export names, the page size),
+//!    [`memwatch`] (meminfo, load average) and [`ratio`] (the compression
+//!    ratio offered) use nothing of the crate;
 //! 2. [`access`] uses `config`; [`state`] uses `memwatch`;
 //! 3. [`sys`] (FFI: pages, slabs, the peer's address) uses `access` and
 //!    `config`; [`slab`] uses `sys`; [`store`] uses `slab`, `sys` and
 //!    `config`;
 //! 4. [`donor`] (the whole donor, and the thread that feeds it meminfo)
-//!    uses `store`, `state`, `memwatch` and `config`;
+//!    uses `store`, `state`, `ratio`, `memwatch` and `config`;
 //! 5. [`status`] uses `donor`; this file uses them all.
 //!
 //! The one edge upward is nbdkit's entry point, `sys::plugin_init`, which
@@ -32,6 +33,7 @@ pub mod config;
 pub mod donor;
 pub mod memwatch;
 pub mod metrics;
+pub mod ratio;
 pub mod session;
 pub mod slab;
 pub mod state;
@@ -49,6 +51,8 @@ use nbdkit::{
 };
 
 use access::{admit_export, check_status_address, requires_tls, AccessError};
+use announce::Announcement;
+use config::Announce;
 use config::Config;
 use donor::{describe, Donor, Logger, Op, Settings};
 use memwatch::{has_cap_ipc_lock, read_loadavg, read_meminfo};
@@ -65,8 +69,8 @@ static DONOR: OnceLock<Arc<Donor>> = OnceLock::new();
 static LISTENER: Mutex<Option<TcpListener>> = Mutex::new(None);
 static METRICS: Mutex<Option<Bound>> = Mutex::new(None);
 static GUARD: OnceLock<Guard> = OnceLock::new();
-/// The DNS-SD announcement of `announce=true`, withdrawn at unload.
-static ANNOUNCER: Mutex<Option<Announcer>> = Mutex::new(None);
+/// The DNS-SD announcement of `announce=`, withdrawn at unload.
+static ANNOUNCER: Mutex<Option<Announcement>> = Mutex::new(None);
 /// Which client session owns each device's export.
 static SESSIONS: LazyLock<Sessions> = LazyLock::new(Sessions::default);
 
@@ -79,7 +83,9 @@ struct Guard {
     insecure: bool,
     /// `metrics=`, with the lab key file that keys it (`psk=`).
     metrics: Option<EndpointConfig>,
-    announce: bool,
+    announce: Announce,
+    /// `announce=dns`: where and with which key.
+    dns: Option<announce::DnsSettings>,
 }
 
 const NBDKIT_LOG: Logger = Logger {
@@ -130,7 +136,7 @@ fn load_guard(cfg: &Config) -> Result<Guard> {
     if let Some(addr) = &cfg.status {
         let sa = status::resolve(addr).map_err(|e| einval(e.to_string()))?;
         check_status_address(sa, status_auth.is_some(), cfg.insecure).map_err(refused)?;
-    } else if cfg.announce {
+    } else if cfg.announce != Announce::Off {
         return Err(einval(
             "announce=true needs status=ADDR:PORT: clients verify an announced donor by its status",
         ));
@@ -152,6 +158,7 @@ fn load_guard(cfg: &Config) -> Result<Guard> {
         insecure: cfg.insecure,
         metrics,
         announce: cfg.announce,
+        dns: announce::DnsSettings::load(cfg).map_err(einval)?,
     })
 }
 
@@ -161,6 +168,8 @@ pub struct PagerServer {
     donor: Arc<Donor>,
     /// The client session's claim on the export, when it named one.
     claim: Option<Claim>,
+    /// Counts this connection in the export's status while it lives.
+    _counted: donor::Connected,
 }
 
 impl PagerServer {
@@ -250,11 +259,7 @@ impl Server for PagerServer {
         };
         let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
         let settings = Settings::resolve(&cfg, mem, &host, ncpu);
-        if settings.budget_bytes == 0 {
-            return Err(einval(
-                "budget: less than one 4 KiB page; nothing to donate",
-            ));
-        }
+        settings.check_budget(&mem).map_err(einval)?;
         check_mlock(&settings)?;
         let guard = load_guard(&cfg)?;
         sys::log_debug(&describe(&settings));
@@ -342,11 +347,11 @@ impl Server for PagerServer {
         }
         donor::spawn_watch(Arc::clone(d))
             .map_err(|e| einval(format!("cannot start the memory watch thread: {e}")))?;
-        let mut status_port = None;
+        let mut status_addr = None;
         let mut own_ports = Vec::new();
         if let Some(l) = LISTENER.lock_or_recover().take() {
-            status_port = l.local_addr().ok().map(|a| a.port());
-            own_ports.extend(status_port);
+            status_addr = l.local_addr().ok();
+            own_ports.extend(status_addr.map(|a| a.port()));
             status::spawn(l, Arc::clone(d), guard()?.status_auth.clone())
                 .map_err(|e| einval(format!("cannot start the status thread: {e}")))?;
         }
@@ -356,10 +361,10 @@ impl Server for PagerServer {
             b.spawn(move || metrics::exposition(&d.status(Instant::now()), &d.service_times()))
                 .map_err(|e| einval(format!("cannot start the metrics thread: {e}")))?;
         }
-        if guard()?.announce {
-            let status_port = status_port
-                .ok_or_else(|| einval("announce=true: the status endpoint is not listening"))?;
-            start_announcing(d, status_port, &own_ports)?;
+        if guard()?.announce != Announce::Off {
+            let status = status_addr
+                .ok_or_else(|| einval("announce=: the status endpoint is not listening"))?;
+            start_announcing(d, status, &own_ports)?;
         }
         Ok(())
     }
@@ -367,7 +372,12 @@ impl Server for PagerServer {
     fn unload() {
         // Dropped here, so the announcement is withdrawn by a goodbye
         // packet rather than left to expire in browsers' caches.
-        ANNOUNCER.lock_or_recover().take();
+        if let Some(Announcement::Dns(p)) = ANNOUNCER.lock_or_recover().take() {
+            match p.withdraw() {
+                Ok(()) => sys::log_debug("announce=dns: records removed"),
+                Err(e) => sys::log_error(&format!("announce=dns: records not removed: {e}")),
+            }
+        }
     }
 
     fn open(_readonly: bool) -> Result<Box<dyn Server>> {
@@ -389,6 +399,7 @@ impl Server for PagerServer {
             export,
             donor: Arc::clone(d),
             claim,
+            _counted: d.connected(&req.spec.name),
         }))
     }
 
@@ -501,13 +512,22 @@ impl Server for PagerServer {
 
 /// Announces the donor with nbdkit's NBD port (the listening port that is
 /// not one of `own_ports`, the plugin's status and metrics ports).
-fn start_announcing(d: &Donor, status_port: u16, own_ports: &[u16]) -> Result<()> {
+fn start_announcing(d: &Donor, status: std::net::SocketAddr, own_ports: &[u16]) -> Result<()> {
+    let status_port = status.port();
     let nbd = announce::own_listening_ports()
         .and_then(|l| announce::nbd_port(&l, own_ports))
         .map_err(einval)?;
     let node = &d.settings().node_id;
-    let a = Announcer::start(node, nbd, status_port)
-        .map_err(|e| einval(format!("announce=true: {e}")))?;
+    let a = match &guard()?.dns {
+        Some(dns) => {
+            let log = |m: &str| sys::log_error(m);
+            Announcement::Dns(dns.publish(node, nbd, status, log).map_err(einval)?)
+        }
+        None => Announcement::Mdns(
+            Announcer::start(node, nbd, status_port)
+                .map_err(|e| einval(format!("announce=true: {e}")))?,
+        ),
+    };
     sys::log_debug(&format!(
         "announcing {node} on the network: NBD port {nbd}, status port {status_port}"
     ));

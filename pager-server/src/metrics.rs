@@ -3,7 +3,7 @@
 //! and the access rule are `netpager_metrics`.
 
 use netpager_metrics::{labels, BaseUnit, Exposition, HistogramSnapshot, Value};
-use netpager_proto::{DonorState, DonorStatus};
+use netpager_proto::{compression_ratio, DonorState, DonorStatus};
 
 use crate::donor::Op;
 
@@ -11,6 +11,18 @@ const STATES: [DonorState; 3] = [DonorState::Idle, DonorState::Busy, DonorState:
 
 fn one(v: impl Into<Value>) -> Vec<(Vec<(String, String)>, Value)> {
     vec![(vec![], v.into())]
+}
+
+/// A ratio sample, or none while nothing takes memory.
+fn ratio(
+    logical: u64,
+    stored: u64,
+    l: Vec<(String, String)>,
+) -> Vec<(Vec<(String, String)>, Value)> {
+    compression_ratio(logical, stored)
+        .map(|r| (l, Value::Float(r)))
+        .into_iter()
+        .collect()
 }
 
 /// Every family of one scrape.
@@ -51,6 +63,24 @@ pub fn exposition(s: &DonorStatus, service: &[(Op, HistogramSnapshot)]) -> Expos
         one(s.free_bytes),
     );
     e.gauge(
+        "donor_logical",
+        "Bytes of the pages held over all exports, as written (zero pages are none).",
+        b,
+        one(s.logical_bytes),
+    );
+    e.gauge(
+        "donor_compression",
+        "Logical bytes held over the memory they take (absent while nothing is held).",
+        Some(BaseUnit::Ratio),
+        ratio(s.logical_bytes, s.used_bytes, vec![]),
+    );
+    e.gauge(
+        "donor_capacity",
+        "Bytes of pages the donor can still take at the ratio it offers (clients' G_i).",
+        b,
+        one(s.capacity_bytes),
+    );
+    e.gauge(
         "donor_reserve",
         "Free memory kept for the node; below it the donor drains.",
         b,
@@ -69,6 +99,24 @@ pub fn exposition(s: &DonorStatus, service: &[(Op, HistogramSnapshot)]) -> Expos
         s.exports
             .iter()
             .map(|x| (labels([("export", &x.name)]), Value::Int(x.used_bytes)))
+            .collect(),
+    );
+    e.gauge(
+        "donor_export_logical",
+        "Bytes of the pages held per export, as written.",
+        b,
+        s.exports
+            .iter()
+            .map(|x| (labels([("export", &x.name)]), Value::Int(x.logical_bytes)))
+            .collect(),
+    );
+    e.gauge(
+        "donor_export_compression",
+        "Logical bytes per export over the memory its pages take.",
+        Some(BaseUnit::Ratio),
+        s.exports
+            .iter()
+            .flat_map(|x| ratio(x.logical_bytes, x.used_bytes, labels([("export", &x.name)])))
             .collect(),
     );
     e.gauge(
@@ -154,10 +202,14 @@ mod tests {
             state: DonorState::Draining as i32,
             budget_bytes: 1 << 30,
             used_bytes: 8192,
+            logical_bytes: 16384,
+            capacity_bytes: 4096,
             exports: vec![ExportUsage {
                 name: "c1".into(),
                 size_bytes: 1 << 20,
                 used_bytes: 8192,
+                clients: 1,
+                logical_bytes: 3 * 8192,
             }],
             age_x: 64,
             age_x_ms: 1500,
@@ -177,6 +229,11 @@ mod tests {
             "netpager_donor_budget_bytes 1073741824\n",
             "netpager_donor_used_bytes 8192\n",
             "netpager_donor_export_used_bytes{export=\"c1\"} 8192\n",
+            "netpager_donor_export_logical_bytes{export=\"c1\"} 24576\n",
+            "netpager_donor_export_compression_ratio{export=\"c1\"} 3.0\n",
+            "netpager_donor_logical_bytes 16384\n",
+            "netpager_donor_compression_ratio 2.0\n",
+            "netpager_donor_capacity_bytes 4096\n",
             "netpager_donor_page_age_seconds{x=\"64\"} 1.5\n",
             "netpager_donor_utilisation_ratio 0.25\n",
             "netpager_donor_reads_total 3\n",

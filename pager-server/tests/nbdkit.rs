@@ -24,12 +24,9 @@ fn plugin() -> PathBuf {
         .unwrap_or_else(|| built_beside_test("libpager_server.so"))
 }
 
-fn listener() -> TcpListener {
-    TcpListener::bind("127.0.0.1:0").unwrap()
-}
-
-fn free_port() -> u16 {
-    listener().local_addr().unwrap().port()
+/// A port free on `ip` (this test process's own loopback address).
+fn free_port(ip: &str) -> u16 {
+    netpager_test_support::free_ports(ip)[0]
 }
 
 /// One nbdkit serving the plugin (the shared harness, which kills it by
@@ -57,6 +54,9 @@ impl Donor {
             "node-id=it-donor".into(),
             format!("meminfo={}", meminfo.display()),
             "poll-ms=20".into(),
+            // Pages of one repeated byte, kept raw: the budget and drain
+            // are counted page by page here (compression has its own tests).
+            "compress=off".into(),
             "busy-load=1000".into(),
             "age-x=4".into(),
         ];
@@ -319,10 +319,11 @@ fn status_port_survives_garbage() {
 fn bad_start_is_a_clear_error() {
     // Runs `PREFIX... nbdkit -f OPTS... plugin ARGS...`, which must fail.
     let run_with = |prefix: &[&str], opts: &[&str], args: &[&str]| {
-        let port = free_port().to_string();
+        let ip = netpager_test_support::next_ip();
+        let port = free_port(&ip).to_string();
         let so = plugin().display().to_string();
         let mut argv: Vec<&str> = prefix.to_vec();
-        argv.extend(["nbdkit", "-f", "-p", &port, "-i", "127.0.0.1"]);
+        argv.extend(["nbdkit", "-f", "-p", &port, "-i", &ip]);
         argv.extend(opts);
         argv.push(&so);
         argv.extend(args);
@@ -343,12 +344,12 @@ fn bad_start_is_a_clear_error() {
     );
     let e = run(&[], &["sise=1G"]);
     assert!(e.contains("unknown parameter \"sise\""), "{e}");
-    let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = TcpListener::bind((netpager_test_support::next_ip().as_str(), 0)).unwrap();
     let e = run(&[], &[&format!("status={}", taken.local_addr().unwrap())]);
     assert!(e.contains("cannot listen"), "{e}");
     // A status endpoint on a network address needs the lab key (nothing
     // connects to it: nbdkit stops before serving).
-    let e = run(&[], &[&format!("status=0.0.0.0:{}", free_port())]);
+    let e = run(&[], &[&format!("status=0.0.0.0:{}", free_port("0.0.0.0"))]);
     assert!(
         e.contains("is not a loopback address") && e.contains("psk=FILE"),
         "{e}"

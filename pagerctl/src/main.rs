@@ -6,10 +6,14 @@
 //! `lost`) and, where it runs processes, `steps`, `procs` and `sys` here.
 
 mod cmd;
+mod probe;
 mod procs;
+mod serving;
 mod steps;
 #[allow(unsafe_code)]
 mod sys;
+
+use std::io::Write;
 
 use clap::{Parser, Subcommand};
 
@@ -58,6 +62,11 @@ enum Cmd {
     /// Remove a donor from an attached device: its extents move to the
     /// other donors first.
     DonorRemove(cmd::donor_remove::Args),
+    /// Free a detached device's pages on its donors (its data is gone; the
+    /// next attach starts empty).
+    Release(cmd::release::Args),
+    /// Make the lab key file (TLS-PSK), right for donors and clients alike.
+    Psk(cmd::psk::Args),
     /// Give up on an attached device's lost data: lost extents are placed
     /// again and read as zeros, as do pages that read as lost.
     ForgetLost(cmd::forget_lost::Args),
@@ -87,28 +96,68 @@ fn main() {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_target(false)
         .init();
-    let result = match cli.command {
-        Cmd::Attach(a) => cmd::attach::run(*a),
-        Cmd::Detach(a) => cmd::detach::run(a),
-        Cmd::Serve(a) => cmd::serve::run(a),
-        Cmd::Restart(a) => cmd::restart::run(a),
-        Cmd::Hold(a) => cmd::hold::run(a),
-        Cmd::HoldNbd(a) => cmd::hold_nbd::run(a),
-        Cmd::Status(a) => cmd::status::run(a),
-        Cmd::Top(a) => cmd::top::run(a),
-        Cmd::DonorStatus(a) => cmd::donor_status::run(a),
-        Cmd::DonorDrain(a) => cmd::donor_drain::run(a),
-        Cmd::DonorAdd(a) => cmd::donor_add::run(a),
-        Cmd::DonorRemove(a) => cmd::donor_remove::run(a),
-        Cmd::ForgetLost(a) => cmd::forget_lost::run(a),
-        Cmd::Discover(a) => cmd::discover::run(a),
-        Cmd::Simulate(a) => cmd::simulate::run(a),
-        Cmd::Durability(a) => cmd::durability::run(a),
-    };
-    if let Err(e) = result {
-        eprintln!("pagerctl: {}", error_chain(&e));
-        std::process::exit(1);
+    // A reader that goes away (`pagerctl status | head`) ends a report
+    // quietly, as it ends cat; other commands too, after their work.
+    if matches!(
+        cli.command,
+        Cmd::Status(_)
+            | Cmd::Top(_)
+            | Cmd::DonorStatus(_)
+            | Cmd::Discover(_)
+            | Cmd::Simulate(_)
+            | Cmd::Durability(_)
+    ) {
+        sys::default_sigpipe();
     }
+    quiet_broken_pipe();
+    let result = match cli.command {
+        Cmd::Status(a) => cmd::status::run(a).map(|h| h.code()),
+        Cmd::Attach(a) => cmd::attach::run(*a).map(|()| 0),
+        Cmd::Detach(a) => cmd::detach::run(a).map(|()| 0),
+        Cmd::Serve(a) => cmd::serve::run(a).map(|()| 0),
+        Cmd::Restart(a) => cmd::restart::run(a).map(|()| 0),
+        Cmd::Hold(a) => cmd::hold::run(a).map(|()| 0),
+        Cmd::HoldNbd(a) => cmd::hold_nbd::run(a).map(|()| 0),
+        Cmd::Top(a) => cmd::top::run(a).map(|()| 0),
+        Cmd::DonorStatus(a) => cmd::donor_status::run(a).map(|()| 0),
+        Cmd::DonorDrain(a) => cmd::donor_drain::run(a).map(|()| 0),
+        Cmd::DonorAdd(a) => cmd::donor_add::run(a).map(|()| 0),
+        Cmd::DonorRemove(a) => cmd::donor_remove::run(a).map(|()| 0),
+        Cmd::ForgetLost(a) => cmd::forget_lost::run(a).map(|()| 0),
+        Cmd::Release(a) => cmd::release::run(a).map(|()| 0),
+        Cmd::Psk(a) => cmd::psk::run(a).map(|()| 0),
+        Cmd::Discover(a) => cmd::discover::run(a).map(|()| 0),
+        Cmd::Simulate(a) => cmd::simulate::run(a).map(|()| 0),
+        Cmd::Durability(a) => cmd::durability::run(a).map(|()| 0),
+    };
+    match result {
+        Ok(code) => {
+            let _ = std::io::stdout().flush();
+            std::process::exit(code)
+        }
+        Err(e) => {
+            eprintln!("pagerctl: {}", error_chain(&e));
+            std::process::exit(1);
+        }
+    }
+}
+
+/// Rust ignores SIGPIPE, so printing to a closed pipe panics: such a
+/// panic ends the command quietly, with the status a SIGPIPE gives.
+fn quiet_broken_pipe() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let p = info.payload();
+        let msg = p
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| p.downcast_ref::<&str>().copied())
+            .unwrap_or_default();
+        if msg.starts_with("failed printing to stdout") && msg.contains("Broken pipe") {
+            std::process::exit(128 + libc::SIGPIPE);
+        }
+        default(info)
+    }));
 }
 
 /// The error and its causes on one line, skipping a cause whose text its

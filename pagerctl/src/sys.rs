@@ -1,6 +1,7 @@
 //! The only unsafe code of pagerctl: sending signals to processes it
 //! started in an earlier invocation (their `Child` handles are long gone),
-//! and the signal mask of `pagerctl serve`.
+//! the signal mask of `pagerctl serve`, and SIGPIPE's default action for
+//! the commands that only print.
 
 use std::io;
 
@@ -13,6 +14,15 @@ pub fn signal(pid: u32, signal: libc::c_int) -> io::Result<()> {
         Ok(())
     } else {
         Err(io::Error::last_os_error())
+    }
+}
+
+/// SIGPIPE ends the process again (Rust starts with it ignored): a report
+/// whose reader went away stops there, quietly.
+pub fn default_sigpipe() {
+    // SAFETY: installs the default action; no handler of ours is involved.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }
 

@@ -93,6 +93,20 @@ fn job_gauge<'a>(title: &'a str, p: &'a Progress) -> Gauge<'a> {
         .label(label)
 }
 
+/// Rows of the donors' and the requests' tables, borders included.
+fn heights(cur: &ClientStatus) -> (u16, u16) {
+    (
+        cur.donors.len() as u16 + 3,
+        cur.requests.len().max(1) as u16 + 3,
+    )
+}
+
+/// Rows the whole screen takes (`pagerctl top --batch` prints that many).
+pub fn screen_height(cur: &ClientStatus) -> u16 {
+    let (donors, reqs) = heights(cur);
+    1 + 1 + reqs + donors + 3
+}
+
 /// Draws the whole screen.
 pub fn draw(
     f: &mut Frame,
@@ -102,8 +116,7 @@ pub fn draw(
     ctx: &Context,
 ) {
     let t = &cur.totals;
-    let donors_h = cur.donors.len() as u16 + 3;
-    let reqs_h = cur.requests.len().max(1) as u16 + 3;
+    let (donors_h, reqs_h) = heights(cur);
     let [head, health, reqs, donors, jobs, _] = Layout::vertical([
         Constraint::Length(1),
         Constraint::Length(1),
@@ -254,7 +267,7 @@ pub fn draw(
     f.render_widget(job_gauge(&moved, &t.rebalance.pass), rebalance);
 }
 
-/// The screen as text, for tests and `--once`.
+/// The screen as text, for tests and `pagerctl top --batch`.
 pub fn render_text(
     cur: &ClientStatus,
     prev: Option<&ClientStatus>,

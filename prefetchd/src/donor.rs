@@ -91,6 +91,9 @@ pub enum DonorError {
     /// A worker or poller thread that did not start.
     #[error(transparent)]
     Thread(#[from] std::io::Error),
+    /// A donor joining while the daemon is being dropped.
+    #[error("the daemon is stopping")]
+    Stopping,
 }
 
 fn parse_endpoint(
@@ -336,6 +339,12 @@ impl DonorLane {
 
     pub fn failed(&self) -> bool {
         self.failed.load(Ordering::Relaxed)
+    }
+
+    /// Failed or stopping: it takes no more work, and fails at once (on
+    /// the caller's own stack) whatever it is given.
+    pub fn refuses_work(&self) -> bool {
+        self.failed() || self.queues.lock().expect("donor queue lock").stopping
     }
 
     /// Reads slot `slot` (a whole block) for a global-to-local fill.

@@ -10,19 +10,75 @@
 //! Donors join while the daemon runs (a line added to the donors file, a
 //! donor discovered: [`crate::membership`]) and leave (a line removed): a
 //! donor that leaves is let go as a draining one is, and never taken back.
+//!
+//! The lanes know the planner only as a [`Planner`]: a lane's life changes
+//! what it knows in two ways, a donor forgotten and a donor added.
 
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use netpager_proto::{auth::LabKey, DonorState, StatusClient};
 
-use crate::daemon::{Daemon, Lane};
+use crate::disk::Disk;
 use crate::donor::{DonorArg, DonorError, DonorLane};
-use crate::membership::Source;
 use crate::plan::engine::DonorSpec;
 use crate::plan::DonorId;
+use crate::status::Lane;
 use crate::watch::{Decision, LaneState, LaneWatch, Seen};
+
+/// What the lanes ask of the planner (the daemon, which owns them).
+pub(crate) trait Planner: Send + Sync {
+    /// Forgets everything donor `id` holds; it gets no more requests.
+    fn forget_donor(&self, id: DonorId);
+    /// Adds a fresh donor; `register` files its lane under the new id
+    /// before any request can be made of it.
+    fn add_donor(self: Arc<Self>, spec: DonorSpec, register: Box<dyn FnOnce(DonorId) + '_>);
+}
+
+/// How a donor joined prefetchd's set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// `--donor`.
+    Command,
+    /// A line of the donors file.
+    File,
+    /// Announced and verified.
+    Discovered,
+}
+
+impl Source {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Source::Command => "command",
+            Source::File => "file",
+            Source::Discovered => "discovered",
+        }
+    }
+}
+
+/// What starting a lane takes besides the donor's argument.
+pub(crate) struct LaneKit {
+    pub(crate) block_size: usize,
+    /// Bytes of the data directory a donor's replica must hold.
+    pub(crate) replica_size: u64,
+    pub(crate) disk: Arc<Disk>,
+    pub(crate) timeouts: netpager_nbd::Timeouts,
+}
+
+impl LaneKit {
+    /// Starts lane `id` for donor `arg`.
+    pub(crate) fn start(&self, id: usize, arg: &DonorArg) -> Result<Arc<DonorLane>, DonorError> {
+        DonorLane::start(
+            id,
+            arg,
+            self.block_size,
+            self.replica_size,
+            self.disk.clone(),
+            self.timeouts,
+        )
+    }
+}
 
 /// A donor of the set, present or gone.
 pub(crate) struct Member {
@@ -45,6 +101,10 @@ pub(crate) struct LaneRec {
 
 /// Every lane, and the pollers.
 pub(crate) struct Lanes {
+    kit: LaneKit,
+    /// The daemon that owns the lanes: weak, so that only its owner keeps
+    /// it; a poller finding it gone stops.
+    planner: Weak<dyn Planner>,
     members: Mutex<Vec<Member>>,
     recs: Mutex<Vec<LaneRec>>,
     /// Held while a lane is started or let go, so that a donor's poller
@@ -58,7 +118,13 @@ pub(crate) struct Lanes {
 
 impl Lanes {
     /// The lanes started with the daemon, one per `--donor` in order.
-    pub(crate) fn new(args: Vec<DonorArg>, first: Vec<Arc<DonorLane>>, poll: Duration) -> Lanes {
+    pub(crate) fn new(
+        kit: LaneKit,
+        planner: Weak<dyn Planner>,
+        args: Vec<DonorArg>,
+        first: Vec<Arc<DonorLane>>,
+        poll: Duration,
+    ) -> Lanes {
         let recs = first
             .into_iter()
             .enumerate()
@@ -78,6 +144,8 @@ impl Lanes {
             })
             .collect();
         Lanes {
+            kit,
+            planner,
             members: Mutex::new(members),
             recs: Mutex::new(recs),
             change: Mutex::new(()),
@@ -171,10 +239,10 @@ impl Lanes {
     }
 }
 
-impl Daemon {
+impl Lanes {
     /// Starts a status poller for each donor that has a status endpoint.
     pub(crate) fn start_pollers(self: &Arc<Self>) -> Result<(), DonorError> {
-        let n = self.lanes.members().len();
+        let n = self.members().len();
         for donor in 0..n {
             self.start_poller(donor)?;
         }
@@ -183,22 +251,27 @@ impl Daemon {
 
     /// Starts donor `donor`'s status poller, if it has a status endpoint.
     fn start_poller(self: &Arc<Self>, donor: usize) -> Result<(), DonorError> {
-        let arg = self.lanes.members()[donor].arg.clone();
+        let arg = self.members()[donor].arg.clone();
         let Some(addr) = arg.status.clone() else {
             return Ok(());
         };
-        let client = status_client(&arg, self.timeouts().connect)?;
+        let client = status_client(&arg, self.connect_timeout())?;
         let me = self.clone();
         let t = std::thread::Builder::new()
             .name(format!("donor{donor}-status"))
             .spawn(move || me.poll_donor(donor, &addr, &client))?;
-        self.lanes.pollers.lock().expect("pollers lock").push(t);
+        self.keep_thread(t);
         Ok(())
     }
 
     /// Hands a thread to the lanes, joined when they stop.
     pub(crate) fn keep_thread(&self, t: JoinHandle<()>) {
-        self.lanes.pollers.lock().expect("pollers lock").push(t);
+        self.pollers.lock().expect("pollers lock").push(t);
+    }
+
+    /// How long connecting to a donor may take.
+    pub(crate) fn connect_timeout(&self) -> Duration {
+        self.kit.timeouts.connect
     }
 
     /// Starts a lane for a donor joining the set; returns its index in it.
@@ -207,18 +280,14 @@ impl Daemon {
         arg: DonorArg,
         source: Source,
     ) -> Result<usize, DonorError> {
-        let _changing = self.lanes.changing();
-        let next = self.lanes.recs().len();
-        let lane = DonorLane::start(
-            next,
-            &arg,
-            self.block_size(),
-            self.files().replica_size(),
-            self.disk().clone(),
-            self.timeouts(),
-        )?;
+        let Some(planner) = self.planner.upgrade() else {
+            return Err(DonorError::Stopping);
+        };
+        let _changing = self.changing();
+        let next = self.recs().len();
+        let lane = self.kit.start(next, &arg)?;
         let donor = {
-            let mut m = self.lanes.members();
+            let mut m = self.members();
             m.push(Member {
                 arg,
                 source,
@@ -237,20 +306,7 @@ impl Daemon {
                 ""
             }
         );
-        let spec = DonorSpec {
-            slots: lane.slots,
-            replica: lane.has_replica,
-        };
-        self.add_donor(spec, |id| {
-            let mut recs = self.lanes.recs();
-            debug_assert_eq!(recs.len(), id);
-            recs.push(LaneRec {
-                donor,
-                life: 1,
-                lane,
-                ended: None,
-            });
-        });
+        self.register(planner, donor, 1, lane);
         if let Err(e) = self.start_poller(donor) {
             tracing::warn!(
                 "donor {donor}: no status poller: {}",
@@ -260,22 +316,47 @@ impl Daemon {
         Ok(donor)
     }
 
+    /// Tells the planner of life `life` of donor `donor`, filing its lane
+    /// under the id the planner gives it.
+    fn register(&self, planner: Arc<dyn Planner>, donor: usize, life: u32, lane: Arc<DonorLane>) {
+        let spec = DonorSpec {
+            slots: lane.slots,
+            replica: lane.has_replica,
+        };
+        planner.add_donor(
+            spec,
+            Box::new(|id| {
+                let mut recs = self.recs();
+                debug_assert_eq!(recs.len(), id);
+                recs.push(LaneRec {
+                    donor,
+                    life,
+                    lane,
+                    ended: None,
+                });
+            }),
+        );
+    }
+
     /// Donor `donor` leaves the set: its lane is let go as a draining
     /// donor's is (blocks forgotten, export trimmed), for good.
     pub(crate) fn remove_member(&self, donor: usize) {
-        let _changing = self.lanes.changing();
-        self.lanes.members()[donor].removed = true;
-        let (id, lane, state) = self.lanes.current(donor);
+        let Some(planner) = self.planner.upgrade() else {
+            return;
+        };
+        let _changing = self.changing();
+        self.members()[donor].removed = true;
+        let (id, lane, state) = self.current(donor);
         if state == LaneState::LetGo {
             return;
         }
-        self.let_go(id, &lane, "removed", true);
+        self.let_go(&*planner, id, &lane, "removed", true);
     }
 
     fn poll_donor(self: &Arc<Self>, donor: usize, addr: &str, client: &StatusClient) {
         let mut watch = LaneWatch::default();
-        while !self.lanes.sleep(self.lanes.poll) {
-            if self.lanes.members()[donor].removed {
+        while !self.sleep(self.poll) {
+            if self.members()[donor].removed {
                 return;
             }
             let seen = match client.query(addr) {
@@ -288,18 +369,21 @@ impl Daemon {
                     Seen::Unreachable
                 }
             };
-            let _changing = self.lanes.changing();
-            if self.lanes.members()[donor].removed {
+            let Some(planner) = self.planner.upgrade() else {
+                return;
+            };
+            let _changing = self.changing();
+            if self.members()[donor].removed {
                 return;
             }
-            let (id, lane, state) = self.lanes.current(donor);
+            let (id, lane, state) = self.current(donor);
             match watch.observe(state, seen) {
                 Decision::Keep => {}
-                Decision::Stop => self.let_go(id, &lane, "draining", true),
-                Decision::Start => self.take_back(donor, &lane),
+                Decision::Stop => self.let_go(&*planner, id, &lane, "draining", true),
+                Decision::Start => self.take_back(planner, donor, &lane),
                 Decision::Restart => {
-                    self.let_go(id, &lane, "restarted", false);
-                    self.take_back(donor, &lane);
+                    self.let_go(&*planner, id, &lane, "restarted", false);
+                    self.take_back(planner, donor, &lane);
                 }
             }
         }
@@ -308,42 +392,36 @@ impl Daemon {
     /// Stops lane `id`: its blocks are forgotten, what is queued on it
     /// fails (reads go to disk), and with `trim` its export is trimmed so
     /// the donor gets its memory back.
-    fn let_go(&self, id: DonorId, lane: &DonorLane, why: &'static str, trim: bool) {
+    fn let_go(
+        &self,
+        planner: &dyn Planner,
+        id: DonorId,
+        lane: &DonorLane,
+        why: &'static str,
+        trim: bool,
+    ) {
         tracing::info!(
             "donor {}: {why}; its lane stops and its blocks are dropped",
             lane.name
         );
-        self.forget_donor(id);
+        planner.forget_donor(id);
         lane.stop();
-        self.lanes.recs()[id].ended = Some(why);
+        self.recs()[id].ended = Some(why);
         if trim {
-            let bytes = u64::from(lane.slots) * self.block_size() as u64;
-            if let Err(e) = lane.trim_all(bytes, self.timeouts()) {
+            let bytes = u64::from(lane.slots) * self.kit.block_size as u64;
+            if let Err(e) = lane.trim_all(bytes, self.kit.timeouts) {
                 tracing::warn!("donor {}: trimming its export: {e}", lane.name);
             }
         }
     }
 
     /// Starts a fresh lane for donor `donor`, whose last lane is `old`.
-    fn take_back(self: &Arc<Self>, donor: usize, old: &DonorLane) {
+    fn take_back(&self, planner: Arc<dyn Planner>, donor: usize, old: &DonorLane) {
         old.stop();
-        let arg = self.lanes.members()[donor].arg.clone();
-        let life = self
-            .lanes
-            .recs()
-            .iter()
-            .filter(|r| r.donor == donor)
-            .count() as u32
-            + 1;
-        let next = self.lanes.recs().len();
-        let lane = match DonorLane::start(
-            next,
-            &arg,
-            self.block_size(),
-            self.files().replica_size(),
-            self.disk().clone(),
-            self.timeouts(),
-        ) {
+        let arg = self.members()[donor].arg.clone();
+        let life = self.recs().iter().filter(|r| r.donor == donor).count() as u32 + 1;
+        let next = self.recs().len();
+        let lane = match self.kit.start(next, &arg) {
             Ok(l) => l,
             Err(e) => {
                 tracing::info!(
@@ -359,20 +437,7 @@ impl Daemon {
             lane.name,
             lane.slots
         );
-        let spec = DonorSpec {
-            slots: lane.slots,
-            replica: lane.has_replica,
-        };
-        self.add_donor(spec, |id| {
-            let mut recs = self.lanes.recs();
-            debug_assert_eq!(recs.len(), id);
-            recs.push(LaneRec {
-                donor,
-                life,
-                lane,
-                ended: None,
-            });
-        });
+        self.register(planner, donor, life, lane);
     }
 }
 

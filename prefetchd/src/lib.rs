@@ -5,10 +5,12 @@
 //! replacement, disk-to-global). The rest is the daemon around it:
 //! [`files`] (the data directory), [`source`] (hint files as block
 //! streams), [`disk`] (io_uring reads), [`donor`] (global memory over NBD),
-//! [`daemon`] (the planner driving them), [`membership`] (donors joining
-//! and leaving while it runs), [`fs`] (the FUSE view),
-//! [`control`] (the control socket), [`table`] (status output) and
-//! [`metrics`] (the `/metrics` families).
+//! [`daemon`] (the planner driving them), `lanes` (each donor's lives and
+//! status pollers, which know the daemon only as a planner to tell),
+//! [`membership`] (donors joining and leaving while it runs), [`fs`] (the
+//! FUSE view), [`control`] (the control socket), [`status`] (the status as
+//! typed structs), [`table`] (status output) and [`metrics`] (the
+//! `/metrics` families).
 //! All `unsafe` is in [`sys`].
 
 pub mod control;
@@ -22,6 +24,7 @@ pub mod membership;
 pub mod metrics;
 pub mod plan;
 pub mod source;
+pub mod status;
 #[allow(unsafe_code)]
 pub mod sys;
 pub mod table;

@@ -76,6 +76,7 @@ enum JobCommand {
 }
 
 #[derive(Args)]
+#[command(group(clap::ArgGroup::new("discovery").multiple(true).args(["discover", "discover_domain"])))]
 struct ServeArgs {
     /// Data directory to serve (read-only).
     #[arg(long)]
@@ -102,14 +103,28 @@ struct ServeArgs {
     #[arg(long)]
     discover: bool,
     /// The lab key file: TLS to discovered donors and their signed status.
-    #[arg(long, value_name = "FILE", requires = "discover")]
+    #[arg(long, value_name = "FILE", requires = "discovery")]
     psk: Option<PathBuf>,
     /// The export used on a discovered donor (default prefetchd-HOSTNAME@64M).
-    #[arg(long, value_name = "NAME[@SIZE]", requires = "discover")]
+    #[arg(long, value_name = "NAME[@SIZE]", requires = "discovery")]
     discover_export: Option<String>,
-    /// Use discovered donors beyond loopback and the test network without --psk.
-    #[arg(long, requires = "discover")]
+    /// Without --psk: a network (ADDR/BITS) whose announced donors are used
+    /// unverified, besides loopback (only one where nobody but the lab's
+    /// own machines can announce). Repeat.
+    #[arg(long, value_name = "CIDR", requires = "discovery")]
+    trust_network: Vec<netpager_membership::discovery::Network>,
+    /// Use discovered donors anywhere without --psk.
+    #[arg(long, requires = "discovery")]
     discover_insecure: bool,
+    /// Use donors published in this DNS domain (`_netpager._tcp.DOMAIN`,
+    /// pager-server announce=dns), admitted as with --discover. Repeat.
+    #[arg(long, value_name = "DOMAIN")]
+    discover_domain: Vec<String>,
+    /// The DNS server asked for --discover-domain (default: the system
+    /// resolver's).
+    #[arg(long, value_name = "ADDR[:PORT]", requires = "discover_domain",
+          value_parser = netpager_membership::dns::parse_server)]
+    dns_server: Option<std::net::SocketAddr>,
     /// Register a job at start: NAME=HINTFILE.
     #[arg(long = "job")]
     jobs: Vec<String>,
@@ -309,16 +324,22 @@ fn serve(args: ServeArgs, control_path: &Path) -> Result<()> {
                 .as_ref()
                 .map(std::path::absolute)
                 .transpose()?,
-            discover: args.discover.then(|| prefetchd::membership::Discover {
-                psk: args.psk.clone(),
-                user: lab_user.clone(),
-                export: args.discover_export.clone().unwrap_or_else(|| {
-                    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-                        .map(|h| h.trim().to_string())
-                        .unwrap_or_default();
-                    format!("prefetchd-{host}@64M")
-                }),
-                insecure: args.discover_insecure,
+            discover: (args.discover || !args.discover_domain.is_empty()).then(|| {
+                prefetchd::membership::Discover {
+                    mdns: args.discover,
+                    domains: args.discover_domain.clone(),
+                    dns_server: args.dns_server,
+                    psk: args.psk.clone(),
+                    user: lab_user.clone(),
+                    export: args.discover_export.clone().unwrap_or_else(|| {
+                        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+                            .map(|h| h.trim().to_string())
+                            .unwrap_or_default();
+                        format!("prefetchd-{host}@64M")
+                    }),
+                    insecure: args.discover_insecure,
+                    trust_network: args.trust_network.clone(),
+                }
             }),
         },
     };

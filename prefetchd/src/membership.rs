@@ -8,52 +8,38 @@
 //! key, verifies; one that stops announcing is not removed for that alone.
 //!
 //! The decisions are pure ([`parse_donors_file`], [`changes`],
-//! [`discovered_arg`]); [`Watcher`] applies them each status-poll period.
+//! [`discovered_arg`]); [`Watcher`] applies them to the lanes
+//! ([`crate::lanes`]) each status-poll period.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use netpager_membership::discovery::{admit, Announced, Browser, Check, DiscoveryError};
+use netpager_membership::discovery::{self, Admission, Announced, Network, Trust, Verdict};
 use netpager_membership::{parse_lines, DonorsFileError};
 use netpager_nbd::Endpoint;
 
-use crate::daemon::Daemon;
 use crate::donor::DonorArg;
-use crate::lanes::status_client;
+use crate::lanes::{status_client, Lanes, Source};
 
-/// How a donor joined prefetchd's set.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Source {
-    /// `--donor`.
-    Command,
-    /// A line of the donors file.
-    File,
-    /// Announced and verified.
-    Discovered,
-}
-
-impl Source {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Source::Command => "command",
-            Source::File => "file",
-            Source::Discovered => "discovered",
-        }
-    }
-}
-
-/// Discovery's settings (`--discover`).
+/// Discovery's settings (`--discover`, `--discover-domain`).
 #[derive(Debug, Clone)]
 pub struct Discover {
+    /// Browse the local segment (multicast DNS).
+    pub mdns: bool,
+    /// DNS domains browsed, and the server asked (else the resolver's).
+    pub domains: Vec<String>,
+    pub dns_server: Option<std::net::SocketAddr>,
     /// The lab key: TLS to discovered donors, and their status must verify.
     pub psk: Option<PathBuf>,
     /// The user name of the key in `psk` (its first line's).
     pub user: Option<String>,
     /// The export prefetchd uses on a discovered donor.
     pub export: String,
-    /// Use discovered donors beyond loopback and the test network without a key.
+    /// Use discovered donors beyond loopback and `trust_network` without a key.
     pub insecure: bool,
+    /// Networks whose announced donors are used without a key, besides loopback.
+    pub trust_network: Vec<Network>,
 }
 
 /// Where the set's changes come from.
@@ -140,8 +126,8 @@ impl Said {
 /// Why following the donors file and discovery could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum MembershipError {
-    #[error(transparent)]
-    Discovery(#[from] DiscoveryError),
+    #[error("discovery: {0}")]
+    Sources(String),
     /// The membership thread did not start.
     #[error(transparent)]
     Thread(#[from] std::io::Error),
@@ -150,37 +136,68 @@ pub enum MembershipError {
 /// Applies the donors file's and discovery's changes to the running set.
 pub(crate) struct Watcher {
     cfg: Config,
-    browser: Option<Browser>,
+    /// Checks announced donors on a thread of its own.
+    admission: Option<Admission>,
     said: Said,
 }
 
 impl Watcher {
-    pub(crate) fn new(cfg: Config) -> Result<Watcher, MembershipError> {
-        let browser = cfg
-            .discover
-            .as_ref()
-            .map(|_| Browser::start())
-            .transpose()?;
+    /// `connect`: the status query's timeout; `period`: how often the
+    /// announcements are looked at.
+    pub(crate) fn new(
+        cfg: Config,
+        connect: std::time::Duration,
+        period: std::time::Duration,
+    ) -> Result<Watcher, MembershipError> {
+        let admission = match &cfg.discover {
+            None => None,
+            Some(disc) => {
+                let mut sources =
+                    discovery::Sources::start(disc.mdns, &disc.domains, disc.dns_server, connect)
+                        .map_err(MembershipError::Sources)?;
+                let disc = disc.clone();
+                let trust = Trust {
+                    networks: disc.trust_network.clone(),
+                    insecure: disc.insecure,
+                };
+                let check = move |a: &Announced| -> Verdict {
+                    let client = status_client(&discovered_arg(a, &disc), connect)
+                        .map_err(|e| crate::error_chain(&e))?;
+                    discovery::check(&client, a, &trust)
+                };
+                Some(Admission::start(
+                    move || {
+                        let (found, errors) = sources.announced();
+                        for e in &errors {
+                            tracing::warn!("discovery: {e}");
+                        }
+                        (found, errors)
+                    },
+                    check,
+                    period,
+                )?)
+            }
+        };
         Ok(Watcher {
             cfg,
-            browser,
+            admission,
             said: Said::default(),
         })
     }
 
-    /// One pass: the donors file, then what is announced.
-    pub(crate) fn pass(&mut self, d: &Arc<Daemon>) {
+    /// One pass: the donors file, then the announced donors admitted.
+    pub(crate) fn pass(&mut self, lanes: &Arc<Lanes>) {
         if let Some(path) = self.cfg.donors_file.clone() {
-            self.follow_file(d, &path);
+            self.follow_file(lanes, &path);
         }
-        if let (Some(b), Some(disc)) = (&self.browser, self.cfg.discover.clone()) {
-            for a in b.announced() {
-                self.consider(d, &a, &disc);
+        if let (Some(adm), Some(disc)) = (&self.admission, &self.cfg.discover) {
+            for (a, verdict) in adm.verdicts() {
+                consider(&mut self.said, lanes, adm, &a, verdict, disc);
             }
         }
     }
 
-    fn follow_file(&mut self, d: &Arc<Daemon>, path: &Path) {
+    fn follow_file(&mut self, lanes: &Arc<Lanes>, path: &Path) {
         let wanted = match std::fs::read_to_string(path)
             .map_err(|source| DonorsFileError::Read {
                 path: path.to_path_buf(),
@@ -200,8 +217,7 @@ impl Watcher {
                 return;
             }
         };
-        let applied: Vec<(usize, String, DonorArg)> = d
-            .lanes
+        let applied: Vec<(usize, String, DonorArg)> = lanes
             .members()
             .iter()
             .enumerate()
@@ -216,12 +232,12 @@ impl Watcher {
         for name in &c.remove {
             if let Some((i, _, _)) = applied.iter().find(|(_, n, _)| n == name) {
                 tracing::info!("donor {name}: its line left the donors file; letting it go");
-                d.remove_member(*i);
+                lanes.remove_member(*i);
             }
         }
         for arg in c.add {
             let name = donor_name(&arg);
-            match d.add_member(arg, Source::File) {
+            match lanes.add_member(arg, Source::File) {
                 Ok(_) => self.said.clear(&name),
                 // Retried next period: the donor may not be up yet.
                 Err(e) => self.said.warn(
@@ -234,65 +250,67 @@ impl Watcher {
             }
         }
     }
+}
 
-    fn consider(&mut self, d: &Arc<Daemon>, a: &Announced, disc: &Discover) {
-        let arg = discovered_arg(a, disc);
-        let name = donor_name(&arg);
-        if d.lanes.members().iter().any(|m| donor_name(&m.arg) == name) {
-            return;
-        }
-        let key = format!("announced {}", a.node_id);
-        let verdict = match status_client(&arg, d.timeouts().connect) {
-            Err(e) => Err(crate::error_chain(&e)),
-            Ok(client) if client.key.is_none() => admit(a, Check::NoKey, disc.insecure),
-            Ok(client) => match client.query(&a.status.to_string()) {
-                Ok(s) => admit(a, Check::Signed(Ok(&s.node_id)), disc.insecure),
-                Err(e) => admit(a, Check::Signed(Err(&e.to_string())), disc.insecure),
-            },
-        };
-        match verdict {
-            Ok(why) => match d.add_member(arg, Source::Discovered) {
-                Ok(_) => {
-                    tracing::info!("donor {} ({name}) discovered: {why}", a.node_id);
-                    self.said.clear(&key);
-                }
-                Err(e) => self.said.warn(
+/// Joins an admitted announced donor, or says (once) why not.
+fn consider(
+    said: &mut Said,
+    lanes: &Arc<Lanes>,
+    adm: &Admission,
+    a: &Announced,
+    verdict: Verdict,
+    disc: &Discover,
+) {
+    let arg = discovered_arg(a, disc);
+    let name = donor_name(&arg);
+    if lanes.members().iter().any(|m| donor_name(&m.arg) == name) {
+        return;
+    }
+    let key = format!("announced {}", a.node_id);
+    match verdict {
+        Ok(why) => match lanes.add_member(arg, Source::Discovered) {
+            Ok(_) => {
+                tracing::info!("donor {} ({name}) discovered: {why}", a.node_id);
+                said.clear(&key);
+            }
+            Err(e) => {
+                let e = crate::error_chain(&e);
+                adm.not_added(&a.node_id, e.clone());
+                said.warn(
                     &key,
                     format!(
-                        "discovered donor {} ({name}): not joined yet: {}",
-                        a.node_id,
-                        crate::error_chain(&e)
+                        "discovered donor {} ({name}): not joined yet: {e}",
+                        a.node_id
                     ),
-                ),
-            },
-            Err(why) => self.said.warn(
-                &key,
-                format!("discovered donor {} not used: {why}", a.node_id),
-            ),
-        }
+                )
+            }
+        },
+        Err(why) => said.warn(
+            &key,
+            format!("discovered donor {} not used: {why}", a.node_id),
+        ),
     }
 }
 
-impl Daemon {
-    /// Starts the thread that follows the donors file and discovery, one
-    /// pass at once and then one each status-poll period.
-    pub(crate) fn start_membership(self: &Arc<Self>, cfg: Config) -> Result<(), MembershipError> {
-        if cfg.donors_file.is_none() && cfg.discover.is_none() {
-            return Ok(());
-        }
-        let mut w = Watcher::new(cfg)?;
-        let me = self.clone();
-        let t = std::thread::Builder::new()
-            .name("membership".into())
-            .spawn(move || {
-                w.pass(&me);
-                while !me.lanes.sleep(me.lanes.poll) {
-                    w.pass(&me);
-                }
-            })?;
-        self.keep_thread(t);
-        Ok(())
+/// Starts the thread that follows the donors file and discovery, one pass
+/// at once and then one each status-poll period; the lanes join it when
+/// they stop.
+pub(crate) fn start(cfg: Config, lanes: &Arc<Lanes>) -> Result<(), MembershipError> {
+    if cfg.donors_file.is_none() && cfg.discover.is_none() {
+        return Ok(());
     }
+    let mut w = Watcher::new(cfg, lanes.connect_timeout(), lanes.poll)?;
+    let l = lanes.clone();
+    let t = std::thread::Builder::new()
+        .name("membership".into())
+        .spawn(move || {
+            w.pass(&l);
+            while !l.sleep(l.poll) {
+                w.pass(&l);
+            }
+        })?;
+    lanes.keep_thread(t);
+    Ok(())
 }
 
 #[cfg(test)]
@@ -374,6 +392,10 @@ mod tests {
             user: Some("lab".into()),
             export: "prefetchd-busy1@256M".into(),
             insecure: false,
+            trust_network: Vec::new(),
+            mdns: true,
+            domains: Vec::new(),
+            dns_server: None,
         };
         let g = discovered_arg(&a, &d);
         assert_eq!(donor_name(&g), "10.213.47.11:10809/prefetchd-busy1@256M");

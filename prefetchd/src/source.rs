@@ -26,9 +26,9 @@ use std::sync::{Arc, Mutex};
 
 use hints::{HintError, HintReader, References, Staleness};
 
-use crate::daemon::HintStream;
 use crate::files::FileTable;
 use crate::plan::{BlockId, FileId};
+use crate::status::HintStream;
 
 /// What happened to a job's hints, for status.
 #[derive(Debug, Default)]
@@ -361,8 +361,16 @@ mod tests {
         let o = open_hints(&hp, Arc::new(FileTable::new(&root).unwrap()), 8192).unwrap();
         let mut blocks = o.blocks;
         assert_eq!(blocks.next().map(|b| b.index), Some(0));
-        // The reader is bounded by the channel, not by the file.
-        std::thread::sleep(std::time::Duration::from_millis(50));
+        // The reader is bounded by the channel, not by the file: once it
+        // has filled the channel it waits there.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while o.report.records.load(Ordering::Relaxed) < READ_AHEAD as u64 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the reader never filled the channel"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
         assert!(o.report.records.load(Ordering::Relaxed) <= READ_AHEAD as u64 + 2);
         assert_eq!(blocks.count(), 3999);
     }

@@ -136,6 +136,11 @@ impl LabKey {
         &self.username
     }
 
+    /// Whether `other` holds the same key (whatever its username).
+    pub fn same_key(&self, other: &LabKey) -> bool {
+        self.key == other.key
+    }
+
     fn mac(&self) -> HmacSha256 {
         HmacSha256::new_from_slice(&self.key).expect("HMAC takes keys of any length")
     }
@@ -318,6 +323,50 @@ pub fn check_export_token(secret: &[u8], client: &str, token: &str) -> bool {
     }
 }
 
+/// Why an identity cannot be a line of a lab key file.
+fn check_identity(id: &str) -> Result<(), String> {
+    if id.is_empty() || id.contains(':') || id.chars().any(char::is_whitespace) {
+        return Err(format!(
+            "identity {id:?}: must be non-empty, without ':' or spaces"
+        ));
+    }
+    Ok(())
+}
+
+/// The text of a new lab key file: a line `IDENTITY:HEXKEY` for each of
+/// `identities` (the lab identity first, then every client id: a client
+/// presents its id as its TLS identity), all with one fresh random 32-byte
+/// key. Donors and clients take the same file.
+pub fn new_psk_file_text(identities: &[&str]) -> Result<String, String> {
+    let mut key = [0u8; 32];
+    getrandom::fill(&mut key).map_err(|e| format!("the kernel's random source: {e}"))?;
+    psk_lines(&key, identities)
+}
+
+/// Lines for `identities` not in the lab key file `path` yet, with its key
+/// (the first line's).
+pub fn psk_lines_to_add(path: &Path, identities: &[&str]) -> Result<String, String> {
+    let first = LabKey::from_psk_file(path, None).map_err(|e| e.to_string())?;
+    let new: Vec<&str> = identities
+        .iter()
+        .copied()
+        .filter(|id| LabKey::from_psk_file(path, Some(id)).is_err())
+        .collect();
+    psk_lines(&first.key, &new)
+}
+
+fn psk_lines(key: &[u8], identities: &[&str]) -> Result<String, String> {
+    let hex: String = key.iter().map(|b| format!("{b:02x}")).collect();
+    let mut out = String::new();
+    for id in identities {
+        check_identity(id)?;
+        if !out.lines().any(|l| l.split(':').next() == Some(id)) {
+            out.push_str(&format!("{id}:{hex}\n"));
+        }
+    }
+    Ok(out)
+}
+
 fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -338,6 +387,29 @@ fn decode_hex(s: &str) -> Option<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_new_psk_file_holds_one_key_for_every_identity() {
+        let dir = std::env::temp_dir().join(format!("netpager-psk-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("lab.psk");
+        let text = new_psk_file_text(&["netpager", "c1", "c1"]).unwrap();
+        assert_eq!(text.lines().count(), 2, "{text}");
+        std::fs::write(&path, &text).unwrap();
+        let lab = LabKey::from_psk_file(&path, None).unwrap();
+        assert_eq!(lab.username(), "netpager");
+        assert!(lab.same_key(&LabKey::from_psk_file(&path, Some("c1")).unwrap()));
+        // Another file gets another key.
+        let other = new_psk_file_text(&["netpager"]).unwrap();
+        assert_ne!(other.lines().next(), text.lines().next());
+        // Adding: only the missing identities, with the file's key.
+        let add = psk_lines_to_add(&path, &["c1", "c2"]).unwrap();
+        assert!(add.starts_with("c2:") && add.lines().count() == 1, "{add}");
+        std::fs::write(&path, text + &add).unwrap();
+        assert!(lab.same_key(&LabKey::from_psk_file(&path, Some("c2")).unwrap()));
+        assert!(new_psk_file_text(&["a b"]).unwrap_err().contains("spaces"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     fn key(hex: &str) -> LabKey {
         LabKey {

@@ -36,6 +36,16 @@ pub enum ProtoError {
         #[source]
         source: io::Error,
     },
+    #[error("cannot connect to status endpoint {addr}: {source}{}", connect_hint(.source))]
+    Connect {
+        addr: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("status endpoint {addr} sent no reply within {secs} s: is it the donor's status port (pager-server status=), and is the donor running rather than stopped or overloaded?")]
+    NoAnswer { addr: String, secs: u64 },
+    #[error("{addr} is not a status endpoint: it speaks NBD (it is the donor's NBD port; the status endpoint is the address given to pager-server status=)")]
+    SpeaksNbd { addr: String },
     #[error("status message from {addr} announces {len} bytes, more than the {max} allowed")]
     TooLong { addr: String, len: u64, max: usize },
     #[error("malformed length prefix from {addr}")]
@@ -112,6 +122,61 @@ pub fn write_message<M: Message>(
         })
 }
 
+/// What to check when a connection to a status endpoint fails.
+fn connect_hint(e: &io::Error) -> &'static str {
+    match e.kind() {
+        io::ErrorKind::ConnectionRefused => {
+            " (nothing listens there: is the donor running, and was it started with status= at this address?)"
+        }
+        io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => {
+            " (no answer: is the host up, and does a firewall let the port through?)"
+        }
+        _ => "",
+    }
+}
+
+/// The first bytes an NBD server sends on every new connection
+/// (`NBDMAGIC`, then `IHAVEOPT`).
+const NBD_GREETING: &[u8; 16] = b"NBDMAGICIHAVEOPT";
+
+/// An error of a read or write on a connected status endpoint: a timeout
+/// is named as one.
+fn io_error(addr: &str, source: io::Error, timeout: Duration) -> ProtoError {
+    match source.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => ProtoError::NoAnswer {
+            addr: addr.to_string(),
+            secs: timeout.as_secs_f64().ceil() as u64,
+        },
+        _ => ProtoError::Io {
+            addr: addr.to_string(),
+            source,
+        },
+    }
+}
+
+/// Whether the peer greets like an NBD server (it sends its greeting
+/// before any request). Waits up to `timeout` for the first bytes of the
+/// reply without consuming them.
+fn speaks_nbd(s: &TcpStream, timeout: Duration) -> io::Result<bool> {
+    let deadline = std::time::Instant::now() + timeout;
+    let mut buf = [0u8; 16];
+    loop {
+        let n = s.peek(&mut buf)?;
+        if n == 0 || buf[..n] != NBD_GREETING[..n] {
+            return Ok(false);
+        }
+        if n == buf.len() {
+            return Ok(true);
+        }
+        // A partial greeting: the rest follows at once, or the reply's
+        // own read times out.
+        if std::time::Instant::now() > deadline {
+            return Ok(false);
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 fn resolve(addr: &str) -> Result<SocketAddr, ProtoError> {
     addr.to_socket_addrs()
         .ok()
@@ -143,7 +208,12 @@ impl StatusClient {
             source,
         };
         let sa = resolve(addr)?;
-        let s = TcpStream::connect_timeout(&sa, self.timeout).map_err(io_err)?;
+        let s = TcpStream::connect_timeout(&sa, self.timeout).map_err(|source| {
+            ProtoError::Connect {
+                addr: addr.to_string(),
+                source,
+            }
+        })?;
         s.set_read_timeout(Some(self.timeout)).map_err(io_err)?;
         s.set_write_timeout(Some(self.timeout)).map_err(io_err)?;
         s.set_nodelay(true).map_err(io_err)?;
@@ -160,11 +230,18 @@ impl StatusClient {
         if let Some(key) = &self.key {
             key.sign_request(&mut req);
         }
-        write_message(s, &req, addr)?;
-        let reply = read_message::<v1::Reply>(s, addr)?.ok_or_else(|| ProtoError::Io {
-            addr: addr.to_string(),
-            source: io::ErrorKind::UnexpectedEof.into(),
-        })?;
+        write_message(s, &req, addr).map_err(|e| self.named(e))?;
+        if speaks_nbd(s, self.timeout).map_err(|e| io_error(addr, e, self.timeout))? {
+            return Err(ProtoError::SpeaksNbd {
+                addr: addr.to_string(),
+            });
+        }
+        let reply = read_message::<v1::Reply>(s, addr)
+            .map_err(|e| self.named(e))?
+            .ok_or_else(|| ProtoError::Io {
+                addr: addr.to_string(),
+                source: io::ErrorKind::UnexpectedEof.into(),
+            })?;
         if let (Some(key), Some(auth)) = (&self.key, &req.auth) {
             // A donor refusing a request it could not authenticate does not
             // sign the refusal: report its reason rather than the signature.
@@ -187,6 +264,14 @@ impl StatusClient {
         Ok(reply)
     }
 
+    /// A timeout of the framing's i/o named as one.
+    fn named(&self, e: ProtoError) -> ProtoError {
+        match e {
+            ProtoError::Io { addr, source } => io_error(&addr, source, self.timeout),
+            e => e,
+        }
+    }
+
     /// Reads a donor's current status.
     pub fn query(&self, addr: &str) -> Result<DonorStatus, ProtoError> {
         expect_status(addr, self.call(addr, status_query())?)
@@ -199,6 +284,29 @@ impl StatusClient {
             auth: None,
         };
         expect_status(addr, self.call(addr, req)?)
+    }
+
+    /// Polls the donor at `addr` every half second until it holds nothing
+    /// (`None`: a drain is over) or `limit` has passed (its last status);
+    /// `seen` gets every status on the way.
+    pub fn wait_empty(
+        &self,
+        addr: &str,
+        limit: Duration,
+        mut seen: impl FnMut(&DonorStatus),
+    ) -> Result<Option<DonorStatus>, ProtoError> {
+        let start = std::time::Instant::now();
+        loop {
+            let s = self.query(addr)?;
+            seen(&s);
+            if s.used_bytes == 0 {
+                return Ok(None);
+            }
+            if start.elapsed() > limit {
+                return Ok(Some(s));
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
     }
 }
 
@@ -228,13 +336,9 @@ impl StatusSession {
             match self.client.exchange(&mut s, addr, status_query()) {
                 Ok(reply) => return self.keep(s, addr, reply),
                 // Closed while idle: a fresh connection below. A timeout
-                // is a slow or hung donor, and asking again would wait as
-                // long.
-                Err(ProtoError::Io { ref source, .. })
-                    if !matches!(
-                        source.kind(),
-                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                    ) => {}
+                // (NoAnswer) is a slow or hung donor, and asking again
+                // would wait as long.
+                Err(ProtoError::Io { .. }) => {}
                 Err(e) => return Err(e),
             }
         }
@@ -298,7 +402,36 @@ impl DonorState {
     }
 }
 
+/// The exports of `s` holding pages that no client is connected to, as
+/// `NAME (SIZE)`: pages of a detached device, or of a client that is gone.
+pub fn unclaimed_exports(s: &DonorStatus) -> Vec<String> {
+    s.exports
+        .iter()
+        .filter(|e| e.clients == 0 && e.used_bytes > 0)
+        .map(|e| format!("{} ({})", e.name, netpager_util::format_size(e.used_bytes)))
+        .collect()
+}
+
+/// What a drain that did not finish says about pages no client can move
+/// (empty when there are none).
+pub fn unclaimed_note(s: &DonorStatus) -> String {
+    let u = unclaimed_exports(s);
+    if u.is_empty() {
+        return String::new();
+    }
+    format!(
+        "; no client is connected to {}: pages of a detached device no drain moves (pagerctl release --state-dir DIR on its client frees them)",
+        u.join(", ")
+    )
+}
+
 /// A donor's status as JSON, with the state as a word.
+/// Logical bytes over the bytes they take (a donor's or an export's
+/// compression ratio); `None` while they take nothing.
+pub fn compression_ratio(logical: u64, stored: u64) -> Option<f64> {
+    (stored > 0).then(|| logical as f64 / stored as f64)
+}
+
 pub fn status_json(s: &DonorStatus) -> serde_json::Value {
     serde_json::json!({
         "node_id": s.node_id,
@@ -324,8 +457,16 @@ pub fn status_json(s: &DonorStatus) -> serde_json::Value {
         "zeroes": s.zeroes,
         "enospc": s.enospc,
         "uptime_ms": s.uptime_ms,
+        "compress": s.compress,
+        "logical_bytes": s.logical_bytes,
+        "ratio": compression_ratio(s.logical_bytes, s.used_bytes),
+        "capacity_bytes": s.capacity_bytes,
+        "offered_ratio": s.offered_ratio,
         "exports": s.exports.iter().map(|e| serde_json::json!({
             "name": e.name, "size_bytes": e.size_bytes, "used_bytes": e.used_bytes,
+            "clients": e.clients,
+            "logical_bytes": e.logical_bytes,
+            "ratio": compression_ratio(e.logical_bytes, e.used_bytes),
         })).collect::<Vec<_>>(),
     })
 }
@@ -462,6 +603,44 @@ mod tests {
         assert_eq!(used, [20, 21, 10]);
         assert!(session.is_connected());
         donor.join().unwrap();
+    }
+
+    /// What a status query says when the address is not a status
+    /// endpoint: an NBD server (it greets first), a silent one, nothing.
+    #[test]
+    fn a_wrong_address_is_named_in_words() {
+        let client = StatusClient {
+            timeout: Duration::from_millis(300),
+            key: None,
+        };
+        let nbd = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = nbd.local_addr().unwrap().to_string();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = nbd.accept().unwrap();
+            s.write_all(b"NBDMAGICIHAVEOPT\x00\x03").unwrap();
+            // Held open: the client must not wait for it to close.
+            let mut b = [0u8; 64];
+            let _ = s.read(&mut b);
+        });
+        let start = std::time::Instant::now();
+        let e = client.query(&addr).unwrap_err();
+        assert!(matches!(e, ProtoError::SpeaksNbd { .. }), "{e}");
+        assert!(e.to_string().contains("it speaks NBD"), "{e}");
+        assert!(
+            start.elapsed() < Duration::from_millis(300),
+            "waited for a timeout"
+        );
+        server.join().unwrap();
+
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = silent.local_addr().unwrap().to_string();
+        let e = client.query(&addr).unwrap_err();
+        assert!(matches!(e, ProtoError::NoAnswer { .. }), "{e}");
+        assert!(e.to_string().contains("sent no reply within 1 s"), "{e}");
+        drop(silent);
+
+        let e = client.query(&addr).unwrap_err();
+        assert!(e.to_string().contains("nothing listens there"), "{e}");
     }
 
     #[test]

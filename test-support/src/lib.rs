@@ -2,43 +2,49 @@
 //! nbdkit servers on loopback ([`Nbdkit`]) and the plugins the workspace
 //! builds. The Python harness is `tests/netpager_testkit`, another thing.
 
+pub mod machine;
 mod nbdkit;
 
-pub use nbdkit::{free_ports, Nbdkit, PSK_USER};
+pub use nbdkit::{free_ports, next_ip, Nbdkit, PSK_USER};
 
 use std::path::{Path, PathBuf};
 
 /// A pager-server donor with a status endpoint, or `None` (with a note
-/// on stderr) when its plugin has not been built.
+/// on stderr) when its plugin has not been built. The machine's own load
+/// and memory never decide a test's result: the donor is never busy and
+/// never drains for the machine's memory (`busy-load=1000`, `reserve=0`)
+/// unless `params` say otherwise (the plugin takes the last value given).
 pub fn pager_server(params: &[&str]) -> Option<Nbdkit> {
+    pager_server_filtered(&[], params)
+}
+
+/// [`pager_server`] behind nbdkit `filters` (`--filter=delay`, ...), whose
+/// parameters go in `params` too.
+pub fn pager_server_filtered(filters: &[&str], params: &[&str]) -> Option<Nbdkit> {
+    Some(Nbdkit::start(&server_args(filters, params)?, true))
+}
+
+/// nbdkit's arguments for the pager-server plugin with the harness's
+/// defaults, or `None` when the plugin has not been built.
+fn server_args(filters: &[&str], params: &[&str]) -> Option<Vec<String>> {
     let so = pager_server_so()?;
-    let mut args = vec![so.display().to_string(), "mlock=false".into()];
+    let mut args: Vec<String> = filters.iter().map(|s| s.to_string()).collect();
+    args.push(so.display().to_string());
+    args.extend(["mlock=false", "busy-load=1000", "reserve=0"].map(String::from));
     args.extend(params.iter().map(|s| s.to_string()));
-    Some(Nbdkit::start(&args, true))
+    Some(args)
 }
 
 /// [`pager_server`] listening on loopback address `ip`.
 pub fn pager_server_on(ip: &str, params: &[&str]) -> Option<Nbdkit> {
-    let so = pager_server_so()?;
-    let mut args = vec![so.display().to_string(), "mlock=false".into()];
-    args.extend(params.iter().map(|s| s.to_string()));
-    Some(Nbdkit::start_on(ip, &args, true))
+    Some(Nbdkit::start_on(ip, &server_args(&[], params)?, true))
 }
 
-/// `n` small pager-server donors (16 MiB exports, never busy) that report
-/// their state and used bytes on a status endpoint, or `None` as
-/// [`pager_server`].
+/// `n` small pager-server donors (16 MiB exports) that report their state
+/// and used bytes on a status endpoint, or `None` as [`pager_server`].
 pub fn pager_servers(n: usize) -> Option<Vec<Nbdkit>> {
     (0..n)
-        .map(|_| {
-            pager_server(&[
-                "size=16M",
-                "budget=64M",
-                "reserve=0",
-                "busy-load=1000",
-                "poll-ms=100",
-            ])
-        })
+        .map(|_| pager_server(&["size=16M", "budget=64M", "poll-ms=100"]))
         .collect()
 }
 

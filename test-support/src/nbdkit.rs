@@ -1,5 +1,6 @@
-//! Real nbdkit servers for tests, on 127.0.0.x loopback addresses with
-//! free ports, stopped by pid when the guard drops.
+//! Real nbdkit servers for tests, on loopback addresses of this test
+//! process's own block (127.N.x.y, [`crate::machine`]) with free ports,
+//! stopped by pid when the guard drops.
 
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -9,10 +10,16 @@ use std::time::{Duration, Instant};
 
 static NEXT_IP: AtomicU32 = AtomicU32::new(0);
 
-/// A loopback address for the next donor (spread over 127.0.0.10-249).
-fn next_ip() -> String {
-    let n = NEXT_IP.fetch_add(1, Ordering::Relaxed) + std::process::id();
-    format!("127.0.0.{}", 10 + n % 240)
+/// A loopback address of this process's block for the next donor: each
+/// its own, so parallel tests never race for a port.
+pub fn next_ip() -> String {
+    let n = NEXT_IP.fetch_add(1, Ordering::Relaxed);
+    format!(
+        "127.{}.{}.{}",
+        crate::machine::loopback_block(),
+        1 + n / 250 % 255,
+        2 + n % 250
+    )
 }
 
 /// Two distinct ports free on `ip` now (held open together, so they differ).

@@ -33,6 +33,7 @@ import yaml
 
 from netpager_testkit import MemoryCgroup, OwnedProcess, StatusClient, Teardown, swaps, wait_for
 from netpager_testkit.ci import skip_or_fail
+from netpager_testkit.machine import SWAP, loopback
 from netpager_testkit.paths import repo_root, target_dir
 from netpager_testkit.status import LabKey, StatusError
 from netpager_testkit.procs import tail
@@ -189,13 +190,16 @@ class Lab:
         self.mem_mb = mem_total_mb()
         # d3's budget comes from the memory facts: this share is ~96 MiB here.
         self.d3_percent = DONOR_BUDGET_MIB * 100 / self.mem_mb
-        self.addr = {d: f"127.0.0.{171 + i}" for i, d in enumerate(DONORS)}
+        # This test process's own loopback block: another run's ports never
+        # collide with these.
+        self.addr = {d: loopback(171 + i, net=3) for i, d in enumerate(DONORS)}
+        self.metrics_addr = loopback(1, net=3)
         self.port = {d: free_port(self.addr[d]) for d in DONORS}
         self.sport = {d: free_port(self.addr[d]) for d in DONORS}
         self.mport = {d: free_port(self.addr[d]) for d in DONORS}
         # The client's and prefetchd's metrics, on loopback in this lab.
-        self.client_mport = free_port("127.0.0.1")
-        self.pf_mport = free_port("127.0.0.1")
+        self.client_mport = free_port(self.metrics_addr)
+        self.pf_mport = free_port(self.metrics_addr)
         self.bin_src = bin_src
         self.data = root / "data"
         self.mount = root / "mnt" / "ds1"
@@ -251,7 +255,7 @@ class Lab:
             "netpager_donor_u_star": u_star,
             "netpager_client_size": f"{CLIENT_SIZE_MIB}M",
             "netpager_metrics": True,
-            "netpager_metrics_address": "127.0.0.1",
+            "netpager_metrics_address": self.metrics_addr,
             "netpager_client_metrics_port": self.client_mport,
             "netpager_prefetchd_metrics_port": self.pf_mport,
             "netpager_client_mode": "mirror",
@@ -273,7 +277,12 @@ class Lab:
                               text=True, check=True, timeout=60).stdout
 
     def client_status(self) -> dict:
-        return json.loads(self.pagerctl("status", "--state-dir", str(self.state / f"client-{CLIENT}"), "--json"))
+        # Exits 0 (ok), 3, 4 or 5 by the device's health; JSON in every case.
+        p = subprocess.run([str(self.prefix / "bin" / "pagerctl"), "status", "--state-dir",
+                            str(self.state / f"client-{CLIENT}"), "--json"],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode in (0, 3, 4, 5), p.stderr
+        return json.loads(p.stdout)
 
     def donor_status(self, d: str):
         """Signed with the lab key, as the donors require."""
@@ -422,7 +431,9 @@ def test_systemd_units_pass_systemd_analyze(tmp_path):
     # Host vars: they outrank the group_vars/all.yml linked in below.
     common = {"ansible_connection": "local", "ansible_python_interpreter": "/usr/bin/python3",
               # Binaries that exist, so that verify checks the command lines.
-              "netpager_install": "build", "netpager_bin_dir": str(target_dir()), "netpager_units_out": str(out)}
+              "netpager_install": "build", "netpager_bin_dir": str(target_dir()), "netpager_units_out": str(out),
+              # Donors found through the lab's DNS (wide-area DNS-SD).
+              "netpager_discovery": "dns", "netpager_dns_zone": "lab.test", "netpager_dns_server": "10.0.0.53"}
     # d1 is a namespace of a shared machine (as on the lab, tests/lab).
     d1 = dict(common, netpager_donor_address="10.0.0.11", netpager_donor_budget="1G", netpager_netns="nplab-d1")
     c1 = dict(common, netpager_prefetchd_datasets=[{
@@ -446,7 +457,11 @@ def test_systemd_units_pass_systemd_analyze(tmp_path):
     assert "psk=/etc/netpager/netpager.psk" in donor and "insecure" not in donor, donor
     assert "reserve=5%%" in donor, donor
     assert "NetworkNamespacePath=/run/netns/nplab-d1" in donor, donor
-    assert "NetworkNamespacePath" not in (out / "netpager-client-c1.service").read_text()
+    assert "announce=dns dns-zone=lab.test dns-key=/etc/netpager/dns.key dns-ttl=60 dns-server=10.0.0.53" \
+        in donor, donor
+    client = (out / "netpager-client-c1.service").read_text()
+    assert "NetworkNamespacePath" not in client
+    assert "--discover-domain lab.test --dns-server 10.0.0.53" in client, client
     v = subprocess.run(["systemd-analyze", "verify", "--man=no", *map(str, units)],
                        capture_output=True, text=True, timeout=120)
     assert v.returncode == 0 and not (v.stdout + v.stderr).strip(), v.stdout + v.stderr
@@ -465,6 +480,8 @@ def lab():
     root.chmod(0o755)
     lab = Lab(root, src)
     td = Teardown("ansible lab")
+    # The client's swap area, machine-wide: no other test run's alongside.
+    SWAP.hold(td)
     td.add(f"directory {root}", lambda: shutil.rmtree(root))
     td.add("what undeploy left", lab.remove_leftovers)
     td.add("undeploy.yml", lambda: lab.ansible("undeploy.yml", check=False))
@@ -524,7 +541,7 @@ def test_rollout_serves_donors_and_swaps_on_the_client(lab):
     # lab key's bearer token.
     token = hmac.new(bytes.fromhex(key), b"netpager-metrics-bearer-v1", hashlib.sha256).hexdigest()
     endpoints = [f"{lab.addr[d]}:{lab.mport[d]}" for d in DONORS]
-    endpoints += [f"127.0.0.1:{lab.client_mport}", f"127.0.0.1:{lab.pf_mport}"]
+    endpoints += [f"{lab.metrics_addr}:{lab.client_mport}", f"{lab.metrics_addr}:{lab.pf_mport}"]
     for ep, family in zip(endpoints, ["netpager_donor_info"] * 3
                           + ["netpager_client_info", "netpager_prefetch_local_blocks"]):
         url = f"http://{ep}/metrics"

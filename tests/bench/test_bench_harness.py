@@ -112,7 +112,7 @@ def test_bench_client_tiny(root, tools, donor_plugin, memhog, tmp_path, monkeypa
     depth = written(tmp_path, "depth")
     cols = ["randread QD16", "randwrite QD16", "1M read", "1M write"]
     assert depth["results"]["columns"] == cols
-    assert list(depth["results"]["best"]) == ["floor", "none", "direct"]
+    assert list(depth["results"]["best"]) == ["floor", "none", "direct", "bound"]
     assert all(len(v) == 4 and min(v) > 0 for v in depth["results"]["best"].values())
     assert any(line.startswith("none/direct") for line in depth["table"])
 

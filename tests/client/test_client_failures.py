@@ -10,20 +10,31 @@ import signal
 
 import pytest
 
-from netpager_testkit.client import MIB, busiest, donor_report, nbd_errno, run_memhog, run_pagerctl
+from netpager_testkit.client import MIB, busiest, donor_report, nbd_errno, run_memhog, pagerctl_status, run_pagerctl
 from netpager_testkit import wait_for
+from netpager_testkit.machine import URING_SWITCH
 
 LIMIT = 64 * MIB
 
 
-def start_swapping_job(teardown, memhog, tmp_path, device, at_least=32 * MIB):
+def start_swapping_job(teardown, memhog, tmp_path, device, at_least=32 * MIB, until=False):
     """memhog touching 3x LIMIT in a memory cgroup, in the background, once
-    `at_least` of it is on the swap device."""
-    job = run_memhog(teardown, memhog, LIMIT, tmp_path / "memhog.log", device)
+    `at_least` of it is on the swap device (`until`: swapping until
+    `job.stop()`)."""
+    job = run_memhog(teardown, memhog, LIMIT, tmp_path / "memhog.log", device, until=until)
     wait_for(lambda: job.swapped() >= at_least or not job.alive(), 300,
              f"{at_least >> 20} MiB swapped out to {device}")
     assert job.alive(), f"the job ended before it swapped enough: {job.proc.log_tail()}"
     return job
+
+
+def after_failure_round(job) -> None:
+    """Lets a job started with `until` verify one more round of every page
+    (through the degraded device), then end."""
+    rounds = job.rounds()
+    wait_for(lambda: job.rounds() > rounds or not job.alive(), 600,
+             "a verify round of the job after the failure")
+    job.stop()
 
 
 @pytest.mark.parametrize("mode", ["mirror", "parity"])
@@ -32,7 +43,8 @@ def test_job_survives_a_failed_donor(mode, failure, teardown, donors, client, me
     ds = donors(4)
     device = client.attach(ds, mode=mode, size="256M", swap=True,
                            extra=["--request-timeout", "2", "--connect-timeout", "2"])
-    job = start_swapping_job(teardown, memhog, tmp_path, device)
+    # The job swaps until the failure is detected and it has swapped on.
+    job = start_swapping_job(teardown, memhog, tmp_path, device, until=True)
     victim = busiest(client, ds)
     if failure == "killed":
         victim.kill9()
@@ -45,7 +57,7 @@ def test_job_survives_a_failed_donor(mode, failure, teardown, donors, client, me
                               f"donor {victim.name} marked failed")
     t = seen["totals"]
     assert t["degraded"] > 0 or t["rebuild"]["done"] > 0 or t["rebuild"]["active"], t
-
+    after_failure_round(job)
     job.finish()
     # Rebuilt: every unit has all its copies again, none on the failed donor.
     final = client.wait_status(
@@ -68,7 +80,7 @@ def test_ec_job_survives_two_donors_killed_at_once(teardown, donors, client, mem
     device = client.attach(ds, mode="ec", size="256M", swap=True,
                            extra=["--data", "4", "--parity", "2",
                                   "--request-timeout", "2", "--connect-timeout", "2"])
-    job = start_swapping_job(teardown, memhog, tmp_path, device)
+    job = start_swapping_job(teardown, memhog, tmp_path, device, until=True)
     st = client.wait_status(lambda s: any(d["extents_held"] > 0 for d in s["donors"]), 30,
                             "extents placed on donors")
     assert (st["code"], st["memory_overhead"], st["totals"]["can_lose"]) == ("4+2", 1.5, 2), st
@@ -85,7 +97,7 @@ def test_ec_job_survives_two_donors_killed_at_once(teardown, donors, client, mem
     t = seen["totals"]
     assert t["degraded"] > 0 or t["rebuild"]["done"] > 0 or t["rebuild"]["active"], t
     assert t["lost"] == 0, t
-
+    after_failure_round(job)
     job.finish()
     final = client.wait_status(
         lambda s: s["totals"]["degraded"] == 0 and not s["totals"]["rebuild"]["active"], 300,
@@ -95,7 +107,7 @@ def test_ec_job_survives_two_donors_killed_at_once(teardown, donors, client, mem
     for v in victims:
         gone = donor_report(final, v.name)
         assert gone["failed"] and gone["extents_held"] == 0, gone
-    table = run_pagerctl(["status", "--state-dir", client.state_dir]).stdout
+    table = pagerctl_status(client.state_dir).stdout
     assert "ec (code 4+2)" in table and "1.50x" in table, table
     client.detach()
     assert client.leftovers() == []
@@ -132,7 +144,7 @@ def test_mode_none_reports_lost_extents_and_keeps_the_rest(teardown, donors, cli
     assert donor_report(st, victim.name)["failed"]
     assert set(t["lost_extents"]) == bad, (t["lost_extents"], sorted(bad))
     assert t["lost"] == len(bad) and 0 < len(bad) < 64
-    table = run_pagerctl(["status", "--state-dir", client.state_dir]).stdout
+    table = pagerctl_status(client.state_dir).stdout
     assert "LOST extents:" in table and "FAILED" in table, table
     client.detach()
     assert client.leftovers() == []
@@ -141,11 +153,13 @@ def test_mode_none_reports_lost_extents_and_keeps_the_rest(teardown, donors, cli
 def test_drain_moves_extents_while_the_job_runs(teardown, donors, client, memhog, tmp_path):
     ds = donors(4)
     device = client.attach(ds, mode="mirror", size="256M", swap=True, extra=["--epoch", "1"])
-    job = start_swapping_job(teardown, memhog, tmp_path, device)
+    job = start_swapping_job(teardown, memhog, tmp_path, device, until=True)
     victim = busiest(client, ds)
     host, port = victim.status_addr
     p = run_pagerctl(["donor-drain", f"{host}:{port}", "--wait", "--wait-timeout", "300"], timeout=360)
     assert "is empty" in p.stdout, p.stdout
+    assert job.alive(), f"the job ended during the drain: {job.proc.log_tail()}"
+    job.stop()
     job.finish()
     st = json.loads(run_pagerctl(["donor-status", f"{host}:{port}", "--json"]).stdout)
     assert st["used_bytes"] == 0 and st["state"] == "draining", st
@@ -169,7 +183,7 @@ def test_client_killed_while_swapping_leaves_a_kernel_that_answers(teardown, don
     # The job either finishes (its pages read back before the kill) or dies
     # of a failed swap-in; what it must not do is hang.
     assert job.proc.wait(120) is not None, "the job hangs after the client died"
-    p = run_pagerctl(["status", "--state-dir", client.state_dir, "--json"])
+    p = pagerctl_status(client.state_dir, "--json")
     st = json.loads(p.stdout)
     assert st["server"] and not st["server"]["alive"], st["server"]
     client.detach()
@@ -182,6 +196,8 @@ def test_attach_turns_io_uring_on_and_detach_turns_it_back(teardown, donors, cli
     switch = Path("/sys/module/fuse/parameters/enable_uring")
     if not switch.exists():
         pytest.skip("this kernel has no FUSE over io_uring")
+    # Machine-wide: no other test run mounts or flips it meanwhile.
+    URING_SWITCH.hold(teardown)
     old = switch.read_text().strip()
     teardown.add(f"{switch} back to {old}", lambda: switch.write_text(old))
     switch.write_text("N")

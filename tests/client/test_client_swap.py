@@ -1,7 +1,8 @@
 """The client as swap: 4 donors on loopback, `pagerctl attach --swap` in each
-mode, a job in a memory cgroup touching 3x its limit and verifying every
-page, then `pagerctl detach` leaving nothing behind; the donors' memory
-given back once a job that swapped exits (swap with discard)."""
+mode and front end (restartable by default: classic FUSE behind a holder),
+a job in a memory cgroup touching 3x its limit and verifying every page,
+then `pagerctl detach` leaving nothing behind; the donors' memory given
+back once a job that swapped exits (swap with discard)."""
 
 from __future__ import annotations
 
@@ -9,28 +10,44 @@ from pathlib import Path
 
 import pytest
 
-from netpager_testkit.client import MIB, donor_spec, run_memhog, run_pagerctl
+from netpager_testkit.client import MIB, donor_spec, job_limit, pagerctl_status, run_memhog, run_pagerctl
 from netpager_testkit.procs import has_cap_sys_resource, wait_for
 from netpager_testkit import swaps
 
-LIMIT = 64 * MIB
+LIMIT = job_limit(64 * MIB)
 
 
-@pytest.mark.parametrize("mode,frontend", [("none", "fuse-uring"), ("mirror", "fuse-uring"),
-                                           ("parity", "fuse-uring"), ("disk", "fuse-uring"),
-                                           ("parity", "fuse"), ("parity", "nbd")])
-def test_swap_job_in_each_mode(mode, frontend, teardown, donors, client, memhog, tmp_path):
+# (mode, --frontend, more attach options, the front end it gets, restartable):
+# a swap device is restartable by default (classic FUSE and a holder);
+# fuse-uring, and nbd without kernel nbd, cannot be, and say so.
+CELLS = {
+    "none": ("none", "fuse-uring", (), "fuse-uring", False),
+    "mirror": ("mirror", "fuse-uring", (), "fuse-uring", False),
+    "parity": ("parity", "fuse-uring", (), "fuse-uring", False),
+    "disk": ("disk", "fuse-uring", (), "fuse-uring", False),
+    "parity-default": ("parity", None, (), "fuse", True),
+    "parity-fuse-not-restartable": ("parity", "fuse", ("--no-restartable",), "fuse", False),
+    "parity-nbd": ("parity", "nbd", (), "nbd", False),
+}
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_swap_job_in_each_mode(cell, teardown, donors, client, memhog, tmp_path):
+    mode, asked, extra, frontend, restartable = CELLS[cell]
     ds = donors(4)
-    device = client.attach(ds, mode=mode, size="256M", swap=True, frontend=frontend)
+    device = client.attach(ds, mode=mode, size="256M", swap=True, frontend=asked, extra=extra)
     assert device in swaps(), f"{device} is not swap: {swaps()}"
     assert client.frontend() == frontend
+    assert client.status()["restartable"] is restartable
+    said = "this swap device is not restartable" in client.attach_stderr
+    assert said is (not restartable and not extra), client.attach_stderr
     # Whether the serving process can be an I/O flusher depends on the
     # machine (CAP_SYS_RESOURCE; nbdkit never asks): status says which, and
     # warns when it is not.
     full = client.status()
     if frontend != "nbd":
         assert full["io_flusher"] is has_cap_sys_resource(), full["io_flusher"]
-    text = run_pagerctl(["status", "--state-dir", client.state_dir]).stdout
+    text = pagerctl_status(client.state_dir).stdout
     assert ("is not an I/O flusher" in text) is (full["io_flusher"] is False), text
 
     job = run_memhog(teardown, memhog, LIMIT, tmp_path / "memhog.log", device)
@@ -52,7 +69,6 @@ def test_swap_job_in_each_mode(mode, frontend, teardown, donors, client, memhog,
 
     client.detach()
     assert client.leftovers() == []
-    assert device not in swaps()
 
 
 def test_donors_give_memory_back_when_a_swap_job_exits(teardown, donors, client, memhog, tmp_path):
@@ -87,7 +103,6 @@ def test_donors_give_memory_back_when_a_swap_job_exits(teardown, donors, client,
 
     client.detach()
     assert client.leftovers() == []
-    assert device not in swaps()
 
 
 def test_attach_failure_undoes_every_step(teardown, donors, client):

@@ -76,7 +76,6 @@ def lab_donors(root, teardown, tmp_path, donor_plugin, client):
     psk.chmod(0o600)
 
     def start(n: int = 4, budget="256M", **params):
-        params.setdefault("busy_load", 1000)
         params.setdefault("poll_ms", 100)
         return [netlab.LabDonor(lab[f"d{i + 1}"], teardown, tmp_path, donor_plugin,
                                 {"size": "1G", "budget": budget, "psk": psk, **params}, tls_psk=psk).start()

@@ -2,7 +2,7 @@
 while a verifying workload has I/O in flight on the client's device, never
 after a flush or between jobs.
 
-Workloads: `block` is BlockWorkload (fault_helpers): two threads writing
+Workloads: `block` is BlockWorkload (netpager_testkit.blockio): two threads writing
 and read-verifying generations of a pattern with O_DIRECT on the device
 (the loop device over `pagerctl serve`'s FUSE file); `swap` is
 tests/jobs/memhog swapping through the device (it verifies every page);
@@ -33,14 +33,16 @@ from pathlib import Path
 import pytest
 
 from netpager_testkit.client import MIB, Job, busiest, donor_report, run_pagerctl
-from fault_helpers import (BLOCK, PAGE, MemoryHog, Partition, StatusFlood, append_row,
-                           extent_size, mem_available, start_block_workload)
+from fault_helpers import (MemoryHog, Partition, StatusFlood, append_row, extent_size,
+                           mem_available)
 from netlab import LinkDown, SlowLink
-from netpager_testkit import wait_for
+from netpager_testkit import state_word, wait_for
 from netpager_testkit.attach import Mount, file_checksums
+from netpager_testkit.blockio import BLOCK, PAGE, start_block_workload
 from netpager_testkit.paths import pagerctl
 
 MODES = ("none", "mirror", "parity", "disk")
+GIB = 1 << 30
 SIZE = 64 * MIB
 TIMEOUTS = ["--request-timeout", "2", "--connect-timeout", "2"]
 
@@ -215,25 +217,39 @@ def test_donor_kill9_while_swapping(mode, teardown, donors, client, memhog, tmp_
     victim = cell.inject_on_busiest(ds)
     victim.kill9()
     cell.detected_failed(victim)
-    finish_swapping(cell, job.finish())
+    finish_swapping(cell, job_after_fault(job))
 
 
 def start_swapping(cell, teardown, ds, memhog, tmp_path, limit: int, extra=()):
     """Attaches the cell's client as swap and starts memhog touching 3x
-    `limit` (one verify pass) in a cgroup of `limit`; returns the job once
-    half its limit is out in the device."""
+    `limit` in a cgroup of `limit`, verifying round after round until
+    `job_after_fault` stops it; returns the job once half its limit is out
+    in the device."""
     device = cell.client.attach(ds, mode=cell.mode, size="256M", swap=True, extra=TIMEOUTS + list(extra))
-    job = Job(teardown, [memhog, str(3 * limit), "--passes", "1"], limit, tmp_path / "memhog.log", device)
+    job = Job(teardown, [memhog, str(3 * limit), "--passes", "1"], limit, tmp_path / "memhog.log", device,
+              until=True)
     wait_for(lambda: job.swapped() >= limit // 2 or not job.alive(), 300, f"{limit // 2 >> 20} MiB swapped out")
     assert job.alive(), f"the job ended before it swapped enough: {job.proc.log_tail()}"
     return job
 
 
+def job_after_fault(job) -> str:
+    """Once the fault is in: the job verifies every page in one more round
+    (through the device as the fault left it), then its final round, and
+    ends; returns its output."""
+    rounds = job.rounds()
+    wait_for(lambda: job.rounds() > rounds or not job.alive(), 600, "a verify round after the fault")
+    job.stop()
+    return job.finish()
+
+
 def finish_swapping(cell, out: str) -> None:
     """After the job (its output `out`) passed: waits for recovery, nothing
     lost, the row, detach."""
-    pages = int(out.split("pages=")[1].split()[0]) if "pages=" in out else 0
-    cell.verified_bytes = pages * PAGE * 2  # every page verified twice (--passes 1 + final)
+    summary = next((line for line in reversed(out.splitlines()) if "memhog: OK" in line), "")
+    fields = dict(f.split("=", 1) for f in summary.split() if "=" in f)
+    pages = int(fields.get("pages", 0))
+    cell.verified_bytes = pages * PAGE * int(fields.get("verified", 0))
     st = cell.wait_recovered()
     assert st["totals"]["lost"] == 0, st["totals"]
     cell.lost_extents = st["totals"]["lost_extents"]
@@ -252,7 +268,9 @@ def test_donor_sigstop_past_request_timeout(mode, teardown, donors, client):
     victim.sigstop()
     try:
         cell.detected_failed(victim)
-        time.sleep(1)  # stopped well past the 2 s request timeout
+        # Still stopped while the workload goes on without it, so that its
+        # late answers come after the client gave up on them.
+        cell.w.wait_ops(64)
     finally:
         victim.sigcont()
     # The donor answers its old requests now; the workload goes on.
@@ -318,7 +336,7 @@ def test_link_down_while_swapping(mode, teardown, lab_donors, client, memhog, tm
     victim = cell.inject_on_busiest(ds)
     link = LinkDown(teardown, lab_donors.lab, victim.name)
     cell.detected_failed(victim)
-    out = job.finish()
+    out = job_after_fault(job)
     link.heal()
     finish_swapping(cell, out)
 
@@ -534,7 +552,7 @@ def test_serving_process_kill9_while_swapping(mode, teardown, donors, client, me
     cell.inject()
     client.kill_serving_process()
     new_process_serves(cell, old)
-    out = job.finish()
+    out = job_after_fault(job)
     note_holder(cell)
     assert client.holder()["crashes"] == 1
     finish_swapping(cell, out)
@@ -554,7 +572,7 @@ def test_upgrade_under_load(mode, teardown, donors, client, memhog, tmp_path):
     run_pagerctl(["restart", "--state-dir", client.state_dir, "--binary", second])
     new_process_serves(cell, old)
     assert Path(f"/proc/{client.serving_pid()}/exe").resolve() == second.resolve()
-    out = job.finish()
+    out = job_after_fault(job)
     note_holder(cell)
     assert client.holder()["crashes"] == 0
     finish_swapping(cell, out)
@@ -564,15 +582,18 @@ def test_upgrade_under_load(mode, teardown, donors, client, memhog, tmp_path):
 
 @pytest.mark.parametrize("mode", modes())
 def test_donor_memory_pressure_drains(mode, teardown, donors, client, tmp_path):
-    """A memory hog (stress-ng in a cgroup of its own) takes real memory so
-    that MemAvailable drops below one donor's reserve: it turns draining,
-    and the client moves its extents away while the workload runs."""
-    hog_bytes = 3 << 30
+    """Memory hogs (stress-ng, each in a cgroup of its own) take real memory
+    until MemAvailable drops below one donor's reserve: it turns draining,
+    and the client moves its extents away while the workload runs. The
+    hogs grow until the donor says it drains, not by a guess: other
+    processes on the machine take and free memory meanwhile."""
+    step = 256 * MIB
     avail = mem_available()
-    if avail < hog_bytes + (2 << 30):
-        pytest.fail(f"MemAvailable {avail >> 20} MiB: too little to take {hog_bytes >> 20} MiB away")
-    # d1's reserve sits 1.5 GiB below what is available now; the others' far below.
-    reserve = avail - (3 << 29)
+    if avail < 3 * GIB:
+        pytest.fail(f"MemAvailable {avail >> 20} MiB: too little to take 1 GiB and more away")
+    # d1 drains once about 1 GiB more of the machine's memory is taken; the
+    # others' reserves are far below.
+    reserve = avail - GIB
     ds = donors(4, reserve=[reserve, "64M", "64M", "64M"])
     victim = ds[0]
     cell = Cell("donor memory pressure (real)", mode, client)
@@ -581,17 +602,35 @@ def test_donor_memory_pressure_drains(mode, teardown, donors, client, tmp_path):
                             f"extents on {victim.name}")
     held0 = donor_report(st, victim.name)["extents_held"]
     cell.inject()
-    hog = MemoryHog(teardown, hog_bytes, tmp_path / "hog.log")
+    hogs: list[MemoryHog] = []
+
+    def taken_enough() -> bool:
+        """The donor drains, or more is taken: while the machine's
+        MemAvailable is not well below its reserve (other processes free
+        memory too), one more hog, up to half a GiB left to the machine."""
+        if state_word(victim.status()) == "draining":
+            return True
+        if mem_available() > reserve - step // 2:
+            assert mem_available() > step + 512 * MIB, (
+                f"{len(hogs) * step >> 20} MiB taken and {victim.name} does not drain: "
+                f"MemAvailable {mem_available() >> 20} MiB, reserve {reserve >> 20} MiB")
+            hogs.append(MemoryHog(teardown, step, tmp_path / f"hog{len(hogs)}.log"))
+            wait_for(hogs[-1].holding, 120, f"memory hog {len(hogs)} to hold {step >> 20} MiB")
+        return False
+
     try:
+        wait_for(taken_enough, 600, f"{victim.name} to drain as memory is taken")
         cell.detected(lambda s: donor_report(s, victim.name)["state"] == "draining",
                       f"{victim.name} draining under memory pressure")
         st = client.wait_status(lambda s: donor_report(s, victim.name)["extents_held"] == 0, 240,
                                 f"extents moved off {victim.name}")
         cell.rebuild_s = time.monotonic() - cell.t_inject
-        cell.notes.append(f"{held0} extents moved off while the job ran; MemAvailable "
-                          f"{mem_available() >> 20} MiB under the hog, reserve {reserve >> 20} MiB")
+        cell.notes.append(f"{held0} extents moved off while the job ran; {len(hogs) * step >> 20} MiB "
+                          f"taken, MemAvailable {mem_available() >> 20} MiB under the hogs, "
+                          f"reserve {reserve >> 20} MiB")
     finally:
-        hog.stop()
+        for hog in hogs:
+            hog.stop()
     cell.w.stop()
     cell.check("after the drain", False)
     assert donor_report(st, victim.name)["extents_held"] == 0

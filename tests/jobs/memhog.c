@@ -10,6 +10,11 @@
  *      rewrite one page in three with the next generation;
  *   3. verify every page in reverse order.
  *
+ * --until FILE repeats step 2 (at least PASSES times) until FILE exists, so
+ * a test that must do things while the job runs keeps it running until it
+ * has done them, then lets it verify and end. Each round of step 2 prints
+ * "memhog: round N verified" (flushed), an event a test can wait for.
+ *
  * --flip PAGE flips one bit of PAGE after the first pass, so a test can show
  * that the verifier catches a damaged page.
  *
@@ -24,58 +29,15 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
-static uint64_t splitmix64(uint64_t x)
-{
-	x += 0x9e3779b97f4a7c15ULL;
-	x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-	x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-	return x ^ (x >> 31);
-}
+#include "verify.h"
 
 static uint64_t page_key(uint64_t seed, uint64_t page, uint8_t gen)
 {
 	return splitmix64(seed ^ splitmix64(page * 256 + gen));
-}
-
-static void fill_page(uint64_t *p, size_t words, uint64_t key)
-{
-	for (size_t j = 0; j < words; j++)
-		p[j] = splitmix64(key + j);
-}
-
-/* Returns the index of the first wrong word, or words when all are right. */
-static size_t check_page(const uint64_t *p, size_t words, uint64_t key)
-{
-	for (size_t j = 0; j < words; j++)
-		if (p[j] != splitmix64(key + j))
-			return j;
-	return words;
-}
-
-static int parse_size(const char *s, uint64_t *out)
-{
-	char *end;
-	errno = 0;
-	unsigned long long v = strtoull(s, &end, 10);
-	if (errno || end == s)
-		return -1;
-	switch (*end) {
-	case 'k': case 'K': v <<= 10; end++; break;
-	case 'm': case 'M': v <<= 20; end++; break;
-	case 'g': case 'G': v <<= 30; end++; break;
-	default: break;
-	}
-	if (*end == 'i' || *end == 'B')
-		end++;
-	if (*end == 'B')
-		end++;
-	if (*end != '\0')
-		return -1;
-	*out = v;
-	return 0;
 }
 
 static double now_s(void)
@@ -88,9 +50,10 @@ static double now_s(void)
 static void usage(void)
 {
 	fprintf(stderr,
-		"usage: memhog SIZE [--passes N] [--seed S]\n"
+		"usage: memhog SIZE [--passes N] [--until F] [--seed S] [--flip P]\n"
 		"  SIZE   bytes to touch, with optional K/M/G suffix (binary)\n"
 		"  --passes N  shuffled verify+rewrite rounds (default 2)\n"
+		"  --until F   more rounds until file F exists (at least N)\n"
 		"  --seed S    pattern seed (default 1)\n"
 		"  --flip P    flip one bit of page P after writing (proves the check)\n");
 	exit(2);
@@ -106,18 +69,15 @@ static uint64_t next_random(void)
 
 int main(int argc, char **argv)
 {
-	uint64_t size = 0, seed = 1, passes = 2, flip = UINT64_MAX;
+	uint64_t size = 0, passes = 2;
+	struct job_options opt = JOB_OPTIONS_DEFAULT;
 	int have_size = 0;
 
 	for (int i = 1; i < argc; i++) {
+		if (job_option(argc, argv, &i, &opt, usage))
+			continue;
 		if (strcmp(argv[i], "--passes") == 0 && i + 1 < argc) {
 			if (parse_size(argv[++i], &passes))
-				usage();
-		} else if (strcmp(argv[i], "--seed") == 0 && i + 1 < argc) {
-			if (parse_size(argv[++i], &seed))
-				usage();
-		} else if (strcmp(argv[i], "--flip") == 0 && i + 1 < argc) {
-			if (parse_size(argv[++i], &flip))
 				usage();
 		} else if (!have_size && parse_size(argv[i], &size) == 0) {
 			have_size = 1;
@@ -131,9 +91,9 @@ int main(int argc, char **argv)
 	const size_t page_size = (size_t)sysconf(_SC_PAGESIZE);
 	const size_t words = page_size / sizeof(uint64_t);
 	const uint64_t pages = (size + page_size - 1) / page_size;
-	if (flip != UINT64_MAX && flip >= pages) {
+	if (opt.flip != UINT64_MAX && opt.flip >= pages) {
 		fprintf(stderr, "memhog: --flip %" PRIu64 " is past the last page %" PRIu64 "\n",
-			flip, pages - 1);
+			opt.flip, pages - 1);
 		return 2;
 	}
 
@@ -150,18 +110,22 @@ int main(int argc, char **argv)
 		fprintf(stderr, "memhog: bookkeeping for %" PRIu64 " pages: out of memory\n", pages);
 		return 2;
 	}
-	rng_state = seed;
+	rng_state = opt.seed;
 
 	double t0 = now_s();
 	uint64_t touched = 0;
 
 	for (uint64_t i = 0; i < pages; i++)
-		fill_page((uint64_t *)(base + i * page_size), words, page_key(seed, i, 0));
+		fill_words((uint64_t *)(base + i * page_size), words, page_key(opt.seed, i, 0));
 	touched += pages;
-	if (flip < pages)
-		base[flip * page_size + 100] ^= 0x10;
+	if (opt.flip < pages)
+		base[opt.flip * page_size + 100] ^= 0x10;
 
+	struct stat st;
 	for (uint64_t round = 0; round <= passes; round++) {
+		/* With --until, one more round while the file is not there yet. */
+		if (round == passes && opt.until && stat(opt.until, &st) != 0)
+			passes++;
 		const int last = round == passes;
 		for (uint64_t i = 0; i < pages; i++)
 			order[i] = (uint32_t)(last ? pages - 1 - i : i);
@@ -175,8 +139,8 @@ int main(int argc, char **argv)
 		for (uint64_t k = 0; k < pages; k++) {
 			uint64_t i = order[k];
 			const uint64_t *p = (const uint64_t *)(base + i * page_size);
-			uint64_t key = page_key(seed, i, gen[i]);
-			size_t bad = check_page(p, words, key);
+			uint64_t key = page_key(opt.seed, i, gen[i]);
+			size_t bad = check_words(p, words, key);
 			if (bad != words) {
 				fprintf(stderr,
 					"memhog: FAILED verify round %" PRIu64 ": bad page %" PRIu64
@@ -190,9 +154,11 @@ int main(int argc, char **argv)
 		touched += pages;
 		if (last)
 			break;
+		printf("memhog: round %" PRIu64 " verified\n", round + 1);
+		fflush(stdout);
 		for (uint64_t i = round % 3; i < pages; i += 3) {
 			gen[i]++;
-			fill_page((uint64_t *)(base + i * page_size), words, page_key(seed, i, gen[i]));
+			fill_words((uint64_t *)(base + i * page_size), words, page_key(opt.seed, i, gen[i]));
 		}
 		touched += (pages + 2) / 3;
 	}

@@ -175,13 +175,16 @@ class LabRollout:
 
     # --- reading the hosts, over SSH -------------------------------------
 
-    def pagerctl(self, host: str, *args: str) -> str:
+    def pagerctl(self, host: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         binary = self.bin_src / "pagerctl" if self.install == "deb" else self.host_dir(host) / "opt" / "bin" / "pagerctl"
-        return self.lab.ssh(host, " ".join([str(binary), *args])).stdout
+        return self.lab.ssh(host, " ".join([str(binary), *args]), check=check)
 
     def client_status(self, host: str) -> dict:
         state = self.host_dir(host) / "var" / f"client-{host}"
-        return json.loads(self.pagerctl(host, "status", "--state-dir", str(state), "--json"))
+        # Exits 0 (ok), 3, 4 or 5 by the device's health; JSON in every case.
+        p = self.pagerctl(host, "status", "--state-dir", str(state), "--json", check=False)
+        assert p.returncode in (0, 3, 4, 5), p.stderr
+        return json.loads(p.stdout)
 
     def psk_file(self, host: str) -> Path:
         return self.host_dir(host) / "etc" / "netpager.psk"

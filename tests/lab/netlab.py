@@ -24,6 +24,11 @@ knows they are a crashed run's, and removes them (what and why goes to
 stderr). Teardown is idempotent; it runs on every exit path through the
 Teardown it was given (pass, fail, timeout, Ctrl-C).
 
+Faults on a host: `LinkDown` (its link down), `SlowLink` (tbf on both ends
+of its link), `Partition` (iptables DROP inside its namespace). A host can
+take a second address on the lab's subnet (`Lab.add_alias`), so one
+server there answers under two addresses.
+
 Removing a host: swap areas and loop devices whose backing file lies in
 the lab's working directory go first (their FUSE server may run in the
 host), then every process in the namespace (`ip netns pids`: the lab's
@@ -221,6 +226,13 @@ class Host:
         """`argv` run inside this host's namespace."""
         return ["ip", "netns", "exec", self.ns] + [str(a) for a in argv]
 
+    @property
+    def alias(self) -> str:
+        """A second address the host can be given (`Lab.add_alias`): .111 on
+        for .11 on, so one host answers under two addresses."""
+        a = ipaddress.ip_address(self.addr)
+        return str(a + 100)
+
     def link(self, up: bool) -> None:
         """Takes the host's link to the bridge down (a partition: packets are
         dropped, nobody sends a RST) or up again."""
@@ -236,8 +248,8 @@ class Lab:
         missing = [t for t in TOOLS if not shutil.which(t)] + ([SSHD] if ssh and not Path(SSHD).exists() else [])
         if missing:
             raise LabError(f"missing {', '.join(missing)} (run scripts/deps.sh: iproute2, openssh-server)")
-        if not 1 <= len(names) <= 200 or len(set(names)) != len(names):
-            raise LabError(f"host names must be 1 to 200 distinct names, got {names}")
+        if not 1 <= len(names) <= 100 or len(set(names)) != len(names):
+            raise LabError(f"host names must be 1 to 100 distinct names, got {names}")
         self.td = teardown
         self.workdir = Path(workdir)
         self.hosts = {n: Host(n, SUBNET.network_address + 11 + i, self.workdir) for i, n in enumerate(names)}
@@ -370,6 +382,13 @@ class Lab:
         """Runs a command inside a host's namespace, without SSH."""
         return run(self.hosts[host].netns_argv(argv), timeout=timeout, check=check)
 
+    def add_alias(self, host: str) -> str:
+        """Gives a host its second address (`Host.alias`, on the lab's
+        subnet; gone with the namespace); returns it."""
+        h = self.hosts[host]
+        run(["ip", "-n", h.ns, "addr", "add", f"{h.alias}/{SUBNET.prefixlen}", "dev", "eth0"])
+        return h.alias
+
 
 class LabDonor(Donor):
     """A harness donor (netpager_testkit.donor) serving from a lab host: nbdkit
@@ -392,19 +411,21 @@ class LabDonor(Donor):
         return self.host.netns_argv(super().argv())
 
 
-class SlowLink:
-    """A token-bucket filter on both ends of a host's link: `rate` each way,
-    packets queued up to `latency`, dropped beyond. Removed by `heal` and on
-    teardown."""
+class _LinkQdisc:
+    """A root qdisc on both ends of a host's link (the machine's veth end
+    and the host's eth0); removed by `heal` and on teardown."""
 
-    def __init__(self, teardown: Teardown, lab: Lab, host: str, rate: str = "4mbit",
-                 burst: str = "32kb", latency: str = "200ms"):
+    def __init__(self, teardown: Teardown, lab: Lab, host: str, qdisc: list[str], what: str):
         self.lab, self.host = lab, lab[host]
         self.active = True
-        teardown.add(f"tbf qdiscs on {self.host.veth}", self.heal)
-        tbf = ["root", "tbf", "rate", rate, "burst", burst, "latency", latency]
-        run(["tc", "qdisc", "add", "dev", self.host.veth] + tbf)
-        lab.netns_run(host, ["tc", "qdisc", "add", "dev", "eth0"] + tbf)
+        teardown.add(f"{what} qdiscs on {self.host.veth}", self.heal)
+        run(["tc", "qdisc", "add", "dev", self.host.veth, "root"] + qdisc)
+        lab.netns_run(host, ["tc", "qdisc", "add", "dev", "eth0", "root"] + qdisc)
+
+    def change(self, qdisc: list[str]) -> None:
+        """Replaces the qdisc's parameters on both ends."""
+        run(["tc", "qdisc", "change", "dev", self.host.veth, "root"] + qdisc)
+        self.lab.netns_run(self.host.name, ["tc", "qdisc", "change", "dev", "eth0", "root"] + qdisc)
 
     def heal(self) -> None:
         if not self.active:
@@ -416,6 +437,64 @@ class SlowLink:
                     and "Cannot delete qdisc with handle of zero" not in p.stderr:
                 raise LabError(f"{' '.join(argv)}: {p.stderr.strip()}")
         self.active = False
+
+
+class SlowLink(_LinkQdisc):
+    """A token-bucket filter on both ends of a host's link: `rate` each way,
+    packets queued up to `latency`, dropped beyond. Removed by `heal` and on
+    teardown."""
+
+    def __init__(self, teardown: Teardown, lab: Lab, host: str, rate: str = "4mbit",
+                 burst: str = "32kb", latency: str = "200ms"):
+        super().__init__(teardown, lab, host, ["tbf", "rate", rate, "burst", burst, "latency", latency],
+                         "tbf")
+
+
+def netem_available() -> bool:
+    """Whether this kernel has netem (sch_netem; loaded now if it is a
+    module). The test VM's kernel has it; this machine's does not."""
+    return subprocess.run(["modprobe", "-q", "sch_netem"], capture_output=True).returncode == 0
+
+
+class Latency(_LinkQdisc):
+    """netem on both ends of a host's link: `delay` added each way. Needs
+    sch_netem (`netem_available`). The queue holds 100000 packets (netem's
+    default 1000 drops a swap burst's packets within a long delay, and TCP's
+    backoff then stalls the link for seconds). No jitter: netem reorders
+    packets to make it. Removed by `heal` and on teardown."""
+
+    def __init__(self, teardown: Teardown, lab: Lab, host: str, delay: str = "40ms"):
+        super().__init__(teardown, lab, host, self.spec(delay), "netem")
+
+    @staticmethod
+    def spec(delay: str) -> list[str]:
+        return ["netem", "delay", delay, "limit", "100000"]
+
+    def set(self, delay: str) -> None:
+        self.change(self.spec(delay))
+
+
+class Partition:
+    """iptables DROP of every packet into and out of a host, inside its own
+    namespace (the machine's rules are never touched): a partition without
+    a RST. Removed by `heal` and on teardown."""
+
+    RULES = (["INPUT", "-j", "DROP"], ["OUTPUT", "-j", "DROP"])
+
+    def __init__(self, teardown: Teardown, lab: Lab, host: str):
+        self.lab, self.host = lab, host
+        self.added: list[list[str]] = []
+        teardown.add(f"iptables DROP in {lab[host].ns}", self.heal)
+        for rule in self.RULES:
+            lab.netns_run(host, ["iptables", "-w", "10", "-I", *rule])
+            self.added.append(rule)
+
+    def heal(self) -> None:
+        if self.lab[self.host].ns not in namespaces():
+            self.added = []
+        while self.added:
+            self.lab.netns_run(self.host, ["iptables", "-w", "10", "-D", *self.added[-1]])
+            self.added.pop()
 
 
 class LinkDown:

@@ -3,7 +3,8 @@ hosts started with `announce=true` are seen by `pagerctl discover` on
 another host; one whose status is signed with another lab key is seen but
 never usable; a donor that stops says goodbye and is no longer announced.
 prefetchd and a client device with discovery on use the verified donor and
-never the other."""
+never the other. Without a lab key only loopback is trusted: the lab's own
+network counts only when named (`--trust-network`, `trust_network`)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def discover(lab: netlab.Lab, host: str, *args: str, expect=(), listen: float = 
 def test_announced_donors_are_discovered_and_verified_with_the_lab_key(lab_root, donor_plugin):
     td = Teardown("discovery")
     try:
-        lab = netlab.Lab(td, lab_root, ["d1", "d2", "d3", "c1"], ssh=False)
+        lab = netlab.Lab(td, lab_root, ["d1", "d2", "d3", "d4", "c1"], ssh=False)
         key, wrong = lab_root / "lab.psk", lab_root / "wrong.psk"
         key.write_text(f"lab:{secrets.token_hex(32)}\n")
         wrong.write_text(f"lab:{secrets.token_hex(32)}\n")
@@ -56,9 +57,13 @@ def test_announced_donors_are_discovered_and_verified_with_the_lab_key(lab_root,
                                    {**params, "psk": wrong, "announce": True}, tls_psk=wrong).start()
         # A donor without announce=true is never seen.
         netlab.LabDonor(lab["d3"], td, lab_root, donor_plugin, {**params, "psk": key}, tls_psk=key).start()
+        # A donor without a lab key (its status unsigned, plain NBD).
+        netlab.LabDonor(lab["d4"], td, lab_root, donor_plugin,
+                        {**params, "insecure": True, "announce": True}).start()
+        lab_donors = ["d1", "d2", "d4"]
 
-        seen = discover(lab, "c1", "--psk", str(key), expect=["d1", "d2"])
-        assert sorted(seen) == ["d1", "d2"], seen
+        seen = discover(lab, "c1", "--psk", str(key), expect=lab_donors)
+        assert sorted(seen) == lab_donors, seen
         d1, d2 = seen["d1"], seen["d2"]
         assert (d1["nbd"], d1["status"]) == (f"{lab['d1'].addr}:{good.port}",
                                              f"{lab['d1'].addr}:{good.status_addr[1]}")
@@ -67,11 +72,21 @@ def test_announced_donors_are_discovered_and_verified_with_the_lab_key(lab_root,
         assert not d2["usable"] and "status not verified with the lab key" in d2["why"], d2
         assert stranger.alive()
 
-        # Without a key, the test network's donors count as usable (the rule
-        # of attach --discover without --psk), both of them.
-        seen = discover(lab, "c1", expect=["d1", "d2"])
-        assert [seen[n]["usable"] for n in ("d1", "d2")] == [True, True], seen
-        assert seen["d1"]["why"] == "no lab key: on loopback or the test network"
+        assert not seen["d4"]["usable"] and "not signed" in seen["d4"]["why"], seen["d4"]
+
+        # Without a key only loopback is trusted (the rule of attach
+        # --discover without --psk): no donor of the lab's network counts,
+        # and each says why.
+        seen = discover(lab, "c1", expect=lab_donors)
+        for n in lab_donors:
+            assert not seen[n]["usable"], seen[n]
+            assert f"{lab[n].addr} is not on a trusted network (loopback)" in seen[n]["why"], seen[n]
+            assert "--trust-network" in seen[n]["why"], seen[n]
+        # The lab's network named as trusted: the keyless donor counts; the
+        # keyed ones still not, their status wants the key.
+        seen = discover(lab, "c1", "--trust-network", str(netlab.SUBNET), expect=lab_donors)
+        assert seen["d4"]["usable"] and seen["d4"]["why"] == "no lab key: on a trusted network", seen
+        assert not seen["d1"]["usable"] and "status not read" in seen["d1"]["why"], seen["d1"]
 
         # A donor that stops withdraws its announcement (nbdkit's unload).
         good.terminate()
@@ -129,6 +144,27 @@ def test_prefetchd_uses_a_discovered_donor_only_when_its_status_verifies(lab_roo
 
 
 
+def lab_device(td: Teardown, lab: netlab.Lab, host: str, state, settings: str):
+    """A client device with no donors of its own (nbdkit with the client
+    plugin on `host`, so nothing is mounted), `settings` added to its
+    device.toml: its state directory, its socket and a reader of its status."""
+    state.mkdir(mode=0o700)
+    (state / "device.toml").write_text(
+        f'client_id = "{host}"\nsize = "16M"\nmlock = false\n{settings}donors = []\n'
+        '[mode]\nkind = "none"\n[policy]\nepoch_ms = 1000\n')
+    sock = state / "nbd.sock"
+    OwnedProcess(lab[host].netns_argv(["nbdkit", "-f", "-U", sock, client_plugin(), f"state={state}"]),
+                 state / "nbdkit.log", td, f"client nbdkit on {host}")
+
+    def status() -> dict:
+        try:
+            return json.loads((state / "status.json").read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
+
+    return state, sock, status
+
+
 def test_a_device_with_discover_adds_the_verified_donor_and_never_the_stranger(lab_root, donor_plugin,
                                                                                  tmp_path):
     """A client device (nbdkit with the client plugin on host c1, so nothing
@@ -149,21 +185,8 @@ def test_a_device_with_discover_adds_the_verified_donor_and_never_the_stranger(l
         netlab.LabDonor(lab["d1"], td, lab_root, donor_plugin, {**params, "psk": key}, tls_psk=key).start()
         netlab.LabDonor(lab["d2"], td, lab_root, donor_plugin, {**params, "psk": wrong},
                         tls_psk=wrong).start()
-        state = tmp_path / "state"
-        state.mkdir(mode=0o700)
-        (state / "device.toml").write_text(
-            'client_id = "c1"\nsize = "16M"\nmlock = false\n'
-            f'lab_key = "{key}"\ndiscover = true\ndonors = []\n'
-            '[mode]\nkind = "none"\n[policy]\nepoch_ms = 1000\n')
-        sock = state / "nbd.sock"
-        OwnedProcess(lab["c1"].netns_argv(["nbdkit", "-f", "-U", sock, plugin, f"state={state}"]),
-                     state / "nbdkit.log", td, "client nbdkit on c1")
-
-        def status() -> dict:
-            try:
-                return json.loads((state / "status.json").read_text())
-            except (FileNotFoundError, json.JSONDecodeError):
-                return {}
+        state, sock, status = lab_device(td, lab, "c1", tmp_path / "state",
+                                         f'lab_key = "{key}"\ndiscover = true\n')
 
         st = wait_for(lambda: (lambda s: s if [d["name"] for d in s.get("donors", [])] == ["d1"]
                                and "d2" in s.get("not_admitted", {}) else None)(status()),
@@ -184,6 +207,77 @@ def test_a_device_with_discover_adds_the_verified_donor_and_never_the_stranger(l
         st = wait_for(lambda: (lambda s: s if s["donors"][0]["extents_held"] > 0 else None)(status()),
                       30, "d1 to hold extents")
         assert [d["name"] for d in st["donors"]] == ["d1"], st["donors"]
+    finally:
+        errors = td.close()
+    assert errors == []
+
+
+def test_a_keyless_device_uses_announced_donors_only_on_networks_it_trusts(lab_root, donor_plugin,
+                                                                             tmp_path):
+    """Two keyless devices with `discover = true` and a keyless donor
+    announcing on the lab's network: the one without `trust_network` never
+    uses it and its status says why; the one trusting the lab's network uses
+    it."""
+    if not client_plugin().exists():
+        skip_or_fail(f"client plugin not built: {client_plugin()} missing (run `make build`)")
+    td = Teardown("keyless discovery")
+    try:
+        lab = netlab.Lab(td, lab_root, ["d1", "c1", "c2"], ssh=False)
+        netlab.LabDonor(lab["d1"], td, lab_root, donor_plugin,
+                        {"size": "64M", "budget": "64M", "mlock": False, "poll_ms": 100,
+                         "announce": True, "insecure": True}).start()
+        _, _, untrusting = lab_device(td, lab, "c1", tmp_path / "c1", "discover = true\n")
+        _, sock, trusting = lab_device(td, lab, "c2", tmp_path / "c2",
+                                       f'discover = true\ntrust_network = ["{netlab.SUBNET}"]\n')
+        st = wait_for(lambda: (lambda s: s if [d["name"] for d in s.get("donors", [])] == ["d1"]
+                               else None)(trusting()), 60, "d1 to join the trusting device")
+        assert st["donors"][0]["joined"] == "discovered", st["donors"]
+        assert "d1" not in st.get("not_admitted", {}), st
+        data = secrets.token_bytes(1 << 20)
+        with nbdio.connect(f"nbd+unix:///c2?socket={sock}") as h:
+            h.pwrite(data, 0)
+            h.flush()
+            assert h.pread(1 << 20, 0) == data
+        st = wait_for(lambda: (lambda s: s if "d1" in s.get("not_admitted", {}) else None)(untrusting()),
+                      60, "the untrusting device to say why d1 is not used")
+        why = st["not_admitted"]["d1"]
+        assert f"{lab['d1'].addr} is not on a trusted network (loopback)" in why, why
+        assert st["donors"] == [], st["donors"]
+        text = subprocess.run([pagerctl(), "status", "--state-dir", str(tmp_path / "c1")],
+                              capture_output=True, text=True, timeout=30)
+        assert "announced d1, not used:" in text.stdout and "--trust-network" in text.stdout, \
+            text.stdout + text.stderr
+    finally:
+        errors = td.close()
+    assert errors == []
+
+
+def test_donors_published_in_the_labs_dns_are_found_from_another_host(lab_root, donor_plugin):
+    """BIND on lab host ns serves the lab's zone; donor d1 publishes itself
+    there (announce=dns, from its own address) and not by multicast DNS;
+    `pagerctl discover --domain` on c1 finds and verifies it through the
+    DNS, plain `pagerctl discover` there does not see it; d1's clean stop
+    removes its records."""
+    from netpager_testkit.dns import DnsServer
+
+    td = Teardown("dns discovery")
+    try:
+        lab = netlab.Lab(td, lab_root, ["ns", "d1", "c1"], ssh=False)
+        dns = DnsServer(td, lab_root, addr=lab["ns"].addr, wrap=lab["ns"].netns_argv)
+        key = lab_root / "lab.psk"
+        key.write_text(f"lab:{secrets.token_hex(32)}\n")
+        d1 = netlab.LabDonor(lab["d1"], td, lab_root, donor_plugin,
+                             {"size": "64M", "budget": "64M", "mlock": False, "psk": key,
+                              "announce": "dns", "dns_zone": dns.zone, "dns_key": dns.key_file,
+                              "dns_server": dns.server}, tls_psk=key).start()
+        seen = discover(lab, "c1", "--psk", str(key), "--domain", dns.zone, "--dns-server", dns.server,
+                        expect=["d1"])
+        assert list(seen) == ["d1"], seen
+        assert seen["d1"]["usable"] and seen["d1"]["why"] == "verified with the lab key", seen["d1"]
+        assert seen["d1"]["nbd"] == f"{lab['d1'].addr}:{d1.port}", seen["d1"]
+        assert "d1" not in discover(lab, "c1", "--psk", str(key), listen=3)
+        d1.terminate()
+        assert dns.records(f"_netpager._tcp.{dns.zone}", "PTR") == []
     finally:
         errors = td.close()
     assert errors == []

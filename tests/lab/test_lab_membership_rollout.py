@@ -19,6 +19,7 @@ import netlab
 from lab_ansible import BINARIES, LabRollout, recap
 from netpager_testkit import MemoryCgroup, OwnedProcess, Teardown, swaps, wait_for
 from netpager_testkit.ci import skip_or_fail
+from netpager_testkit.machine import SWAP
 from netpager_testkit.paths import target_dir
 from netpager_testkit.procs import tail
 
@@ -40,6 +41,8 @@ def test_donor_hosts_added_and_retired_while_a_job_swaps():
         skip_or_fail(f"not built in {target_dir()}: {', '.join(missing)} (run `make build`)")
     td = Teardown("lab membership rollout")
     try:
+        # busy1's swap area is the machine's: no other test run's alongside.
+        SWAP.hold(td)
         parent = Path(tempfile.mkdtemp(prefix="netpager-lab-", dir="/tmp"))
         td.add(f"directory {parent}", parent.rmdir)
         lab = netlab.Lab(td, parent / "lab", ["idle1", "idle2", "idle3", "idle4", "busy1"])

@@ -27,6 +27,7 @@ from lab_ansible import (BINARIES, CLIENTS, DONORS, HOSTS, NBD_PORT, PACKAGES, S
                          installed_packages, recap, ssh_masters)
 from netpager_testkit import MemoryCgroup, OwnedProcess, StatusClient, Teardown, swaps, wait_for
 from netpager_testkit.ci import skip_or_fail
+from netpager_testkit.machine import SWAP
 from netpager_testkit.paths import target_dir
 from netpager_testkit.procs import tail
 from netpager_testkit.status import LabKey, StatusError
@@ -49,6 +50,8 @@ def rollout():
                      "the rollout would replace and then purge them")
     td = Teardown("lab rollout")
     try:
+        # The clients' swap areas are the machine's: no other test run's alongside.
+        SWAP.hold(td)
         parent = Path(tempfile.mkdtemp(prefix="netpager-lab-", dir="/tmp"))
         td.add(f"directory {parent}", parent.rmdir)
         lab = netlab.Lab(td, parent / "lab", HOSTS)
@@ -111,7 +114,7 @@ def test_rollout_over_ssh_serves_the_clients_across_the_bridge(rollout):
     versions = {p: subprocess.run(["dpkg-query", "-W", "-f", "${Version}", p], capture_output=True, text=True,
                                   check=True).stdout for p in PACKAGES}
     for h in HOSTS:
-        assert ro.pagerctl(h, "--version").startswith(f"pagerctl {versions['netpager-client']} (commit "), h
+        assert ro.pagerctl(h, "--version").stdout.startswith(f"pagerctl {versions['netpager-client']} (commit "), h
     lab_key_hex = ro.lab_key().read_text().strip()
     assert lab_key_hex not in out, "the lab key appeared in ansible's output"
     secret = (ro.inv / "netpager-export.secret").read_text().strip()

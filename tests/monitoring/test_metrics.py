@@ -23,6 +23,7 @@ from netpager_testkit.client import PagerClient, donor_spec
 from netpager_testkit import OwnedProcess, Teardown, repo_root, target_dir, wait_for
 from netpager_testkit.ci import skip_or_fail
 from netpager_testkit.donor import free_ports
+from netpager_testkit.machine import loopback
 from netpager_testkit.prefetch import Prefetchd
 
 RULES = repo_root() / "ansible" / "roles" / "monitoring" / "files" / "netpager-alerts.yml"
@@ -64,8 +65,9 @@ class Prometheus:
     """`prometheus` scraping `targets` ({role: [HOST:PORT]}) every second."""
 
     def __init__(self, td: Teardown, workdir: Path, targets: dict[str, list[str]]):
-        self.port = free_ports("127.0.0.1", 1)[0]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.addr = loopback(1)
+        self.port = free_ports(self.addr, 1)[0]
+        self.url = f"http://{self.addr}:{self.port}"
         cfg = workdir / "prometheus.yml"
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
@@ -78,7 +80,7 @@ class Prometheus:
         }
         cfg.write_text(json.dumps(config, indent=2) + "\n")
         argv = ["prometheus", f"--config.file={cfg}", f"--storage.tsdb.path={workdir / 'tsdb'}",
-                f"--web.listen-address=127.0.0.1:{self.port}"]
+                f"--web.listen-address={self.addr}:{self.port}"]
         self.proc = OwnedProcess(argv, workdir / "prometheus.log", td, "prometheus")
         wait_for(lambda: self._ready(), 60, "prometheus ready", interval=0.2)
 
@@ -117,17 +119,17 @@ class Prometheus:
 def test_prometheus_scrapes_every_endpoint_and_the_series_move(root, teardown, cluster, tmp_path):
     need("prometheus", "promtool")
     need_built("pagerctl", "prefetchd", "libpager_client_plugin.so")
-    addrs = ["127.0.0.2", "127.0.0.3"]
+    addrs = [loopback(2), loopback(3)]
     metrics = [f"{a}:{free_ports(a, 1)[0]}" for a in addrs]
-    donors = cluster.start_donors(2, budgets="256M", size="1G", busy_load=1000, poll_ms=100,
+    donors = cluster.start_donors(2, budgets="256M", size="1G", poll_ms=100,
                                   metrics=metrics)
-    client_ep = f"127.0.0.1:{free_ports('127.0.0.1', 1)[0]}"
+    client_ep = f"{loopback(1)}:{free_ports(loopback(1), 1)[0]}"
     client = PagerClient(teardown, tmp_path / "state")
     device = client.attach(donors, mode="mirror", size="64M", extra=["--metrics", client_ep])
     data = tmp_path / "data"
     data.mkdir()
     (data / "a.bin").write_bytes(bytes(range(256)) * 4096)
-    pf_ep = f"127.0.0.1:{free_ports('127.0.0.1', 1)[0]}"
+    pf_ep = f"{loopback(1)}:{free_ports(loopback(1), 1)[0]}"
     pd = Prefetchd(teardown, tmp_path, data, extra=["--metrics", pf_ep, "--no-mlock"])
 
     endpoints = {"donor": metrics, "client": [client_ep], "prefetchd": [pf_ep]}
@@ -179,8 +181,8 @@ def test_keyed_and_network_endpoints(teardown, cluster, tmp_path):
     need_built("netpager-token")
     psk = tmp_path / "lab.psk"
     psk.write_text("lab:00112233445566778899aabbccddeeff\n")
-    ep = f"127.0.0.2:{free_ports('127.0.0.2', 1)[0]}"
-    cluster.start_donors(1, budgets="64M", size="64M", busy_load=1000, metrics=ep, psk=str(psk))
+    ep = f"{loopback(2)}:{free_ports(loopback(2), 1)[0]}"
+    cluster.start_donors(1, budgets="64M", size="64M", metrics=ep, psk=str(psk))
     url = f"http://{ep}/metrics"
     assert http_get(url)[0] == 401
     assert http_get(url, {"Authorization": "Bearer " + "00" * 32})[0] == 401
@@ -189,7 +191,7 @@ def test_keyed_and_network_endpoints(teardown, cluster, tmp_path):
     status, body = http_get(url, {"Authorization": f"Bearer {token}"})
     assert status == 200 and "netpager_donor_budget_bytes 67108864" in body, body[:500]
     # A network address without the key (or insecure=true) stops the start.
-    open_ep = f"0.0.0.0:{free_ports('127.0.0.1', 1)[0]}"
+    open_ep = f"0.0.0.0:{free_ports(loopback(1), 1)[0]}"
     with pytest.raises(RuntimeError) as e:
         cluster.start_donors(1, budgets="64M", size="64M", metrics=open_ep)
     assert "insecure=true" in str(e.value) or "insecure=true" in cluster[-1].log_tail(), str(e.value)
@@ -198,7 +200,7 @@ def test_keyed_and_network_endpoints(teardown, cluster, tmp_path):
 def test_top_shows_the_client_in_tmux(root, teardown, cluster, tmp_path):
     need("tmux")
     need_built("pagerctl", "libpager_client_plugin.so")
-    donors = cluster.start_donors(2, budgets="256M", size="1G", busy_load=1000, poll_ms=100)
+    donors = cluster.start_donors(2, budgets="256M", size="1G", poll_ms=100)
     client = PagerClient(teardown, tmp_path / "state")
     device = client.attach(donors, mode="mirror", size="64M")
     session = f"netpager-top-{tmp_path.name}"[:60]
@@ -240,8 +242,8 @@ def test_the_nbd_front_end_serves_client_metrics_too(root, teardown, cluster, tm
     serves /metrics itself."""
     need("promtool")
     need_built("pagerctl", "libpager_client_plugin.so")
-    donors = cluster.start_donors(2, budgets="256M", size="1G", busy_load=1000, poll_ms=100)
-    ep = f"127.0.0.1:{free_ports('127.0.0.1', 1)[0]}"
+    donors = cluster.start_donors(2, budgets="256M", size="1G", poll_ms=100)
+    ep = f"{loopback(1)}:{free_ports(loopback(1), 1)[0]}"
     client = PagerClient(teardown, tmp_path / "state")
     client.attach(donors, mode="mirror", size="64M", frontend="nbd", extra=["--metrics", ep])
     body = check_metrics(f"http://{ep}/metrics")

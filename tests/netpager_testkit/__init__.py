@@ -6,7 +6,10 @@ Every later test reuses these pieces; each resource registers its undo in a
 - `Teardown`, `install_handlers` (cleanup): the undo registry, plus atexit
   and SIGINT/SIGTERM/SIGHUP handlers.
 - `OwnedProcess` (procs): a child process, signalled only while it is ours.
-- `Cluster`, `Donor` (donor): nbdkit donors on 127.0.0.2, .3, ...
+- `Cluster`, `Donor` (donor): nbdkit donors on 127.N.0.2, .3, ...
+- `machine`: what concurrent test runs keep apart (loopback blocks, the
+  swap and FUSE io_uring switch locks).
+- `stress` (`python3 -m netpager_testkit.stress`): `make test-stress`.
 - `StatusClient`, `pb2` (status): the donor status endpoint, on the wire.
 - `attach_swap`, `FuseFile`, `LoopDevice`, `Swap` (attach): NBD export as swap.
 - `run_job_in_cgroup`, `MemoryCgroup` (cgroup): jobs in a memory cgroup.

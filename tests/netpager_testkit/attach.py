@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .cleanup import Teardown
+from .machine import SWAP
 from .procs import OwnedProcess, tail, wait_for
 
 
@@ -43,6 +44,16 @@ def swaps() -> dict[str, int]:
         for line in f.readlines()[1:]:
             fields = line.split()
             out[fields[0]] = int(fields[3]) * 1024
+    return out
+
+
+def swap_priorities() -> dict[str, int]:
+    """Active swap areas: device -> priority (from /proc/swaps)."""
+    out = {}
+    with open("/proc/swaps") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            out[fields[0]] = int(fields[4])
     return out
 
 
@@ -161,12 +172,16 @@ class LoopDevice:
 
 
 class Swap:
-    """mkswap + swapon on a block device, swapoff on teardown."""
+    """mkswap + swapon on a block device, swapoff on teardown; the machine's
+    swap lock is held while it is on (`machine.SWAP`)."""
 
     def __init__(self, teardown: Teardown, device: str, priority: int | None = 32000,
                  discard: bool = False):
         self.device = device
         run(["mkswap", device])
+        SWAP.acquire()
+        self._locked = True
+        teardown.add(f"swap lock for {device}", self._unlock)
         argv = ["swapon"]
         if priority is not None:
             argv += ["-p", str(priority)]
@@ -184,6 +199,12 @@ class Swap:
     def off(self) -> None:
         if self.active():
             run(["swapoff", self.device], timeout=600)
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self._locked:
+            self._locked = False
+            SWAP.release()
 
 
 @dataclass

@@ -14,6 +14,16 @@ through each swap set-up, alternating set-ups round by round:
   zswap+parity zswap in front of netpager parity (pool capped at ZSWAP_POOL %)
   zswap+file   zswap in front of the swap file
 
+REGIME picks the disks and links compared (default loopback, the set-ups
+above); the others put netpager (none and parity, donors on loopback)
+beside a swap area on a disk a lab actually has (netpager_testkit.disks:
+each emulated disk reached through the same loop path as netpager):
+
+  disk         the swap file on this machine's disk, and the emulation's
+               path over that same disk with no filter (disk-path)
+  ssd          an SSD-class disk (500 MB/s; the path's own latency)
+  hdd          an HDD-class disk (8 ms per request, 150 MB/s)
+
 Programs: redis (redis-server loaded with REDIS_KEYS values of REDIS_VALUE
 bytes, then REDIS_GETS random GETs from redis-benchmark: ops/s, p50, p99),
 graph (PageRank with python3-igraph on a Barabasi graph of GRAPH_VERTICES,
@@ -34,6 +44,7 @@ GRAPH_VERTICES (400000), SORT_MIB (192), ZSWAP_POOL (1, percent of RAM),
 PREFETCH_PAGES (32), TIMEOUT (600 s per run), RUNTIME (5 s per latency run).
 
 Writes OUTDIR/apps.txt, apps.md, apps.json and apps-PROGRAM.png (--out,
+with REGIME other than loopback apps-REGIME.txt and so on;
 default bench-results/apps). Run as root; every swap area, zram device,
 zswap setting, cgroup, donor and client it sets up is undone on every exit.
 """
@@ -49,7 +60,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .attach import swaps
+from .attach import Swap, swaps
 from .bench import Report, arg_parser, die, disk_workdir, env_int, env_str, fio_json, require
 from .bench_client import Bench as ClientBench
 from .bench_client import Knobs as ClientKnobs
@@ -58,11 +69,16 @@ from .client import PagerClient
 from .cgroup import MemoryCgroup
 from .cleanup import Teardown, install_handlers
 from .paths import pagerctl, server_plugin
+from .disks import emulated_disk
 from .procs import OwnedProcess
 
 PROG = "bench-apps"
 JOBS = Path(__file__).with_name("apps_jobs.py")
 SETUPS = ["none", "parity", "parity+pf", "file", "zram", "zswap+parity", "zswap+file"]
+# REGIME: the set-ups each compares by default.
+REGIMES = {"loopback": SETUPS, "disk": ["none", "parity", "file", "disk-path"],
+           "ssd": ["none", "parity", "ssd"], "hdd": ["none", "parity", "hdd"]}
+DISK_SETUPS = ["disk-path", "ssd", "hdd"]
 PROGRAMS = ["redis", "graph", "sort"]
 ZSWAP = Path("/sys/module/zswap/parameters")
 # The unlimited (100%) run's cgroup limit: more than the machine has.
@@ -72,6 +88,7 @@ UNLIMITED = 1 << 50
 @dataclass
 class Knobs:
     rounds: int
+    regime: str
     fractions: list[int]
     setups: list[str]
     programs: list[str]
@@ -87,9 +104,12 @@ class Knobs:
 
     @classmethod
     def from_env(cls) -> "Knobs":
-        k = cls(rounds=env_int(PROG, "ROUNDS", 1),
+        regime = env_str("REGIME", "loopback")
+        if regime not in REGIMES:
+            die(PROG, f"unknown REGIME {regime} ({', '.join(REGIMES)})")
+        k = cls(rounds=env_int(PROG, "ROUNDS", 1), regime=regime,
                 fractions=[int(f) for f in env_str("FRACTIONS", "75 50").split()],
-                setups=env_str("SETUPS", " ".join(SETUPS)).split(),
+                setups=env_str("SETUPS", " ".join(REGIMES[regime])).split(),
                 programs=env_str("PROGRAMS", " ".join(PROGRAMS)).split(),
                 redis_keys=env_int(PROG, "REDIS_KEYS", 150000),
                 redis_value=env_int(PROG, "REDIS_VALUE", 1024),
@@ -101,8 +121,8 @@ class Knobs:
                 timeout=env_int(PROG, "TIMEOUT", 600),
                 runtime=env_int(PROG, "RUNTIME", 5))
         for s in k.setups:
-            if s not in SETUPS:
-                die(PROG, f"unknown set-up {s} in SETUPS ({', '.join(SETUPS)})")
+            if s not in SETUPS + DISK_SETUPS:
+                die(PROG, f"unknown set-up {s} in SETUPS ({', '.join(SETUPS + DISK_SETUPS)})")
         for p in k.programs:
             if p not in PROGRAMS:
                 die(PROG, f"unknown program {p} in PROGRAMS ({', '.join(PROGRAMS)})")
@@ -186,6 +206,10 @@ class Setups:
             return {"device": client.device, "client": client}
         if back == "file":
             return {"device": self.t.file(td)}
+        if back in DISK_SETUPS:
+            dev = emulated_disk(td, self.cb.work, back)
+            Swap(td, dev, priority=32767)
+            return {"device": dev}
         if back == "zram":
             dev = self.t.zram(td)
             return {"device": dev, "zram": Path("/sys/block") / Path(dev).name / "mm_stat"}
@@ -381,7 +405,7 @@ def best(program: str, rs: list[dict]) -> dict:
     return min(rs, key=lambda r: r["seconds"])
 
 
-def plot(outdir: Path, k: Knobs, summary: dict) -> list[Path]:
+def plot(outdir: Path, k: Knobs, summary: dict, name: str) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -397,12 +421,12 @@ def plot(outdir: Path, k: Knobs, summary: dict) -> list[Path]:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=setup)
         ax.set_xlabel("local memory, % of peak")
         ax.set_ylabel("performance vs 100%")
-        ax.set_title(f"{program}")
+        ax.set_title(f"{program}" + ("" if k.regime == "loopback" else f", {k.regime}"))
         ax.invert_xaxis()
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-        path = outdir / f"apps-{program}.png"
+        path = outdir / f"{name}-{program}.png"
         fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)
@@ -435,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
         # Ours go on at the highest priority, so the kernel fills them first.
         print(f"{PROG}: note: swap already on ({', '.join(swaps())})", file=sys.stderr)
     install_handlers()
-    report = Report("apps", asdict(k))
+    name = "apps" if k.regime == "loopback" else f"apps-{k.regime}"
+    report = Report(name, asdict(k))
     with Teardown(PROG) as top:
         work = disk_workdir(top, "np-apps-")
         print(f"work directory {work} (on a real disk)", file=sys.stderr, flush=True)
@@ -480,8 +505,8 @@ def main(argv: list[str] | None = None) -> int:
         report.line(line)
     report.results = {"latency_us": lat, "readahead": ra, "relative": summary, "runs": runs}
     report.write(args.out)
-    (args.out / "apps.md").write_text("\n".join(md) + "\n")
-    for p in plot(args.out, k, summary):
+    (args.out / f"{name}.md").write_text("\n".join(md) + "\n")
+    for p in plot(args.out, k, summary, name):
         print(f"({p})", file=sys.stderr)
     return 0
 

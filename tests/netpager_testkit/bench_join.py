@@ -142,8 +142,7 @@ def join_run(b, tag: str, bval: float | None, join_at: float | None) -> dict:
     with Teardown(f"join {tag}") as td:
         cluster = Cluster(td, b.work / tag, server_plugin())
         donors = cluster.start_donors(3, size=f"{device >> 20}M",
-                                      budgets=[f"{limit >> 20}M", f"{limit >> 20}M", f"{2 * limit >> 20}M"],
-                                      reserve=0, busy_load=1000)
+                                      budgets=[f"{limit >> 20}M", f"{limit >> 20}M", f"{2 * limit >> 20}M"])
         client = PagerClient(td, b.work / f"c-{tag}", client_id="bench")
         fallback = b.work / f"fallback-{tag}.img"
         td.add(f"fallback file {fallback}", lambda: fallback.unlink(missing_ok=True))
@@ -363,8 +362,7 @@ def epoch_run(b, n: int, rnd: int) -> dict:
     size = f"{min(128, n * (parse_size(b.epoch_budget) >> 20) // 2)}M"
     with Teardown(f"epochs {n}") as td:
         cluster = Cluster(td, b.work / f"e{n}-r{rnd}", server_plugin())
-        donors = cluster.start_donors(n, size=b.epoch_donor_size, budgets=b.epoch_budget,
-                                      reserve=0, busy_load=1000)
+        donors = cluster.start_donors(n, size=b.epoch_donor_size, budgets=b.epoch_budget)
         client = PagerClient(td, b.work / f"c-e{n}-r{rnd}", client_id="bench")
         dev = client.attach(donors, mode="none", size=size, extra=["--epoch", str(b.epoch_secs)])
         fio_json(["--name=fill", f"--filename={dev}", "--rw=write", "--bs=1M", f"--size={size}",

@@ -1,12 +1,15 @@
 """The netpager client as the tests drive it: `pagerctl` attach/detach/status
 around a state directory, with its detach registered in the test's Teardown
-the moment an attach starts, and a check that a detach left nothing behind."""
+the moment an attach starts, and a check that a detach left nothing behind.
+Attach and detach hold the machine's FUSE io_uring switch lock, and a device
+attached as swap the machine's swap lock until its detach (`machine`)."""
 
 from __future__ import annotations
 
 import errno
 import json
 import os
+import socket
 import subprocess
 import time
 import uuid
@@ -14,11 +17,26 @@ from pathlib import Path
 
 from .cgroup import MemoryCgroup
 from .cleanup import Teardown
+from . import machine
+from .machine import SWAP
 from .procs import OwnedProcess, wait_for
 from .attach import mounted, swaps
 from .paths import pagerctl, target_dir
 
 MIB = 1 << 20
+# Present where the kernel has FUSE over io_uring (Linux 6.14+): not in the
+# test VM's Debian 6.1.
+URING_SWITCH = Path("/sys/module/fuse/parameters/enable_uring")
+
+
+def job_limit(size: int) -> int:
+    """A swap job's memory cgroup limit: `size`, or a quarter of it (16 MiB
+    at least) in the test VM (NETPAGER_VM, netpager_testkit.vm), where
+    software emulation makes every page cost some hundred times more; what
+    the test checks is the same."""
+    if os.environ.get("NETPAGER_VM"):
+        return max(16 * MIB, size // 4)
+    return size
 
 
 def client_plugin() -> Path:
@@ -34,6 +52,18 @@ def run_pagerctl(args, timeout: float = 300.0, check: bool = True) -> subprocess
     return p
 
 
+# What `pagerctl status` exits with besides errors (pagerctl(1), EXIT STATUS).
+STATUS_EXITS = {0: "ok", 3: "not attached", 4: "not serving", 5: "degraded"}
+
+
+def pagerctl_status(state_dir, *extra) -> subprocess.CompletedProcess:
+    """`pagerctl status`, whatever health it reports; an error raises."""
+    p = run_pagerctl(["status", "--state-dir", state_dir, *extra], check=False)
+    if p.returncode not in STATUS_EXITS:
+        raise AssertionError(f"pagerctl status --state-dir {state_dir} failed ({p.returncode}):\n{p.stderr}")
+    return p
+
+
 def nbd_errno(e) -> str:
     """The errno name of a libnbd error (python3-libnbd 1.14 gives the name)."""
     return e.errno if isinstance(e.errno, str) else errno.errorcode.get(e.errno, str(e.errno))
@@ -45,17 +75,34 @@ class Job:
     The cgroup and the process are undone by the test's Teardown; the job is
     started after the attach, so it is killed before the detach (swapoff
     could not bring a live job's pages back into its small cgroup).
+
+    `until=True` appends `--until FILE` (memhog, prefetch-job): the job runs
+    until `stop()` creates FILE, then verifies and ends, so a test that must
+    do things while it runs never sizes it to outlast them.
     """
 
-    def __init__(self, teardown: Teardown, cmd, limit_bytes: int, log_path, swap_device: str | None = None):
+    def __init__(self, teardown: Teardown, cmd, limit_bytes: int, log_path, swap_device: str | None = None,
+                 until: bool = False):
         self.cgroup = MemoryCgroup(teardown, limit_bytes)
         self.swap_device = swap_device
         self.swap_peak = 0
+        self.stop_file = Path(str(log_path) + ".stop")
+        self.stop_file.unlink(missing_ok=True)
+        cmd = [str(c) for c in cmd] + (["--until", str(self.stop_file)] if until else [])
         argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.cgroup.procs_file)]
-        self.proc = OwnedProcess(argv + [str(c) for c in cmd], log_path, teardown, f"job {Path(str(cmd[0])).name}")
+        self.proc = OwnedProcess(argv + cmd, log_path, teardown, f"job {Path(cmd[0]).name}")
 
     def alive(self) -> bool:
         return self.proc.alive()
+
+    def stop(self) -> None:
+        """Tells a job started with `until=True` to verify and end."""
+        self.stop_file.touch()
+
+    def rounds(self) -> int:
+        """memhog's verify rounds so far (its "round N verified" lines)."""
+        return sum(1 for line in self.proc.log_path.read_text(errors="replace").splitlines()
+                   if line.startswith("memhog: round "))
 
     def swapped(self) -> int:
         """Bytes on the swap device now (and the peak so far)."""
@@ -78,9 +125,18 @@ class Job:
         return self.proc.log_tail()
 
 
-def run_memhog(teardown: Teardown, memhog, limit_bytes: int, log_path, device: str) -> Job:
-    """memhog touching 3x `limit_bytes` (one verify pass) swapping to `device`."""
-    return Job(teardown, [memhog, str(3 * limit_bytes), "--passes", "1"], limit_bytes, log_path, device)
+def run_memhog(teardown: Teardown, memhog, limit_bytes: int, log_path, device: str,
+               until: bool = False) -> Job:
+    """memhog touching 3x `limit_bytes` (one verify pass, or passes until
+    `job.stop()` with `until`) swapping to `device`."""
+    return Job(teardown, [memhog, str(3 * limit_bytes), "--passes", "1"], limit_bytes, log_path, device,
+               until=until)
+
+
+def device_ios(device: str) -> int:
+    """Requests a block device has completed (reads + writes, /sys/block/DEV/stat)."""
+    f = Path(f"/sys/block/{Path(device).name}/stat").read_text().split()
+    return int(f[0]) + int(f[4])
 
 
 def donor_report(status: dict, name: str) -> dict:
@@ -153,15 +209,20 @@ def processes_mentioning(text: str) -> list[str]:
 class PagerClient:
     """One client state directory driven through pagerctl."""
 
-    def __init__(self, teardown: Teardown, state_dir, client_id: str | None = None):
+    def __init__(self, teardown: Teardown, state_dir, client_id: str | None = None,
+                 default_id: bool = False):
+        """`default_id`: attach without --client-id, so the device takes
+        pagerctl's default, the host name."""
         self.teardown = teardown
         self.state_dir = Path(state_dir)
-        self.client_id = client_id or f"t{uuid.uuid4().hex[:8]}"
+        self.default_id = default_id
+        self.client_id = socket.gethostname() if default_id else client_id or f"t{uuid.uuid4().hex[:8]}"
         self.device: str | None = None
         # What the last attach said on stderr (its warnings).
         self.attach_stderr = ""
         self._registered = False
         self._pids: list[int] = []
+        self._swap_held = False
 
     @property
     def socket(self) -> Path:
@@ -178,11 +239,19 @@ class PagerClient:
         """`pagerctl attach`; returns the device. `new_device=False` re-attaches
         the device the state directory holds (no device options). `frontend`
         None is pagerctl's auto (fuse-uring here)."""
+        if frontend == "fuse-uring" and not URING_SWITCH.exists():
+            import pytest
+
+            # A kernel feature, not a dependency the tree can install.
+            pytest.skip(f"this kernel ({os.uname().release}) has no FUSE over io_uring "
+                        f"({URING_SWITCH} is missing)")
         args = ["attach", "--state-dir", self.state_dir]
         if frontend:
             args += ["--frontend", frontend]
         if new_device:
-            args += ["--size", size, "--mode", mode, "--client-id", self.client_id]
+            args += ["--size", size, "--mode", mode]
+            if not self.default_id:
+                args += ["--client-id", self.client_id]
             for d in donors:
                 args += ["--donor", donor_spec(d)]
         if swap:
@@ -190,12 +259,17 @@ class PagerClient:
         args += list(extra)
         if not self._registered:
             # Registered before the attach runs: an interrupted attach leaves
-            # attach.json, which detach undoes.
+            # attach.json, which detach undoes (and then lets the swap lock go).
+            self.teardown.add(f"swap lock of {self.state_dir}", self._release_swap)
             self.teardown.add(f"pagerctl detach {self.state_dir}", self._teardown_detach)
             self.teardown.add_log(self.state_dir / "nbdkit.log")
             self.teardown.add_log(self.state_dir / "serve.log")
             self._registered = True
-        p = run_pagerctl(args)
+        if "--swap" in args and not self._swap_held:
+            SWAP.acquire()
+            self._swap_held = True
+        with machine.URING_SWITCH.held():
+            p = run_pagerctl(args)
         self.attach_stderr = p.stderr
         self.device = p.stdout.strip().splitlines()[-1]
         pid = self.server_pid()
@@ -224,8 +298,15 @@ class PagerClient:
         return st["transport"] or st["frontend"]
 
     def detach(self) -> None:
-        run_pagerctl(["detach", "--state-dir", self.state_dir])
+        with machine.URING_SWITCH.held():
+            run_pagerctl(["detach", "--state-dir", self.state_dir])
         self.device = None
+        self._release_swap()
+
+    def _release_swap(self) -> None:
+        if self._swap_held:
+            self._swap_held = False
+            SWAP.release()
 
     def _teardown_detach(self) -> None:
         if self.attach_json() is not None:
@@ -233,7 +314,7 @@ class PagerClient:
 
     def status(self) -> dict:
         """`pagerctl status --json`."""
-        return json.loads(run_pagerctl(["status", "--state-dir", self.state_dir, "--json"]).stdout)
+        return json.loads(pagerctl_status(self.state_dir, "--json").stdout)
 
     def device_status(self) -> dict:
         """The device's own part of the status (status.json), once written."""

@@ -22,14 +22,9 @@ def client_built():
 
 @pytest.fixture
 def donors(cluster):
-    """Starts n more pager-server donors for a client (default budget 256M each).
-
-    busy-load out of reach: the machine's own load (other tests, compilers)
-    must not turn a donor busy under a test that expects it idle.
-    """
+    """Starts n more pager-server donors for a client (default budget 256M each)."""
 
     def start(n: int = 4, budget="256M", **params):
-        params.setdefault("busy_load", 1000)
         params.setdefault("poll_ms", 100)
         return cluster.start_donors(n, budgets=budget, size="1G", **params)
 

@@ -2,11 +2,13 @@
 
     python3 -m netpager_testkit.demo [--donors N] [--mode parity] [--limit 128M] [--factor 3]
 
-1. donors: nbdkit + pager-server on 127.0.0.2, ...
+1. donors: nbdkit + pager-server on 127.N.0.2, ... (`machine.loopback`)
 2. attach: `pagerctl attach --swap --frontend auto`: the client process
    serves its device (extents on the donors, parity) as a file on its own
-   FUSE mount (over io_uring where the kernel has it) -> loop device ->
-   swapon
+   FUSE mount -> loop device -> swapon; restartable, as every swap device
+   is by default: a small holder keeps the FUSE connection (classic
+   /dev/fuse), so the serving process may crash or be upgraded under the
+   job
 3. job: memhog in a memory cgroup touches FACTOR x its limit, so most of
    its pages live on the donors, and verifies every page
 4. the client's status (donors, weights, extents) and the donors' own
@@ -28,6 +30,8 @@ import os
 from .attach import mounted, swaps
 from .cgroup import JobResult, run_job_in_cgroup
 from .cleanup import Teardown, install_handlers
+from . import machine
+from .client import STATUS_EXITS
 from .donor import Cluster, Donor
 from .paths import job, pagerctl, server_plugin
 from .status import format_table
@@ -60,16 +64,25 @@ def pagerctl_run(args: list[str]) -> str:
     argv = [str(pagerctl())] + [str(a) for a in args]
     print(f"  $ {' '.join(argv)}", flush=True)
     p = subprocess.run(argv, capture_output=True, text=True)
-    if p.returncode != 0:
+    # status reports the device's health in its exit status.
+    if p.returncode != 0 and not (args[0] == "status" and p.returncode in STATUS_EXITS):
         raise SystemExit(f"demo: pagerctl {args[0]} failed ({p.returncode}):\n{p.stderr}{p.stdout}")
     return p.stdout
 
 
 def attach(td: Teardown, state: Path, donors: list[Donor], mode: str, size: int) -> str:
     """Attaches the client as swap; its detach is registered before it runs,
-    so an interrupted attach is undone too (attach.json records each step)."""
-    td.add(f"pagerctl detach --state-dir {state}",
-           lambda: (state / "attach.json").exists() and pagerctl_run(["detach", "--state-dir", state]))
+    so an interrupted attach is undone too (attach.json records each step).
+    Like the tests, it holds the machine's swap and FUSE io_uring switch
+    locks (`machine`) so that a test run beside it is not disturbed."""
+    machine.SWAP.hold(td)
+
+    def detach():
+        if (state / "attach.json").exists():
+            with machine.URING_SWITCH.held():
+                pagerctl_run(["detach", "--state-dir", state])
+
+    td.add(f"pagerctl detach --state-dir {state}", detach)
     args = ["attach", "--state-dir", state, "--size", f"{size >> 20}M", "--mode", mode,
             "--client-id", "demo", "--swap", "--priority", "32000"]
     if mode == "parity":
@@ -77,9 +90,14 @@ def attach(td: Teardown, state: Path, donors: list[Donor], mode: str, size: int)
     for d in donors:
         args += ["--donor", f"{d.addr}:{d.port},status={d.params['status']},name={d.name}"]
     args += ["--frontend", "auto"]
-    device = pagerctl_run(args).strip().splitlines()[-1]
+    with machine.URING_SWITCH.held():
+        device = pagerctl_run(args).strip().splitlines()[-1]
     status = json.loads(pagerctl_run(["status", "--state-dir", state, "--json"]))
-    print(f"client         pagerctl serve pid {status['server']['pid']} (mode {mode}), "
+    holder = status.get("holder") or {}
+    serving = (f"pagerctl serve pid {holder.get('serving_pid')}, restartable: "
+               f"holder pid {status['server']['pid']}" if status.get("restartable")
+               else f"pagerctl serve pid {status['server']['pid']}")
+    print(f"client         {serving} (mode {mode}), "
           f"front end {status['transport'] or status['frontend']}")
     if status.get("transport_fallback"):
         print(f"               io_uring not used: {status['transport_fallback']}")

@@ -1,7 +1,8 @@
 """Donors: nbdkit running the pager-server plugin on loopback addresses.
 
-`Cluster.start_donors(n, ...)` starts N donors on 127.0.0.2, 127.0.0.3, ...
-each on a free port, in the foreground (`-f`) so the harness owns the pid,
+`Cluster.start_donors(n, ...)` starts N donors on 127.N.0.2, 127.N.0.3, ...
+(this process's own loopback block, `machine.loopback`), each on a free
+port, in the foreground (`-f`) so the harness owns the pid,
 with a pidfile and a log file in the test's directory. A donor can be
 killed (-9), stopped (SIGSTOP), continued and restarted on the same address
 and port, and asked for its status over the protobuf endpoint.
@@ -14,6 +15,11 @@ do not depend on the donor being built.
 become `nbds://USER@...?tls-psk-file=FILE`); `filters=[...]` and
 `filter_params={...}` put nbdkit filters (error, pause, ...) in front of the
 plugin; a donor with `psk=` is queried with signed status requests.
+
+The machine's own load and memory never decide a test's result: a
+pager-server donor is never busy (`busy-load=1000`) and never drains for
+the machine's memory (`reserve=0`) unless the test sets `busy_load=`,
+`reserve=` or a fake `meminfo=`, as the tests about those states do.
 """
 
 from __future__ import annotations
@@ -24,12 +30,14 @@ import socket
 from pathlib import Path
 
 from .cleanup import Teardown
+from .machine import loopback
 from .procs import OwnedProcess, tail, wait_for
 from .status import LabKey, StatusClient, StatusError, state_word
 
 PAGER_PARAMS = ("size", "budget", "reserve", "mlock", "status", "node-id", "age-x",
                 "u-star", "window", "busy-load", "poll-ms", "meminfo", "psk",
-                "export-secret", "insecure", "metrics", "announce")
+                "export-secret", "insecure", "metrics", "announce", "compress", "dns-zone",
+                "dns-key", "dns-server", "dns-ttl")
 
 
 def free_ports(addr: str, n: int) -> list[int]:
@@ -129,6 +137,9 @@ class Donor:
             if unknown:
                 raise ValueError(f"donor {name}: unknown pager-server parameters {sorted(unknown)}")
             self.params.setdefault("node-id", name)
+            self.params.setdefault("busy-load", 1000)
+            if "meminfo" not in self.params:
+                self.params.setdefault("reserve", 0)
         elif set(self.params) - {"size"}:
             raise ValueError(f"donor {name}: nbdkit memory takes only size=, got {self.params}")
         # Ports are ours to pick (and re-pick) unless the caller set status=.
@@ -299,7 +310,7 @@ class Cluster:
             p["size"] = size
             if budgets is not None:
                 p["budget"] = budgets[i]
-            donor = Donor(self.teardown, self.workdir, name, f"127.0.0.{index + 2}",
+            donor = Donor(self.teardown, self.workdir, name, loopback(index + 2),
                           self.plugin, p, self.verbose, tls_psk=tls_psk, filters=filters,
                           filter_params=filter_params)
             self.donors.append(donor)

@@ -221,8 +221,11 @@ def donor_arg(donor, replica: Replica | None = None, export: str = "", slots: in
 
 def start_job(td: Teardown, workdir: Path, hints: Path, root: Path, manifest: Path | None = None,
               reference: Path | None = None, compute_us: int = 0, name: str = "job",
-              limit: int | None = None) -> OwnedProcess:
-    """Starts prefetch-job replaying `hints` under `root`; see `finish_job`."""
+              limit: int | None = None, until: bool = False) -> OwnedProcess:
+    """Starts prefetch-job replaying `hints` under `root`; see `finish_job`.
+    With `until` it replays them again and again until `finish_job` tells
+    it to stop: a test that does things while the job runs never sizes the
+    job to outlast them."""
     argv = [binary("prefetch-job"), "--hints", hints, "--root", root, "--compute-us", str(compute_us)]
     if manifest is not None:
         argv += ["--manifest", manifest]
@@ -230,9 +233,15 @@ def start_job(td: Teardown, workdir: Path, hints: Path, root: Path, manifest: Pa
         argv += ["--reference", reference]
     if limit is not None:
         argv += ["--limit", str(limit)]
+    stop = Path(workdir) / f"{name}.stop"
+    stop.unlink(missing_ok=True)
+    if until:
+        argv += ["--until", stop]
     log = Path(workdir) / f"{name}.log"
     log.unlink(missing_ok=True)
-    return OwnedProcess(argv, log, td, name)
+    proc = OwnedProcess(argv, log, td, name)
+    proc.stop_file = stop if until else None
+    return proc
 
 
 def run_job(td: Teardown, workdir: Path, hints: Path, root: Path, manifest: Path | None = None,
@@ -244,7 +253,10 @@ def run_job(td: Teardown, workdir: Path, hints: Path, root: Path, manifest: Path
 
 
 def finish_job(proc: OwnedProcess, name: str = "job", timeout: float = 300.0) -> dict:
-    """Waits for a started prefetch-job; returns its JSON summary (fails on error)."""
+    """Waits for a started prefetch-job (first telling one started with
+    `until` to stop); returns its JSON summary (fails on error)."""
+    if getattr(proc, "stop_file", None) is not None:
+        proc.stop_file.touch()
     log = proc.log_path
     rc = proc.wait(timeout)
     if rc is None:

@@ -23,18 +23,16 @@ def lanes_of(pd: Prefetchd, donor: int) -> list[dict]:
 
 def hinted_job_on_watched_donors(teardown, tmp_path, cluster):
     """Two pager-server donors whose status prefetchd polls, and a hinted
-    job running (slowly) once prefetchd has placed blocks in the first:
-    (donors, prefetchd, job process)."""
+    job running (until `finish_job`) once prefetchd has placed blocks in
+    the first: (donors, prefetchd, job process)."""
     ds = generate("cyclic-random", tmp_path / "ds", SCALE)
-    # The machine's load must not make a donor busy: only the drain
-    # should change its state here.
-    donors = cluster.start_donors(2, size="4M", poll_ms=100, busy_load=1000)
+    donors = cluster.start_donors(2, size="4M", poll_ms=100)
     args = [donor_arg(d, export="prefetchd@2M") + f",status={d.params['status']}" for d in donors]
     pd = Prefetchd(teardown, tmp_path, ds["data"], donors=args, local_cache="256K",
                    extra=["--status-poll-ms", "100"])
     pd.add_job("j", ds["hints_path"])
     job = start_job(teardown, tmp_path, ds["hints_path"], pd.mount / "jobs" / "j",
-                    manifest=ds["manifest_path"], compute_us=4000)
+                    manifest=ds["manifest_path"], compute_us=4000, until=True)
     wait_for(lambda: pd.status()["donors"][0]["used"] > 0 or not job.alive(), 60,
              "prefetchd to place blocks in donor d1")
     return donors, pd, job
@@ -42,7 +40,7 @@ def hinted_job_on_watched_donors(teardown, tmp_path, cluster):
 
 def test_a_draining_donor_is_let_go_and_taken_back_fresh(teardown, tmp_path, cluster):
     donors, pd, job = hinted_job_on_watched_donors(teardown, tmp_path, cluster)
-    assert job.alive(), "the job ended before the drain: make it longer"
+    assert job.alive(), job.log_tail()
     assert donors[0].status().used_bytes > 0
     donors[0].status_client().drain(True)
 
@@ -51,7 +49,7 @@ def test_a_draining_donor_is_let_go_and_taken_back_fresh(teardown, tmp_path, clu
     assert first["life"] == 1 and not first["alive"] and first["used"] == 0, first
     # The export was trimmed: the donor holds nothing of prefetchd's.
     wait_for(lambda: donors[0].status().used_bytes == 0, 30, "donor d1 to get its memory back")
-    assert job.alive(), "the job ended before the donor came back: make it longer"
+    assert job.alive(), job.log_tail()
 
     donors[0].status_client().drain(False)
     fresh = wait_for(lambda: next((d for d in lanes_of(pd, 0) if d["life"] == 2), None), 30,
@@ -72,7 +70,7 @@ def test_a_draining_donor_is_let_go_and_taken_back_fresh(teardown, tmp_path, clu
 
 def test_a_drain_that_waits_on_prefetchds_blocks_finishes(teardown, tmp_path, cluster):
     donors, pd, job = hinted_job_on_watched_donors(teardown, tmp_path, cluster)
-    assert job.alive(), "the job ended before the drain: make it longer"
+    assert job.alive(), job.log_tail()
     assert donors[0].status().used_bytes > 0
     teardown.add("end donor d1's drain", lambda: donors[0].status_client().drain(False))
     drain = subprocess.run([str(pagerctl()), "donor-drain", donors[0].params["status"], "--wait",
@@ -81,7 +79,7 @@ def test_a_drain_that_waits_on_prefetchds_blocks_finishes(teardown, tmp_path, cl
     assert donors[0].status().used_bytes == 0
     lane = next(d for d in lanes_of(pd, 0) if d["life"] == 1)
     assert lane["state"] == "let go (draining)" and lane["used"] == 0, lane
-    assert job.alive(), "the job ended before the drain finished: make it longer"
+    assert job.alive(), job.log_tail()
     result = finish_job(job)
     assert result["mismatches"] == 0 and result["records"] > 0, result
     assert pd.stop() == 0
@@ -97,7 +95,7 @@ def test_a_donor_killed_and_restarted_mid_job_comes_back_empty(teardown, tmp_pat
     old = next(d for d in lanes_of(pd, 0) if d["life"] == 1)
     # The first life's blocks died with it: none is counted, none is read.
     assert not old["alive"] and old["used"] == 0, old
-    assert job.alive(), "the job ended before the donor came back: make it longer"
+    assert job.alive(), job.log_tail()
     result = finish_job(job)
     assert result["mismatches"] == 0 and result["records"] > 0, result
     assert pd.stop() == 0

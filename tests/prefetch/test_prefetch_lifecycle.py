@@ -10,8 +10,10 @@ import subprocess
 
 import pytest
 
+from netpager_testkit import wait_for
 from netpager_testkit.attach import mounted
-from netpager_testkit.prefetch import Prefetchd, binary, generate, run_job, unmount
+from netpager_testkit.prefetch import (Prefetchd, Replica, binary, donor_arg, generate, run_job,
+                                       start_job, unmount)
 
 
 @pytest.fixture
@@ -117,3 +119,26 @@ def test_a_replica_of_the_wrong_size_is_refused(teardown, tmp_path, dataset, mem
                        capture_output=True, text=True, timeout=60)
     assert p.returncode != 0 and "replica layout needs" in p.stderr, p.stderr
     assert not mounted(mnt)
+
+
+def test_stopping_with_fills_queued_on_its_donors_exits_cleanly(teardown, tmp_path, memory_cluster):
+    """SIGTERM while disk-to-global fills wait on slow replicas: the
+    stopping lanes fail what they hold, and the planner plans nothing on
+    them again. It once did, fill after failed fill on the failing lane's
+    own stack, until prefetchd died of a stack overflow (found by the
+    flake hunt: it needed fills queued at the moment of the stop)."""
+    ds = generate("random", tmp_path / "ds", 0.02)
+    donors = memory_cluster.start_donors(2, size="4M")
+    reps = [Replica(teardown, tmp_path, ds["data"], d.addr, d.name, rdelay="50ms") for d in donors]
+    pd = Prefetchd(teardown, tmp_path, ds["data"], local_cache="256K",
+                   donors=[donor_arg(d, r) for d, r in zip(donors, reps)])
+    pd.add_job("j", ds["hints_path"])
+    job = start_job(teardown, tmp_path, ds["hints_path"], pd.mount / "jobs" / "j",
+                    manifest=ds["manifest_path"], compute_us=250, until=True)
+    # A replica read takes 50 ms, one at a time: most fills wait in queues.
+    wait_for(lambda: pd.job("j")["stats"]["disk_to_global"]["issued"] > 0, 60,
+             "disk-to-global fills on the donors")
+    # The reader goes (its open files would keep the mount busy); the job's
+    # hints, and the fills they planned, stay.
+    job.kill9()
+    assert pd.stop() == 0, pd.proc.log_tail()

@@ -71,15 +71,11 @@ def meminfo(tmp_path):
 
 @pytest.fixture
 def start_donors(cluster, meminfo):
-    """Starts n pager-server donors judged on the fake meminfo.
-
-    busy-load out of reach so the machine's own load never turns a donor
-    busy; other keyword arguments go to `Cluster.start_donors`.
-    """
+    """Starts n pager-server donors judged on the fake meminfo; keyword
+    arguments go to `Cluster.start_donors`."""
 
     def start(n: int = 1, **params):
         params.setdefault("meminfo", meminfo.path)
-        params.setdefault("busy_load", 1000)
         params.setdefault("poll_ms", 50)
         params.setdefault("reserve", "1G")
         params.setdefault("budgets", "256M")

@@ -11,6 +11,7 @@ import pytest
 
 from netpager_testkit import wait_for
 from netpager_testkit.nbdio import pattern
+from netpager_testkit.client import pagerctl_status
 from netpager_testkit.paths import pagerctl, target_dir
 from netpager_testkit.ci import skip_or_fail
 from netpager_testkit.nbdio import connect
@@ -78,7 +79,7 @@ def test_mirror_device_over_tls_with_export_tokens(root, pagerctl_built, teardow
         assert mine > 0, f"{d.name} holds no pages of c1's device: {used}"
 
     def donor_states():
-        st = json.loads(run_pagerctl("status", "--state-dir", state, "--json"))
+        st = json.loads(pagerctl_status(state, "--json").stdout)
         return {d["name"]: d["state"] for d in st["status"]["donors"]}
     wait_for(lambda: set(donor_states().values()) <= {"idle", "busy"}, 60,
              "the client to read every donor's signed status")

@@ -102,7 +102,7 @@ def test_pagerctl_signs_with_the_lab_key(start_donors, keys):
         return subprocess.run([str(pagerctl()), *map(str, args)], capture_output=True, text=True, timeout=60)
 
     p = ctl("donor-status", addr, "--json")
-    assert p.returncode != 0 and "authentication required" in p.stderr, p.stderr
+    assert p.returncode != 0 and "requires signed requests: give the lab key" in p.stderr, p.stderr
     p = ctl("donor-status", addr, "--json", "--psk", keys.wrong_psk)
     assert p.returncode != 0, p.stdout
     p = ctl("donor-status", addr, "--json", "--psk", keys.lab_psk)

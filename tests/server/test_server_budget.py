@@ -1,6 +1,8 @@
 """The budget caps what a donor stores; memory pressure on the donor's own
 node (faked through `meminfo=`) and the drain command stop new pages
-without losing stored ones."""
+without losing stored ones. The data is random (it does not compress), so
+every page takes a page of the budget whatever the donor's `compress=`; a
+page of one repeated byte would take none."""
 
 from __future__ import annotations
 
@@ -30,11 +32,11 @@ def test_writes_past_the_budget_fail_with_enospc(start_donor):
             y.pwrite(pattern("y", i * 64 * 1024, 64 * 1024), i * 64 * 1024)
         s = donor.status()
         assert (s.used_bytes, s.free_bytes) == (budget_pages * PAGE, 0)
-        expect_enospc(x, b"\x07" * PAGE, 4 * MIB)
-        expect_enospc(y, b"\x07" * 100, 6 * MIB + 5)
+        expect_enospc(x, pattern("x7", 0, PAGE), 4 * MIB)
+        expect_enospc(y, pattern("y7", 0, 100), 6 * MIB + 5)
         # A write needing two new pages when none is free changes nothing:
         # it overlaps a stored page and a new one; the stored one keeps its data.
-        expect_enospc(x, b"\x09" * (2 * PAGE), budget_pages // 2 * PAGE - PAGE)
+        expect_enospc(x, pattern("x9", 0, 2 * PAGE), budget_pages // 2 * PAGE - PAGE)
         # Overwriting stored pages needs no new page.
         x.pwrite(pattern("x2", 0, 3 * PAGE), 0)
         # Everything stored before is intact.
@@ -44,9 +46,9 @@ def test_writes_past_the_budget_fail_with_enospc(start_donor):
         assert x.pread(PAGE, 4 * MIB) == bytes(PAGE)
         # Freeing one page makes room for exactly one.
         y.trim(PAGE, 0)
-        x.pwrite(b"\x05" * PAGE, 4 * MIB)
-        expect_enospc(x, b"\x05" * PAGE, 5 * MIB)
-        assert x.pread(PAGE, 4 * MIB) == b"\x05" * PAGE
+        x.pwrite(pattern("x5", 0, PAGE), 4 * MIB)
+        expect_enospc(x, pattern("x5", PAGE, PAGE), 5 * MIB)
+        assert x.pread(PAGE, 4 * MIB) == pattern("x5", 0, PAGE)
     s = donor.status()
     assert s.used_bytes == budget_pages * PAGE
     assert s.enospc == 4
@@ -63,7 +65,7 @@ def test_memory_pressure_drains_and_relief_restores(start_donor, meminfo):
         assert s.free_bytes == 0
         assert s.mem_available_bytes == 512 * MIB
         assert "MemAvailable" in s.state_reason and "reserve" in s.state_reason, s.state_reason
-        expect_enospc(h, b"\x01" * PAGE, 40 * PAGE)
+        expect_enospc(h, pattern("one", 0, PAGE), 40 * PAGE)
         # Stored pages are kept and may still be rewritten in place.
         assert h.pread(32 * PAGE, 0) == pattern("p", 0, 32 * PAGE)
         h.pwrite(pattern("q", 0, PAGE), 0)
@@ -86,7 +88,7 @@ def test_drain_command(start_donor):
         s = client.drain(True)
         assert state_word(s) == "draining"
         assert "drain requested" in s.state_reason, s.state_reason
-        expect_enospc(h, b"\x02" * PAGE, 8 * PAGE)
+        expect_enospc(h, pattern("two", 0, PAGE), 8 * PAGE)
         assert h.pread(PAGE, 0) == pattern("d", 0, PAGE)
         assert state_word(client.drain(False)) == "idle"
         h.pwrite(b"\x02" * PAGE, 8 * PAGE)

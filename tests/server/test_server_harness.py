@@ -17,6 +17,7 @@ from netpager_testkit import (oom_killed, repo_root, run_job_in_cgroup, swaps,
                               wait_for)
 from netpager_testkit.attach import mounted, run
 from netpager_testkit.donor import nbd_handshake
+from netpager_testkit.machine import SWAP, loopback, loopback_block
 from netpager_testkit.procs import proc_start_time
 
 MIB = 1 << 20
@@ -31,6 +32,37 @@ def test_memhog_verifies_and_catches_a_flipped_bit(memhog):
     assert "bad page 1234 (offset 0x4d2060) word 12:" in bad.stderr, bad.stderr
 
 
+def test_blkhog_verifies_and_catches_a_flipped_bit(blkhog, tmp_path):
+    disk = tmp_path / "disk.img"
+    disk.write_bytes(b"\0" * (4 * MIB))
+    ok = subprocess.run([blkhog, disk, "4M", "--threads", "8"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "blkhog: OK blocks=1024 threads=8 " in ok.stdout, ok.stdout
+    bad = subprocess.run([blkhog, disk, "4M", "--threads", "8", "--flip", "777"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 1
+    assert "bad block 777 (offset 0x309060) word 12:" in bad.stderr, bad.stderr
+    # --until: random rewrites and checks until the file appears, then all.
+    stop = tmp_path / "stop"
+    job = subprocess.Popen([blkhog, disk, "4M", "--threads", "8", "--until", stop],
+                           stdout=subprocess.PIPE, text=True)
+    assert job.stdout.readline().strip() == "blkhog: filled"
+    stop.touch()
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode == 0 and "blkhog: OK blocks=1024 " in out, out
+
+
+def test_memhog_runs_until_told_to_stop(memhog, tmp_path):
+    stop = tmp_path / "stop"
+    job = subprocess.Popen([memhog, "4M", "--passes", "1", "--until", stop],
+                           stdout=subprocess.PIPE, text=True)
+    assert job.stdout.readline().strip() == "memhog: round 1 verified"
+    assert job.stdout.readline().strip() == "memhog: round 2 verified"
+    stop.touch()
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode == 0 and "memhog: OK pages=1024 " in out, out
+
+
 def test_cgroup_limit_is_enforced(root, teardown, tmp_path, memhog):
     # No swap allowed: a job touching 4x its limit must be OOM-killed, which
     # shows the limit applies to the job (and so forces swap when allowed).
@@ -41,9 +73,29 @@ def test_cgroup_limit_is_enforced(root, teardown, tmp_path, memhog):
     assert not r.cgroup.exists(), f"{r.cgroup} left behind"
 
 
+def test_loopback_blocks_and_machine_locks_are_each_process_own(teardown):
+    """Concurrent test runs never share an address or a machine-wide lock:
+    another process gets another loopback block, and waits for a lock this
+    one holds (naming the holder)."""
+    mine = loopback_block()
+    probe = ("import sys; sys.path.insert(0, sys.argv[1]); from netpager_testkit import machine; "
+             "print(machine.loopback_block()); "
+             "machine.SWAP.acquire(timeout=0.5)")
+    SWAP.hold(teardown)
+    p = subprocess.run([sys.executable, "-c", probe, str(repo_root() / "tests")],
+                       capture_output=True, text=True, timeout=60)
+    other = int(p.stdout.split()[0])
+    assert other != mine and 1 <= other <= 254, (mine, p.stdout)
+    assert p.returncode != 0 and f"held by pid {os.getpid()}" in p.stderr, p.stderr
+    SWAP.release()
+    p = subprocess.run([sys.executable, "-c", probe, str(repo_root() / "tests")],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+
+
 def test_donor_control(memory_cluster, teardown):
     d1, d2 = memory_cluster.start_donors(2, size="64M")
-    assert (d1.addr, d2.addr) == ("127.0.0.2", "127.0.0.3")
+    assert (d1.addr, d2.addr) == (loopback(2), loopback(3))
     port = d1.port
     d1.kill9()
     assert not d1.alive() and not nbd_handshake(d1.uri())

@@ -4,12 +4,17 @@
 //! by one command is accepted by all of them. Also the one lock-poisoning
 //! policy ([`LockExt`] and its kin): recover, never propagate; and the one
 //! way to lock a swap-path process's memory ([`process::lock_memory`]),
-//! and what `--version` prints on every command ([`version`]).
+//! and what `--version` prints on every command ([`version`]); a
+//! request's clock through the serving process's hops ([`trace`]); and
+//! the defaults an admin meets in several places, each defined once
+//! ([`defaults`]).
 
+pub mod defaults;
 pub mod process;
 mod sync;
 #[allow(unsafe_code)]
 mod sys;
+pub mod trace;
 pub mod version;
 
 pub use sync::{CondvarExt, LockExt, RwLockExt};

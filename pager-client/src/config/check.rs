@@ -29,6 +29,16 @@ impl DeviceConfig {
                 ),
             );
         }
+        for d in &self.discover_domain {
+            if let Err(e) = netpager_membership::dns::wire::Name::parse(d) {
+                return bad("discover_domain", e.to_string());
+            }
+        }
+        if let Some(s) = &self.dns_server {
+            if let Err(e) = netpager_membership::dns::parse_server(s) {
+                return bad("dns_server", e);
+            }
+        }
         if let Some(dev) = &self.device_id {
             if dev.is_empty()
                 || dev.len() > 64
@@ -208,7 +218,11 @@ impl DeviceConfig {
         let need = self.mode.donors_needed();
         // With a donors file the set fills at run time: the file's donors
         // join at the first epoch.
-        if self.donors.len() < need && self.donors_file.is_none() && !self.discover {
+        if self.donors.len() < need
+            && self.donors_file.is_none()
+            && !self.discover
+            && self.discover_domain.is_empty()
+        {
             let what = match self.mode {
                 Mode::Mirror => "mirror needs at least 2 distinct donors".to_string(),
                 Mode::Parity { width } => {

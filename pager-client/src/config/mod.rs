@@ -15,7 +15,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use netpager_util::HostPort;
+use netpager_util::{defaults, HostPort};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::extent_map::Redundancy;
@@ -349,12 +349,25 @@ pub struct DeviceConfig {
     pub donors_file: Option<PathBuf>,
     /// Add donors announced on the lab's network (DNS-SD, `_netpager._tcp`)
     /// once their status verifies with `lab_key`; without a key, only on
-    /// loopback and the project's test network unless `discover_insecure`.
+    /// loopback and the `trust_network`s unless `discover_insecure`.
     #[serde(default)]
     pub discover: bool,
     /// Use announced donors without a lab key to verify them, anywhere.
     #[serde(default)]
     pub discover_insecure: bool,
+    /// Networks (`ADDR/BITS`) whose announced donors are used without a
+    /// lab key, besides loopback: only a network where nobody but the
+    /// lab's own machines can announce (none by default).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub trust_network: Vec<netpager_membership::discovery::Network>,
+    /// DNS domains browsed for `_netpager._tcp.DOMAIN` (wide-area DNS-SD,
+    /// across routers); admission as for `discover`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub discover_domain: Vec<String>,
+    /// The DNS server asked for `discover_domain` (`ADDR[:PORT]`; default
+    /// the system resolver's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dns_server: Option<String>,
     /// A donor dead this long is forgotten once nothing depends on it
     /// (0: never).
     #[serde(default = "default_forget_after_ms")]
@@ -434,19 +447,19 @@ fn default_b() -> f64 {
     policy::DEFAULT_B
 }
 fn default_epoch_ms() -> u64 {
-    5000
+    defaults::EPOCH_MS
 }
 fn default_n_clients() -> u32 {
     1
 }
 fn default_connect_ms() -> u64 {
-    3000
+    defaults::CONNECT_TIMEOUT_MS
 }
 fn default_spin_us() -> u64 {
     50
 }
 fn default_forget_after_ms() -> u64 {
-    10 * 60 * 1000
+    defaults::FORGET_AFTER_MS
 }
 fn default_grace_ms() -> u64 {
     30_000
@@ -458,7 +471,7 @@ fn default_rebalance_rate() -> ByteSize {
     ByteSize(DEFAULT_REBALANCE_RATE)
 }
 fn default_request_ms() -> u64 {
-    5000
+    defaults::REQUEST_TIMEOUT_MS
 }
 
 /// Configuration errors, naming the file and the field.
@@ -512,6 +525,9 @@ impl DeviceConfig {
             donors_file: None,
             discover: false,
             discover_insecure: false,
+            trust_network: Vec::new(),
+            discover_domain: Vec::new(),
+            dns_server: None,
             forget_after_ms: default_forget_after_ms(),
             grace_ms: default_grace_ms(),
             rebalance_rate: default_rebalance_rate(),

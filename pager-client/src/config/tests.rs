@@ -192,3 +192,40 @@ fn sizes_in_toml() {
     let e = toml::from_str::<T>("s = \"1Q\"").err().unwrap().to_string();
     assert!(e.contains("\"1Q\""), "{e}");
 }
+
+#[test]
+fn discovery_settings_round_trip_and_bad_ones_name_their_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join(FILE_NAME);
+    let mut c = sample();
+    c.discover = true;
+    c.trust_network = vec!["10.213.47.0/24".parse().unwrap()];
+    c.discover_domain = vec!["lab.example.org".into()];
+    c.dns_server = Some("10.0.0.53:5353".into());
+    c.save(&p).unwrap();
+    assert_eq!(DeviceConfig::load(&p).unwrap(), c);
+
+    let mut bad = c.clone();
+    bad.discover_domain = vec!["lab..org".into()];
+    let e = bad.validate().unwrap_err().to_string();
+    assert!(
+        e.contains("`discover_domain`") && e.contains("empty label"),
+        "{e}"
+    );
+    let mut bad = c.clone();
+    bad.dns_server = Some("dns.lab".into());
+    let e = bad.validate().unwrap_err().to_string();
+    assert!(
+        e.contains("`dns_server`") && e.contains("ADDR or ADDR:PORT"),
+        "{e}"
+    );
+    let text = std::fs::read_to_string(&p)
+        .unwrap()
+        .replace("10.213.47.0/24", "10.213.47.5/24");
+    std::fs::write(&p, text).unwrap();
+    let e = DeviceConfig::load(&p).unwrap_err().to_string();
+    assert!(
+        e.contains("device.toml") && e.contains("host bits are set"),
+        "{e}"
+    );
+}

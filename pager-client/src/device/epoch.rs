@@ -9,7 +9,7 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use netpager_proto::DonorState;
+use netpager_proto::{DonorState, DonorStatus};
 use netpager_util::LockExt;
 
 use super::donor::Donor;
@@ -267,7 +267,7 @@ impl Inner {
                             service.push(s.mean_service_us);
                         }
                         let page = if s.page_size > 0 { s.page_size } else { 4096 };
-                        let give = s.free_bytes / page;
+                        let give = offered_bytes(s) / page;
                         let store = self.cfg.store_name(&d.cfg);
                         let ours = s
                             .exports
@@ -275,14 +275,16 @@ impl Inner {
                             .find(|x| x.name == store)
                             .map_or(0, |x| x.used_bytes);
                         // What it lends in all less what others hold there
-                        // (below what we hold when it wants pages back);
-                        // an older donor without offer_bytes: its free
-                        // bytes and ours.
+                        // (below what we hold when it wants pages back), at
+                        // the compression ratio it offers; an older donor
+                        // without offer_bytes: what it offers and ours.
+                        let ratio = s.offered_ratio.clamp(1.0, MAX_OFFERED_RATIO as f64);
                         let lends = match s.offer_bytes {
                             Some(offer) => {
-                                offer.saturating_sub(s.used_bytes - ours.min(s.used_bytes))
+                                let others = s.used_bytes - ours.min(s.used_bytes);
+                                (offer.saturating_sub(others) as f64 * ratio) as u64
                             }
-                            None => s.free_bytes + ours,
+                            None => offered_bytes(s) + (ours as f64 * ratio) as u64,
                         } / page;
                         let x = self.cfg.policy.age_x.unwrap_or(s.age_x).max(1);
                         let age = |give: u64| {
@@ -375,5 +377,42 @@ impl Inner {
         pl.throttle = throttle;
         pl.freqs = freqs;
         pl.targets = targets;
+    }
+}
+
+/// Most a donor's compression may multiply its free budget by in G_i.
+const MAX_OFFERED_RATIO: u64 = 4;
+
+/// G_i in bytes: what the donor can take at the compression ratio it
+/// offers (`capacity_bytes`), at most [`MAX_OFFERED_RATIO`] times its free
+/// budget (about what zram holds at best), so no donor calls every client
+/// to it on a ratio without bound. A donor that reports no capacity
+/// (older, or draining) offers its free bytes.
+fn offered_bytes(s: &DonorStatus) -> u64 {
+    match s.capacity_bytes {
+        0 => s.free_bytes,
+        c => c.min(s.free_bytes.saturating_mul(MAX_OFFERED_RATIO)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn g_i_is_the_capacity_offered_within_bounds() {
+        let st = |free_bytes, capacity_bytes| DonorStatus {
+            free_bytes,
+            capacity_bytes,
+            ..Default::default()
+        };
+        assert_eq!(
+            offered_bytes(&st(100, 0)),
+            100,
+            "a donor without capacity: its free bytes"
+        );
+        assert_eq!(offered_bytes(&st(100, 250)), 250, "at the ratio it offers");
+        assert_eq!(offered_bytes(&st(100, 10_000)), 400, "capped");
+        assert_eq!(offered_bytes(&st(0, 0)), 0, "draining or full");
     }
 }

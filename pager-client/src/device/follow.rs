@@ -5,18 +5,19 @@
 //!
 //! Calls: `Inner::add_member`/`remove_member` (membership.rs), the
 //! donors file and discovery of `netpager-membership`; runs on the epoch
-//! thread.
+//! thread, but for announced donors' checks, which run on discovery's
+//! admission thread.
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
 use std::time::{Duration, UNIX_EPOCH};
 
-use netpager_membership::discovery::{admit, Check};
+use netpager_membership::discovery::{self, Admission, Announced, Trust, Verdict};
 use netpager_membership::{read_donors_file_lines, DonorSpec, Joined};
 
 use super::Inner;
-use crate::config::DonorConfig;
+use crate::config::{DeviceConfig, DonorConfig};
 use crate::extent_map::MemberState;
 
 /// Whether the configured address `addr` (`HOST:PORT`) is `at`.
@@ -32,6 +33,39 @@ fn spec_of(c: &DonorConfig) -> DonorSpec {
         status: c.status.clone(),
         name: c.name.clone(),
     }
+}
+
+/// Starts browsing (`discover`, `discover_domain`) and checking announced
+/// donors on a thread of its own, as `admit` says: the lab key's signed
+/// status, or a trusted network.
+pub(crate) fn start_admission(cfg: &DeviceConfig) -> Result<Admission, String> {
+    let timeout = Duration::from_millis(cfg.timeouts.connect_ms);
+    let server = cfg
+        .dns_server
+        .as_deref()
+        .map(netpager_membership::dns::parse_server)
+        .transpose()?;
+    let mut sources =
+        discovery::Sources::start(cfg.discover, &cfg.discover_domain, server, timeout)?;
+    let key = cfg.lab_key();
+    let trust = Trust {
+        networks: cfg.trust_network.clone(),
+        insecure: cfg.discover_insecure,
+    };
+    let check = move |a: &Announced| -> Verdict {
+        let key = key
+            .as_deref()
+            .map(|f| netpager_proto::LabKey::from_psk_file(f, None))
+            .transpose()
+            .map_err(|e| format!("lab key: {e}"))?;
+        discovery::check(&netpager_proto::StatusClient { timeout, key }, a, &trust)
+    };
+    Admission::start(
+        move || sources.announced(),
+        check,
+        Duration::from_millis(cfg.policy.epoch_ms),
+    )
+    .map_err(|e| format!("discovery: cannot start its thread: {e}"))
 }
 
 impl Inner {
@@ -100,33 +134,23 @@ impl Inner {
         book.file_pending = pending;
     }
 
-    /// Epoch: adds donors announced on the lab's network whose status
-    /// verifies with the lab key (or, without a key, that may be used
-    /// unverified). A donor that stops announcing stays; one the admin
-    /// removed is not brought back.
+    /// Epoch: adds donors announced on the lab's network that the
+    /// admission thread admitted (their status verified with the lab key,
+    /// or, without a key, on a trusted network). Nothing here waits on an
+    /// announced donor's status: only joining an admitted one connects. A
+    /// donor that stops announcing stays; one the admin removed is not
+    /// brought back.
     pub(crate) fn follow_discovery(&self) {
-        let Some(browser) = &self.browser else {
+        let Some(admission) = &self.admission else {
             return;
         };
         let key = self.cfg.lab_key();
-        let lab_key = match key
-            .as_deref()
-            .map(|f| netpager_proto::LabKey::from_psk_file(f, None))
-            .transpose()
-        {
-            Ok(k) => k,
-            Err(e) => {
-                self.members.book().discovery_error =
-                    Some(format!("lab key: {e}; no discovered donor is used"));
-                return;
-            }
-        };
         // TLS to a discovered donor as the lab key's (first) user, the one
         // its status is signed for.
-        let user = lab_key.as_ref().map(|k| k.username().to_string());
-        let client = lab_key.map(|k| netpager_proto::StatusClient {
-            timeout: Duration::from_millis(self.cfg.timeouts.connect_ms),
-            key: Some(k),
+        let user = key.as_deref().and_then(|f| {
+            netpager_proto::LabKey::from_psk_file(f, None)
+                .ok()
+                .map(|k| k.username().to_string())
         });
         let removed: Vec<String> = self
             .map
@@ -140,7 +164,7 @@ impl Inner {
             .map(|e| e.name)
             .collect();
         let mut verdicts = BTreeMap::new();
-        for a in browser.announced() {
+        for (a, verdict) in admission.verdicts() {
             if self.members.find(&a.node_id).is_some()
                 || self
                     .members
@@ -156,17 +180,7 @@ impl Inner {
                 );
                 continue;
             }
-            let status = client.as_ref().map(|c| c.query(&a.status.to_string()));
-            let failed = match &status {
-                Some(Err(e)) => e.to_string(),
-                _ => String::new(),
-            };
-            let check = match &status {
-                None => Check::NoKey,
-                Some(Ok(s)) => Check::Signed(Ok(&s.node_id)),
-                Some(Err(_)) => Check::Signed(Err(&failed)),
-            };
-            let why = match admit(&a, check, self.cfg.discover_insecure) {
+            let why = match verdict {
                 Ok(why) => why,
                 Err(not) => {
                     verdicts.insert(a.node_id.clone(), not);
@@ -182,10 +196,12 @@ impl Inner {
                     d.cfg.address
                 ),
                 Err(e) => {
+                    admission.not_added(&a.node_id, e.to_string());
                     verdicts.insert(a.node_id.clone(), e.to_string());
                 }
             }
         }
+        let errors = admission.source_errors();
         let mut book = self.members.book();
         for (node, why) in &verdicts {
             if book.not_admitted.get(node) != Some(why) {
@@ -193,6 +209,7 @@ impl Inner {
             }
         }
         book.not_admitted = verdicts;
+        book.discovery_error = (!errors.is_empty()).then(|| errors.join("; "));
     }
 
     /// The donors file's specs with their lines: parsed again when it

@@ -390,6 +390,15 @@ impl Inner {
         // Connected and its export checked without the lock: that may wait
         // out a timeout.
         let attached = self.try_attach(d);
+        // Why, in words an admin acts on (status shows it too); probed
+        // before the set lock is taken, since that may wait out a timeout.
+        let words = match &attached {
+            Err(AttachFail::Unreachable(_)) => match crate::probe::check(&self.cfg, &d.cfg) {
+                Err(p @ crate::probe::Problem::Unreachable(_)) => Some(p.to_string()),
+                _ => None,
+            },
+            _ => None,
+        };
         let mut set = self.members.change();
         match attached {
             Ok(()) => {}
@@ -426,12 +435,12 @@ impl Inner {
             Err(f) if reachable => {
                 set.retire(d);
                 return Err(refuse(format!(
-                    "donor {} cannot be reached: {}",
+                    "donor {} cannot be used: {}",
                     d.cfg.name,
-                    f.reason()
+                    words.as_deref().unwrap_or(f.reason())
                 )));
             }
-            Err(f) => self.fail_donor(d, f.reason()),
+            Err(f) => self.fail_donor(d, words.as_deref().unwrap_or(f.reason())),
         }
         self.map
             .set_donor_member(id, self.record(how, now, MemberState::Member, &d.cfg))?;

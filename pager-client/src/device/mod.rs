@@ -35,7 +35,7 @@ mod prefetch;
 mod rebalance;
 mod replica;
 mod report;
-mod session;
+pub mod session;
 mod stripe;
 mod transient;
 mod writethrough;
@@ -190,8 +190,9 @@ pub(crate) struct Inner {
     /// Numbers the rounds of connections to donors in this session
     /// (`netpager_nbd::Pool::numbered`).
     pub(crate) rounds: Arc<AtomicU64>,
-    /// Browses the lab's network for announced donors (`discover`).
-    pub(crate) browser: Option<netpager_membership::discovery::Browser>,
+    /// Browses the lab's network for announced donors and checks them
+    /// off the epoch thread (`discover`).
+    pub(crate) admission: Option<netpager_membership::discovery::Admission>,
     pub(crate) fallback: Option<Fallback>,
     /// The mode family's own state and code, chosen at open.
     pub(crate) backend: Backend,
@@ -254,12 +255,12 @@ impl Device {
         };
         let backend = Backend::open(&cfg, layout, &map)?;
         let mut book = membership::Book::default();
-        let browser = if cfg.discover {
-            match netpager_membership::discovery::Browser::start() {
-                Ok(b) => Some(b),
+        let admission = if cfg.discover || !cfg.discover_domain.is_empty() {
+            match follow::start_admission(&cfg) {
+                Ok(a) => Some(a),
                 Err(e) => {
                     tracing::error!("discovery: {e}; only the configured donors are used");
-                    book.discovery_error = Some(e.to_string());
+                    book.discovery_error = Some(e);
                     None
                 }
             }
@@ -267,7 +268,7 @@ impl Device {
             None
         };
         let inner = Arc::new(Inner {
-            browser,
+            admission,
             prefetch: (cfg.prefetch_pages > 0).then(|| prefetch::Prefetch::new(cfg.prefetch_pages)),
             backend,
             // Room for a whole stripe's parity (full-stripe writes).
@@ -396,6 +397,12 @@ impl Device {
 
     pub fn config(&self) -> &DeviceConfig {
         &self.inner.cfg
+    }
+
+    /// The request counters: the front end counts its requests' stages
+    /// and its write-back buffer's work there (`status.json`, `/metrics`).
+    pub fn stats(&self) -> &RequestStats {
+        &self.inner.stats
     }
 
     /// Counts a finished request for `/metrics`: atomics only, so the

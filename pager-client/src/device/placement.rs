@@ -94,10 +94,16 @@ impl Inner {
             .members
             .iter()
             .map(|d| {
-                let why = if exclude.contains(&d.id) {
-                    "holds another copy"
-                } else if let Some(r) = self.ineligible_reason(d.idx) {
-                    r
+                // A full or failed donor says so first: that is what an
+                // admin acts on, whether or not it also holds a copy.
+                let why = if let Some(r) = self.ineligible_reason(d.idx) {
+                    match r {
+                        "full" => "full (its budget is spent: raise its budget= or add a donor)",
+                        "export full" => "our export on it is full",
+                        r => r,
+                    }
+                } else if exclude.contains(&d.id) {
+                    "holds another copy of this unit"
                 } else if f.get(d.idx).copied().unwrap_or(0.0) <= 0.0 {
                     "selection frequency 0"
                 } else {
@@ -213,6 +219,10 @@ impl Inner {
                 }
                 continue;
             }
+            if missing == 0 {
+                // Donors take units again: an old ENOSPC note is stale.
+                self.clear_placement_note();
+            }
             return Ok(out);
         }
         Err(DeviceError::NoSpace {
@@ -286,6 +296,14 @@ impl Inner {
             Vec::new()
         };
         (picked, why)
+    }
+
+    fn clear_placement_note(&self) {
+        let mut pl = self.placement.lock_or_recover();
+        if pl.note.take().is_some() {
+            tracing::info!("placements go to donors again");
+            pl.note_kind = "";
+        }
     }
 
     /// Records (and logs, once per change of kind) why a placement left

@@ -210,6 +210,7 @@ impl Inner {
             t.prefetch_hits = n.hits;
             t.prefetch_wasted = n.wasted;
             t.prefetch_cache_bytes = pf.cache.ready_bytes();
+            t.prefetch_pending = pf.cache.pending() as u64;
         }
         if layout.mode.striped() {
             t.groups_open = self.map.open_intents().len() as u64;
@@ -307,10 +308,13 @@ impl Inner {
             donors_file_error: book.file_error.clone(),
             donors_file_pending: book.file_pending.clone(),
             discover: self.cfg.discover,
+            discover_domain: self.cfg.discover_domain.clone(),
             discovery_error: book.discovery_error.clone(),
             not_admitted: book.not_admitted.clone(),
             totals: t,
             requests: self.stats.reports(),
+            stages: self.stats.stages.reports(),
+            writeback: Some(self.stats.writeback.report()).filter(|w| w.capacity_bytes > 0),
         }
     }
 }

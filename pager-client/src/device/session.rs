@@ -21,7 +21,7 @@ pub(crate) const SESSION_FILE: &str = "session";
 const RETRY: Duration = Duration::from_millis(50);
 
 /// The held lock and this session's number.
-pub(crate) struct Session {
+pub struct Session {
     /// Held open for the device's life: closing it releases the lock.
     _lock: File,
     pub number: u64,
@@ -36,7 +36,7 @@ fn file_err(path: &Path) -> impl Fn(std::io::Error) -> DeviceError + '_ {
 
 /// Takes the state directory's lock (waiting up to `wait` for a serving
 /// process that is still exiting), then starts the next session.
-pub(crate) fn begin(dir: &Path, wait: Duration) -> Result<Session> {
+pub fn begin(dir: &Path, wait: Duration) -> Result<Session> {
     let lock_path = dir.join(LOCK_FILE);
     let lock = OpenOptions::new()
         .read(true)

@@ -2,7 +2,7 @@
 //! where each member of a unit lives.
 
 use crate::config::DeviceConfig;
-use crate::page_log::{LogGeometry, PAGE};
+use crate::page_table::{LogGeometry, PAGE};
 
 /// Redundancy of the map's units: the config's mode without its paths
 /// ([`Mode::redundancy`]). Every property of a mode that does not depend

@@ -40,7 +40,7 @@ mod open;
 mod record;
 mod slots;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 mod unfound;
 
 use std::fs::{self, File, OpenOptions};
@@ -51,7 +51,7 @@ use std::sync::{Mutex, RwLock, TryLockError};
 
 use netpager_util::LockExt;
 
-use crate::page_log::PageTable;
+use crate::page_table::PageTable;
 pub use layout::{CopyState, Layout, Loc, Member, Redundancy, Unit};
 use open::write_journal_header;
 pub use record::crc32;

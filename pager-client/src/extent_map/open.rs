@@ -14,7 +14,7 @@ use super::{
     count_parity, fsync_dir, io_err, CopyState, DonorEntry, ExtentMap, Layout, Loc, MapError,
     Persist, Unit, INTENT_OPEN, JOURNAL_FILE, JOURNAL_SCRATCH, SNAPSHOT_FILE,
 };
-use crate::page_log::{PageTable, PAGE};
+use crate::page_table::{PageTable, PAGE};
 
 struct Replay {
     units: Vec<Option<Unit>>,

@@ -5,7 +5,6 @@ use std::io::Write;
 
 use super::record::{encode, Record};
 use super::*;
-use crate::page_log::LogJournal;
 
 /// Mirror mode, 16 extents of 1 MiB.
 pub(super) fn layout() -> Layout {
@@ -155,7 +154,7 @@ fn compaction_and_a_crash_between_snapshot_and_journal_reset() {
 }
 
 /// Parity width 3, 1 MiB extents of 256 pages, 2 log units.
-fn log_layout() -> Layout {
+pub(crate) fn log_layout() -> Layout {
     Layout {
         size: 8 << 20,
         extent: 1 << 20,
@@ -164,75 +163,14 @@ fn log_layout() -> Layout {
     }
 }
 
-/// The parity log's page table the map replayed, held as the device's
-/// parity log holds it.
-fn log_table(m: &ExtentMap) -> Mutex<PageTable> {
-    Mutex::new(m.take_log_table().expect("a parity log"))
-}
-
-fn parity_unit() -> Option<Unit> {
-    let m = |slot| Member {
-        loc: Loc::Donor { donor: 0, slot },
-        state: CopyState::Ok,
-    };
-    Some(Unit {
-        members: vec![m(1), m(2), m(3)],
-    })
-}
-
-#[test]
-fn parity_log_rows_and_drops_survive_reopen_and_compaction() {
-    let dir = tempfile::tempdir().unwrap();
-    let l = log_layout();
-    let geo = l.log_geometry().unwrap();
-    assert_eq!((geo.units, geo.rows, geo.cols), (2, 256, 2));
-    assert_eq!(l.units(), l.home_units() + 2);
-    {
-        let m = ExtentMap::open(dir.path(), l).unwrap();
-        let t = log_table(&m);
-        let j = LogJournal::new(Some(&t), &m);
-        m.donor_id("a").unwrap();
-        m.commit(l.log_unit(0), &parity_unit()).unwrap();
-        j.rows(0, 0, &[Some(10), Some(11)]).unwrap();
-        j.rows(0, 1, &[Some(12), None]).unwrap();
-        // Page 10 written again: its first copy is garbage.
-        j.rows(0, 2, &[Some(10), None]).unwrap();
-        j.drop_pages(11, 1).unwrap();
-        j.compact().unwrap();
-        j.rows(0, 3, &[Some(2000), Some(13)]).unwrap();
-        // Two rows in one call.
-        j.rows(0, 4, &[Some(20), Some(21), Some(22), None]).unwrap();
-    }
-    let m = ExtentMap::open(dir.path(), l).unwrap();
-    let t = log_table(&m);
-    let j = LogJournal::new(Some(&t), &m);
-    assert_eq!(j.lookup(10), Some(geo.slot(0, 2, 0)));
-    assert_eq!(j.lookup(11), None);
-    assert_eq!(j.lookup(12), Some(geo.slot(0, 1, 0)));
-    assert_eq!(j.lookup(2000), Some(geo.slot(0, 3, 0)));
-    assert_eq!(j.lookup(13), Some(geo.slot(0, 3, 1)));
-    assert_eq!(j.lookup(22), Some(geo.slot(0, 5, 0)));
-    assert_eq!(j.lookup(21), Some(geo.slot(0, 4, 1)));
-    assert_eq!(j.census(), (7, vec![7, 0]));
-    // Freeing a log unit sends whatever it still named home.
-    m.commit(l.log_unit(0), &None).unwrap();
-    drop(m);
-    let m = ExtentMap::open(dir.path(), l).unwrap();
-    let t = log_table(&m);
-    assert_eq!(LogJournal::new(Some(&t), &m).census(), (0, vec![0, 0]));
-}
-
 #[test]
 fn a_log_row_outside_the_log_is_refused_at_its_offset() {
     let dir = tempfile::tempdir().unwrap();
     let l = log_layout();
     {
         let m = ExtentMap::open(dir.path(), l).unwrap();
-        let t = log_table(&m);
         m.donor_id("a").unwrap();
-        LogJournal::new(Some(&t), &m)
-            .rows(0, 0, &[Some(1), None])
-            .unwrap();
+        m.journal_log_rows(0, 0, 2, &[Some(1), None]).unwrap();
     }
     let jpath = dir.path().join(JOURNAL_FILE);
     let good = fs::metadata(&jpath).unwrap().len();

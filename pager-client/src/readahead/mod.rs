@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use netpager_util::{CondvarExt, LockExt};
 
-use crate::page_log::PAGE;
+use crate::page_table::PAGE;
 
 /// Deltas the detector remembers (Leap's history window).
 pub const HISTORY: usize = 32;
@@ -372,6 +372,12 @@ impl PrefetchCache {
     /// Slots taken, queued, in flight or ready.
     pub fn slots(&self) -> usize {
         self.inner.lock_or_recover().slots.len()
+    }
+
+    /// Pages predicted and not in the cache yet: queued or being read.
+    pub fn pending(&self) -> usize {
+        let c = self.inner.lock_or_recover();
+        c.slots.len() - (self.capacity - c.free.len())
     }
 }
 

@@ -64,6 +64,14 @@ pub fn wait_status_every(
     }
 }
 
+/// Asks the device for an epoch now and waits until one has ended since:
+/// for tests that count epochs instead of waiting for time to pass.
+pub fn run_epoch(dev: &Device) {
+    let last = dev.status().epochs.last().copied();
+    dev.poll_donors_now();
+    wait_status(dev, "an epoch", |s| s.epochs.last().copied() != last);
+}
+
 /// xorshift64*: reproducible test data without extra crates.
 pub struct Rng(u64);
 

@@ -10,7 +10,7 @@ fn spec(name: &str) -> ExportSpec {
 }
 
 fn pool(limit_pages: u64) -> Pool {
-    Pool::new(limit_pages, 8)
+    Pool::new(limit_pages, 8, Compress::Off)
 }
 
 fn read(e: &Export, offset: u64, len: usize) -> Vec<u8> {
@@ -24,10 +24,10 @@ fn unwritten_ranges_read_as_zeros_and_use_no_pages() {
     let p = pool(16);
     let e = p.open(&spec("a"), 1 << 20).unwrap();
     assert_eq!(read(&e, 12345, 10000), vec![0; 10000]);
-    assert_eq!(e.used_pages(), 0);
+    assert_eq!(e.logical_pages(), 0);
     e.write(&[7; 10], 4090, 1).unwrap();
     assert_eq!(
-        e.used_pages(),
+        e.logical_pages(),
         2,
         "a write across a page boundary allocates both pages"
     );
@@ -36,14 +36,18 @@ fn unwritten_ranges_read_as_zeros_and_use_no_pages() {
     assert_eq!(&got[10..20], &[7; 10]);
     assert_eq!(&got[20..], &[0; 20]);
     e.write(&[0; 8192], 3 * 4096, 1).unwrap();
-    assert_eq!(e.used_pages(), 2, "zeros written into a hole need no page");
+    assert_eq!(
+        e.logical_pages(),
+        2,
+        "zeros written into a hole need no page"
+    );
     assert_eq!(p.budget().used_pages(), 2);
 }
 
 #[test]
 fn trimmed_pages_return_their_slabs_and_freed_pages_are_reused_zeroed() {
     let slab = 4 * PAGE;
-    let p = Pool::with_slabs(64, 8, Slabs::with_slab_pages(4));
+    let p = Pool::with_slabs(64, 8, Compress::Off, Slabs::with_slab_pages(4));
     let a = p.open(&spec("a"), 1 << 20).unwrap();
     let b = p.open(&spec("b"), 1 << 20).unwrap();
     a.write(&[1; 10 * 4096], 0, 0).unwrap();
@@ -94,17 +98,17 @@ fn trim_frees_whole_pages_and_zeros_partial_ones() {
     let p = pool(16);
     let e = p.open(&spec("a"), 1 << 20).unwrap();
     e.write(&[9; 4 * 4096], 0, 0).unwrap();
-    assert_eq!(e.used_pages(), 4);
+    assert_eq!(e.logical_pages(), 4);
     // Bytes 100..(4096*2+50): page 0 partly, page 1 whole, page 2 partly.
     assert_eq!(e.discard(100, 4096 * 2 - 50).unwrap(), 1);
-    assert_eq!(e.used_pages(), 3);
+    assert_eq!(e.logical_pages(), 3);
     let got = read(&e, 0, 4 * 4096);
     assert!(got[..100].iter().all(|b| *b == 9));
     assert!(got[100..4096 * 2 + 50].iter().all(|b| *b == 0));
     assert!(got[4096 * 2 + 50..].iter().all(|b| *b == 9));
     // Zeroing the rest of page 0 leaves it all zero: it is freed.
     assert_eq!(e.discard(0, 100).unwrap(), 1);
-    assert_eq!(e.used_pages(), 2);
+    assert_eq!(e.logical_pages(), 2);
     assert_eq!(p.budget().used_pages(), 2);
     assert_eq!(e.discard(0, 1 << 20).unwrap(), 2);
     assert_eq!(p.budget().used_pages(), 0);
@@ -137,7 +141,7 @@ fn budget_refuses_new_pages_and_keeps_stored_data() {
         vec![0; 4097],
         "a refused write leaves nothing behind"
     );
-    assert_eq!(b.used_pages(), 0);
+    assert_eq!(b.logical_pages(), 0);
     // Rewriting existing pages and filling the last free page still work.
     a.write(&[3; 3 * 4096], 0, 0).unwrap();
     b.write(&[4; 4096], 0, 0).unwrap();
@@ -207,11 +211,11 @@ fn exports_are_isolated_and_shared_by_name() {
     assert_eq!(
         usage
             .iter()
-            .map(|u| (u.name.as_str(), u.used_pages))
+            .map(|u| (u.name.as_str(), u.logical_bytes / PAGE))
             .collect::<Vec<_>>(),
         [("a", 1), ("b", 0), ("c", 0)]
     );
-    let small = Pool::new(8, 1);
+    let small = Pool::new(8, 1, Compress::Off);
     small.open(&spec("x"), 4096).unwrap();
     assert!(matches!(
         small.open(&spec("y"), 4096),
@@ -323,6 +327,6 @@ fn parallel_writers_readers_and_trimmers_keep_pages_consistent() {
         }
         true
     });
-    assert_eq!(counted, e.used_pages());
-    assert_eq!(p.budget().used_pages(), e.used_pages());
+    assert_eq!(counted, e.logical_pages());
+    assert_eq!(p.budget().used_pages(), e.logical_pages());
 }

@@ -95,6 +95,61 @@ impl Frontend {
     }
 }
 
+/// The front end a device gets and whether it is restartable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Served {
+    pub frontend: Frontend,
+    pub restartable: bool,
+    /// Why a swap device is not restartable although nobody asked for
+    /// that: its front end cannot be (said as a warning).
+    pub not_restartable: Option<&'static str>,
+}
+
+impl Frontend {
+    /// The front end and whether the device is restartable: as asked
+    /// (`--restartable`, `--no-restartable`: `asked`); else a swap device
+    /// is restartable where its front end allows (its serving process
+    /// would take every swapped page with it when it dies), over classic
+    /// FUSE (`auto` means `fuse` then), and any other device is not.
+    /// Kernel nbd's restarts are never the default: they have not run on a
+    /// real /dev/nbd0. `nbd_module`: /dev/nbd0 exists; `nbd_client`:
+    /// nbd-client is installed.
+    pub fn resolve_attach(
+        self,
+        asked: Option<bool>,
+        swap: bool,
+        kernel_uring: bool,
+        nbd_module: bool,
+        nbd_client: bool,
+    ) -> Result<Served, AttachError> {
+        let served = |frontend, restartable, not_restartable| Served {
+            frontend,
+            restartable,
+            not_restartable,
+        };
+        let plain = self.resolve(kernel_uring, nbd_module && nbd_client);
+        Ok(match (asked, swap, self) {
+            (Some(true), ..) => served(
+                self.resolve_restartable(true, kernel_uring, nbd_module)?,
+                true,
+                None,
+            ),
+            (Some(false), ..) | (None, false, _) => served(plain, false, None),
+            (None, true, Frontend::Auto | Frontend::Fuse) => served(Frontend::Fuse, true, None),
+            (None, true, Frontend::FuseUring) => served(
+                plain,
+                false,
+                Some("--frontend fuse-uring cannot be restartable: the kernel never resends the requests a dead server left in its io_uring entries (pagerctl(1) RESTARTS); if pagerctl serve dies, every process with pages on this swap device loses them (--frontend fuse makes it restartable)"),
+            ),
+            (None, true, Frontend::Nbd) => served(
+                plain,
+                false,
+                Some("--frontend nbd is restartable only when asked (--restartable, kernel nbd's reconnect, which has not run on a real /dev/nbd0 yet): if nbdkit dies, every process with pages on this swap device loses them (--frontend fuse makes it restartable)"),
+            ),
+        })
+    }
+}
+
 /// `pagerctl serve` for the FUSE front ends, run by `pagerctl` itself.
 pub fn serve_command(pagerctl: &Path, state_dir: &Path, frontend: Frontend) -> Vec<String> {
     vec![
@@ -107,25 +162,64 @@ pub fn serve_command(pagerctl: &Path, state_dir: &Path, frontend: Frontend) -> V
     ]
 }
 
+/// What every serving process of a device is started with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServeOptions {
+    /// Serving threads (per queue with io_uring).
+    pub threads: usize,
+    /// `--writeback-buffer`, as given.
+    pub writeback: String,
+    /// Buffered writes acknowledged only once on the donors: a block
+    /// device keeps what it acknowledged if its serving process dies.
+    pub ack_late: bool,
+}
+
+impl ServeOptions {
+    fn args(&self) -> Vec<String> {
+        let mut v = vec![
+            "--threads".into(),
+            self.threads.to_string(),
+            "--writeback-buffer".into(),
+            self.writeback.clone(),
+        ];
+        if self.ack_late {
+            v.push("--writeback-ack-late".into());
+        }
+        v
+    }
+}
+
 /// `pagerctl hold`: keeps a restartable device's FUSE connection and runs
 /// `pagerctl serve --held` processes on it, one after another.
-pub fn hold_command(pagerctl: &Path, state_dir: &Path, threads: usize) -> Vec<String> {
-    vec![
+pub fn hold_command(pagerctl: &Path, state_dir: &Path, serve: &ServeOptions) -> Vec<String> {
+    let mut cmd = vec![
         s(pagerctl),
         "hold".into(),
         "--state-dir".into(),
         s(state_dir),
-        "--threads".into(),
-        threads.to_string(),
-    ]
+    ];
+    cmd.extend(serve.args());
+    cmd
 }
 
 /// `pagerctl serve --held`: a serving process that takes the connection
 /// from the holder (classic `/dev/fuse`: the only transport whose
 /// unanswered requests the kernel resends).
-pub fn held_serve_command(pagerctl: &Path, state_dir: &Path, threads: usize) -> Vec<String> {
-    let mut cmd = serve_command(pagerctl, state_dir, Frontend::Fuse);
-    cmd.extend(["--threads".into(), threads.to_string(), "--held".into()]);
+pub fn held_serve_command(pagerctl: &Path, state_dir: &Path, serve: &ServeOptions) -> Vec<String> {
+    let mut cmd = plain_serve_command(pagerctl, state_dir, Frontend::Fuse, serve);
+    cmd.push("--held".into());
+    cmd
+}
+
+/// [`serve_command`] with the serving options.
+pub fn plain_serve_command(
+    pagerctl: &Path,
+    state_dir: &Path,
+    frontend: Frontend,
+    serve: &ServeOptions,
+) -> Vec<String> {
+    let mut cmd = serve_command(pagerctl, state_dir, frontend);
+    cmd.extend(serve.args());
     cmd
 }
 
@@ -161,7 +255,11 @@ pub fn hold_nbd_command(
 
 /// nbdkit with the client plugin as `pagerctl hold-nbd`'s child: in the
 /// foreground (the holder waits for it and starts the next), on the state
-/// directory's unix socket.
+/// directory's unix socket, exiting once its last connection closes
+/// (exitlast: the kernel's, after a disconnect, or after the holder shut
+/// it for writing for `pagerctl restart`). A SIGTERM would make nbdkit
+/// fail the requests it has read with ESHUTDOWN, errors the kernel hands
+/// to the jobs; the end of the request stream lets it answer them first.
 pub fn held_nbdkit_command(
     nbdkit: &Path,
     plugin: &Path,
@@ -174,6 +272,7 @@ pub fn held_nbdkit_command(
         "--log=stderr".into(),
         "--unix".into(),
         s(socket),
+        "--filter=exitlast".into(),
         s(plugin),
         format!("state={}", state_dir.display()),
     ]
@@ -413,6 +512,49 @@ mod tests {
     }
 
     #[test]
+    fn a_swap_device_is_restartable_unless_asked_or_its_front_end_cannot() {
+        let r = |f: Frontend, asked, swap| f.resolve_attach(asked, swap, true, true, true);
+        let served = |s: Served| (s.frontend, s.restartable, s.not_restartable.is_some());
+        // The default: swap is restartable (classic FUSE), a block device not.
+        assert_eq!(
+            served(r(Frontend::Auto, None, true).unwrap()),
+            (Frontend::Fuse, true, false)
+        );
+        assert_eq!(
+            served(r(Frontend::Fuse, None, true).unwrap()),
+            (Frontend::Fuse, true, false)
+        );
+        assert_eq!(
+            served(r(Frontend::Auto, None, false).unwrap()),
+            (Frontend::FuseUring, false, false)
+        );
+        // --no-restartable asks for the last 10%: fuse-uring where it exists.
+        assert_eq!(
+            served(r(Frontend::Auto, Some(false), true).unwrap()),
+            (Frontend::FuseUring, false, false)
+        );
+        // A front end that cannot restart stays as asked, and says so.
+        let s = r(Frontend::FuseUring, None, true).unwrap();
+        assert_eq!(served(s), (Frontend::FuseUring, false, true));
+        assert!(s.not_restartable.unwrap().contains("io_uring"));
+        let s = r(Frontend::Nbd, None, true).unwrap();
+        assert_eq!(served(s), (Frontend::Nbd, false, true));
+        // Asked for, it is refused where it cannot be.
+        assert!(r(Frontend::FuseUring, Some(true), true).is_err());
+        assert!(Frontend::Nbd
+            .resolve_attach(Some(true), true, true, false, true)
+            .is_err());
+        // Without nbd-client, plain nbd goes through nbdfuse: auto is fuse.
+        assert_eq!(
+            Frontend::Auto
+                .resolve_attach(None, false, false, true, false)
+                .unwrap()
+                .frontend,
+            Frontend::Fuse
+        );
+    }
+
+    #[test]
     fn frontend_auto_prefers_io_uring_then_kernel_nbd() {
         assert_eq!(Frontend::Auto.resolve(true, true), Frontend::FuseUring);
         assert_eq!(Frontend::Auto.resolve(false, true), Frontend::Nbd);
@@ -436,13 +578,33 @@ mod tests {
             Frontend::Fuse
         );
         assert_eq!(r(Frontend::Auto, false).unwrap(), Frontend::FuseUring);
+        let serve = ServeOptions {
+            threads: 2,
+            writeback: "1M".into(),
+            ack_late: false,
+        };
         assert_eq!(
-            held_serve_command(&p("/bin/pagerctl"), &p("/st"), 2)[5..],
-            ["fuse", "--threads", "2", "--held"]
+            held_serve_command(&p("/bin/pagerctl"), &p("/st"), &serve)[5..],
+            [
+                "fuse",
+                "--threads",
+                "2",
+                "--writeback-buffer",
+                "1M",
+                "--held"
+            ]
         );
         assert_eq!(
-            hold_command(&p("/bin/pagerctl"), &p("/st"), 2)[1..],
-            ["hold", "--state-dir", "/st", "--threads", "2"]
+            hold_command(&p("/bin/pagerctl"), &p("/st"), &serve)[1..],
+            [
+                "hold",
+                "--state-dir",
+                "/st",
+                "--threads",
+                "2",
+                "--writeback-buffer",
+                "1M"
+            ]
         );
         for f in ["auto", "fuse-uring", "fuse", "nbd"] {
             assert_eq!(f.parse::<Frontend>().unwrap().to_string(), f);
@@ -502,6 +664,7 @@ mod tests {
                 "--log=stderr",
                 "--unix",
                 "/st/sock",
+                "--filter=exitlast",
                 "/lib/plugin.so",
                 "state=/st"
             ]

@@ -83,6 +83,11 @@ pub struct DeviceOptions {
     pub discover: bool,
     /// With `discover`: use announced donors without a key, anywhere.
     pub insecure: bool,
+    /// With `discover`: networks whose announced donors need no key.
+    pub trust_network: Vec<netpager_membership::discovery::Network>,
+    /// DNS domains browsed for announced donors, and the server asked.
+    pub discover_domain: Vec<String>,
+    pub dns_server: Option<String>,
     /// Pages the stride prefetcher reads ahead (0: off).
     pub prefetch_pages: Option<u32>,
 }
@@ -108,14 +113,20 @@ fn bad(option: &'static str, reason: &str) -> AttachError {
 
 /// Builds and validates the configuration of a new device.
 pub fn build_config(o: &DeviceOptions, state_dir: &Path) -> Result<DeviceConfig, AttachError> {
-    let no_donors = o.donors.is_empty() && o.donors_file.is_none() && !o.discover;
+    let no_donors = o.donors.is_empty()
+        && o.donors_file.is_none()
+        && !o.discover
+        && o.discover_domain.is_empty();
     let (Some(id), Some(size), Some(choice), false) = (&o.client_id, o.size, o.mode, no_donors)
     else {
         let missing: Vec<&str> = [
             ("--client-id", o.client_id.is_none()),
             ("--size", o.size.is_none()),
             ("--mode", o.mode.is_none()),
-            ("--donor, --donors-file or --discover", no_donors),
+            (
+                "--donor, --donors-file, --discover or --discover-domain",
+                no_donors,
+            ),
         ]
         .iter()
         .filter(|(_, m)| *m)
@@ -187,9 +198,12 @@ pub fn apply_options(
     if let Some(r) = o.rebalance_rate {
         c.rebalance_rate = ByteSize(r);
     }
-    if o.discover {
-        c.discover = true;
+    if o.discover || !o.discover_domain.is_empty() {
+        c.discover = o.discover;
         c.discover_insecure = o.insecure;
+        c.trust_network.clone_from(&o.trust_network);
+        c.discover_domain.clone_from(&o.discover_domain);
+        c.dns_server.clone_from(&o.dns_server);
     }
     if let Some(n) = o.prefetch_pages {
         c.prefetch_pages = n;
@@ -437,7 +451,7 @@ mod tests {
         let e = build_config(&o, Path::new("/st")).unwrap_err().to_string();
         assert_eq!(
             e,
-            "a new device needs --client-id, --mode, --donor, --donors-file or --discover"
+            "a new device needs --client-id, --mode, --donor, --donors-file, --discover or --discover-domain"
         );
     }
 

@@ -5,9 +5,11 @@
 //! swap). This module holds everything about those steps that is pure and
 //! testable: building each command line
 //! ([`commands`]) and the record of steps done that `detach` undoes in
-//! reverse ([`record`]), and the device configuration built from attach's
-//! options ([`device`]). Running the commands is `pagerctl`'s thin layer.
+//! reverse ([`record`]), the device configuration built from attach's
+//! options ([`device`]), and what the check of its donors concludes
+//! ([`check`]). Running the commands is `pagerctl`'s thin layer.
 
+pub mod check;
 pub mod commands;
 pub mod device;
 pub mod nbd_hold;

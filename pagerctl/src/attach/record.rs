@@ -281,6 +281,15 @@ pub struct HolderInfo {
     /// process, the kernel failing the device's requests meanwhile.
     #[serde(default)]
     pub expired: u32,
+    /// Kernel nbd: serving processes killed because the kernel had given
+    /// up on their connection (`NBD_CMD_LINK_DEAD`: a stall past the
+    /// request timeout).
+    #[serde(default)]
+    pub link_dead: u32,
+    /// Kernel nbd: serving processes killed because the kernel refused
+    /// their socket (`NBD_CMD_RECONFIGURE`).
+    #[serde(default)]
+    pub refused: u32,
 }
 
 impl HolderInfo {

@@ -3,15 +3,18 @@
 //! runs the attach steps (`crate::steps`); prints the block device.
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use pager_client::config::DeviceConfig;
+use netpager_membership::discovery::Network;
+use pager_client::config::{DeviceConfig, DonorConfig};
+use pager_client::probe;
+use pagerctl::attach::check::{self, Checked, Verdict};
 use pagerctl::attach::record::StateLayout;
 use pagerctl::attach::{self, AttachRecord, DeviceOptions, DonorSpec, Frontend, ModeChoice, Via};
 use pagerctl::lost;
 
-use super::{parse_secs, parse_secs_or_zero};
+use super::{check_size, parse_secs, parse_secs_or_zero};
 use crate::{procs, steps};
 
 /// `p` from the working directory: the serving process runs elsewhere.
@@ -20,6 +23,7 @@ fn absolute(p: &Path) -> std::io::Result<PathBuf> {
 }
 
 #[derive(clap::Args)]
+#[command(group(clap::ArgGroup::new("discovery").multiple(true).args(["discover", "discover_domain"])))]
 pub struct Args {
     /// The client's state directory: device.toml, extent map, status, socket.
     #[arg(long, value_name = "DIR")]
@@ -58,13 +62,27 @@ pub struct Args {
     donors_file: Option<PathBuf>,
     /// Add donors announced on the lab's network (DNS-SD, `_netpager._tcp`,
     /// as `pagerctl discover` lists them) once their status verifies with
-    /// --psk; without a key only on loopback and the test network.
+    /// --psk; without a key only on loopback and --trust-network.
     #[arg(long)]
     discover: bool,
+    /// With --discover and no --psk: a network (ADDR/BITS) whose announced
+    /// donors are used unverified, besides loopback; only one where nobody
+    /// but the lab's own machines can announce. Repeat.
+    #[arg(long, value_name = "CIDR", requires = "discovery")]
+    trust_network: Vec<Network>,
     /// With --discover: use announced donors without a lab key, on any
     /// network (anyone there can then lend this device memory).
-    #[arg(long, requires = "discover")]
+    #[arg(long, requires = "discovery")]
     insecure: bool,
+    /// Add donors published in this DNS domain (`_netpager._tcp.DOMAIN`
+    /// PTR/SRV/TXT records: wide-area DNS-SD, across routers), admitted as
+    /// with --discover. Repeat.
+    #[arg(long, value_name = "DOMAIN")]
+    discover_domain: Vec<String>,
+    /// The DNS server asked for --discover-domain (default: the system
+    /// resolver's).
+    #[arg(long, value_name = "ADDR[:PORT]", requires = "discover_domain")]
+    dns_server: Option<String>,
     /// Forget a donor dead this long (its pages already rebuilt
     /// elsewhere); 0 keeps it in the set for ever. Default 600.
     #[arg(long, value_parser = parse_secs_or_zero, value_name = "SECS")]
@@ -150,15 +168,24 @@ pub struct Args {
     /// the requests one CPU's queue answers at once).
     #[arg(long, default_value_t = 16, value_name = "N")]
     serve_threads: usize,
+    /// The serving process's write-back buffer for swap-outs (FUSE front
+    /// ends; 0: none): writes acknowledged once buffered (with
+    /// --restartable once drained), sent to the donors in batches in the
+    /// background, reads of buffered pages served from it
+    /// (pagerctl(1) PERFORMANCE).
+    #[arg(long, default_value = super::serve::DEFAULT_WRITEBACK, value_name = "SIZE", value_parser = check_size)]
+    writeback_buffer: String,
     /// Keep the device's FUSE connection (or kernel nbd device) in a
     /// holder process, so that the serving process can crash (it is
     /// restarted at once) or be replaced (pagerctl restart) while swap
     /// stays on. Classic /dev/fuse or kernel nbd: --frontend auto then
-    /// means fuse (pagerctl(1) RESTARTS).
+    /// means fuse (pagerctl(1) RESTARTS). The default with --swap (over
+    /// FUSE: auto or fuse).
     #[arg(long, overrides_with = "no_restartable")]
     restartable: bool,
     /// The serving process is the device: if it dies, the device is lost
-    /// (the default).
+    /// (the default without --swap). With --swap it buys the last ~10% of
+    /// speed (fuse-uring where the kernel has it) at that risk.
     #[arg(long, overrides_with = "restartable")]
     no_restartable: bool,
     /// With --restartable --frontend nbd: how long the kernel holds the
@@ -182,6 +209,17 @@ pub struct Args {
     /// writeback instead of being OOM-killed in a memory cgroup v1.
     #[arg(long, default_value_t = 16, value_name = "N")]
     queue_depth: u32,
+    /// Wait up to this long for enough donors to take pages before the
+    /// device is created (at boot, donors or the network may come up
+    /// later). Without it attach fails at once, naming each donor's
+    /// problem.
+    #[arg(long, value_parser = parse_secs, value_name = "SECS")]
+    wait_donors: Option<Duration>,
+    /// Attach even when fewer donors take pages than the mode places a unit
+    /// on (writes to unplaced extents fail until donors come). Never with
+    /// --swap.
+    #[arg(long)]
+    allow_degraded: bool,
     /// How long the serving process (or nbdkit and nbdfuse) may take to
     /// start.
     #[arg(long, default_value = "30", value_parser = parse_secs, value_name = "SECS")]
@@ -221,17 +259,12 @@ impl Args {
             rebalance_rate: self.rebalance_rate,
             discover: self.discover,
             insecure: self.insecure,
+            trust_network: self.trust_network.clone(),
+            discover_domain: self.discover_domain.clone(),
+            dns_server: self.dns_server.clone(),
             prefetch_pages: self.prefetch_pages,
         }
     }
-}
-
-fn host_name() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_string())
-        .ok()
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "client".to_string())
 }
 
 /// The client plugin: --plugin, else $NETPAGER_PLUGIN_DIR, else next to
@@ -265,9 +298,9 @@ fn find_plugin(given: Option<&Path>) -> Result<PathBuf> {
         .with_context(|| format!("cannot resolve {}", path.display()))
 }
 
-/// Writes device.toml for a new device, or checks that the options given
-/// to a re-attach match the device the state directory already holds.
-fn prepare_config(a: &Args, layout: &StateLayout) -> Result<DeviceConfig> {
+/// The device: a new one's configuration (true: not saved yet), or the
+/// one the state directory holds, checked against the options given.
+fn prepare_config(a: &Args, layout: &StateLayout) -> Result<(DeviceConfig, bool)> {
     let path = layout.device_toml();
     let mut o = a.device_options();
     if path.exists() {
@@ -281,13 +314,79 @@ fn prepare_config(a: &Args, layout: &StateLayout) -> Result<DeviceConfig> {
             );
         }
         tracing::info!("reusing {}", path.display());
-        return Ok(old);
+        return Ok((old, false));
     }
-    o.client_id.get_or_insert_with(host_name);
-    let cfg = attach::build_config(&o, &layout.dir)?;
-    cfg.save(&path)?;
-    tracing::info!("wrote {}", path.display());
-    Ok(cfg)
+    o.client_id.get_or_insert_with(super::host_name);
+    Ok((attach::build_config(&o, &layout.dir)?, true))
+}
+
+/// Checks every donor the device starts with (`pager_client::probe`), in
+/// parallel.
+fn check_donors(cfg: &DeviceConfig, donors: &[DonorConfig]) -> Vec<Checked> {
+    std::thread::scope(|s| {
+        let running: Vec<_> = donors
+            .iter()
+            .map(|d| s.spawn(move || probe::check(cfg, d).err()))
+            .collect();
+        donors
+            .iter()
+            .zip(running)
+            .map(|(d, t)| Checked {
+                name: d.name.clone(),
+                address: d.address.clone(),
+                problem: t.join().unwrap_or_else(|_| {
+                    Some(probe::Problem::Unreachable("its check panicked".into()))
+                }),
+            })
+            .collect()
+    })
+}
+
+/// Before the device is created: enough donors take pages for the mode to
+/// place a unit, or attach waits (--wait-donors), goes on degraded
+/// (--allow-degraded, never with --swap) or fails naming each donor's
+/// problem. `existing`: the state directory of a device that exists (its
+/// map's journal names members that joined later).
+fn require_donors(a: &Args, cfg: &DeviceConfig, existing: Option<&Path>) -> Result<()> {
+    let donors = probe::starting_donors(cfg, existing).map_err(anyhow::Error::msg)?;
+    let needed = probe::donors_needed(cfg);
+    let deadline = a.wait_donors.map(|w| Instant::now() + w);
+    let mut progress = super::Progress::default();
+    loop {
+        let checked = check_donors(cfg, &donors);
+        let why = match check::verdict(&checked, needed, cfg.mode.word()) {
+            Verdict::Enough { warnings } => {
+                progress.done();
+                for w in warnings {
+                    tracing::warn!("{w}");
+                }
+                return Ok(());
+            }
+            Verdict::TooFew(why) => why,
+        };
+        if deadline.is_some_and(|d| Instant::now() < d) {
+            let usable = checked.iter().filter(|c| c.problem.is_none()).count();
+            progress.show(format!(
+                "waiting for donors (--wait-donors): {usable} of {needed} needed take pages"
+            ));
+            std::thread::sleep(Duration::from_secs(1));
+            continue;
+        }
+        progress.done();
+        let waited = a
+            .wait_donors
+            .map(|w| format!(" after waiting {} s", w.as_secs_f64()))
+            .unwrap_or_default();
+        if a.swap {
+            bail!("{why}\nswap is not turned on for a device that cannot place a unit{waited}; fix the donors above, or attach with --wait-donors SECS to wait for them");
+        }
+        // Donors found by discovery join later: they are not checked here.
+        if a.allow_degraded || cfg.discover || !cfg.discover_domain.is_empty() {
+            tracing::warn!("{why}\nattaching anyway (--allow-degraded, --discover or --discover-domain): writes to extents not placed yet fail until donors can take them");
+            return Ok(());
+        }
+        bail!("{why}\nnothing was attached{waited}; fix the donors above, or attach with --wait-donors SECS to wait for them, or --allow-degraded to attach anyway");
+    }
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -311,17 +410,30 @@ pub fn run(a: Args) -> Result<()> {
             layout.dir.display()
         );
     }
-    let restartable = a.restartable && !a.no_restartable;
+    let asked = if a.restartable {
+        Some(true)
+    } else if a.no_restartable {
+        Some(false)
+    } else {
+        None
+    };
     // A restartable device connects over netlink itself: no nbd-client.
-    let kernel_nbd =
-        Path::new("/dev/nbd0").exists() && (restartable || procs::on_path("nbd-client"));
-    let frontend = a.frontend.resolve_restartable(
-        restartable,
+    let served = a.frontend.resolve_attach(
+        asked,
+        a.swap,
         Path::new(pager_fuse::ENABLE_URING).exists(),
-        kernel_nbd,
+        Path::new("/dev/nbd0").exists(),
+        procs::on_path("nbd-client"),
     )?;
-    if a.frontend == Frontend::Auto {
-        tracing::info!("front end: {frontend}");
+    let (frontend, restartable) = (served.frontend, served.restartable);
+    if let Some(why) = served.not_restartable {
+        tracing::warn!("this swap device is not restartable: {why}");
+    }
+    if a.frontend == Frontend::Auto || asked.is_none() {
+        tracing::info!(
+            "front end: {frontend}{}",
+            if restartable { ", restartable" } else { "" }
+        );
     }
     let plugin = if frontend == Frontend::Nbd {
         layout.checked_socket().map_err(anyhow::Error::msg)?;
@@ -329,7 +441,12 @@ pub fn run(a: Args) -> Result<()> {
     } else {
         PathBuf::new()
     };
-    let cfg = prepare_config(&a, &layout)?;
+    let (cfg, new) = prepare_config(&a, &layout)?;
+    require_donors(&a, &cfg, (!new).then_some(layout.dir.as_path()))?;
+    if new {
+        cfg.save(&layout.device_toml())?;
+        tracing::info!("wrote {}", layout.device_toml().display());
+    }
     if a.swap {
         // Swap's contents never outlive a detach: whatever an old map says
         // is lost there is garbage, and mkswap must be able to write.
@@ -349,7 +466,13 @@ pub fn run(a: Args) -> Result<()> {
         export: cfg.client_id.clone(),
         frontend,
         via,
-        serve_threads: a.serve_threads.max(1),
+        serve: pagerctl::attach::commands::ServeOptions {
+            threads: a.serve_threads.max(1),
+            writeback: a.writeback_buffer.clone(),
+            // Early acknowledgement only for swap, whose pages die with a
+            // serving process that is the device anyway.
+            ack_late: !a.swap,
+        },
         restartable,
         nbd_timeouts: (a.nbd_timeout, a.dead_conn_timeout),
         swap: a.swap.then_some(a.priority),

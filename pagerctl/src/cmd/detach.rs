@@ -1,5 +1,6 @@
 //! `pagerctl detach`: undoes an attach, its recorded steps in reverse
-//! (`crate::steps`): swapoff, detach the device, stop the serving process.
+//! (`crate::steps`): swapoff, detach the device, stop the serving process,
+//! within a deadline past which the processes attach started are killed.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -15,7 +16,9 @@ use crate::steps;
 pub struct Args {
     #[arg(long, value_name = "DIR")]
     state_dir: PathBuf,
-    /// How long each process may take to stop before it is killed.
+    /// How long detach waits on the device's processes (a flush through
+    /// the device, their exit); past it, the processes attach started are
+    /// killed (SIGKILL, by pid) and detach says which.
     #[arg(long, default_value = "60", value_parser = parse_secs, value_name = "SECS")]
     timeout: Duration,
 }

@@ -1,13 +1,13 @@
 //! `pagerctl discover`: the donors announced on the lab's network now
-//! (DNS-SD, `pager-server announce=true`), each checked as `attach
+//! (DNS-SD, `pager-server announce=true`, or with `--domain` the records
+//! of a DNS domain, `announce=dns`), each checked as `attach
 //! --discover` checks it: with the lab key its signed status must verify,
-//! without one only loopback and the test network count.
+//! without one only loopback and --trust-network count.
 
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use netpager_membership::discovery::{admit, Announced, Browser, Check};
-use netpager_proto::StatusClient;
+use netpager_membership::discovery::{self, Announced, Network, Sources, Trust};
 
 use super::{parse_secs, EndpointArgs};
 
@@ -19,7 +19,18 @@ pub struct Args {
     /// Return as soon as these nodes are seen (repeat), at the latest after --for.
     #[arg(long, value_name = "NODE")]
     expect: Vec<String>,
-    /// Use donors outside loopback and the test network without a lab key.
+    /// Browse this DNS domain (`_netpager._tcp.DOMAIN`) instead of the
+    /// local segment. Repeat.
+    #[arg(long, value_name = "DOMAIN")]
+    domain: Vec<String>,
+    /// The DNS server asked for --domain (default: the system resolver's).
+    #[arg(long, value_name = "ADDR[:PORT]", requires = "domain")]
+    dns_server: Option<String>,
+    /// Without --psk: a network (ADDR/BITS) whose donors count as usable
+    /// unverified, besides loopback (attach --trust-network). Repeat.
+    #[arg(long, value_name = "CIDR")]
+    trust_network: Vec<Network>,
+    /// Without --psk: donors anywhere count as usable unverified.
     #[arg(long)]
     insecure: bool,
     #[arg(long)]
@@ -36,9 +47,16 @@ struct Row {
 
 pub fn run(args: Args) -> Result<()> {
     let client = args.endpoint.client()?;
-    let browser = Browser::start()?;
+    let server = args
+        .dns_server
+        .as_deref()
+        .map(netpager_membership::dns::parse_server)
+        .transpose()
+        .map_err(anyhow::Error::msg)?;
+    let mut sources = Sources::start(args.domain.is_empty(), &args.domain, server, client.timeout)
+        .map_err(anyhow::Error::msg)?;
     let start = Instant::now();
-    let mut seen = browser.announced();
+    let (mut seen, mut errors) = sources.announced();
     while start.elapsed() < args.listen
         && (args.expect.is_empty()
             || !args
@@ -47,13 +65,20 @@ pub fn run(args: Args) -> Result<()> {
                 .all(|n| seen.iter().any(|a| &a.node_id == n)))
     {
         std::thread::sleep(Duration::from_millis(100));
-        seen = browser.announced();
+        (seen, errors) = sources.announced();
     }
-    drop(browser);
+    drop(sources);
+    for e in &errors {
+        eprintln!("pagerctl discover: {e}");
+    }
+    let trust = Trust {
+        networks: args.trust_network.clone(),
+        insecure: args.insecure,
+    };
     let rows: Vec<Row> = seen
         .into_iter()
         .map(|a| Row {
-            usable: check(&client, &a, args.insecure),
+            usable: discovery::check(&client, &a, &trust),
             a,
         })
         .collect();
@@ -78,19 +103,9 @@ pub fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-fn check(client: &StatusClient, a: &Announced, insecure: bool) -> Result<&'static str, String> {
-    if client.key.is_none() {
-        return admit(a, Check::NoKey, insecure);
-    }
-    match client.query(&a.status.to_string()) {
-        Ok(s) => admit(a, Check::Signed(Ok(&s.node_id)), insecure),
-        Err(e) => admit(a, Check::Signed(Err(&e.to_string())), insecure),
-    }
-}
-
 fn render(rows: &[Row]) -> String {
     if rows.is_empty() {
-        return "no donor announced (pager-server announce=true) on this machine's networks".into();
+        return "no donor announced (pager-server announce=true or announce=dns)".into();
     }
     let cells: Vec<[String; 5]> = rows
         .iter()

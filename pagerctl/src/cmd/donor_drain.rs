@@ -8,7 +8,9 @@ use anyhow::{bail, Context, Result};
 use netpager_proto::StatusClient;
 use netpager_util::format_size;
 
-use super::{parse_secs, query_donor, EndpointArgs, Progress};
+use pager_client::probe;
+
+use super::{parse_secs, EndpointArgs, Progress};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -75,19 +77,19 @@ fn drain(
     let mut progress = Progress::default();
     let initial = s.used_bytes;
     let start = Instant::now();
-    let mut used = initial;
-    while used > 0 {
-        if start.elapsed() > wait_limit {
-            bail!(
-                "donor {addr} still holds {} after waiting {wait_limit:?}",
-                format_size(used)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(500));
-        used = query_donor(client, addr)?.used_bytes;
-        progress.show(drain_progress(addr, initial, used));
-    }
+    let left = client
+        .wait_empty(addr, wait_limit, |s| {
+            progress.show(drain_progress(addr, initial, s.used_bytes))
+        })
+        .map_err(|e| anyhow::anyhow!("{}", probe::status_failure(addr, &e)))?;
     progress.done();
+    if let Some(s) = left {
+        bail!(
+            "donor {addr} still holds {} after waiting {wait_limit:?}{}",
+            format_size(s.used_bytes),
+            netpager_proto::unclaimed_note(&s)
+        );
+    }
     println!(
         "donor {addr} is empty after {:.1} s",
         start.elapsed().as_secs_f64()

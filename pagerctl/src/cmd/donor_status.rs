@@ -2,7 +2,7 @@
 //! `netpager_proto`, as tables or JSON.
 
 use anyhow::Result;
-use netpager_proto::{DonorStatus, StatusClient};
+use netpager_proto::{compression_ratio, DonorStatus, StatusClient};
 use netpager_util::format_size;
 
 use super::{query_donor, EndpointArgs};
@@ -49,6 +49,11 @@ fn status(addrs: &[String], json: bool, client: &StatusClient) -> Result<()> {
     Ok(())
 }
 
+/// A ratio as "2.50x", or "-" while nothing takes memory.
+fn ratio(logical: u64, stored: u64) -> String {
+    compression_ratio(logical, stored).map_or_else(|| "-".into(), |r| format!("{r:.2}x"))
+}
+
 /// A donor's status as a two-column table, then its exports.
 fn render(addr: &str, s: &DonorStatus) -> String {
     let state = if s.state_reason.is_empty() {
@@ -63,6 +68,25 @@ fn render(addr: &str, s: &DonorStatus) -> String {
         ("budget", format_size(s.budget_bytes)),
         ("used", format_size(s.used_bytes)),
         ("free", format_size(s.free_bytes)),
+        (
+            "compress / ratio",
+            format!(
+                "{}: {} held in {} ({})",
+                s.compress,
+                format_size(s.logical_bytes),
+                format_size(s.used_bytes),
+                ratio(s.logical_bytes, s.used_bytes)
+            ),
+        ),
+        (
+            "capacity",
+            format!(
+                "{} at {:.2}x (raw {})",
+                format_size(s.capacity_bytes),
+                s.offered_ratio,
+                format_size(s.free_bytes)
+            ),
+        ),
         ("reserve", format_size(s.reserve_bytes)),
         ("MemAvailable", format_size(s.mem_available_bytes)),
         ("page size", format_size(s.page_size)),
@@ -102,13 +126,26 @@ fn render(addr: &str, s: &DonorStatus) -> String {
             .unwrap_or(0)
             .max("export".len());
         out.push(String::new());
-        out.push(format!("{:<nw$}  {:>12}  {:>12}", "export", "size", "used"));
+        out.push(format!(
+            "{:<nw$}  {:>12}  {:>12}  {:>12}  {:>7}  {:>7}",
+            "export", "size", "logical", "used", "ratio", "clients"
+        ));
         for e in &s.exports {
             out.push(format!(
-                "{:<nw$}  {:>12}  {:>12}",
+                "{:<nw$}  {:>12}  {:>12}  {:>12}  {:>7}  {:>7}",
                 e.name,
                 format_size(e.size_bytes),
-                format_size(e.used_bytes)
+                format_size(e.logical_bytes),
+                format_size(e.used_bytes),
+                ratio(e.logical_bytes, e.used_bytes),
+                e.clients
+            ));
+        }
+        let unclaimed = netpager_proto::unclaimed_exports(s);
+        if !unclaimed.is_empty() {
+            out.push(format!(
+                "UNCLAIMED: no client is connected to {}: pages of a detached device (pagerctl release --state-dir DIR on its client frees them) or of a client that is gone",
+                unclaimed.join(", ")
             ));
         }
     }
@@ -127,11 +164,27 @@ mod tests {
             state: DonorState::Draining as i32,
             state_reason: "asked by 127.0.0.1".into(),
             used_bytes: 8 << 20,
-            exports: vec![ExportUsage {
-                name: "alice".into(),
-                size_bytes: 64 << 20,
-                used_bytes: 8 << 20,
-            }],
+            logical_bytes: 20 << 20,
+            capacity_bytes: 30 << 20,
+            offered_ratio: 2.5,
+            free_bytes: 12 << 20,
+            compress: "lz4".into(),
+            exports: vec![
+                ExportUsage {
+                    name: "alice".into(),
+                    size_bytes: 64 << 20,
+                    used_bytes: 8 << 20,
+                    logical_bytes: 20 << 20,
+                    clients: 1,
+                },
+                ExportUsage {
+                    name: "bob".into(),
+                    size_bytes: 64 << 20,
+                    used_bytes: 4 << 20,
+                    logical_bytes: 4 << 20,
+                    clients: 0,
+                },
+            ],
             ..Default::default()
         };
         let t = render("127.0.0.2:7070", &s);
@@ -142,8 +195,22 @@ mod tests {
             "{t}"
         );
         assert!(
-            t.lines()
-                .any(|l| l.starts_with("alice") && l.contains("64 MiB")),
+            t.lines().any(|l| l.starts_with("alice")
+                && l.contains("64 MiB")
+                && l.ends_with("2.50x        1")),
+            "{t}"
+        );
+        assert!(
+            t.contains("lz4: 20 MiB held in 8 MiB (2.50x)")
+                && t.contains("30 MiB at 2.50x (raw 12 MiB)"),
+            "{t}"
+        );
+        // Pages nobody is connected to are named, with what frees them.
+        let note = t.lines().last().unwrap();
+        assert!(
+            note.starts_with("UNCLAIMED")
+                && note.contains("bob (4 MiB)")
+                && !note.contains("alice"),
             "{t}"
         );
     }

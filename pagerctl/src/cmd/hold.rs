@@ -24,7 +24,7 @@ use pagerctl::attach::commands;
 use pagerctl::attach::nbd_hold::{backoff, QUICK_DEATH};
 use pagerctl::attach::record::{HolderInfo, StateLayout};
 
-use crate::{procs, steps, sys};
+use crate::{probe, procs, sys};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -33,6 +33,10 @@ pub struct Args {
     /// Each serving process's reader threads.
     #[arg(long, default_value_t = 4, value_name = "N")]
     threads: usize,
+    /// Each serving process's write-back buffer (`pagerctl serve
+    /// --writeback-buffer`).
+    #[arg(long, default_value = super::serve::DEFAULT_WRITEBACK, value_name = "SIZE", value_parser = super::check_size)]
+    writeback_buffer: String,
 }
 
 /// How long a new serving process may take to serve before `restart`
@@ -134,7 +138,13 @@ pub fn run(a: Args) -> Result<()> {
         "holding the FUSE connection of {} (pid {me})",
         mountpoint.display()
     );
-    let result = supervise(&shared, &layout, a.threads.max(1), &mountpoint);
+    let serve = commands::ServeOptions {
+        threads: a.threads.max(1),
+        writeback: a.writeback_buffer.clone(),
+        // Held: acknowledged once drained whatever this says.
+        ack_late: false,
+    };
+    let result = supervise(&shared, &layout, &serve, &mountpoint);
     let _ = std::fs::remove_file(&socket);
     let _ = std::fs::remove_file(layout.holder_json());
     result
@@ -144,7 +154,7 @@ pub fn run(a: Args) -> Result<()> {
 fn supervise(
     shared: &Shared,
     layout: &StateLayout,
-    threads: usize,
+    serve: &commands::ServeOptions,
     mountpoint: &Path,
 ) -> Result<()> {
     let log = layout.serve_log();
@@ -152,7 +162,7 @@ fn supervise(
     let mut first = true;
     loop {
         let binary = shared.state.lock_or_recover().info.binary.clone();
-        let cmd = commands::held_serve_command(&binary, &layout.dir, threads);
+        let cmd = commands::held_serve_command(&binary, &layout.dir, serve);
         let spawned = procs::logged_command(&cmd, &log)?.spawn();
         let mut child = match spawned {
             Ok(c) => c,
@@ -190,7 +200,7 @@ fn supervise(
             st.info.serve_pid = None;
             shared.save(&st);
         }
-        if !steps::is_mounted(mountpoint) {
+        if !probe::is_mounted(mountpoint) {
             tracing::info!("serving process {pid} exited ({status}) after the unmount: done");
             return Ok(());
         }

@@ -4,17 +4,22 @@
 //! the state directory's unix socket, as its child; negotiates a
 //! connection with it and gives the socket to the kernel
 //! (`NBD_CMD_CONNECT` of /dev/nbdN with the request and dead-conn
-//! timeouts). When nbdkit exits while the device is attached (a crash, a
-//! kill -9, `pagerctl restart`) it starts the next one, negotiates again
-//! and gives the kernel the new socket (`NBD_CMD_RECONFIGURE`): within the
-//! dead-conn timeout the kernel's requests wait instead of failing. On
-//! SIGTERM (detach) it disconnects the device, flushes and stops nbdkit
-//! and exits. When to do what is `pagerctl::attach::nbd_hold`.
+//! timeouts). It listens to the driver's `NBD_CMD_LINK_DEAD` notices. When
+//! nbdkit exits while the device is attached (a crash, a kill -9,
+//! `pagerctl restart`), or stalls until the kernel gives up on its
+//! connection (then it is killed), it starts the next one, negotiates
+//! again and, once the kernel has announced the old connection dead, gives
+//! it the new socket (`NBD_CMD_RECONFIGURE`): within the dead-conn timeout
+//! the kernel's requests wait instead of failing. On SIGTERM (detach) it
+//! disconnects the device, stops nbdkit (killing it past a deadline) and
+//! exits. When to do what is `pagerctl::attach::nbd_hold`.
 //!
 //! Like `pagerctl hold` it sits on the swap path: memory locked, out of
 //! every memory cgroup, exempt from the OOM killer (nbdkit inherits the
 //! last two).
 
+use std::collections::VecDeque;
+use std::net::Shutdown;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -23,12 +28,12 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use netpager_nbd::genl::ConnectConfig;
+use netpager_nbd::genl::{ConnectConfig, GenlError};
 use netpager_nbd::kernel::NbdNetlink;
 use netpager_nbd::{Connection, Negotiated};
 use pager_fuse::handover::{self, Request, Restarted};
 use pagerctl::attach::commands;
-use pagerctl::attach::nbd_hold::{Action, Event, Holder};
+use pagerctl::attach::nbd_hold::{Action, Event, Holder, Kill};
 use pagerctl::attach::record::{HolderInfo, StateLayout};
 
 use super::parse_secs;
@@ -52,9 +57,14 @@ pub struct Args {
     #[arg(long, default_value = "120", value_parser = parse_secs, value_name = "SECS")]
     dead_conn_timeout: Duration,
     /// A request unanswered this long is sent again (on the next
-    /// connection, once there is one).
+    /// connection, once there is one); the kernel then gives up on the
+    /// connection, and the holder replaces its nbdkit.
     #[arg(long, default_value = "10", value_parser = parse_secs, value_name = "SECS")]
     nbd_timeout: Duration,
+    /// How long nbdkit may take to stop (a restart, a detach) before it is
+    /// killed; shorter than detach's own --timeout.
+    #[arg(long, default_value = "30", value_parser = parse_secs, value_name = "SECS")]
+    stop_timeout: Duration,
 }
 
 /// How often the holder looks at its child and its socket.
@@ -63,10 +73,16 @@ const POLL: Duration = Duration::from_millis(20);
 /// How long `pagerctl restart` may wait for the next nbdkit to serve.
 const RESTART_WAIT: Duration = Duration::from_secs(60);
 
-/// What the signal and socket threads tell the main loop.
+/// What the signal, socket and notice threads tell the main loop.
 enum Msg {
     Detach(libc::c_int),
     Restart(mpsc::Sender<String>),
+    /// `NBD_CMD_LINK_DEAD` for our device.
+    LinkDead,
+    /// The kernel's notices were lost; `for_good`: the watch failed.
+    NoticesLost {
+        for_good: bool,
+    },
 }
 
 /// The running nbdkit.
@@ -76,6 +92,8 @@ struct Server {
     born: Instant,
     /// Stopped by the holder for `pagerctl restart`.
     asked: bool,
+    /// Killed by the holder, and why.
+    killed: Option<Kill>,
     /// Its socket is negotiated (given to the kernel, or about to be).
     negotiated: bool,
 }
@@ -85,6 +103,10 @@ pub fn run(a: Args) -> Result<()> {
     let index = commands::nbd_index(&a.device)?;
     // Refused before anything is set up where the driver is not loaded.
     let mut kernel = NbdNetlink::open().context("cannot reach the kernel's nbd driver")?;
+    // Listening before the first connect: no notice is missed.
+    let mut watch = kernel
+        .watch_link_dead()
+        .context("cannot listen to the kernel's nbd notices")?;
     procs::stay_on_swap_path("the nbd device's holder")?;
     sys::block_stop_signals().context("cannot block SIGTERM and SIGINT")?;
     let control = layout.holder_socket();
@@ -104,6 +126,30 @@ pub fn run(a: Args) -> Result<()> {
                 }
             })
             .context("cannot start the socket thread")?;
+    }
+    {
+        let tx = tx.clone();
+        std::thread::Builder::new()
+            .name("link-dead".into())
+            .spawn(move || loop {
+                let msg = match watch.wait() {
+                    Ok(indexes) if indexes.contains(&index) => Msg::LinkDead,
+                    Ok(_) => continue,
+                    Err(GenlError::Overrun) => {
+                        tracing::error!("{}", GenlError::Overrun);
+                        Msg::NoticesLost { for_good: false }
+                    }
+                    Err(e) => {
+                        tracing::error!("listening to the kernel's nbd notices: {e}; a reconnect now waits only for the new nbdkit");
+                        let _ = tx.send(Msg::NoticesLost { for_good: true });
+                        return;
+                    }
+                };
+                if tx.send(msg).is_err() {
+                    return;
+                }
+            })
+            .context("cannot start the notice thread")?;
     }
     std::thread::Builder::new()
         .name("signals".into())
@@ -127,7 +173,9 @@ pub fn run(a: Args) -> Result<()> {
         },
         server: None,
         socket: None,
+        kernel_sock: None,
         waiters: Vec::new(),
+        blind: false,
     };
     tracing::info!(
         "holding kernel nbd {} (pid {me}; dead-conn timeout {:?}, request timeout {:?})",
@@ -143,6 +191,8 @@ pub fn run(a: Args) -> Result<()> {
     }
     let _ = std::fs::remove_file(&control);
     let _ = std::fs::remove_file(layout.holder_json());
+    // nbdkit leaves its socket behind.
+    let _ = std::fs::remove_file(layout.socket());
     result
 }
 
@@ -154,13 +204,18 @@ struct Hold<'a> {
     server: Option<Server>,
     /// The negotiated socket not yet given to the kernel.
     socket: Option<Negotiated>,
+    /// Our end of the socket the kernel has: shut for writing, it tells
+    /// nbdkit that no request follows (`pagerctl restart`).
+    kernel_sock: Option<UnixStream>,
     /// `pagerctl restart` callers waiting for the next nbdkit to serve.
     waiters: Vec<mpsc::Sender<String>>,
+    /// The kernel's notices can no longer be heard.
+    blind: bool,
 }
 
 impl Hold<'_> {
     fn main_loop(&mut self, kernel: &mut NbdNetlink, rx: &mpsc::Receiver<Msg>) -> Result<()> {
-        let mut holder = Holder::new(self.a.dead_conn_timeout);
+        let mut holder = Holder::new(self.a.dead_conn_timeout, self.a.stop_timeout);
         let mut start_at = Some(Instant::now());
         let mut first = true;
         loop {
@@ -178,25 +233,54 @@ impl Hold<'_> {
                 }
                 first = false;
             }
-            let mut events = Vec::new();
+            let mut events = VecDeque::new();
             if let Some(ev) = self.watch_server()? {
-                events.push(ev);
+                events.push_back(ev);
             }
-            match rx.recv_timeout(POLL) {
-                Ok(Msg::Detach(sig)) => {
-                    tracing::info!("signal {sig}: disconnecting {}", self.a.device.display());
-                    events.push(Event::Detach);
+            let mut msgs: Vec<Msg> = rx.recv_timeout(POLL).into_iter().collect();
+            msgs.extend(rx.try_iter());
+            for msg in msgs {
+                match msg {
+                    Msg::Detach(sig) => {
+                        tracing::info!("signal {sig}: disconnecting {}", self.a.device.display());
+                        events.push_back(Event::Detach);
+                    }
+                    Msg::Restart(reply) => {
+                        self.waiters.push(reply);
+                        events.push_back(Event::Restart);
+                    }
+                    Msg::LinkDead => {
+                        tracing::info!(
+                            "the kernel marked {}'s connection dead",
+                            self.a.device.display()
+                        );
+                        // A crash closes the socket before its process can
+                        // be reaped: its exit comes first, so that it
+                        // counts as the crash it is.
+                        if let Some(ev) = self.reap_exiting()? {
+                            events.push_back(ev);
+                        }
+                        events.push_back(Event::LinkDead);
+                    }
+                    Msg::NoticesLost { for_good } => {
+                        self.blind |= for_good;
+                        events.push_back(Event::NoticesLost);
+                    }
                 }
-                Ok(Msg::Restart(reply)) => self.restart(&holder, reply),
-                Err(_) => {}
             }
-            events.push(Event::Tick);
-            for ev in events {
+            if self.blind && events.contains(&Event::Negotiated) {
+                events.push_back(Event::NoticesLost);
+            }
+            events.push_back(Event::Tick);
+            while let Some(ev) = events.pop_front() {
                 for action in holder.on(ev, Instant::now()) {
                     match action {
                         Action::Connect => self.connect(kernel)?,
-                        Action::Reconfigure { held, late } => self.reconfigure(kernel, held, late),
+                        Action::Reconfigure => events.push_back(self.reconfigure(kernel)),
+                        Action::Served { held, late } => self.served(held, late),
                         Action::Start { after } => start_at = Some(Instant::now() + after),
+                        Action::Drain => self.drain(),
+                        Action::Kill(why) => self.kill(why),
                         Action::Expired { down } => {
                             tracing::error!(
                                 "no nbdkit has served {} for {down:?}, past the dead-conn timeout: the kernel fails its requests until one does (swapped pages read meanwhile are lost to their jobs)",
@@ -206,9 +290,14 @@ impl Hold<'_> {
                             self.save();
                         }
                         Action::Disconnect => {
+                            // Its last connection closes: nbdkit exits, as asked.
+                            if let Some(s) = &mut self.server {
+                                s.asked = true;
+                            }
                             if let Err(e) = kernel.disconnect(self.index) {
                                 tracing::error!("disconnecting {}: {e}", self.a.device.display());
                             }
+                            self.kernel_sock = None;
                         }
                         Action::StopServer => {
                             start_at = None;
@@ -225,6 +314,13 @@ impl Hold<'_> {
                             self.layout.nbdkit_log().display(),
                             procs::log_tail(&self.layout.nbdkit_log(), 20)
                         ),
+                        Action::RefuseRestart => {
+                            if let Some(w) = self.waiters.pop() {
+                                let _ = w.send(
+                                    "error no nbdkit serves now (one is being started)".into(),
+                                );
+                            }
+                        }
                     }
                 }
             }
@@ -258,6 +354,7 @@ impl Hold<'_> {
             pid,
             born: Instant::now(),
             asked: false,
+            killed: None,
             negotiated: false,
         });
         Ok(())
@@ -269,19 +366,7 @@ impl Hold<'_> {
             return Ok(None);
         };
         if let Some(status) = s.child.try_wait().context("cannot watch nbdkit")? {
-            let (pid, lived, asked) = (s.pid, s.born.elapsed(), s.asked);
-            self.server = None;
-            self.socket = None;
-            self.info.serve_pid = None;
-            self.info.serve_started = None;
-            if asked {
-                tracing::info!("nbdkit {pid} stopped for the restart ({status})");
-            } else {
-                self.info.crashes += 1;
-                tracing::warn!("nbdkit {pid} exited ({status}) with the device attached");
-            }
-            self.save();
-            return Ok(Some(Event::ServerExited { lived, asked }));
+            return Ok(Some(self.exited(status)));
         }
         if s.negotiated {
             return Ok(None);
@@ -304,6 +389,53 @@ impl Hold<'_> {
         }
     }
 
+    /// The exit of a server that is on its way out (its socket already
+    /// closed), reaped now.
+    fn reap_exiting(&mut self) -> Result<Option<Event>> {
+        let Some(s) = &mut self.server else {
+            return Ok(None);
+        };
+        if !procs::exiting(s.pid) {
+            return Ok(None);
+        }
+        let status = s.child.wait().context("cannot reap nbdkit")?;
+        Ok(Some(self.exited(status)))
+    }
+
+    /// Records the server's exit; the event for the state machine.
+    fn exited(&mut self, status: std::process::ExitStatus) -> Event {
+        let s = self.server.take().expect("a server exited");
+        let (pid, lived, asked) = (s.pid, s.born.elapsed(), s.asked);
+        self.socket = None;
+        self.info.serve_pid = None;
+        self.info.serve_started = None;
+        match s.killed {
+            Some(Kill::LinkDead) => {
+                self.info.link_dead += 1;
+                tracing::warn!(
+                    "nbdkit {pid} killed ({status}): the kernel had given up on its connection"
+                );
+            }
+            Some(Kill::Refused) => {
+                self.info.refused += 1;
+                tracing::warn!("nbdkit {pid} killed ({status}): the kernel refused its socket");
+            }
+            Some(Kill::StopTimedOut) => {
+                tracing::warn!(
+                    "nbdkit {pid} killed ({status}): it did not stop within {:?}",
+                    self.a.stop_timeout
+                );
+            }
+            None if asked => tracing::info!("nbdkit {pid} stopped as asked ({status})"),
+            None => {
+                self.info.crashes += 1;
+                tracing::warn!("nbdkit {pid} exited ({status}) with the device attached");
+            }
+        }
+        self.save();
+        Event::ServerExited { lived, asked }
+    }
+
     fn connect(&mut self, kernel: &mut NbdNetlink) -> Result<()> {
         let n = self.socket.take().context("no negotiated socket")?;
         let cfg = ConnectConfig {
@@ -317,7 +449,8 @@ impl Hold<'_> {
         kernel
             .connect(&cfg, &[n.fd.as_raw_fd()])
             .with_context(|| format!("cannot connect {}", self.a.device.display()))?;
-        self.served(Duration::ZERO);
+        self.kernel_sock = Some(UnixStream::from(n.fd));
+        self.served(Duration::ZERO, false);
         tracing::info!(
             "{} connected to nbdkit {} ({} bytes)",
             self.a.device.display(),
@@ -327,41 +460,44 @@ impl Hold<'_> {
         Ok(())
     }
 
-    fn reconfigure(&mut self, kernel: &mut NbdNetlink, held: Duration, late: bool) {
+    /// Gives the kernel the negotiated socket in place of the dead one.
+    fn reconfigure(&mut self, kernel: &mut NbdNetlink) -> Event {
         let Some(n) = self.socket.take() else {
-            return;
+            return Event::ReconfigureFailed;
         };
-        // The kernel replaces only a connection it has marked dead; it did
-        // so when the old nbdkit's end closed, before this one could start.
-        if let Err(e) = kernel.reconfigure(self.index, &[n.fd.as_raw_fd()]) {
-            tracing::error!(
-                "cannot give {} the new connection: {e}; starting another nbdkit",
-                self.a.device.display()
-            );
-            if let Some(s) = &self.server {
-                let _ = sys::signal(s.pid, libc::SIGTERM);
+        match kernel.reconfigure(self.index, &[n.fd.as_raw_fd()]) {
+            Ok(()) => {
+                self.kernel_sock = Some(UnixStream::from(n.fd));
+                Event::Reconfigured
             }
-            return;
-        }
-        self.served(held);
-        if late {
-            tracing::error!(
-                "{} reconnected after {held:?}, past the dead-conn timeout: requests failed meanwhile",
-                self.a.device.display()
-            );
-        } else {
-            tracing::info!(
-                "{} reconnected to nbdkit {}; requests were held {} ms",
-                self.a.device.display(),
-                self.info.serve_pid.unwrap_or(0),
-                held.as_millis()
-            );
+            Err(e) => {
+                tracing::error!(
+                    "cannot give {} nbdkit {}'s connection: {e}; replacing that nbdkit",
+                    self.a.device.display(),
+                    self.info.serve_pid.unwrap_or(0),
+                );
+                Event::ReconfigureFailed
+            }
         }
     }
 
     /// Records that the current nbdkit serves, and answers `restart`.
-    fn served(&mut self, held: Duration) {
+    fn served(&mut self, held: Duration, late: bool) {
         let pid = self.info.serve_pid.unwrap_or(0);
+        if self.info.ready_pid.is_some() {
+            if late {
+                tracing::error!(
+                    "{} reconnected after {held:?}, past the dead-conn timeout: requests failed meanwhile",
+                    self.a.device.display()
+                );
+            } else {
+                tracing::info!(
+                    "{} reconnected to nbdkit {pid}; requests were held {} ms",
+                    self.a.device.display(),
+                    held.as_millis()
+                );
+            }
+        }
         self.info.ready_pid = Some(pid);
         if self.info.restarts > 0 {
             self.info.last_held_ms = Some(held.as_millis() as u64);
@@ -377,41 +513,66 @@ impl Hold<'_> {
         }
     }
 
-    /// `pagerctl restart`: stop nbdkit (it answers what it has read; what
-    /// it had not, the kernel sends again after the request timeout), and
-    /// answer once the next one serves.
-    fn restart(&mut self, holder: &Holder, reply: mpsc::Sender<String>) {
-        match &mut self.server {
-            Some(s) if holder.serving() => {
-                s.asked = true;
-                if let Err(e) = sys::signal(s.pid, libc::SIGTERM) {
-                    let _ = reply.send(format!("error cannot signal nbdkit {}: {e}", s.pid));
-                    return;
-                }
-                tracing::info!("restart: stopping nbdkit {}", s.pid);
-                self.waiters.push(reply);
-            }
-            _ => {
-                let _ = reply.send("error no nbdkit serves now (one is being started)".into());
-            }
+    /// `pagerctl restart`: the kernel's socket shut for writing. nbdkit
+    /// answers the requests it has read, sees the end of the stream and,
+    /// its last connection closed, exits (exitlast; its plugin's unload
+    /// flushes). What the kernel sends meanwhile waits for the next nbdkit;
+    /// what it had sent and gets no answer from a connection it has marked
+    /// dead, it sends again after the request timeout.
+    fn drain(&mut self) {
+        let Some(s) = &mut self.server else {
+            return;
+        };
+        s.asked = true;
+        tracing::info!("restart: ending nbdkit {}'s request stream", s.pid);
+        let shut = match &self.kernel_sock {
+            Some(k) => k.shutdown(Shutdown::Write),
+            None => Err(std::io::Error::from(std::io::ErrorKind::NotConnected)),
+        };
+        if let Err(e) = shut {
+            // It would wait for a request that never comes: stop it.
+            tracing::warn!(
+                "cannot shut the kernel's connection for writing ({e}); stopping nbdkit {}",
+                s.pid
+            );
+            let _ = sys::signal(s.pid, libc::SIGTERM);
         }
     }
 
-    /// Flushes what nbdkit holds to the donors, then asks it to stop;
-    /// false when none runs.
+    fn kill(&mut self, why: Kill) {
+        let Some(s) = &mut self.server else {
+            return;
+        };
+        match why {
+            Kill::LinkDead => tracing::warn!(
+                "nbdkit {} stalled past the request timeout ({:?}): killing it, so that nothing it holds lands after the kernel's retries",
+                s.pid,
+                self.a.nbd_timeout
+            ),
+            Kill::Refused => tracing::warn!("killing nbdkit {}, whose socket the kernel refused", s.pid),
+            Kill::StopTimedOut => tracing::warn!(
+                "nbdkit {} did not stop within {:?}: killing it",
+                s.pid,
+                self.a.stop_timeout
+            ),
+        }
+        s.killed = Some(why);
+        if let Err(e) = sys::signal(s.pid, libc::SIGKILL) {
+            tracing::error!("cannot kill nbdkit {}: {e}", s.pid);
+        }
+    }
+
+    /// Asks nbdkit to stop (the device is disconnected: it has no request
+    /// left to fail; its plugin's unload flushes to the donors); false
+    /// when none runs.
     fn stop_server(&mut self) -> bool {
         for w in self.waiters.drain(..) {
             let _ = w.send("error the device is being detached".into());
         }
-        let Some(s) = &self.server else {
+        let Some(s) = &mut self.server else {
             return false;
         };
-        let grace = Duration::from_secs(10);
-        let flushed = Connection::connect_unix(&self.layout.socket(), &self.a.export, grace)
-            .and_then(|mut c| c.flush(grace));
-        if let Err(e) = flushed {
-            tracing::warn!("flushing nbdkit {} before stopping it: {e}", s.pid);
-        }
+        s.asked = true;
         let _ = sys::signal(s.pid, libc::SIGTERM);
         true
     }

@@ -12,6 +12,8 @@ pub mod durability;
 pub mod forget_lost;
 pub mod hold;
 pub mod hold_nbd;
+pub mod psk;
+pub mod release;
 pub mod restart;
 pub mod serve;
 pub mod simulate;
@@ -22,9 +24,18 @@ use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use netpager_proto::{DonorStatus, StatusClient};
 use pager_client::device::control::{self, Request};
+
+/// This host's name: a client's default id (and TLS identity).
+pub fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "client".to_string())
+}
 
 /// Seconds, 0 allowed (0 turns the thing off).
 pub fn parse_secs_or_zero(s: &str) -> Result<Duration, String> {
@@ -35,6 +46,14 @@ pub fn parse_secs_or_zero(s: &str) -> Result<Duration, String> {
 }
 
 /// Seconds, more than 0.
+/// A size as `--writeback-buffer` takes it (`8M`), checked, kept as given
+/// for the serving processes' command lines.
+pub fn check_size(s: &str) -> Result<String, String> {
+    netpager_util::parse_size(s)
+        .map(|_| s.to_string())
+        .map_err(|e| e.to_string())
+}
+
 pub fn parse_secs(s: &str) -> Result<Duration, String> {
     let v: f64 = s
         .parse()
@@ -106,11 +125,14 @@ impl Progress {
     }
 }
 
-/// A donor's status, or an error naming the donor.
+/// A donor's status, or an error naming the donor and what to do.
 pub fn query_donor(client: &StatusClient, addr: &str) -> Result<DonorStatus> {
-    client
-        .query(addr)
-        .with_context(|| format!("cannot read the status of donor {addr}"))
+    client.query(addr).map_err(|e| {
+        anyhow::anyhow!(
+            "cannot read the status of donor {addr}: {}",
+            pager_client::probe::status_failure(addr, &e)
+        )
+    })
 }
 
 /// Sends `req` to the attached device's control socket (either front end)

@@ -10,117 +10,30 @@
 //!
 //! Under a service manager (`$NOTIFY_SOCKET` set, `--transport fuse`) it
 //! gives the connection to the manager's fd store (systemd's
-//! `FileDescriptorStoreMax=`) and serves it as a held one; started again
-//! with that fd in `$LISTEN_FDS`, it takes it over as `--held` does.
+//! `FileDescriptorStoreMax=`) and serves it as a held one; it is
+//! restartable only when the manager says it keeps fds (`$FDSTORE`).
+//! Started again with that fd in `$LISTEN_FDS`, it takes it over as
+//! `--held` does.
 //!
 //! It sits on the swap path, so it locks its memory, marks itself an I/O
 //! flusher, leaves every memory cgroup (the job that swaps is limited, not
 //! its pager) and is exempt from the OOM killer.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use pager_client::config::DeviceConfig;
 use pager_client::device::Device;
-use pager_fuse::fdstore;
+use pager_fuse::fdstore::{self, Stored};
 use pager_fuse::handover::{self, Request};
-use pager_fuse::{Backend, Mount, Options, Transport};
+use pager_fuse::{Mount, Options, Transport};
 use pagerctl::attach::record::{frontend_info, ServeInfo, StateLayout};
 
-use crate::{procs, steps, sys};
-
-/// Closed when the process hands over to the next one: a request that
-/// reaches the device after that waits forever, unanswered, and the
-/// kernel sends it again to the next process. Counts the requests inside.
-#[derive(Default)]
-struct Gate {
-    closed: AtomicBool,
-    inside: AtomicUsize,
-}
-
-struct Inside<'a>(&'a Gate);
-
-impl Drop for Inside<'_> {
-    fn drop(&mut self) {
-        self.0.inside.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-impl Gate {
-    fn enter(&self) -> Inside<'_> {
-        self.inside.fetch_add(1, Ordering::SeqCst);
-        if self.closed.load(Ordering::SeqCst) {
-            self.inside.fetch_sub(1, Ordering::SeqCst);
-            loop {
-                std::thread::park();
-            }
-        }
-        Inside(self)
-    }
-
-    /// Closes the gate and waits until no request is inside (at most
-    /// `limit`); whether none is.
-    fn close_and_drain(&self, limit: Duration) -> bool {
-        self.closed.store(true, Ordering::SeqCst);
-        let start = Instant::now();
-        while self.inside.load(Ordering::SeqCst) > 0 {
-            if start.elapsed() > limit {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        true
-    }
-}
-
-/// The device as the FUSE front end sees it.
-struct DeviceBackend {
-    device: Arc<Device>,
-    gate: Arc<Gate>,
-}
-
-impl Backend for DeviceBackend {
-    fn size(&self) -> u64 {
-        self.device.size()
-    }
-    fn read(&self, buf: &mut [u8], offset: u64) -> Result<(), i32> {
-        let _in = self.gate.enter();
-        self.device
-            .read(buf, offset)
-            .map_err(|e| log_errno("read", offset, e))
-    }
-    fn write(&self, data: &[u8], offset: u64) -> Result<(), i32> {
-        let _in = self.gate.enter();
-        self.device
-            .write(data, offset)
-            .map_err(|e| log_errno("write", offset, e))
-    }
-    fn zero(&self, len: u64, offset: u64) -> Result<(), i32> {
-        let _in = self.gate.enter();
-        self.device
-            .zero(len, offset)
-            .map_err(|e| log_errno("zero", offset, e))
-    }
-    fn trim(&self, len: u64, offset: u64) -> Result<(), i32> {
-        let _in = self.gate.enter();
-        self.device
-            .trim(len, offset)
-            .map_err(|e| log_errno("trim", offset, e))
-    }
-    fn flush(&self) -> Result<(), i32> {
-        let _in = self.gate.enter();
-        self.device.flush().map_err(|e| log_errno("flush", 0, e))
-    }
-}
-
-/// The kernel sees only an errno: the reason goes to the log.
-fn log_errno(what: &str, offset: u64, e: pager_client::device::DeviceError) -> i32 {
-    tracing::error!("{what} at offset {offset}: {e}");
-    e.errno()
-}
+use crate::serving::{Buffer, DeviceBackend, Gate};
+use crate::{probe, procs, sys};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -137,6 +50,23 @@ pub struct Args {
     /// restartable device instead of mounting one.
     #[arg(long)]
     held: bool,
+    /// The write-back buffer: swap-outs acknowledged once buffered (a
+    /// restartable device's once drained) and sent to the donors in the
+    /// background in batches (0: none; pagerctl(1) PERFORMANCE).
+    #[arg(long, default_value = DEFAULT_WRITEBACK, value_parser = parse_size, value_name = "SIZE")]
+    writeback_buffer: u64,
+    /// Acknowledge buffered writes only once they are on the donors, as a
+    /// restartable device does (attach sets it for a block device: what it
+    /// acknowledged survives a crash of this process and a re-attach).
+    #[arg(long)]
+    writeback_ack_late: bool,
+}
+
+/// `--writeback-buffer`'s default (pagerctl(1) PERFORMANCE says why).
+pub const DEFAULT_WRITEBACK: &str = "8M";
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    netpager_util::parse_size(s).map_err(|e| e.to_string())
 }
 
 fn parse_transport(s: &str) -> Result<Transport, String> {
@@ -173,10 +103,6 @@ pub fn run(a: Args) -> Result<()> {
     sys::block_stop_signals().context("cannot block SIGTERM and SIGINT")?;
     let device = Arc::new(Device::open(cfg, &layout.dir)?);
     let gate = Arc::new(Gate::default());
-    let backend = DeviceBackend {
-        device: device.clone(),
-        gate: gate.clone(),
-    };
     let mountpoint = layout.fuse_dir();
     let opts = Options {
         transport: a.transport,
@@ -191,7 +117,8 @@ pub fn run(a: Args) -> Result<()> {
     let stored = if a.held {
         None
     } else {
-        fdstore::take(FDSTORE_NAME)
+        fdstore::ListenFds::claim()
+            .and_then(|mut fds| fds.take(FDSTORE_NAME))
             .context("taking the FUSE connection the service manager passed (LISTEN_FDS)")?
     };
     let store_in = match notify {
@@ -205,7 +132,26 @@ pub fn run(a: Args) -> Result<()> {
         }
         n => n,
     };
-    let restartable = a.held || stored.is_some() || store_in.is_some();
+    // Restartable once the connection is known to outlive this process.
+    let mut restartable = a.held || stored.is_some();
+    // Late acknowledgement wherever the connection may outlive this
+    // process (serving.rs; a stored connection counts before the service
+    // manager says it keeps it) or a block device's data must.
+    let buffer = (a.writeback_buffer > 0)
+        .then(|| {
+            Buffer::start(
+                &device,
+                a.writeback_buffer,
+                restartable || store_in.is_some() || a.writeback_ack_late,
+            )
+        })
+        .transpose()
+        .context("cannot start the write-back buffer's drainers")?;
+    let backend = DeviceBackend {
+        device: device.clone(),
+        gate: gate.clone(),
+        buffer: buffer.clone(),
+    };
     let mount = if a.held {
         let socket = layout.holder_socket();
         let (fd, fresh) = handover::take(&socket, Duration::from_secs(10))
@@ -250,9 +196,16 @@ pub fn run(a: Args) -> Result<()> {
             }
         };
         // Stored once INIT is answered: a successor never has to.
-        match fdstore::store(&notify, FDSTORE_NAME, &keep) {
-            Ok(()) => tracing::info!(
-                "gave the FUSE connection to the service manager's fd store as {FDSTORE_NAME}"
+        let fdstore_max = std::env::var("FDSTORE").ok();
+        match fdstore::store(&notify, fdstore_max.as_deref(), FDSTORE_NAME, &keep) {
+            Ok(Stored::Kept { max }) => {
+                restartable = true;
+                tracing::info!(
+                    "gave the FUSE connection to the service manager's fd store as {FDSTORE_NAME} (it keeps up to {max} fds: FDSTORE={max})"
+                )
+            }
+            Ok(Stored::NotKnownKept) => tracing::warn!(
+                "sent the FUSE connection to NOTIFY_SOCKET={notify}, but it is NOT known to be kept: FDSTORE is not set (the service manager keeps no fds for this unit, or is systemd before 254, which does not say: set FileDescriptorStoreMax=1, and on systemd before 254 Environment=FDSTORE=1 too); if this process dies, the device is lost, and SIGUSR1 does not hand over"
             ),
             Err(e) => tracing::warn!(
                 "cannot store the FUSE connection at NOTIFY_SOCKET={notify}: {e}; if this process dies, the device is lost"
@@ -296,13 +249,20 @@ pub fn run(a: Args) -> Result<()> {
             .context("cannot start the resent thread")?;
     }
     let stopper = mountpoint.clone();
-    let (held, to_flush) = (restartable, device.clone());
+    let (held, to_flush, buf) = (restartable, device.clone(), buffer.clone());
     std::thread::Builder::new()
         .name("signals".into())
-        .spawn(move || on_signals(&stopper, held, &gate, &to_flush))
+        .spawn(move || on_signals(&stopper, held, &gate, &to_flush, buf.as_deref()))
         .context("cannot start the signal thread")?;
     let served = mount.wait();
     let _ = std::fs::remove_file(layout.serve_json());
+    // A detach: every acknowledged write reaches the donors before the
+    // device's final flush.
+    if let Some(b) = &buffer {
+        if let Err(e) = b.drain() {
+            tracing::error!("draining the write-back buffer at unmount: {e}");
+        }
+    }
     drop(device);
     served.context("serving the FUSE mount")?;
     tracing::info!("unmounted; the device's map is synced");
@@ -334,12 +294,15 @@ fn report_resent(socket: &Path, me: u32, resent: &std::sync::atomic::AtomicU64) 
 /// device quiesced (background work stopped, flushed: no request left in
 /// flight to a donor), the process exits leaving the mount to the next
 /// one.
-fn hand_over(gate: &Gate, device: &Device) -> ! {
+fn hand_over(gate: &Gate, device: &Device, buffer: Option<&Buffer>) -> ! {
     let t0 = Instant::now();
     if !gate.close_and_drain(DRAIN_LIMIT) {
         tracing::warn!(
             "requests still running after {DRAIN_LIMIT:?}: the next process answers them again"
         );
+    }
+    if let Some(Err(e)) = buffer.map(Buffer::drain) {
+        tracing::warn!("draining the write-back buffer before the hand-over: {e}");
     }
     if let Err(e) = device.quiesce() {
         tracing::warn!("flush before the hand-over: {e} (the next process resyncs)");
@@ -351,20 +314,29 @@ fn hand_over(gate: &Gate, device: &Device) -> ! {
     std::process::exit(0)
 }
 
-fn on_signals(mountpoint: &Path, held: bool, gate: &Gate, device: &Device) {
+fn on_signals(
+    mountpoint: &Path,
+    held: bool,
+    gate: &Gate,
+    device: &Device,
+    buffer: Option<&Buffer>,
+) {
     loop {
         match sys::wait_stop_signal() {
-            libc::SIGUSR1 if held => hand_over(gate, device),
-            libc::SIGUSR1 => tracing::warn!("SIGUSR1: not restartable (attach --restartable)"),
-            // Unmounted here while another mount namespace still holds a
-            // copy of the mount: the connection lives on, and no request
-            // will end the threads. The holder exits after this process.
-            sig if held && !steps::is_mounted(mountpoint) => {
+            libc::SIGUSR1 if held => hand_over(gate, device, buffer),
+            libc::SIGUSR1 => tracing::warn!(
+                "SIGUSR1: not restartable (attach --restartable, or a service manager that keeps the connection: FDSTORE)"
+            ),
+            // Unmounted here while the connection lives on (another mount
+            // namespace holds a copy of the mount, or detach unmounted it
+            // lazily while a process still used it): no request will end
+            // the threads. A holder exits after this process.
+            sig if !probe::is_mounted(mountpoint) => {
                 tracing::info!(
                     "signal {sig}: {} is unmounted here: exiting",
                     mountpoint.display()
                 );
-                hand_over(gate, device)
+                hand_over(gate, device, buffer)
             }
             sig => unmount_on_signal(mountpoint, sig),
         }

@@ -25,7 +25,65 @@ pub struct Args {
 /// (the device rewrites it about once a second).
 const STALE_MS: u64 = 10_000;
 
-pub fn run(a: Args) -> Result<()> {
+/// What `pagerctl status` exits with (pagerctl(1), EXIT STATUS).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Health {
+    /// Attached, serving, every unit whole and new ones placeable: 0.
+    Ok,
+    /// Nothing attached in the state directory: 3.
+    NotAttached,
+    /// Attached, but the serving process is gone or its status is stale: 4.
+    NotServing,
+    /// Serving, but units miss copies, data is lost, the write-through
+    /// copy stopped, or no new unit can be placed: 5.
+    Degraded,
+}
+
+impl Health {
+    pub fn code(self) -> i32 {
+        match self {
+            Health::Ok => 0,
+            Health::NotAttached => 3,
+            Health::NotServing => 4,
+            Health::Degraded => 5,
+        }
+    }
+
+    fn word(self) -> &'static str {
+        match self {
+            Health::Ok => "ok",
+            Health::NotAttached => "not attached",
+            Health::NotServing => "not serving",
+            Health::Degraded => "degraded",
+        }
+    }
+
+    /// From what status found: attached, serving (the serving process runs
+    /// and wrote its status lately), whether it warns (a restartable
+    /// device's holder is gone), and the device's own status.
+    fn of(attached: bool, serving: bool, warned: bool, status: Option<&ClientStatus>) -> Health {
+        if !attached {
+            return Health::NotAttached;
+        }
+        let Some(s) = status.filter(|_| serving) else {
+            return Health::NotServing;
+        };
+        let t = &s.totals;
+        if warned
+            || t.degraded > 0
+            || t.lost > 0
+            || t.unfound_pages > 0
+            || t.writethrough_error.is_some()
+            || s.cannot_place().is_some()
+        {
+            Health::Degraded
+        } else {
+            Health::Ok
+        }
+    }
+}
+
+pub fn run(a: Args) -> Result<Health> {
     let layout = StateLayout::new(&a.state_dir);
     if !layout.dir.is_dir() {
         bail!("state directory {} does not exist", layout.dir.display());
@@ -69,10 +127,18 @@ pub fn run(a: Args) -> Result<()> {
         .as_ref()
         .map(|s| now_ms.saturating_sub(s.updated_unix_ms));
     let stale = !server_alive || age_ms.is_some_and(|a| a > STALE_MS);
+    let attached = record.as_ref().is_some_and(|r| !r.steps.is_empty());
+    let is_serving = if restartable {
+        serving.is_some()
+    } else {
+        server_alive
+    } && age_ms.is_none_or(|a| a <= STALE_MS);
+    let health = Health::of(attached, is_serving, warning.is_some(), status.as_ref());
     if a.json {
         let v = serde_json::json!({
             "state_dir": layout.dir,
-            "attached": record.as_ref().is_some_and(|r| !r.steps.is_empty()),
+            "attached": attached,
+            "health": health.word(),
             "device": record.as_ref().and_then(|r| r.device()),
             "frontend": frontend,
             "transport": serve.as_ref().map(|s| s.transport.clone()),
@@ -94,7 +160,7 @@ pub fn run(a: Args) -> Result<()> {
             "io_flusher": io_flusher,
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
-        return Ok(());
+        return Ok(health);
     }
     match &record {
         Some(r) if !r.steps.is_empty() => {
@@ -174,7 +240,14 @@ pub fn run(a: Args) -> Result<()> {
             layout.status_json().display()
         ),
     }
-    Ok(())
+    if health != Health::Ok {
+        println!(
+            "\nhealth: {} (exit status {})",
+            health.word(),
+            health.code()
+        );
+    }
+    Ok(health)
 }
 
 /// What status says when a restartable device's holder is gone: the
@@ -192,4 +265,54 @@ fn io_flusher_warning(pid: u32) -> String {
     format!(
         "the serving process (pid {pid}) is not an I/O flusher (PR_SET_IO_FLUSHER needs CAP_SYS_RESOURCE): if the whole machine runs out of memory, reclaim on its behalf can write to this swap device and wait on itself, hanging the device (pagerctl(1) MEMORY PRESSURE)"
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pager_client::status::DonorReport;
+
+    #[test]
+    fn health_follows_attach_serving_and_the_device() {
+        let mut s = ClientStatus {
+            mode: "none".into(),
+            code: "1+0".into(),
+            extent_bytes: 1 << 20,
+            donors: vec![DonorReport {
+                name: "d1".into(),
+                state: "idle".into(),
+                slots_free: 8,
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        assert_eq!(Health::of(false, false, false, None), Health::NotAttached);
+        assert_eq!(Health::of(true, false, false, Some(&s)), Health::NotServing);
+        assert_eq!(Health::of(true, true, false, None), Health::NotServing);
+        assert_eq!(Health::of(true, true, false, Some(&s)), Health::Ok);
+        assert_eq!(
+            Health::of(true, true, true, Some(&s)),
+            Health::Degraded,
+            "holder gone"
+        );
+        s.totals.lost = 1;
+        assert_eq!(Health::of(true, true, false, Some(&s)), Health::Degraded);
+        s.totals.lost = 0;
+        s.donors[0].failed = true;
+        assert_eq!(
+            Health::of(true, true, false, Some(&s)),
+            Health::Degraded,
+            "no donor takes pages"
+        );
+        let codes: Vec<i32> = [
+            Health::Ok,
+            Health::NotAttached,
+            Health::NotServing,
+            Health::Degraded,
+        ]
+        .iter()
+        .map(|h| h.code())
+        .collect();
+        assert_eq!(codes, [0, 3, 4, 5]);
+    }
 }

@@ -46,6 +46,11 @@ struct Cli {
     /// Stop after this many reads.
     #[arg(long)]
     limit: Option<u64>,
+    /// Replay the hint file again and again until this file exists (a
+    /// test's job that must run until the test has done what it does
+    /// meanwhile), then stop after the read under way.
+    #[arg(long)]
+    until: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -109,37 +114,81 @@ fn read_full(f: &File, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
 
 fn run(cli: Cli) -> Result<Value> {
     let seeds = cli.manifest.as_deref().map(file_seeds).transpose()?;
-    let reader = hints::HintReader::open(&cli.hints)?;
     let compute = Duration::from_micros(cli.compute_us);
-    let (mut files, mut refs) = (HashMap::new(), HashMap::new());
-    let (mut records, mut bytes, mut mismatches) = (0u64, 0u64, 0u64);
-    let mut first_mismatch: Option<String> = None;
-    let mut buf = Vec::new();
-    let mut expect = Vec::new();
+    let mut v = Verifier {
+        cli: &cli,
+        seeds,
+        files: HashMap::new(),
+        refs: HashMap::new(),
+        records: 0,
+        bytes: 0,
+        mismatches: 0,
+        first_mismatch: None,
+        buf: Vec::new(),
+        expect: Vec::new(),
+    };
+    let stop = || cli.until.as_deref().is_some_and(Path::exists);
     let started = Instant::now();
-    for r in reader.references() {
-        if cli.limit.is_some_and(|l| records >= l) {
+    let mut passes = 0u64;
+    'replay: loop {
+        let reader = hints::HintReader::open(&cli.hints)?;
+        passes += 1;
+        for r in reader.references() {
+            if cli.limit.is_some_and(|l| v.records >= l) || (v.records > 0 && stop()) {
+                break 'replay;
+            }
+            let r = r?.record;
+            if v.records > 0 {
+                if cli.spin {
+                    let until = Instant::now() + compute;
+                    while Instant::now() < until {
+                        std::hint::spin_loop();
+                    }
+                } else {
+                    std::thread::sleep(compute);
+                }
+            }
+            v.read(&r)?;
+        }
+        if cli.until.is_none() || stop() {
             break;
         }
-        let r = r?.record;
-        if records > 0 {
-            if cli.spin {
-                let until = Instant::now() + compute;
-                while Instant::now() < until {
-                    std::hint::spin_loop();
-                }
-            } else {
-                std::thread::sleep(compute);
-            }
-        }
+    }
+    Ok(json!({
+        "passes": passes,
+        "records": v.records,
+        "bytes": v.bytes,
+        "elapsed_s": started.elapsed().as_secs_f64(),
+        "mismatches": v.mismatches,
+        "first_mismatch": v.first_mismatch,
+    }))
+}
+
+/// Reads records and checks their bytes, counting what it saw.
+struct Verifier<'a> {
+    cli: &'a Cli,
+    seeds: Option<HashMap<String, (u64, u64)>>,
+    files: HashMap<String, File>,
+    refs: HashMap<String, File>,
+    records: u64,
+    bytes: u64,
+    mismatches: u64,
+    first_mismatch: Option<String>,
+    buf: Vec<u8>,
+    expect: Vec<u8>,
+}
+
+impl Verifier<'_> {
+    fn read(&mut self, r: &hints::HintRecord) -> Result<()> {
+        let buf = &mut self.buf;
         buf.resize(r.length as usize, 0);
-        let f = open(&mut files, &cli.root, &r.path)?;
-        let n = read_full(f, &mut buf, r.offset)
+        let f = open(&mut self.files, &self.cli.root, &r.path)?;
+        let n = read_full(f, buf, r.offset)
             .with_context(|| format!("reading {} at {}", r.path, r.offset))?;
-        records += 1;
-        bytes += n as u64;
+        self.records += 1;
+        self.bytes += n as u64;
         let mut bad: Option<u64> = None;
-        if let Some(seeds) = &seeds {
+        if let Some(seeds) = &self.seeds {
             let (seed, size) = *seeds
                 .get(&r.path)
                 .with_context(|| format!("{} is not in the manifest", r.path))?;
@@ -149,27 +198,26 @@ fn run(cli: Cli) -> Result<Value> {
                 bad = Some(r.offset + n.min(want) as u64);
             }
         }
-        if let (None, Some(dir)) = (bad, &cli.reference) {
-            expect.resize(r.length as usize, 0);
-            let f = open(&mut refs, dir, &r.path)?;
-            let m = read_full(f, &mut expect, r.offset)?;
+        if let (None, Some(dir)) = (bad, &self.cli.reference) {
+            self.expect.resize(r.length as usize, 0);
+            let f = open(&mut self.refs, dir, &r.path)?;
+            let m = read_full(f, &mut self.expect, r.offset)?;
             if m != n {
                 bad = Some(r.offset + m.min(n) as u64);
-            } else if let Some(i) = buf[..n].iter().zip(&expect[..n]).position(|(a, b)| a != b) {
+            } else if let Some(i) = buf[..n]
+                .iter()
+                .zip(&self.expect[..n])
+                .position(|(a, b)| a != b)
+            {
                 bad = Some(r.offset + i as u64);
             }
         }
         if let Some(at) = bad {
-            mismatches += 1;
-            first_mismatch
+            self.mismatches += 1;
+            let records = self.records;
+            self.first_mismatch
                 .get_or_insert_with(|| format!("{} byte {at} (record {})", r.path, records - 1));
         }
+        Ok(())
     }
-    Ok(json!({
-        "records": records,
-        "bytes": bytes,
-        "elapsed_s": started.elapsed().as_secs_f64(),
-        "mismatches": mismatches,
-        "first_mismatch": first_mismatch,
-    }))
 }

@@ -124,7 +124,7 @@ impl Daemon {
                     tracing::debug!(
                         "block {block:?} from donor {donor}: {e}; reading it from disk"
                     );
-                    if self.lanes.get(donor).failed() {
+                    if self.lanes.get(donor).refuses_work() {
                         st.engine.donor_failed(donor);
                     }
                 } else {
@@ -168,7 +168,11 @@ impl Daemon {
                 Err(e) => {
                     tracing::debug!("disk-to-global fill of block {block:?} on donor {donor}: {e}");
                     st.engine.global_failed(block);
-                    if self.lanes.get(donor).failed() {
+                    // A lane that stopped (let go, or the daemon stopping)
+                    // fails a fill on the planner's own stack: planned on
+                    // again, the retries would recurse until the stack ran
+                    // out (prefetchd died of it when a donor was let go).
+                    if self.lanes.get(donor).refuses_work() {
                         st.engine.donor_failed(donor);
                     }
                 }

@@ -9,28 +9,26 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use hints::HintError;
 use serde_json::{json, Value};
 
 use crate::disk::{Disk, Urgency};
-use crate::donor::{DonorArg, DonorError, DonorLane, FillSource};
+use crate::donor::{DonorArg, DonorError, FillSource};
 use crate::files::{FileEntry, FileError, FileTable};
-use crate::lanes::Lanes;
+use crate::lanes::{LaneKit, Lanes, Planner};
 use crate::membership::MembershipError;
 use crate::plan::engine::{
     Action, DonorSpec, Engine, EngineConfig, GlobalSource, LocalSource, RunId, Step,
 };
 use crate::plan::{BlockId, DonorId, FileId, JobId, Nanos};
 use crate::source::{open_hints, SourceReport};
+use crate::status::{Costs, Donor, Job, Local, Registered, Status};
 use hints::{FileDecl, Recorder};
 
 mod fills;
-mod status;
-
-pub use status::{Costs, Donor, HintStream, Job, Lane, Local, Registered, Status};
 
 /// Why the daemon did not start.
 #[derive(Debug, thiserror::Error)]
@@ -144,8 +142,7 @@ pub struct Daemon {
     state: Mutex<State>,
     files: Arc<FileTable>,
     disk: Arc<Disk>,
-    pub(crate) lanes: Lanes,
-    timeouts: netpager_nbd::Timeouts,
+    lanes: Arc<Lanes>,
     epoch: Instant,
     bs: usize,
     page_cache: bool,
@@ -170,10 +167,15 @@ impl Daemon {
         let disk = Arc::new(
             Disk::start(cfg.disk_depth, cfg.max_request.max(bs)).map_err(StartError::Disk)?,
         );
+        let kit = LaneKit {
+            block_size: bs,
+            replica_size: files.replica_size(),
+            disk: disk.clone(),
+            timeouts: cfg.timeouts,
+        };
         let mut donors = Vec::new();
         for (i, d) in cfg.donors.iter().enumerate() {
-            let lane = DonorLane::start(i, d, bs, files.replica_size(), disk.clone(), cfg.timeouts);
-            match lane {
+            match kit.start(i, d) {
                 Ok(l) => donors.push(l),
                 Err(e) => {
                     for l in &donors {
@@ -217,51 +219,32 @@ impl Daemon {
                 }
             );
         }
-        let d = Arc::new(Daemon {
+        let d = Arc::new_cyclic(|me: &Weak<Daemon>| Daemon {
             state: Mutex::new(state),
             files,
             disk,
-            lanes: Lanes::new(cfg.donors, donors, cfg.status_poll),
-            timeouts: cfg.timeouts,
+            lanes: Arc::new(Lanes::new(
+                kit,
+                me.clone(),
+                cfg.donors,
+                donors,
+                cfg.status_poll,
+            )),
             epoch: Instant::now(),
             bs,
             page_cache: cfg.page_cache,
             started: Instant::now(),
         });
         if let Err(e) = d
+            .lanes
             .start_pollers()
             .map_err(|e| StartError::Donor(Box::new(e)))
-            .and_then(|()| Ok(d.start_membership(membership)?))
+            .and_then(|()| Ok(crate::membership::start(membership, &d.lanes)?))
         {
             d.stop();
             return Err(e);
         }
         Ok(d)
-    }
-
-    pub(crate) fn disk(&self) -> &Arc<Disk> {
-        &self.disk
-    }
-
-    pub(crate) fn timeouts(&self) -> netpager_nbd::Timeouts {
-        self.timeouts
-    }
-
-    /// Forgets everything donor `id` holds; it gets no more requests.
-    pub(crate) fn forget_donor(&self, id: DonorId) {
-        self.lock().engine.donor_failed(id);
-    }
-
-    /// Adds a fresh donor to the engine; `register` files its lane under
-    /// the new id before any request can be made of it.
-    pub(crate) fn add_donor(self: &Arc<Self>, spec: DonorSpec, register: impl FnOnce(DonorId)) {
-        let actions = {
-            let mut st = self.lock();
-            let id = st.engine.add_donor(spec);
-            register(id);
-            st.engine.plan(self.now())
-        };
-        self.execute(actions);
     }
 
     pub fn files(&self) -> &Arc<FileTable> {
@@ -584,6 +567,22 @@ impl Daemon {
             jobs,
             unhinted: es.unhinted,
         }
+    }
+}
+
+impl Planner for Daemon {
+    fn forget_donor(&self, id: DonorId) {
+        self.lock().engine.donor_failed(id);
+    }
+
+    fn add_donor(self: Arc<Self>, spec: DonorSpec, register: Box<dyn FnOnce(DonorId) + '_>) {
+        let actions = {
+            let mut st = self.lock();
+            let id = st.engine.add_donor(spec);
+            register(id);
+            st.engine.plan(self.now())
+        };
+        self.execute(actions);
     }
 }
 

@@ -1,39 +1,34 @@
-//! Discovery of donors on the lab's network: DNS-SD over multicast DNS
-//! (RFC 6763 over RFC 6762), the way printers and file servers are found on
-//! a LAN, through the `mdns-sd` crate (DESIGN.md, "Discovery").
+//! Discovery of donors on the lab's network: DNS-SD (RFC 6763) over
+//! multicast DNS on the local segment (RFC 6762, [`mdns`], the way printers
+//! and file servers are found on a LAN).
 //!
 //! A donor started with `announce=true` registers one instance of
 //! [`SERVICE_TYPE`], named by its node id, whose SRV port is its NBD port and
 //! whose TXT record ([`txt_record`]) carries the node id and both ports. A
 //! [`Browser`] keeps what is announced now; [`Announced::spec`] turns an
 //! announcement into a donor spec. An announcement proves nothing: whoever
-//! uses one first verifies the donor's status signed with the lab key, and
-//! without a key uses only donors on addresses [`allowed_without_key`].
+//! uses one first checks the donor's status ([`admit`]: signed with the lab
+//! key, or without a key only on a trusted network), on the [`Admission`]
+//! thread, never on a device's epoch thread.
 
 use std::collections::{BTreeMap, HashMap};
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
-use std::time::Duration;
-
-use mdns_sd::{ServiceDaemon, ServiceEvent, ServiceInfo};
-use netpager_util::LockExt;
+use std::net::{IpAddr, SocketAddr};
 
 use crate::DonorSpec;
+
+pub mod admission;
+pub mod mdns;
+pub mod trust;
+
+use crate::dns::DomainBrowser;
+pub use admission::{Admission, Verdict};
+pub use mdns::{Announcer, Browser};
+pub use trust::{admit, check, Check, Network, Trust};
 
 /// The DNS-SD service type donors announce.
 pub const SERVICE_TYPE: &str = "_netpager._tcp.local.";
 /// The TXT record's format, in its `v` key: a browser skips other versions.
 pub const TXT_VERSION: &str = "1";
-/// The project's test network: the lab's bridge (tests/lab/netlab.py).
-pub const LAB_TEST_NETWORK: (Ipv4Addr, u8) = (Ipv4Addr::new(10, 213, 47, 0), 24);
-
-/// How long [`Browser`]'s drop and [`Announcer`]'s drop wait for the mDNS
-/// thread to say goodbye.
-const STOP_WAIT: Duration = Duration::from_secs(2);
-/// How often the browser's thread looks whether it should stop.
-const POLL: Duration = Duration::from_millis(200);
 
 /// What went wrong with discovery.
 #[derive(Debug, thiserror::Error)]
@@ -71,59 +66,6 @@ impl Announced {
     /// The same as a line of a donors file (or `attach --donor`'s value).
     pub fn spec_line(&self) -> String {
         format!("{},status={},name={}", self.nbd, self.status, self.node_id)
-    }
-}
-
-/// Whether a discovered donor at `addr` may be used without a lab key to
-/// verify it: only on loopback and the project's test network, where no
-/// other machine can announce. Elsewhere an unverified announcement could
-/// bring a stranger's machine into a device's set (`--insecure` overrides).
-pub fn allowed_without_key(addr: IpAddr) -> bool {
-    match addr.to_canonical() {
-        IpAddr::V4(v4) => {
-            let (net, bits) = LAB_TEST_NETWORK;
-            let mask = u32::MAX << (32 - u32::from(bits));
-            v4.is_loopback() || u32::from(v4) & mask == u32::from(net)
-        }
-        IpAddr::V6(v6) => v6.is_loopback(),
-    }
-}
-
-/// What is known of an announced donor beyond its announcement.
-#[derive(Debug, Clone, Copy)]
-pub enum Check<'a> {
-    /// No lab key is held.
-    NoKey,
-    /// Its status, read with the lab key: the node id the signed reply
-    /// names, or why it could not be read or did not verify.
-    Signed(Result<&'a str, &'a str>),
-}
-
-/// Whether an announced donor may join a device's set: with a lab key,
-/// only once its signed status verifies and names the announced node (a
-/// donor must not announce itself as another); without one, only on
-/// loopback and the test network unless `insecure`. `Ok` says why it may.
-pub fn admit(a: &Announced, check: Check<'_>, insecure: bool) -> Result<&'static str, String> {
-    match check {
-        Check::Signed(Ok(node)) if node == a.node_id => Ok("verified with the lab key"),
-        Check::Signed(Ok(node)) => Err(format!(
-            "announced as {:?} but its signed status names {node:?}",
-            a.node_id
-        )),
-        Check::Signed(Err(why)) => Err(format!("status not verified with the lab key: {why}")),
-        Check::NoKey
-            if [a.nbd, a.status]
-                .iter()
-                .all(|s| allowed_without_key(s.ip())) =>
-        {
-            Ok("no lab key: on loopback or the test network")
-        }
-        Check::NoKey if insecure => Ok("no lab key: allowed by --insecure"),
-        Check::NoKey => Err(format!(
-            "no lab key to verify it, and {} is neither loopback nor the test network \
-             (give --psk, or --insecure to use it unverified)",
-            a.nbd.ip()
-        )),
     }
 }
 
@@ -244,132 +186,13 @@ impl Seen {
     }
 }
 
-/// Browses [`SERVICE_TYPE`] on every non-loopback interface until dropped.
-pub struct Browser {
-    daemon: ServiceDaemon,
-    seen: Arc<Mutex<Seen>>,
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl Browser {
-    pub fn start() -> Result<Browser, DiscoveryError> {
-        let daemon = ServiceDaemon::new().map_err(|e| DiscoveryError::Start(e.to_string()))?;
-        let events = daemon
-            .browse(SERVICE_TYPE)
-            .map_err(|e| DiscoveryError::Browse(e.to_string()))?;
-        let seen = Arc::new(Mutex::new(Seen::default()));
-        let stop = Arc::new(AtomicBool::new(false));
-        let (s, st) = (Arc::clone(&seen), Arc::clone(&stop));
-        let thread = std::thread::Builder::new()
-            .name("discovery".into())
-            .spawn(move || {
-                while !st.load(Ordering::Relaxed) {
-                    match events.recv_timeout(POLL) {
-                        Ok(ev) => apply(&s, ev),
-                        Err(mdns_sd::RecvTimeoutError::Timeout) => {}
-                        Err(mdns_sd::RecvTimeoutError::Disconnected) => break,
-                    }
-                }
-            })
-            .map_err(|e| DiscoveryError::Start(e.to_string()))?;
-        Ok(Browser {
-            daemon,
-            seen,
-            stop,
-            thread: Some(thread),
-        })
-    }
-
-    /// Donors announced now, one per node id (latest address), without blocking.
-    pub fn announced(&self) -> Vec<Announced> {
-        self.seen.lock_or_recover().announced()
-    }
-}
-
-fn apply(seen: &Mutex<Seen>, ev: ServiceEvent) {
-    match ev {
-        ServiceEvent::ServiceResolved(r) => {
-            let txt = r.txt_properties.clone().into_property_map_str();
-            let addrs = r.addresses.iter().map(|a| a.to_ip_addr());
-            if let Err(e) = seen.lock_or_recover().resolved(&r.fullname, &txt, addrs) {
-                tracing::warn!("discovery: ignored: {e}");
-            }
-        }
-        ServiceEvent::ServiceRemoved(_, fullname) => seen.lock_or_recover().removed(&fullname),
-        _ => {}
-    }
-}
-
-impl Drop for Browser {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Ok(done) = self.daemon.shutdown() {
-            let _ = done.recv_timeout(STOP_WAIT);
-        }
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-/// A donor's announcement, withdrawn (a goodbye packet) when dropped.
-pub struct Announcer {
-    daemon: ServiceDaemon,
-    fullname: String,
-}
-
-impl Announcer {
-    /// Announces donor `node_id` with its NBD and status ports, on every
-    /// non-loopback interface and the addresses they have now and later.
-    pub fn start(
-        node_id: &str,
-        nbd_port: u16,
-        status_port: u16,
-    ) -> Result<Announcer, DiscoveryError> {
-        let failed = |why: String| DiscoveryError::Announce {
-            instance: node_id.to_string(),
-            why,
-        };
-        let daemon = ServiceDaemon::new().map_err(|e| DiscoveryError::Start(e.to_string()))?;
-        let txt = txt_record(node_id, nbd_port, status_port);
-        let info = ServiceInfo::new(
-            SERVICE_TYPE,
-            node_id,
-            &host_label(node_id),
-            (),
-            nbd_port,
-            &txt[..],
-        )
-        .map_err(|e| failed(e.to_string()))?
-        .enable_addr_auto();
-        let fullname = info.get_fullname().to_string();
-        if let Err(e) = daemon.register(info) {
-            let _ = daemon.shutdown();
-            return Err(failed(e.to_string()));
-        }
-        Ok(Announcer { daemon, fullname })
-    }
-}
-
-impl Drop for Announcer {
-    fn drop(&mut self) {
-        if let Ok(done) = self.daemon.unregister(&self.fullname) {
-            let _ = done.recv_timeout(STOP_WAIT);
-        }
-        if let Ok(done) = self.daemon.shutdown() {
-            let _ = done.recv_timeout(STOP_WAIT);
-        }
-    }
-}
-
-/// The host name in the SRV record: the node id as one DNS label in
-/// `.local.` (anything but letters, digits and `-` becomes `-`). Browsers
-/// reach the donor by the addresses announced with it, not by this name.
-fn host_label(node_id: &str) -> String {
-    let label: String = node_id
+/// The node id as one DNS label that leaves room for `-netpager`: anything
+/// but letters, digits and `-` becomes `-` (the names of a donor's SRV
+/// target and DNS instance; browsers go by the TXT record's node id).
+pub fn node_label(node_id: &str) -> String {
+    node_id
         .chars()
-        .take(63)
+        .take(54)
         .map(|c| {
             if c.is_ascii_alphanumeric() || c == '-' {
                 c
@@ -377,8 +200,63 @@ fn host_label(node_id: &str) -> String {
                 '-'
             }
         })
-        .collect();
-    format!("{label}-netpager.local.")
+        .collect()
+}
+
+/// Where announcements come from: multicast DNS on the local segment, and
+/// DNS domains browsed on the lab's DNS (wide-area DNS-SD).
+pub struct Sources {
+    pub mdns: Option<Browser>,
+    pub domains: Vec<DomainBrowser>,
+}
+
+impl Sources {
+    /// `mdns`: browse the local segment; `domains`: browse these on
+    /// `server` (else the system resolver's), each query waiting `timeout`.
+    pub fn start(
+        mdns: bool,
+        domains: &[String],
+        server: Option<SocketAddr>,
+        timeout: std::time::Duration,
+    ) -> Result<Sources, String> {
+        let domains = domains
+            .iter()
+            .map(|d| DomainBrowser::new(d, server, timeout).map_err(|e| e.to_string()))
+            .collect::<Result<_, _>>()?;
+        let mdns = match mdns {
+            true => Some(Browser::start().map_err(|e| e.to_string())?),
+            false => None,
+        };
+        Ok(Sources { mdns, domains })
+    }
+
+    /// One round: every source's donors, one per node id (multicast DNS's
+    /// first, then the domains' in order), and what went wrong.
+    pub fn announced(&mut self) -> (Vec<Announced>, Vec<String>) {
+        let mut found: Vec<Announced> = self
+            .mdns
+            .as_ref()
+            .map(Browser::announced)
+            .unwrap_or_default();
+        let mut errors = Vec::new();
+        for d in &mut self.domains {
+            match d.browse() {
+                Ok((more, errs)) => {
+                    for a in more {
+                        if !found.iter().any(|f| f.node_id == a.node_id) {
+                            found.push(a);
+                        }
+                    }
+                    errors.extend(
+                        errs.into_iter()
+                            .map(|e| format!("domain {}: {e}", d.domain)),
+                    );
+                }
+                Err(e) => errors.push(format!("domain {}: {e}", d.domain)),
+            }
+        }
+        (found, errors)
+    }
 }
 
 #[cfg(test)]
@@ -467,32 +345,6 @@ mod tests {
     }
 
     #[test]
-    fn without_a_key_only_loopback_and_the_lab_network() {
-        for ok in [
-            "127.0.0.1",
-            "127.9.8.7",
-            "::1",
-            "10.213.47.1",
-            "10.213.47.254",
-            "::ffff:127.0.0.2",
-        ] {
-            assert!(allowed_without_key(ip(ok)), "{ok}");
-        }
-        for no in [
-            "10.213.46.1",
-            "10.213.48.1",
-            "10.0.0.1",
-            "192.168.1.10",
-            "0.0.0.0",
-            "2001:db8::1",
-            "fe80::1",
-            "::ffff:10.213.48.1",
-        ] {
-            assert!(!allowed_without_key(ip(no)), "{no}");
-        }
-    }
-
-    #[test]
     fn seen_keeps_the_latest_announcement_per_node_and_forgets_goodbyes() {
         let mut s = Seen::default();
         s.resolved("a._netpager", &record("d1", 1, 2), [ip("10.213.47.11")])
@@ -526,28 +378,5 @@ mod tests {
         assert_eq!(s.announced().len(), 1);
         s.removed("a._netpager");
         assert!(s.announced().is_empty());
-    }
-
-    #[test]
-    fn admission_needs_a_verified_status_or_a_test_network() {
-        let lab = decode("d1", &record("d1", 1, 2), [ip("10.213.47.11")]).unwrap();
-        let lan = decode("d1", &record("d1", 1, 2), [ip("192.168.1.5")]).unwrap();
-        for a in [&lab, &lan] {
-            assert!(admit(a, Check::Signed(Ok("d1")), false).is_ok());
-            let e = admit(a, Check::Signed(Ok("d2")), true).unwrap_err();
-            assert!(e.contains("\"d2\""), "{e}");
-            let e = admit(a, Check::Signed(Err("MAC mismatch")), true).unwrap_err();
-            assert!(e.contains("MAC mismatch"), "{e}");
-        }
-        assert!(admit(&lab, Check::NoKey, false).is_ok());
-        let e = admit(&lan, Check::NoKey, false).unwrap_err();
-        assert!(e.contains("192.168.1.5") && e.contains("--insecure"), "{e}");
-        assert!(admit(&lan, Check::NoKey, true).is_ok());
-    }
-
-    #[test]
-    fn host_labels_are_dns_labels() {
-        assert_eq!(host_label("idle1"), "idle1-netpager.local.");
-        assert_eq!(host_label("rack2.d_1"), "rack2-d-1-netpager.local.");
     }
 }

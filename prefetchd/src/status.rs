@@ -1,4 +1,4 @@
-//! The daemon's status, as the control socket's `status` answers it
+//! prefetchd's status, as the control socket's `status` answers it
 //! (`prefetchd status`): tests, pagerctl and Ansible read these field
 //! names, so they stay as they are.
 
@@ -60,7 +60,7 @@ pub struct Lane {
     /// serving, failed, or "let go (why)".
     pub state: String,
     pub status_endpoint: Option<String>,
-    /// How it joined (membership::Source).
+    /// How it joined (lanes::Source).
     pub joined: &'static str,
 }
 

@@ -1,0 +1,416 @@
+//! The store with compression: every byte against a model, the budget
+//! under an adversary, memory given back.
+
+use proptest::prelude::*;
+
+use super::table::Entry;
+use super::*;
+
+/// Export size of the model tests: 6 groups of 16 pages, over 24 slabs of 4.
+const PAGES: u64 = 96;
+
+fn spec(name: &str) -> ExportSpec {
+    ExportSpec {
+        name: name.into(),
+        size: None,
+    }
+}
+
+fn xorshift(seed: u64) -> impl FnMut() -> u64 {
+    let mut x = seed | 1;
+    move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    }
+}
+
+/// Kinds of data real swap holds, and the adversary's.
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Random,
+    /// Text-like: words from a small vocabulary, about 3:1.
+    Compressible,
+    Zero,
+    /// One 8-byte word repeated.
+    Same,
+    /// Pages whose halves are text and noise.
+    Mixed,
+}
+
+fn fill(kind: Kind, seed: u64, out: &mut [u8], at: u64) {
+    let mut r = xorshift(seed);
+    let words: [&[u8]; 4] = [b"page", b"donor", b"swap", b"value"];
+    let mut i = 0;
+    while i < out.len() {
+        let pos = at as usize + i;
+        match kind {
+            Kind::Random => {
+                out[i] = r() as u8;
+                i += 1;
+            }
+            Kind::Zero => {
+                out[i] = 0;
+                i += 1;
+            }
+            Kind::Same => {
+                out[i] = (seed.rotate_left(8 * (pos % 8) as u32) >> 56) as u8;
+                i += 1;
+            }
+            Kind::Compressible | Kind::Mixed => {
+                if matches!(kind, Kind::Mixed) && pos % PAGE_SIZE >= PAGE_SIZE / 2 {
+                    out[i] = r() as u8;
+                    i += 1;
+                    continue;
+                }
+                // Records like a program's heap: a counter, a word, padding.
+                let line = format!(
+                    "key:{:08} {:<8}|{:>6}        \n",
+                    r() % 100_000,
+                    String::from_utf8_lossy(words[(r() % 4) as usize]),
+                    r() % 1000
+                );
+                let n = line.len().min(out.len() - i);
+                out[i..i + n].copy_from_slice(&line.as_bytes()[..n]);
+                i += n;
+            }
+        }
+    }
+}
+
+fn kind() -> impl Strategy<Value = Kind> {
+    prop_oneof![
+        Just(Kind::Random),
+        Just(Kind::Compressible),
+        Just(Kind::Zero),
+        Just(Kind::Same),
+        Just(Kind::Mixed),
+    ]
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Write {
+        off: u64,
+        len: u64,
+        kind: Kind,
+        seed: u64,
+    },
+    Discard {
+        off: u64,
+        len: u64,
+    },
+    Read {
+        off: u64,
+        len: u64,
+    },
+    Compact,
+}
+
+fn range() -> impl Strategy<Value = (u64, u64)> {
+    let size = PAGES * PAGE;
+    prop_oneof![
+        // Anywhere, any length: partial pages, across groups and slabs.
+        (0..size, 1..40_000u64),
+        // Whole pages.
+        (0..PAGES, 1..20u64).prop_map(|(p, n)| (p * PAGE, n * PAGE)),
+        // A few bytes around a page boundary.
+        (1..PAGES, 0..64u64, 1..128u64).prop_map(|(p, b, n)| (p * PAGE - b, n)),
+    ]
+    .prop_map(move |(off, len)| (off, len.min(size - off).max(1)))
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (range(), kind(), any::<u64>()).prop_map(|((off, len), kind, seed)| Op::Write { off, len, kind, seed }),
+        2 => range().prop_map(|(off, len)| Op::Discard { off, len }),
+        2 => range().prop_map(|(off, len)| Op::Read { off, len }),
+        1 => Just(Op::Compact),
+    ]
+}
+
+/// Raw pages, packed pages and repeated words an export holds.
+fn census(e: &Export) -> (u64, u64, u64, u64) {
+    let (mut raw, mut packed, mut same, mut bytes) = (0, 0, 0, 0);
+    for shard in e.shards_for_tests() {
+        for (entry, _) in shard.read_or_recover().entries() {
+            match entry {
+                Entry::Raw(_) => raw += 1,
+                Entry::Packed(_) => packed += 1,
+                Entry::Same(_) => same += 1,
+            }
+            bytes += e.weight_for_tests(entry);
+        }
+    }
+    (raw, packed, same, bytes)
+}
+
+/// What the store holds adds up: entries, bytes, budget, slabs.
+fn check_accounting(p: &Pool, e: &Export) {
+    let (raw, packed, same, bytes) = census(e);
+    assert_eq!(e.logical_pages(), raw + packed + same);
+    assert_eq!(e.stored_bytes(), bytes);
+    let used = p.budget().used_pages();
+    assert_eq!(
+        used,
+        raw + p.back.zs.pages(),
+        "the budget counts raw pages and zspages"
+    );
+    assert!(used <= p.budget().limit_pages(), "budget exceeded: {used}");
+    if p.codec() == Compress::Off {
+        assert_eq!((packed, same), (0, 0));
+    }
+}
+
+fn run_model(codec: Compress, limit: u64, ops: &[Op]) {
+    let p = Pool::with_slabs(limit, 8, codec, Slabs::with_slab_pages(4));
+    let e = p.open(&spec("a"), PAGES * PAGE).unwrap();
+    let mut model = vec![0u8; (PAGES * PAGE) as usize];
+    for (i, op) in ops.iter().enumerate() {
+        match *op {
+            Op::Write {
+                off,
+                len,
+                kind,
+                seed,
+            } => {
+                let mut data = vec![0u8; len as usize];
+                fill(kind, seed, &mut data, off);
+                match e.write(&data, off, i as u32) {
+                    Ok(()) => model[off as usize..(off + len) as usize].copy_from_slice(&data),
+                    Err(StoreError::NoSpace { .. }) => {}
+                    Err(err) => panic!("op {i} {op:?}: {err}"),
+                }
+            }
+            Op::Discard { off, len } => match e.discard(off, len) {
+                Ok(_) => model[off as usize..(off + len) as usize].fill(0),
+                Err(StoreError::NoSpace { .. }) => {}
+                Err(err) => panic!("op {i} {op:?}: {err}"),
+            },
+            Op::Read { off, len } => {
+                let mut got = vec![0xA5; len as usize];
+                e.read(&mut got, off, i as u32).unwrap();
+                assert!(
+                    got == model[off as usize..(off + len) as usize],
+                    "op {i} {op:?}: bytes differ"
+                );
+            }
+            Op::Compact => {
+                p.compact();
+            }
+        }
+        check_accounting(&p, &e);
+    }
+    let mut all = vec![0u8; model.len()];
+    e.read(&mut all, 0, 0).unwrap();
+    assert!(all == model, "the whole export differs from the model");
+    e.discard(0, PAGES * PAGE).unwrap();
+    check_accounting(&p, &e);
+    assert_eq!(p.budget().used_pages(), 0);
+    assert!(
+        p.mapped_bytes() <= 4 * PAGE,
+        "all trimmed: at most the spare slab stays mapped"
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// Every byte written reads back, whatever the data, the request's
+    /// shape and the codec; a refused request changes nothing.
+    #[test]
+    fn every_byte_reads_back_against_a_model(
+        codec in prop_oneof![Just(Compress::Lz4), Just(Compress::Zstd), Just(Compress::Off)],
+        limit in prop_oneof![Just(200u64), 24..60u64],
+        ops in prop::collection::vec(op(), 1..60),
+    ) {
+        run_model(codec, limit, &ops);
+    }
+}
+
+#[test]
+fn pages_take_the_cheapest_form() {
+    let p = Pool::with_slabs(1000, 8, Compress::Lz4, Slabs::with_slab_pages(4));
+    let e = p.open(&spec("a"), 1 << 20).unwrap();
+    let page = |kind, seed| {
+        let mut v = vec![0u8; PAGE_SIZE];
+        fill(kind, seed, &mut v, 0);
+        v
+    };
+    e.write(&page(Kind::Zero, 1), 0, 0).unwrap();
+    e.write(&page(Kind::Same, 0x1122_3344_5566_7788), PAGE, 0)
+        .unwrap();
+    e.write(&page(Kind::Compressible, 2), 2 * PAGE, 0).unwrap();
+    e.write(&page(Kind::Random, 3), 3 * PAGE, 0).unwrap();
+    let (raw, packed, same, bytes) = census(&e);
+    assert_eq!(
+        (raw, packed, same),
+        (1, 1, 1),
+        "zero: nothing; same: a word; text: packed; noise: raw"
+    );
+    assert!(bytes < PAGE + PAGE / 2, "{bytes}");
+    assert_eq!(p.logical_bytes(), 3 * PAGE);
+    let u = &p.usage()[0];
+    assert_eq!((u.logical_bytes, u.stored_bytes), (3 * PAGE, bytes));
+    // A partial write into a packed page repacks it; into the repeated
+    // word, makes an object of it.
+    e.write(&[0xEE; 10], 2 * PAGE + 4090, 0).unwrap();
+    e.write(&[0xEE; 10], PAGE + 100, 0).unwrap();
+    let mut got = vec![0u8; 4 * PAGE_SIZE];
+    e.read(&mut got, 0, 0).unwrap();
+    let mut want = [
+        page(Kind::Zero, 1),
+        page(Kind::Same, 0x1122_3344_5566_7788),
+        page(Kind::Compressible, 2),
+        page(Kind::Random, 3),
+    ]
+    .concat();
+    want[2 * PAGE_SIZE + 4090..2 * PAGE_SIZE + 4100].fill(0xEE);
+    want[PAGE_SIZE + 100..PAGE_SIZE + 110].fill(0xEE);
+    assert!(got == want);
+    assert_eq!(census(&e).1, 2, "both are objects now");
+}
+
+#[test]
+fn the_budget_holds_when_compressible_pages_are_overwritten_with_noise() {
+    for codec in [Compress::Lz4, Compress::Zstd] {
+        let limit = 64;
+        let p = Pool::with_slabs(limit, 8, codec, Slabs::with_slab_pages(4));
+        let e = p.open(&spec("a"), 4096 * PAGE).unwrap();
+        let mut model = vec![0u8; 4096 * PAGE_SIZE];
+        // Compressible pages until the budget refuses one.
+        let mut n = 0u64;
+        loop {
+            let mut v = vec![0u8; PAGE_SIZE];
+            fill(Kind::Compressible, n + 1, &mut v, 0);
+            match e.write(&v, n * PAGE, 0) {
+                Ok(()) => model[(n * PAGE) as usize..((n + 1) * PAGE) as usize].copy_from_slice(&v),
+                Err(StoreError::NoSpace { .. }) => break,
+                Err(err) => panic!("{err}"),
+            }
+            n += 1;
+        }
+        assert!(
+            n > 2 * limit,
+            "{codec:?}: {n} pages in {limit}: compression pays"
+        );
+        // Trimming every fourth page leaves sparse zspages; the writes
+        // below compact them to land. Overwrite the rest with noise, in
+        // runs of 1 to 3 pages: each write lands whole or not at all, and
+        // the budget is never exceeded.
+        for q in (0..n).step_by(4) {
+            e.discard(q * PAGE, PAGE).unwrap();
+            model[(q * PAGE) as usize..((q + 1) * PAGE) as usize].fill(0);
+        }
+        let (mut landed, mut refused) = (0, 0);
+        let mut r = xorshift(7);
+        let mut q = 0;
+        while q < n {
+            let run = (1 + r() % 3).min(n - q);
+            let mut v = vec![0u8; (run * PAGE) as usize];
+            fill(Kind::Random, q, &mut v, 0);
+            match e.write(&v, q * PAGE, 1) {
+                Ok(()) => {
+                    model[(q * PAGE) as usize..((q + run) * PAGE) as usize].copy_from_slice(&v);
+                    landed += 1;
+                }
+                Err(err @ StoreError::NoSpace { .. }) => {
+                    assert_eq!(err.errno(), libc::ENOSPC);
+                    refused += 1;
+                }
+                Err(err) => panic!("{err}"),
+            }
+            check_accounting(&p, &e);
+            q += run;
+        }
+        assert!(
+            landed > 0 && refused > 0,
+            "{codec:?}: {landed} landed, {refused} refused"
+        );
+        let mut got = vec![0u8; model.len()];
+        e.read(&mut got, 0, 0).unwrap();
+        assert!(
+            got == model,
+            "{codec:?}: a refused write changed stored bytes"
+        );
+        assert!(p.budget().used_pages() <= limit);
+    }
+}
+
+#[test]
+fn memory_returns_after_trim_and_compaction() {
+    let slab = 4 * PAGE;
+    let p = Pool::with_slabs(4096, 8, Compress::Lz4, Slabs::with_slab_pages(4));
+    let e = p.open(&spec("a"), 2048 * PAGE).unwrap();
+    for q in 0..2048 {
+        let mut v = vec![0u8; PAGE_SIZE];
+        let kind = if q % 5 == 0 {
+            Kind::Random
+        } else {
+            Kind::Mixed
+        };
+        fill(kind, q + 1, &mut v, 0);
+        e.write(&v, q * PAGE, 0).unwrap();
+    }
+    let peak = p.mapped_bytes();
+    assert!(peak < 2048 * PAGE * 17 / 20, "mixed pages pack: {peak}");
+    // Keep one page in eight: the zspages are all sparse now.
+    for q in (0..2048).filter(|q| q % 8 != 0) {
+        e.discard(q * PAGE, PAGE).unwrap();
+    }
+    let sparse = p.mapped_bytes();
+    let freed = p.compact();
+    assert!(freed > 0);
+    let compacted = p.mapped_bytes();
+    // Raw pages do not move: the slabs they keep stay mapped.
+    assert!(
+        compacted * 3 < sparse,
+        "compaction frees slabs: {sparse} -> {compacted} bytes mapped"
+    );
+    assert!(p.budget().used_pages() * PAGE <= compacted);
+    for q in (0..2048).step_by(8) {
+        let mut v = vec![0u8; PAGE_SIZE];
+        let kind = if q % 5 == 0 {
+            Kind::Random
+        } else {
+            Kind::Mixed
+        };
+        fill(kind, q + 1, &mut v, 0);
+        let mut got = vec![0u8; PAGE_SIZE];
+        e.read(&mut got, q * PAGE, 0).unwrap();
+        assert!(got == v, "page {q} after compaction");
+    }
+    e.discard(0, 2048 * PAGE).unwrap();
+    assert_eq!(p.budget().used_pages(), 0);
+    assert_eq!(
+        p.mapped_bytes(),
+        slab,
+        "everything trimmed: the spare slab only"
+    );
+}
+
+#[test]
+fn the_xth_oldest_counts_bytes_held() {
+    let p = Pool::with_slabs(1000, 8, Compress::Lz4, Slabs::with_slab_pages(4));
+    let e = p.open(&spec("a"), 1 << 20).unwrap();
+    // Ten packed pages written at ticks 1..=10, then a raw page at 20.
+    for t in 1..=10u64 {
+        let mut v = vec![0u8; PAGE_SIZE];
+        fill(Kind::Compressible, t, &mut v, 0);
+        e.write(&v, t * PAGE, t as u32).unwrap();
+    }
+    let each = e.stored_bytes() / 10;
+    assert!(each < PAGE / 2);
+    let mut v = vec![0u8; PAGE_SIZE];
+    fill(Kind::Random, 99, &mut v, 0);
+    e.write(&v, 0, 20).unwrap();
+    // One page's worth of bytes is reached after a few packed pages.
+    let k = PAGE.div_ceil(each) as u32;
+    assert_eq!(p.xth_oldest_stamp(1), Some(k.min(10)));
+    assert_eq!(
+        p.xth_oldest_stamp(100),
+        Some(20),
+        "fewer bytes than x pages: the youngest"
+    );
+}

@@ -1,0 +1,96 @@
+"""Schedules the nemesis shrank failing runs to, kept as deterministic
+tests. The fixed bugs' schedules must pass (regressions); the bugs still
+open run marked xfail raising `Finding`: a run that finds the bug is the
+expected failure, a run that breaks otherwise fails the test. Where the
+schedule finds its bug every time, the marker is strict: once the fix
+lands the schedule passes, which fails the test until it moves to the
+regressions and the bug's entry in netpager_testkit.nemesis.model.KNOWN_BUGS
+(which keeps its op, or the state that finds it, out of the random
+schedules) is removed. Where the bug is a race the schedule finds most
+times, not all, the marker is not strict (a pass shows as XPASS in `-ra`'s
+summary); move it all the same with the fix.
+
+Fixed (issue 34: donor identity, a store per device, sessions that fence
+an older connection's writes):
+
+- duplicate-member: device A (mode none) on d1 and d2; `pagerctl
+  donor-add` of d1's nbdkit under its host's second address, as another
+  name. It must be refused; it used to join, and extents placed on the two
+  'donors' share one export: fio and the history read other extents'
+  bytes.
+- second-device-same-id: device A (mirror on d1..d3, the default client
+  id) under fio and the history; a second device B from another state
+  directory, the same size, the same donors and the default client id,
+  attached, written and read back, detached. Each must keep its own data;
+  B's attach used to clear A's export and both write one export.
+- late-writes-after-revive: device A (mirror on d1..d4) under fio and the
+  history writer (which discards whole MiBs too, so units are freed and
+  placed again). d1's host is cut off (iptables DROP, no RST) past the
+  request timeout, three times: the client fails d1, rebuilds its copies
+  elsewhere and, once d1 answers, revives it as a new donor and clears its
+  export. The writes that were in flight on the connection it gave up (its
+  socket is only shut for writing) are retransmitted by TCP after the heal
+  and land after that clear: d1 keeps pages where the device placed
+  nothing, and where the device placed a copy since, stale bytes (a mirror
+  copy reads other data than the last written while the other copy is
+  right; a discarded block reads foreign bytes). A detach while such a
+  connection still drains may also make d1's nbdkit 1.32 abort. A race
+  (TCP's retransmission against the revive): most runs, not all. Now each
+  connection asks for a round of its own (`CLIENT/DEVICE:SESSION.CONN`)
+  and the donor refuses the requests of an older one.
+
+Open:
+
+- drains-overlapping: device A (parity 3 on d1..d5) under fio and the
+  history; two donors start draining one right after the other, three
+  times. A write whose member sits on the first (it refuses new pages:
+  ENOSPC) moves the member, and picks the second, which the client does
+  not know to be draining yet: the copy fails with ENOSPC and so does the
+  application's write, although three donors have room. A race: most
+  runs, not all.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from netpager_testkit.nemesis.model import KNOWN_BUGS
+
+PLAIN = "tls=0 restartable=0 swap=0 swap_restartable=0 parity_log=0 grace=0"
+
+
+class Finding(AssertionError):
+    """The schedule found the bug (the expected failure of an xfail)."""
+
+
+def known(key: str, name: str, schedule: str, strict: bool = True):
+    return pytest.param(schedule, id=name, marks=pytest.mark.xfail(
+        strict=strict, raises=Finding, reason=KNOWN_BUGS[key]))
+
+
+@pytest.mark.parametrize("schedule", [
+    pytest.param(f"mode=none members=2 spares=2 {PLAIN} | add-alias d1; pause 5; settle",
+                 id="duplicate-member"),
+    pytest.param(f"mode=mirror members=3 spares=2 {PLAIN} | second same; settle", id="second-device-same-id"),
+    pytest.param(f"mode=mirror members=4 spares=2 {PLAIN} | partition d1 long; heal d1; settle; "
+                 "partition d1 long; heal d1; settle; partition d1 long; heal d1; settle; "
+                 "partition d1 long; heal d1; settle", id="late-writes-after-revive"),
+])
+def test_fixed_bug(schedule, nemesis):
+    res = nemesis(schedule)
+    assert res.error is None, f"the run broke: {res.error}"
+    assert res.ok, res.explain()
+
+
+@pytest.mark.parametrize("schedule", [
+    known("drain-overlap", "drains-overlapping",
+          f"mode=parity members=5 spares=2 {PLAIN.replace('parity_log=0', 'parity_log=1')} | "
+          "drain d1 admin; drain d2 meminfo; pause 2; undrain d1; undrain d2; drain d3 admin; "
+          "drain d4 meminfo; pause 2; undrain d3; undrain d4; drain d1 admin; drain d2 meminfo; "
+          "pause 2; undrain d1; undrain d2; settle", strict=False),
+])
+def test_known_bug(schedule, nemesis):
+    res = nemesis(schedule)
+    assert res.error is None, f"the run broke (not the bug): {res.error}"
+    if not res.ok:
+        raise Finding(res.explain())

@@ -1,0 +1,143 @@
+"""What test runs on one machine share, and how they keep apart.
+
+Several `make test` runs (worktrees, CI jobs) may share a machine at once.
+Three things are machine-wide, and without care one run would decide
+another's result:
+
+- Loopback addresses and their ports. A port picked free on a shared
+  address can be taken by another run before it is bound, or while a donor
+  restarts on it. Each test process holds a block 127.N.0.0/16 of its own
+  (`loopback(host)`), so its ports are only ever its own.
+- Swap. The kernel sends every process's pages to the swap area of highest
+  priority, whichever test made it: a job would swap onto another run's
+  device, and lose pages when that test kills its client. A test holds
+  `SWAP` while it has a swap area on (`PagerClient` with `--swap`,
+  `attach.Swap`).
+- FUSE over io_uring's switch (`/sys/module/fuse/parameters/enable_uring`),
+  read when a FUSE file system is mounted: `pagerctl attach` turns it on,
+  `pagerctl detach` turns it back, some tests turn it off. Attach, detach
+  and those tests hold `URING_SWITCH`.
+
+Each is an flock on a file in /run/lock (the Rust harness, test-support's
+`machine.rs`, takes the same files), released by the kernel when the
+process exits, however it exits. Holders write who they are into the file,
+so a run that waits too long says whom it waited for.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+LOCK_DIR = Path("/run/lock") if os.access("/run/lock", os.W_OK) else Path(tempfile.gettempdir())
+
+
+def lock_path(name: str) -> Path:
+    return LOCK_DIR / f"netpager-test-{name}.lock"
+
+
+def _holder(path: Path) -> str:
+    try:
+        return path.read_text().strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def _mark(fd: int, what: str) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()}: {what}\n".encode(), 0)
+
+
+class MachineLock:
+    """An exclusive flock shared by every test run on the machine, re-entrant
+    within this process (a test that holds it may attach, which takes it too)."""
+
+    def __init__(self, name: str, what: str):
+        self.name = name
+        self.what = what
+        self.path = lock_path(name)
+        self._fd: int | None = None
+        self._depth = 0
+        self._mutex = threading.Lock()
+
+    def acquire(self, timeout: float = 1800.0) -> None:
+        with self._mutex:
+            if self._depth == 0:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                deadline = time.monotonic() + timeout
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() > deadline:
+                            os.close(fd)
+                            raise TimeoutError(
+                                f"waited {timeout:.0f}s for {self.path} ({self.what}), held by "
+                                f"{_holder(self.path)}") from None
+                        time.sleep(0.2)
+                _mark(fd, self.what)
+                self._fd = fd
+            self._depth += 1
+
+    def release(self) -> None:
+        with self._mutex:
+            if self._depth == 0:
+                return
+            self._depth -= 1
+            if self._depth == 0 and self._fd is not None:
+                os.close(self._fd)  # drops the flock
+                self._fd = None
+
+    @contextmanager
+    def held(self):
+        self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
+    def hold(self, teardown) -> None:
+        """Acquires it until `teardown` closes (or an earlier `release`)."""
+        self.acquire()
+        teardown.add(f"release {self.path}", self.release)
+
+
+SWAP = MachineLock("swap", "a swap area on")
+URING_SWITCH = MachineLock("uring-switch", "FUSE over io_uring's switch")
+
+_block: tuple[int, int] | None = None
+_block_mutex = threading.Lock()
+
+
+def loopback_block() -> int:
+    """N of the block 127.N.0.0/16 this process holds (taken on first use)."""
+    global _block
+    with _block_mutex:
+        if _block is None:
+            for n in range(1, 255):
+                fd = os.open(lock_path(f"net-{n}"), os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    continue
+                _mark(fd, f"127.{n}.0.0/16")
+                _block = (n, fd)  # held until the process exits
+                break
+            else:
+                raise RuntimeError(f"every loopback block 127.1-254.0.0/16 is held "
+                                   f"({LOCK_DIR}/netpager-test-net-*.lock)")
+        return _block[0]
+
+
+def loopback(host: int, net: int = 0) -> str:
+    """127.N.net.host in this process's own block."""
+    if not (1 <= host <= 254 and 0 <= net <= 255):
+        raise ValueError(f"loopback host {host}, net {net}: host 1-254, net 0-255")
+    return f"127.{loopback_block()}.{net}.{host}"
