@@ -21,8 +21,8 @@ export NETPAGER_REQUIRE_SERVER := 1
 # (netpager_util::version!, scripts/version.sh).
 export NETPAGER_VERSION := $(shell bash scripts/version.sh)
 export NETPAGER_COMMIT := $(shell git rev-parse HEAD 2>/dev/null)
-# When this make began: `make test` leaves out its VM slice when the suite
-# has no time left for it (tests/vm/test_vm.py, NETPAGER_TEST_BUDGET).
+# When this make began: `NETPAGER_TEST_VM=1 make test` leaves out its VM
+# slice when the suite has no time left for it (tests/vm/test_vm.py, NETPAGER_TEST_BUDGET).
 export NETPAGER_TEST_STARTED ?= $(shell date +%s)
 # What `make test-vm` runs in the test VM (Debian's kernel under qemu:
 # kernel nbd, cgroup v2, netem, CAP_SYS_RESOURCE; netpager_testkit.vm), and
@@ -116,8 +116,8 @@ test-deb: build
 	$(PYTEST) tests/deb
 
 # VM_TESTS in the test VM, booted once (docs/HACKING.md, "The test VM");
-# its kernel, initramfs and runs are cached in target/vm/. `make test`
-# runs a short slice of it (tests/vm/test_vm.py).
+# its kernel, initramfs and runs are cached in target/vm/.
+# `NETPAGER_TEST_VM=1 make test` adds a short slice of it (tests/vm/test_vm.py).
 test-vm: build
 	NETPAGER_FAULTS=full VM_TIMEOUT=$(VM_TIMEOUT) $(BENCH_PY).vm $(VM_TESTS)
 
