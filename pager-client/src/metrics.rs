@@ -110,6 +110,7 @@ fn per_job(s: &ClientStatus, f: impl Fn(&Progress) -> Value) -> Vec<(Labels, Val
         ("rebuild", &s.totals.rebuild),
         ("drain", &s.totals.drain),
         ("off_fallback", &s.totals.off_fallback),
+        ("rebalance", &s.totals.rebalance.pass),
     ]
     .into_iter()
     .map(|(activity, p)| (labels([("activity", activity)]), f(p)))
@@ -246,7 +247,7 @@ pub fn exposition(s: &ClientStatus, fe: &FrontendInfo) -> Exposition {
     );
     e.gauge(
         "client_background_active",
-        "1 while the background job (rebuild, drain, off_fallback) has work left.",
+        "1 while the background job (rebuild, drain, off_fallback, rebalance) has work left.",
         None,
         per_job(s, |p| p.active.into()),
     );
@@ -291,6 +292,30 @@ pub fn exposition(s: &ClientStatus, fe: &FrontendInfo) -> Exposition {
         "Selection frequency f_i of each donor this epoch.",
         None,
         donor(&|d| d.f.into()),
+    );
+    e.gauge(
+        "client_donor_share",
+        "Each donor's share of the device's placed members.",
+        Some(BaseUnit::Ratio),
+        donor(&|d| d.share.into()),
+    );
+    e.gauge(
+        "client_donor_target_share",
+        "The share the rebalancer moves each donor toward (f_i normalised).",
+        Some(BaseUnit::Ratio),
+        donor(&|d| d.target_share.into()),
+    );
+    e.counter(
+        "client_rebalance_moved",
+        "Bytes the rebalancer moved between donors since the device opened.",
+        b,
+        one(t.rebalance.moved_bytes),
+    );
+    e.gauge(
+        "client_rebalance_paused",
+        "1 while the rebalancer waits (off, a rebuild or drain running, a donor silent).",
+        None,
+        one(t.rebalance.paused.is_some()),
     );
     e.gauge(
         "client_donor_bound",
@@ -484,6 +509,8 @@ mod tests {
                 extents_held: 3,
                 f: 0.5,
                 errors: 2,
+                share: 0.75,
+                target_share: 0.5,
                 ..Default::default()
             }],
             totals: Totals {
@@ -495,6 +522,10 @@ mod tests {
                     total: 4,
                     active: true,
                     stalled: Some("no room".into()),
+                },
+                rebalance: crate::status::RebalanceReport {
+                    moved_bytes: 3 << 20,
+                    ..Default::default()
                 },
                 ..Default::default()
             },
@@ -528,6 +559,10 @@ mod tests {
             "netpager_client_background_members_done{activity=\"rebuild\"} 1\n",
             "netpager_client_donor_extents{donor=\"d1\"} 3\n",
             "netpager_client_donor_frequency{donor=\"d1\"} 0.5\n",
+            "netpager_client_donor_share_ratio{donor=\"d1\"} 0.75\n",
+            "netpager_client_donor_target_share_ratio{donor=\"d1\"} 0.5\n",
+            "netpager_client_rebalance_moved_bytes_total 3145728\n",
+            "netpager_client_background_active{activity=\"rebalance\"} 0\n",
             "netpager_client_donor_failed{donor=\"d1\"} 1\n",
             "netpager_client_donor_state{donor=\"d1\",state=\"unreachable\"} 1\n",
             "netpager_client_donor_errors_total{donor=\"d1\"} 2\n",

@@ -86,6 +86,29 @@ pub struct DonorReport {
     /// Being removed: its extents are moving to the other donors.
     #[serde(default)]
     pub leaving: bool,
+    /// Its share of the device's placed members (home units), 0..1.
+    #[serde(default)]
+    pub share: f64,
+    /// The share the rebalancer moves it toward: f_i normalised over the
+    /// donors that may give or take members.
+    #[serde(default)]
+    pub target_share: f64,
+}
+
+/// The rebalancer: members moved so each donor's share follows its f_i.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RebalanceReport {
+    /// Bytes a second it may move (0: off).
+    pub rate_bytes: u64,
+    /// Bytes moved since the device opened.
+    pub moved_bytes: u64,
+    /// Members moved since the device opened.
+    pub moves: u64,
+    /// The moves of its last pass.
+    pub pass: Progress,
+    /// Why it is not moving now, if it is not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paused: Option<String>,
 }
 
 /// A donor that left the set, as status shows it.
@@ -128,6 +151,8 @@ pub struct Totals {
     /// Copies moving from the local fallback to donors with room again.
     #[serde(default)]
     pub off_fallback: Progress,
+    #[serde(default)]
+    pub rebalance: RebalanceReport,
     /// Every donor is capped by its load bound: the client is throttled.
     pub all_capped: bool,
     pub throttled: bool,
@@ -482,6 +507,21 @@ pub fn render_table(s: &ClientStatus) -> String {
             progress(&t.off_fallback)
         ),
     );
+    let r = &t.rebalance;
+    w(
+        &mut out,
+        format!(
+            "rebalance {}: {} moved ({} members) at up to {}/s{}",
+            progress(&r.pass),
+            format_size(r.moved_bytes),
+            r.moves,
+            format_size(r.rate_bytes),
+            r.paused
+                .as_ref()
+                .map(|p| format!(", paused: {p}"))
+                .unwrap_or_default()
+        ),
+    );
     if t.throttled || t.all_capped {
         w(
             &mut out,
@@ -593,6 +633,7 @@ pub fn render_table(s: &ClientStatus) -> String {
         "w",
         "a",
         "f",
+        "share/target",
         "capped",
         "util",
         "errors",
@@ -615,6 +656,7 @@ pub fn render_table(s: &ClientStatus) -> String {
             format!("{:.3}", d.target_weight),
             format!("{:.3}", d.age_weight),
             format!("{:.3}", d.f),
+            format!("{:.3}/{:.3}", d.share, d.target_share),
             if d.capped { "yes".into() } else { "no".into() },
             format!("{:.2}", d.utilisation),
             d.errors.to_string(),

@@ -165,26 +165,13 @@ fn a_restart_keeps_added_donors_and_not_removed_ones() {
 /// extents are rebuilt from parity, it leaves the set, nothing is lost.
 #[test]
 fn a_donor_killed_while_it_leaves_loses_nothing_in_parity() {
-    let Some(so) = netpager_test_support::pager_server_so() else {
+    // Slow writes, so the drain is still going when the kill comes.
+    let Some(mut ds) = (0..4)
+        .map(|_| netpager_test_support::slow_pager_server("10ms"))
+        .collect::<Option<Vec<Nbdkit>>>()
+    else {
         return;
     };
-    // Slow writes, so the drain is still going when the kill comes.
-    let mut ds: Vec<Nbdkit> = (0..4)
-        .map(|_| {
-            let args = [
-                "--filter=delay",
-                &so.display().to_string(),
-                "mlock=false",
-                "size=16M",
-                "budget=64M",
-                "reserve=0",
-                "poll-ms=100",
-                "delay-write=10ms",
-            ]
-            .map(String::from);
-            Nbdkit::start(&args, true)
-        })
-        .collect();
     let (_dir, dev, mut model, _) = filled_parity(&ds, 11, 2 * EXTENT);
     let before = held(&dev.status(), "d2");
     assert!(before > 4, "d2 holds {before} extents");

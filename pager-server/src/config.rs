@@ -98,6 +98,9 @@ pub struct Config {
     pub u_star: f64,
     pub window: Duration,
     pub busy_load: f64,
+    /// Load per CPU from which the donor offers less (`None`: half of
+    /// busy-load).
+    pub shed_load: Option<f64>,
     pub poll: Duration,
     pub meminfo: PathBuf,
     /// The lab's TLS-PSK file: the status endpoint then takes only signed requests.
@@ -144,6 +147,7 @@ impl Default for Config {
             u_star: 0.5,
             window: Duration::from_secs(10),
             busy_load: 0.5,
+            shed_load: None,
             poll: Duration::from_millis(500),
             meminfo: PathBuf::from("/proc/meminfo"),
             psk: None,
@@ -172,6 +176,8 @@ age-x=N              Report the age of the N-th oldest page (default 64).
 u-star=F             Allowed utilisation by remote requests, 0..1 (default 0.5).
 window=SECS          Utilisation window in seconds (default 10).
 busy-load=F          Busy when 1-min loadavg per CPU exceeds F (default 0.5).
+shed-load=F          Offer less from this load per CPU on, a quarter at busy-load
+                     (default half of busy-load).
 poll-ms=N            Memory and load watch interval (default 500).
 meminfo=PATH         Read MemTotal/MemAvailable here (default /proc/meminfo).
 psk=FILE             Lab TLS-PSK file: status requests must be signed with its key,
@@ -225,6 +231,7 @@ impl Config {
             }
             "u-star" => self.u_star = parse_fraction(key, value, 0.0, 1.0)?,
             "busy-load" => self.busy_load = parse_fraction(key, value, 0.0, 1e6)?,
+            "shed-load" => self.shed_load = Some(parse_fraction(key, value, 0.0, 1e6)?),
             "window" => {
                 let secs = parse_fraction(key, value, 0.1, 86400.0)?;
                 self.window = Duration::from_secs_f64(secs);

@@ -44,6 +44,7 @@ pub struct Settings {
     pub u_star: f64,
     pub window: Duration,
     pub busy_load: f64,
+    pub shed_load: f64,
     pub poll: Duration,
     pub meminfo: PathBuf,
     pub ncpu: usize,
@@ -63,6 +64,7 @@ impl Settings {
             u_star: cfg.u_star,
             window: cfg.window,
             busy_load: cfg.busy_load,
+            shed_load: cfg.shed_load.unwrap_or(cfg.busy_load / 2.0),
             poll: cfg.poll,
             meminfo: cfg.meminfo.clone(),
             ncpu: ncpu.max(1),
@@ -91,6 +93,7 @@ impl Settings {
         Policy {
             reserve: self.reserve_bytes,
             busy_load: self.busy_load,
+            shed_load: self.shed_load,
             ncpu: self.ncpu,
         }
     }
@@ -324,25 +327,29 @@ impl Donor {
 
     /// The status published on the endpoint.
     pub fn status(&self, at: Instant) -> DonorStatus {
-        let (state, reason, mem_available, util, recent) = {
+        let (state, reason, last, util, recent) = {
             let w = self.lock_watch();
             let (busy, reqs) = self.totals();
             (
                 w.assessment.state,
                 w.assessment.reason.clone(),
-                w.last.mem.available,
+                w.last,
                 w.util.measure(at, busy, reqs),
                 w.recent.get(),
             )
         };
+        let mem_available = last.mem.available;
         let page = PAGE_SIZE as u64;
         let budget = self.pool.budget();
         let used_bytes = budget.used_pages() * page;
-        let free_bytes = if state == DonorState::Draining {
-            0
-        } else {
-            self.settings.budget_bytes.saturating_sub(used_bytes)
-        };
+        let offer_bytes = crate::state::offer_bytes(
+            &self.settings.policy(),
+            &last,
+            state,
+            self.settings.budget_bytes,
+            used_bytes,
+        );
+        let free_bytes = offer_bytes.saturating_sub(used_bytes);
         let usage = self.pool.usage();
         let logical_bytes: u64 = usage.iter().map(|u| u.logical_bytes).sum();
         let offered_ratio = ratio::offered(logical_bytes, used_bytes, recent);
@@ -359,6 +366,7 @@ impl Donor {
             budget_bytes: self.settings.budget_bytes,
             used_bytes,
             free_bytes,
+            offer_bytes: Some(offer_bytes),
             exports: usage
                 .into_iter()
                 .map(|u| ExportUsage {

@@ -14,7 +14,54 @@ use crate::memwatch::MemInfo;
 pub struct Policy {
     pub reserve: u64,
     pub busy_load: f64,
+    /// Load per CPU from which the donor offers less (`shed-load`).
+    pub shed_load: f64,
     pub ncpu: usize,
+}
+
+/// The share of its room a donor at or above busy-load still offers: the
+/// load shedding ends there, and clients' bounds (`u_star`) do the rest.
+pub const BUSY_GIVE: f64 = 0.25;
+
+/// G_i in all, the bytes the donor would lend now counting the pages it
+/// holds (`offer_bytes` in its status; `free_bytes` is this less what it
+/// holds): its budget, but never more than its node can spare (MemAvailable
+/// plus its own pages, less the reserve), and less as the node's owner
+/// returns: from MemAvailable at twice the reserve down to nothing at the
+/// reserve (where draining starts), and from load per CPU at shed-load
+/// down to [`BUSY_GIVE`] of it at busy-load. An offer below what it holds
+/// asks for pages back: clients place nothing new there and their
+/// rebalancers move the coldest pages off first (GMS's idle-to-active
+/// transition, gradually), so a later drain has less to move. Nothing
+/// while draining.
+pub fn offer_bytes(
+    policy: &Policy,
+    obs: &Observation,
+    state: DonorState,
+    budget: u64,
+    used: u64,
+) -> u64 {
+    if state == DonorState::Draining {
+        return 0;
+    }
+    let avail = obs.mem.available;
+    let spare = (avail + used).saturating_sub(policy.reserve);
+    let mem = if policy.reserve == 0 {
+        1.0
+    } else {
+        (avail.saturating_sub(policy.reserve) as f64 / policy.reserve as f64).min(1.0)
+    };
+    let per_cpu = obs.load1 / policy.ncpu.max(1) as f64;
+    let span = policy.busy_load - policy.shed_load;
+    let shed = if per_cpu <= policy.shed_load {
+        0.0
+    } else if span <= 0.0 || per_cpu >= policy.busy_load {
+        1.0
+    } else {
+        (per_cpu - policy.shed_load) / span
+    };
+    let load = 1.0 - shed * (1.0 - BUSY_GIVE);
+    (budget.min(spare) as f64 * mem * load) as u64
 }
 
 impl Policy {
@@ -195,10 +242,56 @@ mod tests {
     }
 
     #[test]
+    fn the_offer_shrinks_as_load_and_memory_use_rise() {
+        let p = Policy {
+            reserve: 100 * MIB,
+            busy_load: 0.5,
+            shed_load: 0.25,
+            ncpu: 2,
+        };
+        // Offer in MiB with `avail` MiB available, load `load1`, a budget
+        // of 400 MiB of which 100 MiB held.
+        let offer = |avail, load1| {
+            offer_bytes(
+                &p,
+                &obs(avail, load1),
+                DonorState::Idle,
+                400 * MIB,
+                100 * MIB,
+            ) / MIB
+        };
+        // Idle and roomy: the whole budget.
+        assert_eq!(offer(900, 0.2), 400);
+        // Memory use rises: at most what the node can spare (its pages
+        // included), less from MemAvailable at twice the reserve.
+        assert_eq!(offer(300, 0.2), 300);
+        assert_eq!(offer(150, 0.2), 75);
+        assert_eq!(offer(100, 0.2), 0);
+        // Load rises past shed-load (0.25 per CPU): less, down to a
+        // quarter at busy-load (0.5 per CPU) and above.
+        assert_eq!(offer(900, 0.5), 400);
+        assert_eq!(offer(900, 0.75), 250);
+        assert_eq!(offer(900, 1.0), 100);
+        assert_eq!(offer(900, 4.0), 100);
+        // Draining: nothing.
+        let draining = offer_bytes(&p, &obs(900, 0.0), DonorState::Draining, 400 * MIB, 0);
+        assert_eq!(draining, 0);
+        // shed-load at busy-load and no reserve: everything until busy.
+        let q = Policy {
+            shed_load: 0.5,
+            reserve: 0,
+            ..p
+        };
+        let all = offer_bytes(&q, &obs(50, 0.9), DonorState::Idle, 400 * MIB, 100 * MIB);
+        assert_eq!(all, 150 * MIB);
+    }
+
+    #[test]
     fn states_follow_memory_load_and_admin() {
         let p = Policy {
             reserve: 100 * MIB,
             busy_load: 0.5,
+            shed_load: 0.25,
             ncpu: 2,
         };
         let mut m = StateMachine::default();

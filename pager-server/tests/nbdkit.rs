@@ -6,7 +6,7 @@
 
 use std::io::Write;
 use std::net::{TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
@@ -29,21 +29,6 @@ fn free_port(ip: &str) -> u16 {
     netpager_test_support::free_ports(ip)[0]
 }
 
-fn write_meminfo(path: &Path, total: u64, available: u64) {
-    // Written aside and renamed so the donor never reads half a file.
-    let tmp = path.with_extension("new");
-    std::fs::write(
-        &tmp,
-        format!(
-            "MemTotal: {} kB\nMemFree: 0 kB\nMemAvailable: {} kB\n",
-            total / 1024,
-            available / 1024
-        ),
-    )
-    .unwrap();
-    std::fs::rename(&tmp, path).unwrap();
-}
-
 /// One nbdkit serving the plugin (the shared harness, which kills it by
 /// pid when dropped) with a fake meminfo this test rewrites.
 struct Donor {
@@ -59,7 +44,7 @@ impl Donor {
     fn start(extra: &[&str]) -> Donor {
         let dir = tempfile::tempdir().unwrap();
         let meminfo = dir.path().join("meminfo");
-        write_meminfo(&meminfo, 8 << 30, 4 << 30);
+        netpager_test_support::write_meminfo(&meminfo, 8 << 30, 4 << 30);
         let mut args: Vec<String> = vec![
             "--exit-with-parent".into(),
             plugin().display().to_string(),
@@ -263,7 +248,7 @@ assert h.pread(12288, 0) == b"\0" * 8192 + b"A" * 4096
 fn drains_under_memory_pressure_and_on_command_without_losing_pages() {
     let n = Donor::start(&[]);
     n.nbdsh_ok("d", "h.pwrite(b'K' * 4096, 0)");
-    write_meminfo(&n.meminfo, 8 << 30, 512 << 20);
+    netpager_test_support::write_meminfo(&n.meminfo, 8 << 30, 512 << 20);
     let s = n.wait_state(DonorState::Draining);
     assert_eq!(s.free_bytes, 0);
     assert_eq!(s.state_reason, "MemAvailable 512 MiB below reserve 1 GiB");
@@ -277,7 +262,7 @@ h.pwrite(b"L" * 4096, 0)
 assert h.pread(4096, 0) == b"L" * 4096
 "#;
     n.nbdsh_ok("d", refused);
-    write_meminfo(&n.meminfo, 8 << 30, 4 << 30);
+    netpager_test_support::write_meminfo(&n.meminfo, 8 << 30, 4 << 30);
     n.wait_state(DonorState::Idle);
     n.nbdsh_ok("d", "h.pwrite(b'N' * 4096, 4096)");
 

@@ -217,6 +217,7 @@ pub fn draw(
             d.extents_held.to_string(),
             format_size(d.used_bytes),
             format!("{:.3}", d.f),
+            format!("{:.0}/{:.0}%", d.share * 100.0, d.target_share * 100.0),
             format!("{:.0}%", d.utilisation * 100.0),
             format!("{:.0}", rate(dr, dt)),
             format!("{:.0}", rate(dw, dt)),
@@ -233,6 +234,7 @@ pub fn draw(
                 Constraint::Length(8),
                 Constraint::Length(10),
                 Constraint::Length(7),
+                Constraint::Length(12),
                 Constraint::Length(6),
                 Constraint::Length(8),
                 Constraint::Length(8),
@@ -241,16 +243,28 @@ pub fn draw(
         )
         .header(
             Row::new([
-                "donor", "state", "extents", "used", "f_i", "util", "reads/s", "writes/s", "errors",
+                "donor",
+                "state",
+                "extents",
+                "used",
+                "f_i",
+                "share/target",
+                "util",
+                "reads/s",
+                "writes/s",
+                "errors",
             ])
             .style(bold),
         )
         .block(Block::default().borders(Borders::ALL).title("Donors")),
         donors,
     );
-    let [rebuild, drain] = Layout::horizontal([Constraint::Percentage(50); 2]).areas::<2>(jobs);
+    let [rebuild, drain, rebalance] =
+        Layout::horizontal([Constraint::Ratio(1, 3); 3]).areas::<3>(jobs);
     f.render_widget(job_gauge("Rebuild", &t.rebuild), rebuild);
     f.render_widget(job_gauge("Drain", &t.drain), drain);
+    let moved = format!("Rebalance · {} moved", format_size(t.rebalance.moved_bytes));
+    f.render_widget(job_gauge(&moved, &t.rebalance.pass), rebalance);
 }
 
 /// The screen as text, for tests and `pagerctl top --batch`.
@@ -296,6 +310,8 @@ mod tests {
                 name: "d1".into(),
                 state: "idle".into(),
                 reads: 10,
+                share: 0.5,
+                target_share: 0.25,
                 ..Default::default()
             }],
             totals: Totals {
@@ -305,6 +321,10 @@ mod tests {
                     total: 4,
                     active: true,
                     stalled: None,
+                },
+                rebalance: pager_client::status::RebalanceReport {
+                    moved_bytes: 5 << 20,
+                    ..Default::default()
                 },
                 ..Default::default()
             },
@@ -341,6 +361,8 @@ mod tests {
             "d1",
             "Rebuild",
             "1/4",
+            "Rebalance · 5 MiB moved",
+            "50/25%",
         ] {
             assert!(text.contains(want), "{want:?} missing from\n{text}");
         }

@@ -48,6 +48,42 @@ pub fn pager_servers(n: usize) -> Option<Vec<Nbdkit>> {
         .collect()
 }
 
+/// One of [`pager_servers`]' donors whose every write waits `delay`
+/// (nbdkit's delay filter, `delay-write=`, e.g. `500ms`): a copy or a
+/// drain to it stays in flight that long.
+pub fn slow_pager_server(delay: &str) -> Option<Nbdkit> {
+    let so = pager_server_so()?;
+    let args = [
+        "--filter=delay",
+        &so.display().to_string(),
+        "mlock=false",
+        "size=16M",
+        "budget=64M",
+        "reserve=0",
+        "busy-load=1000",
+        "poll-ms=100",
+        &format!("delay-write={delay}"),
+    ]
+    .map(String::from);
+    Some(Nbdkit::start(&args, true))
+}
+
+/// Writes a MemTotal/MemAvailable file for a donor's `meminfo=`, aside
+/// and renamed into place, so the donor never reads half of it.
+pub fn write_meminfo(path: &Path, total: u64, available: u64) {
+    let tmp = path.with_extension("new");
+    std::fs::write(
+        &tmp,
+        format!(
+            "MemTotal: {} kB\nMemFree: 0 kB\nMemAvailable: {} kB\n",
+            total / 1024,
+            available / 1024
+        ),
+    )
+    .expect("write the meminfo file");
+    std::fs::rename(&tmp, path).expect("rename the meminfo file into place");
+}
+
 /// The pager-server plugin for tests of other crates: `$NETPAGER_TARGET_DIR`,
 /// then the usual target directories. Tests that need it say so on stderr
 /// and return when it is missing, unless `NETPAGER_REQUIRE_SERVER=1` (every

@@ -30,7 +30,9 @@
 
 Knobs (environment): ROUNDS (2), LIMIT (128M), JOIN_BS ("0 0.9 1"),
 JOIN_EPOCH (1 s, the join run's epoch), JOIN_DISCARD (1: swapon --discard;
-0: without, so an extent stays where it was first placed), EPOCH_DONORS ("8 32 64"),
+0: without, so an extent stays placed after the job and only the rebalancer
+moves it: the share is then looked for up to JOIN_SETTLE seconds after the
+job too), EPOCH_DONORS ("8 32 64"),
 EPOCH_SECS (0.5), EPOCH_RUNTIME (20 s).
 """
 
@@ -58,6 +60,8 @@ PROG = "bench-client"
 SAMPLE_S = 0.2
 # The newcomer holds its share once it holds this fraction of it.
 SHARE_TOLERANCE = 0.9
+# Without discard: how long after the job the newcomer's share is waited for.
+JOIN_SETTLE = 120
 
 
 def fmt_row(widths: list[int], cells) -> str:
@@ -146,6 +150,8 @@ def join_run(b, tag: str, bval: float | None, join_at: float | None) -> dict:
         if bval is not None:
             extra += ["--b", str(bval)]
         dev = client.attach(donors[:2], mode="none", size=f"{device >> 20}M", extra=extra)
+        capacity = {d.name: parse_size(str(d.params["budget"])) for d in donors}
+        share = capacity[donors[2].name] / sum(capacity.values())
         # With discard the kernel trims each swap cluster it frees, the device
         # frees the extents under it, and reuse places them anew: a stream of
         # placements, as GMS's putpages are. Without, an extent stays on the
@@ -176,15 +182,22 @@ def join_run(b, tag: str, bval: float | None, join_at: float | None) -> dict:
         out = j.finish(0)
         if "memhog: OK" not in out:
             die(PROG, f"memhog {tag} did not verify: {out}")
+        if joined is not None and not b.join_discard:
+            # Without discard the extents outlive the job and the
+            # rebalancer goes on moving them: the newcomer's share is
+            # looked for after the job too, for up to JOIN_SETTLE seconds.
+            deadline = time.monotonic() + JOIN_SETTLE
+            while (time.monotonic() < deadline
+                   and share_reached(sampler.samples, donors[2].name, share, joined) is None):
+                time.sleep(SAMPLE_S)
         time.sleep(1.2)  # one more status.json, after the job
         sampler.stop_event.set()
         sampler.join()
         sampler.sample()
         td.close_or_raise()
-    capacity = {d.name: parse_size(str(d.params["budget"])) for d in donors}
-    share = capacity[donors[2].name] / sum(capacity.values())
-    # Only while the job runs: its exit frees (and discards) its swap.
-    reached = (share_reached(sampler.samples, donors[2].name, share, joined, seconds)
+    # With discard only while the job runs: its exit frees its swap.
+    until = seconds if b.join_discard else math.inf
+    reached = (share_reached(sampler.samples, donors[2].name, share, joined, until)
                if joined is not None else None)
     last = sampler.samples[-1] if sampler.samples else {"extents": {}, "fallback": 0}
     total = sum(last["extents"].values())
@@ -296,7 +309,8 @@ def bench_join(b, out: Path) -> None:
                                   cells(rs, lambda r: f"{r['seconds']:.1f}"),
                                   cells(rs, lambda r: f"{r['final_share']:.2f}"),
                                   cells(rs, lambda r: str(r["final_fallback"]))]))
-    b.report.line("(-: the newcomer never held its share before the job ended; OOM: the job was OOM-killed)")
+    by = "the job ended" if b.join_discard else f"{JOIN_SETTLE} s after the job"
+    b.report.line(f"(-: the newcomer never held its share before {by}; OOM: the job was OOM-killed)")
     out.mkdir(parents=True, exist_ok=True)
     last = {f"b = {x}": next((r for r in reversed(runs[str(x)]) if not r.get("oom_killed")), None) for x in bs}
     plot_join({label: r for label, r in last.items() if r}, out / "join.png",

@@ -378,6 +378,11 @@ pub struct DeviceConfig {
     /// within it loses nothing. 0: no waiting.
     #[serde(default = "default_grace_ms")]
     pub grace_ms: u64,
+    /// Bytes a second the rebalancer may move so each donor's share of
+    /// the device follows its selection frequency (memory follows
+    /// idleness, DESIGN.md §2.3a); 0 turns it off.
+    #[serde(default = "default_rebalance_rate")]
+    pub rebalance_rate: ByteSize,
     /// The donors that join at attach; the set then changes at run time
     /// (donor-add, donor-remove, the donors file), kept in the map's journal.
     pub donors: Vec<DonorConfig>,
@@ -459,6 +464,12 @@ fn default_forget_after_ms() -> u64 {
 fn default_grace_ms() -> u64 {
     30_000
 }
+/// A few MiB/s: a 1 MiB member every quarter second, small against a
+/// loopback donor's GiB/s and a 1 Gbit/s link's 119 MiB/s.
+pub const DEFAULT_REBALANCE_RATE: u64 = 4 << 20;
+fn default_rebalance_rate() -> ByteSize {
+    ByteSize(DEFAULT_REBALANCE_RATE)
+}
 fn default_request_ms() -> u64 {
     defaults::REQUEST_TIMEOUT_MS
 }
@@ -519,6 +530,7 @@ impl DeviceConfig {
             dns_server: None,
             forget_after_ms: default_forget_after_ms(),
             grace_ms: default_grace_ms(),
+            rebalance_rate: default_rebalance_rate(),
             donors: Vec::new(),
         }
     }

@@ -50,6 +50,7 @@ impl Inner {
             return;
         }
         let (t0, at) = (Instant::now(), super::membership::unix_now_ms());
+        self.rebalancer.next_epoch();
         self.follow_donors_file();
         self.follow_discovery();
         self.poll_status();
@@ -229,53 +230,101 @@ impl Inner {
     fn update_frequencies(&self, window: Duration) {
         let mut service = Vec::new();
         // Indexed by table entry: donors that left the set weigh nothing.
-        let views: Vec<DonorView> = self
+        // Each donor twice: for placement, and for the rebalancer's targets
+        // (rebalance.rs), where G_i is what the donor would lend this
+        // device in all (its offer less what others hold there, so what
+        // this device holds counts) and a full donor still counts: its
+        // share of the device, not whether it takes a new extent now.
+        // Moving a member leaves those G_i as they were, so targets hold
+        // still while members move.
+        let (views, shares): (Vec<DonorView>, Vec<DonorView>) = self
             .members
             .all()
             .map(|d| {
                 let eligible = self.ineligible_reason(d.idx).is_none();
+                let holds = self.holds_share(d);
                 let r = d.remote();
                 match (&d.cfg.status, &r.status, &r.error) {
-                    (None, _, _) => DonorView {
-                        give_pages: UNKNOWN_GIVE_PAGES,
-                        age_x_ms: policy::FREE_PAGE_AGE_MS,
-                        busy: false,
-                        u_star: 1.0,
-                        u_unused: 0.0,
-                        eligible,
-                    },
+                    (None, _, _) => {
+                        let v = DonorView {
+                            give_pages: UNKNOWN_GIVE_PAGES,
+                            age_x_ms: policy::FREE_PAGE_AGE_MS,
+                            busy: false,
+                            u_star: 1.0,
+                            u_unused: 0.0,
+                            eligible,
+                        };
+                        (
+                            v,
+                            DonorView {
+                                eligible: holds,
+                                ..v
+                            },
+                        )
+                    }
                     (Some(_), Some(s), None) => {
                         if s.mean_service_us > 0.0 {
                             service.push(s.mean_service_us);
                         }
                         let page = if s.page_size > 0 { s.page_size } else { 4096 };
                         let give = offered_bytes(s) / page;
+                        let store = self.cfg.store_name(&d.cfg);
+                        let ours = s
+                            .exports
+                            .iter()
+                            .find(|x| x.name == store)
+                            .map_or(0, |x| x.used_bytes);
+                        // What it lends in all less what others hold there
+                        // (below what we hold when it wants pages back), at
+                        // the compression ratio it offers; an older donor
+                        // without offer_bytes: what it offers and ours.
+                        let ratio = s.offered_ratio.clamp(1.0, MAX_OFFERED_RATIO as f64);
+                        let lends = match s.offer_bytes {
+                            Some(offer) => {
+                                let others = s.used_bytes - ours.min(s.used_bytes);
+                                (offer.saturating_sub(others) as f64 * ratio) as u64
+                            }
+                            None => offered_bytes(s) + (ours as f64 * ratio) as u64,
+                        } / page;
                         let x = self.cfg.policy.age_x.unwrap_or(s.age_x).max(1);
-                        DonorView {
-                            give_pages: give,
-                            age_x_ms: if give >= x {
+                        let age = |give: u64| {
+                            if give >= x {
                                 policy::FREE_PAGE_AGE_MS
                             } else {
                                 s.age_x_ms
-                            },
+                            }
+                        };
+                        let v = DonorView {
+                            give_pages: give,
+                            age_x_ms: age(give),
                             busy: s.state() == DonorState::Busy,
                             u_star: s.u_star.clamp(0.0, 1.0),
                             u_unused: s.u_unused.clamp(0.0, 1.0),
                             eligible,
-                        }
+                        };
+                        let with_ours = DonorView {
+                            give_pages: lends,
+                            age_x_ms: age(lends),
+                            eligible: holds,
+                            ..v
+                        };
+                        (v, with_ours)
                     }
                     // Its status is unknown or stale: place nothing new there.
-                    _ => DonorView {
-                        give_pages: 0,
-                        age_x_ms: 0,
-                        busy: true,
-                        u_star: 0.0,
-                        u_unused: 0.0,
-                        eligible: false,
-                    },
+                    _ => {
+                        let v = DonorView {
+                            give_pages: 0,
+                            age_x_ms: 0,
+                            busy: true,
+                            u_star: 0.0,
+                            u_unused: 0.0,
+                            eligible: false,
+                        };
+                        (v, v)
+                    }
                 }
             })
-            .collect();
+            .unzip();
         let s_us = self.cfg.policy.service_time_us.unwrap_or_else(|| {
             if service.is_empty() {
                 DEFAULT_SERVICE_US
@@ -319,12 +368,15 @@ impl Inner {
                 params.n_clients
             )
         });
+        // Bounds as for placement; without a valid rule, no targets.
+        let targets = policy::frequencies(&shares, &params).unwrap_or_default();
         let mut pl = self.placement.lock_or_recover();
         if throttle.is_some() && pl.throttle.is_none() {
             tracing::warn!("{}", throttle.as_deref().unwrap_or_default());
         }
         pl.throttle = throttle;
         pl.freqs = freqs;
+        pl.targets = targets;
     }
 }
 

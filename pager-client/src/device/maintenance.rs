@@ -33,12 +33,18 @@ pub(crate) enum MoveWhy {
     Full,
     /// It is on the local fallback and a donor has room: copy it there.
     OffFallback,
+    /// Its donor holds more than its share: copy it to one below its share
+    /// (rebalance.rs).
+    Rebalance,
 }
 
 impl MoveWhy {
     /// The member being moved holds the data itself (read it first).
     pub(crate) fn reads_itself_first(self) -> bool {
-        matches!(self, MoveWhy::Drain | MoveWhy::OffFallback)
+        matches!(
+            self,
+            MoveWhy::Drain | MoveWhy::OffFallback | MoveWhy::Rebalance
+        )
     }
 
     fn job(self) -> Job {
@@ -46,6 +52,7 @@ impl MoveWhy {
             MoveWhy::Rebuild | MoveWhy::Full => Job::Rebuild,
             MoveWhy::Drain => Job::Drain,
             MoveWhy::OffFallback => Job::OffFallback,
+            MoveWhy::Rebalance => Job::Rebalance,
         }
     }
 }
@@ -82,6 +89,22 @@ impl Inner {
         j: usize,
         why: MoveWhy,
     ) -> Result<()> {
+        self.move_member_to(u, g, j, why, None)
+    }
+
+    /// [`Self::move_member`] to donor entry `to` if given, else to one the
+    /// selector picks. A member that still holds its data (drain, off the
+    /// fallback, rebalance) is journaled as moving from its old place,
+    /// which is given back only after the switch: a restart in between
+    /// finds it there (`ExtentMap::commit_move`).
+    pub(crate) fn move_member_to(
+        &self,
+        u: u64,
+        g: &mut Option<Unit>,
+        j: usize,
+        why: MoveWhy,
+        to: Option<usize>,
+    ) -> Result<()> {
         let ext = self.layout.extent as usize;
         let unit = g.as_ref().expect("a placed unit").clone();
         let old = unit.members[j];
@@ -107,16 +130,25 @@ impl Inner {
         } else {
             Spill::Allowed
         };
-        let (dest, _) = self
-            .allocate_where(1, &exclude, first_extent, spill)?
-            .remove(0);
+        let dest = match to {
+            Some(i) => self.allocate_on(i, &exclude, first_extent)?,
+            None => {
+                self.allocate_where(1, &exclude, first_extent, spill)?
+                    .remove(0)
+                    .0
+            }
+        };
         let mut next = unit.clone();
         next.members[j] = Member {
             loc: dest,
             state: CopyState::Rebuilding,
         };
         *g = Some(next.clone());
-        self.map.commit(u, g)?;
+        if why.reads_itself_first() && old.state == CopyState::Ok {
+            self.map.commit_move(u, g, j, old.loc)?;
+        } else {
+            self.map.commit(u, g)?;
+        }
         if let Err(f) = self.exec1(dest, 0, Op::Write(content)) {
             self.map.free(dest);
             next.members[j] = old;
@@ -377,6 +409,7 @@ impl Inner {
             self.rebuild_pass();
             self.drain_pass();
             self.off_fallback_pass();
+            self.rebalance_pass();
             self.settle_membership();
             self.maintain_backend();
             self.write_status();

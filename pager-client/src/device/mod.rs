@@ -32,6 +32,7 @@ mod maintenance;
 mod membership;
 mod placement;
 mod prefetch;
+mod rebalance;
 mod replica;
 mod report;
 pub mod session;
@@ -223,6 +224,8 @@ pub(crate) struct Inner {
     /// The last status found lost extents: writes then recover the units
     /// they touch first (`lost.rs`); one relaxed load otherwise.
     pub(crate) lost_seen: AtomicBool,
+    /// Units' recency and the moves that make shares follow f_i.
+    pub(crate) rebalancer: rebalance::Rebalancer,
 }
 
 /// How long an open waits for the previous serving process of the same
@@ -298,6 +301,7 @@ impl Device {
             intent_sweep: Mutex::new(Instant::now()),
             status_write: Mutex::new(()),
             lost_seen: AtomicBool::new(false),
+            rebalancer: rebalance::Rebalancer::new(&layout),
         });
         inner.join_initial_donors()?;
         inner.forget_unconfigured_donors()?;
@@ -593,6 +597,7 @@ impl Inner {
         self.check_fenced()?;
         self.check_range(offset, buf.len() as u64)?;
         self.requests.fetch_add(1, Ordering::Relaxed);
+        self.touch(offset, buf.len() as u64);
         // Before the prefetch cache too: it may hold an unfound page's zeros.
         if self.map.any_unfound() {
             self.check_found(offset, buf.len() as u64)?;
@@ -610,6 +615,7 @@ impl Inner {
         self.check_fenced()?;
         self.check_range(offset, p.len())?;
         self.requests.fetch_add(1, Ordering::Relaxed);
+        self.touch(offset, p.len());
         let writes = matches!(p, Payload::Data(_) | Payload::Zero(_));
         if writes {
             self.replace_lost_for_write(offset, p.len())?;

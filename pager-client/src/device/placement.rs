@@ -41,6 +41,9 @@ pub(crate) struct Placement {
     selector: Selector,
     /// This epoch's frequencies, indexed like the configured donors.
     pub freqs: Frequencies,
+    /// The same rule with what this device holds on each donor counted as
+    /// its to give: the shares the rebalancer moves toward (epoch.rs).
+    pub targets: Frequencies,
     /// Why the last placement could not use donors only, if it could not.
     pub note: Option<String>,
     note_kind: &'static str,
@@ -53,6 +56,7 @@ impl Placement {
         Placement {
             selector: Selector::new(n),
             freqs: Frequencies::default(),
+            targets: Frequencies::default(),
             note: None,
             note_kind: "",
             throttle: None,
@@ -225,6 +229,37 @@ impl Inner {
             extent,
             reason: "donors kept running out of room while placing it".into(),
         })
+    }
+
+    /// A slot on donor entry `i` for something in `extent`, if it may take
+    /// one now (eligible, labelled, not in `exclude`): where the
+    /// rebalancer sends a member.
+    pub(crate) fn allocate_on(&self, i: usize, exclude: &[u16], extent: u64) -> Result<Loc> {
+        let _set = self.members.change();
+        let d = &self.members[i];
+        let why = if exclude.contains(&d.id) {
+            Some("holds another member of its unit")
+        } else if self.map.donor_label(d.id) == 0 {
+            Some("not labelled")
+        } else {
+            self.ineligible_reason(i)
+        };
+        if let Some(why) = why {
+            return Err(DeviceError::NoSpace {
+                extent,
+                reason: format!("donor {}: {why}", d.cfg.name),
+            });
+        }
+        match self.map.alloc(SlotOwner::Donor(d.id)) {
+            Some((loc, _)) => Ok(loc),
+            None => {
+                d.full.store(true, Ordering::Release);
+                Err(DeviceError::NoSpace {
+                    extent,
+                    reason: format!("donor {}: export full", d.cfg.name),
+                })
+            }
+        }
     }
 
     /// Up to `k` distinct eligible donors by the selector; fewer only when

@@ -186,7 +186,7 @@ impl Inner {
         let Moving { u, unit, j, why } = *mv;
         let mut order: Vec<usize> = (0..unit.members.len()).filter(|&k| k != j).collect();
         match why {
-            MoveWhy::Drain | MoveWhy::OffFallback => order.insert(0, j),
+            MoveWhy::Drain | MoveWhy::OffFallback | MoveWhy::Rebalance => order.insert(0, j),
             MoveWhy::Full => order.push(j),
             MoveWhy::Rebuild => {}
         }

@@ -25,6 +25,7 @@ pub(crate) struct Jobs {
     pub rebuild: Progress,
     pub drain: Progress,
     pub off_fallback: Progress,
+    pub rebalance: Progress,
     pub last_status: Option<Instant>,
     /// The latest epochs: when each started (ms since the Unix epoch) and
     /// how long it took (us), oldest first.
@@ -37,6 +38,7 @@ pub(crate) enum Job {
     Rebuild,
     Drain,
     OffFallback,
+    Rebalance,
 }
 
 impl Job {
@@ -45,6 +47,7 @@ impl Job {
             Job::Rebuild => "rebuild",
             Job::Drain => "drain",
             Job::OffFallback => "the move off the fallback",
+            Job::Rebalance => "the rebalancer",
         }
     }
 }
@@ -55,6 +58,7 @@ impl Jobs {
             Job::Rebuild => &mut self.rebuild,
             Job::Drain => &mut self.drain,
             Job::OffFallback => &mut self.off_fallback,
+            Job::Rebalance => &mut self.rebalance,
         }
     }
 }
@@ -171,7 +175,13 @@ impl Inner {
             t.rebuild = j.rebuild.clone();
             t.drain = j.drain.clone();
             t.off_fallback = j.off_fallback.clone();
+            t.rebalance.pass = j.rebalance.clone();
         }
+        let moved = self.rebalancer.moved();
+        t.rebalance.rate_bytes = self.cfg.rebalance_rate.0;
+        t.rebalance.moved_bytes = moved.bytes;
+        t.rebalance.moves = moved.members;
+        t.rebalance.paused = moved.paused;
         let pl = self.placement.lock_or_recover();
         t.all_capped = pl.freqs.all_capped;
         t.throttled = pl.throttle.is_some();
@@ -257,6 +267,8 @@ impl Inner {
                     joined: d.joined,
                     joined_unix: d.joined_unix,
                     leaving: d.is_leaving(),
+                    share: moved.shares.get(d.idx).map_or(0.0, |s| s.0),
+                    target_share: moved.shares.get(d.idx).map_or(0.0, |s| s.1),
                 }
             })
             .collect();

@@ -167,6 +167,9 @@ struct Persist {
     mirror: Vec<Option<Unit>>,
     /// Parity members each donor (by map id) holds, kept with `mirror`.
     parity_held: Vec<u64>,
+    /// Units with a member being moved (`commit_move`): the member and
+    /// where its data still is, until the unit's next commit.
+    moving: std::collections::BTreeMap<u32, (u8, Loc)>,
     donors: Vec<DonorEntry>,
     /// Records being appended, kept so the parity log's journal records
     /// (one per small write) are encoded without allocating.
@@ -220,10 +223,44 @@ impl ExtentMap {
     /// Journals unit `u`'s new placement. Call with `u`'s write lock held,
     /// after the data is where the placement says.
     pub fn commit(&self, u: u64, unit: &Option<Unit>) -> Result<(), MapError> {
-        let rec = encode(&Record::Unit {
+        self.commit_records(u, unit, None)
+    }
+
+    /// Journals unit `u`'s placement with its member `j` on a new
+    /// location (`Rebuilding`) that is being filled from `from`, which
+    /// holds the member's data until the unit's next commit (the switch,
+    /// or the way back): a restart before that puts the member back on
+    /// `from` (open.rs), so a move cut short loses nothing.
+    pub fn commit_move(
+        &self,
+        u: u64,
+        unit: &Option<Unit>,
+        j: usize,
+        from: Loc,
+    ) -> Result<(), MapError> {
+        self.commit_records(u, unit, Some((j as u8, from)))
+    }
+
+    fn commit_records(
+        &self,
+        u: u64,
+        unit: &Option<Unit>,
+        moving: Option<(u8, Loc)>,
+    ) -> Result<(), MapError> {
+        let mut rec = encode(&Record::Unit {
             index: u as u32,
             unit: unit.clone(),
         });
+        if let Some((member, from)) = moving {
+            encode_into(
+                &Record::Moving {
+                    index: u as u32,
+                    member,
+                    from,
+                },
+                &mut rec,
+            );
+        }
         let mut p = self.persist.lock_or_recover();
         let path = self.dir.join(JOURNAL_FILE);
         p.journal.write_all(&rec).map_err(io_err(&path))?;
@@ -238,6 +275,10 @@ impl ExtentMap {
         );
         count_parity(&self.layout, u, unit.as_ref(), &mut p.parity_held, true);
         p.mirror[u as usize] = unit.clone();
+        match moving {
+            Some(m) => p.moving.insert(u as u32, m),
+            None => p.moving.remove(&(u as u32)),
+        };
         Ok(())
     }
 
@@ -315,6 +356,13 @@ impl ExtentMap {
                 unit: u.clone(),
             }));
             n += 1;
+        }
+        for (&index, &(member, from)) in &p.moving {
+            data.extend(encode(&Record::Moving {
+                index,
+                member,
+                from,
+            }));
         }
         for (g, i) in self.intents.iter().enumerate() {
             if i.load(Ordering::Relaxed) & INTENT_OPEN != 0 {
@@ -554,6 +602,7 @@ impl ExtentMap {
                 *u = None;
             }
             p.parity_held.clear();
+            p.moving.clear();
             for d in &mut p.donors {
                 d.label = 0;
             }

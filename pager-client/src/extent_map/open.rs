@@ -1,5 +1,6 @@
 //! Opening the map: replaying the snapshot and the journal's valid prefix.
 
+use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::path::Path;
@@ -22,6 +23,8 @@ struct Replay {
     donors: Vec<DonorEntry>,
     log: Option<PageTable>,
     unfound: PageRanges,
+    /// Moves not finished: unit -> (member, where its data is).
+    moving: BTreeMap<u32, (u8, Loc)>,
 }
 
 impl Replay {
@@ -60,6 +63,7 @@ impl Replay {
                 }
                 let freed_log_unit = unit.is_none() && index as u64 >= layout.home_units();
                 *slot = unit;
+                self.moving.remove(&index);
                 if let (true, Some(t)) = (freed_log_unit, self.log.as_mut()) {
                     t.clear_unit(index as u64 - layout.home_units());
                 }
@@ -115,6 +119,27 @@ impl Replay {
                     )
                 })?;
                 *slot = open;
+                Ok(())
+            }
+            Record::Moving {
+                index,
+                member,
+                from,
+            } => {
+                let placed = self.units.get(index as usize).and_then(|u| u.as_ref());
+                if placed.is_none_or(|u| member as usize >= u.members.len()) {
+                    return Err(format!(
+                        "a move of member {member} of unit {index}, which has no such member"
+                    ));
+                }
+                if let Loc::Donor { donor, .. } = from {
+                    if donor as usize >= self.donors.len() {
+                        return Err(format!(
+                            "a move of unit {index} from unknown donor id {donor}"
+                        ));
+                    }
+                }
+                self.moving.insert(index, (member, from));
                 Ok(())
             }
             Record::Unfound { first, count, lost } => {
@@ -182,6 +207,7 @@ impl ExtentMap {
             donors: Vec::new(),
             log: layout.log_geometry().and_then(|g| PageTable::new(g, pages)),
             unfound: PageRanges::default(),
+            moving: BTreeMap::new(),
         };
 
         let mut generation = 0u64;
@@ -319,6 +345,25 @@ impl ExtentMap {
             .map_err(io_err(&jpath))?;
         let journal_bytes = journal.metadata().map_err(io_err(&jpath))?.len();
 
+        // A copy being moved when we stopped is where it came from: that
+        // place kept the data until the switch was journaled.
+        for (&index, &(j, from)) in &st.moving {
+            let Some(m) = st.units[index as usize]
+                .as_mut()
+                .and_then(|u| u.members.get_mut(j as usize))
+                .filter(|m| m.state == CopyState::Rebuilding)
+            else {
+                continue;
+            };
+            tracing::info!(
+                "extent map: unit {index}'s member {j} was moving from {from:?} to {:?}; it stays where it was",
+                m.loc
+            );
+            *m = super::Member {
+                loc: from,
+                state: CopyState::Ok,
+            };
+        }
         // A copy that was being rebuilt when we stopped is incomplete.
         for u in st.units.iter_mut().flatten() {
             for m in &mut u.members {
@@ -367,6 +412,8 @@ impl ExtentMap {
                     held
                 },
                 mirror: st.units,
+                // Settled above: the next commit of each unit says the same.
+                moving: BTreeMap::new(),
                 donors: st.donors,
                 scratch: Vec::with_capacity(JOURNAL_SCRATCH),
             }),

@@ -78,6 +78,25 @@ pub(super) enum Record {
         count: u64,
         lost: bool,
     },
+    /// Member `member` of unit `index`, journaled `Rebuilding` on its new
+    /// location just before, is a copy being moved from `from`, which
+    /// still holds its data until the unit's next record: a restart in
+    /// between puts it back there (`ExtentMap::commit_move`).
+    Moving {
+        index: u32,
+        member: u8,
+        from: Loc,
+    },
+}
+
+fn loc_into(p: &mut Vec<u8>, loc: Loc) {
+    let (kind, donor, slot) = match loc {
+        Loc::Donor { donor, slot } => (0u8, donor, slot),
+        Loc::Fallback { slot } => (1u8, 0, slot),
+    };
+    p.push(kind);
+    p.extend_from_slice(&donor.to_le_bytes());
+    p.extend_from_slice(&slot.to_le_bytes());
 }
 
 /// Appends one framed record to `out`: length, CRC, then the payload that
@@ -158,13 +177,7 @@ fn encode_payload(r: &Record, p: &mut Vec<u8>) {
             let members = unit.as_ref().map(|u| u.members.as_slice()).unwrap_or(&[]);
             p.push(members.len() as u8);
             for m in members {
-                let (kind, donor, slot) = match m.loc {
-                    Loc::Donor { donor, slot } => (0u8, donor, slot),
-                    Loc::Fallback { slot } => (1u8, 0, slot),
-                };
-                p.push(kind);
-                p.extend_from_slice(&donor.to_le_bytes());
-                p.extend_from_slice(&slot.to_le_bytes());
+                loc_into(p, m.loc);
                 p.push(match m.state {
                     CopyState::Ok => 0,
                     CopyState::Lost => 1,
@@ -194,6 +207,16 @@ fn encode_payload(r: &Record, p: &mut Vec<u8>) {
             p.extend_from_slice(&first.to_le_bytes());
             p.extend_from_slice(&count.to_le_bytes());
             p.push(u8::from(*lost));
+        }
+        Record::Moving {
+            index,
+            member,
+            from,
+        } => {
+            p.push(9);
+            p.extend_from_slice(&index.to_le_bytes());
+            p.push(*member);
+            loc_into(p, *from);
         }
     }
 }
@@ -231,6 +254,16 @@ impl Cursor<'_> {
         Ok(u128::from_le_bytes(
             self.take(16)?.try_into().expect("16 bytes"),
         ))
+    }
+    fn loc(&mut self) -> Result<Loc, String> {
+        let kind = self.u8()?;
+        let donor = self.u16()?;
+        let slot = self.u32()?;
+        match kind {
+            0 => Ok(Loc::Donor { donor, slot }),
+            1 => Ok(Loc::Fallback { slot }),
+            k => Err(format!("unknown location kind {k}")),
+        }
     }
 }
 
@@ -302,14 +335,7 @@ fn decode(payload: &[u8]) -> Result<Record, String> {
             let n = c.u8()? as usize;
             let mut members = Vec::with_capacity(n);
             for _ in 0..n {
-                let kind = c.u8()?;
-                let donor = c.u16()?;
-                let slot = c.u32()?;
-                let loc = match kind {
-                    0 => Loc::Donor { donor, slot },
-                    1 => Loc::Fallback { slot },
-                    k => return Err(format!("unknown location kind {k}")),
-                };
+                let loc = c.loc()?;
                 let state = match c.u8()? {
                     0 => CopyState::Ok,
                     1 => CopyState::Lost,
@@ -351,6 +377,11 @@ fn decode(payload: &[u8]) -> Result<Record, String> {
                 1 => true,
                 b => return Err(format!("unfound flag {b} is neither 0 nor 1")),
             },
+        },
+        9 => Record::Moving {
+            index: c.u32()?,
+            member: c.u8()?,
+            from: c.loc()?,
         },
         t => return Err(format!("unknown record type {t}")),
     };
@@ -408,6 +439,19 @@ mod tests {
                 first: 1 << 40,
                 count: 256,
                 lost,
+            };
+            let (recs, _, err) = parse_records(&encode(&r));
+            assert_eq!((recs, err), (vec![r], None));
+        }
+    }
+
+    #[test]
+    fn moving_records_round_trip() {
+        for from in [Loc::Donor { donor: 7, slot: 9 }, Loc::Fallback { slot: 3 }] {
+            let r = Record::Moving {
+                index: 12,
+                member: 2,
+                from,
             };
             let (recs, _, err) = parse_records(&encode(&r));
             assert_eq!((recs, err), (vec![r], None));

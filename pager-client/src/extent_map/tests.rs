@@ -227,6 +227,64 @@ fn rebuilding_copies_come_back_lost_and_free() {
     assert_eq!(m.slot_usage(SlotOwner::Donor(1)).0, 0);
 }
 
+/// A move cut short by a restart: the member is back where it came from
+/// (which kept its data), its new slot free; a finished move stays; the
+/// same after a compaction taken mid-move.
+#[test]
+fn a_move_cut_short_rolls_back_and_a_finished_one_stays() {
+    let (dir, m) = mirror_map();
+    let c = m.donor_id("c").unwrap();
+    m.commit(0, &unit(0, 1, 1, 1)).unwrap();
+    m.commit(1, &unit(0, 2, 1, 2)).unwrap();
+    let moving = |u: &Option<Unit>, slot| {
+        let mut u = u.clone().unwrap();
+        u.members[0] = Member {
+            loc: Loc::Donor { donor: c, slot },
+            state: CopyState::Rebuilding,
+        };
+        Some(u)
+    };
+    // Unit 0's member 0 moves to c and the switch is journaled; unit 1's
+    // is still being copied when the process dies.
+    m.commit_move(
+        0,
+        &moving(&unit(0, 1, 1, 1), 1),
+        0,
+        Loc::Donor { donor: 0, slot: 1 },
+    )
+    .unwrap();
+    let mut done = moving(&unit(0, 1, 1, 1), 1);
+    done.as_mut().unwrap().members[0].state = CopyState::Ok;
+    m.commit(0, &done).unwrap();
+    m.commit_move(
+        1,
+        &moving(&unit(0, 2, 1, 2), 2),
+        0,
+        Loc::Donor { donor: 0, slot: 2 },
+    )
+    .unwrap();
+    drop(m);
+    let m = reopen(&dir);
+    assert_eq!(get(&m, 0), done);
+    assert_eq!(get(&m, 1), unit(0, 2, 1, 2));
+    assert_eq!(m.slot_usage(SlotOwner::Donor(c)).0, 1);
+    assert_eq!(m.slot_usage(SlotOwner::Donor(0)).0, 1);
+
+    // Mid-move again, compacted: the snapshot carries the move.
+    m.commit_move(
+        1,
+        &moving(&unit(0, 2, 1, 2), 3),
+        0,
+        Loc::Donor { donor: 0, slot: 2 },
+    )
+    .unwrap();
+    m.compact(None).unwrap();
+    drop(m);
+    let m = reopen(&dir);
+    assert_eq!(get(&m, 1), unit(0, 2, 1, 2));
+    assert_eq!(m.slot_usage(SlotOwner::Donor(c)).0, 1);
+}
+
 #[test]
 fn layout_change_is_refused_naming_the_field() {
     let dir = tempfile::tempdir().unwrap();

@@ -20,8 +20,10 @@
 
 //!
 //! [`Selector`] (in `selector.rs`) is the runtime half: it turns the
-//! frequencies into picks.
+//! frequencies into picks. [`rebalance`] moves members already placed so
+//! that each donor's share follows its f_i.
 
+pub mod rebalance;
 mod selector;
 #[cfg(test)]
 mod tests;

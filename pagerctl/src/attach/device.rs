@@ -77,6 +77,8 @@ pub struct DeviceOptions {
     /// How long a dead donor stays in the set (0: for ever).
     pub forget_after: Option<Duration>,
     pub grace: Option<Duration>,
+    /// Bytes a second the rebalancer may move (0: off).
+    pub rebalance_rate: Option<u64>,
     /// Add donors announced on the lab's network (verified with `psk`).
     pub discover: bool,
     /// With `discover`: use announced donors without a key, anywhere.
@@ -192,6 +194,9 @@ pub fn apply_options(
     }
     if let Some(t) = o.grace {
         c.grace_ms = t.as_millis() as u64;
+    }
+    if let Some(r) = o.rebalance_rate {
+        c.rebalance_rate = ByteSize(r);
     }
     if o.discover || !o.discover_domain.is_empty() {
         c.discover = o.discover;

@@ -93,6 +93,11 @@ pub struct Args {
     /// 0 fails it at its first timeout. Default 30.
     #[arg(long, value_parser = parse_secs_or_zero, value_name = "SECS")]
     grace: Option<Duration>,
+    /// Bytes a second the rebalancer may move so that each donor's share
+    /// of the device follows its selection frequency (memory follows
+    /// idleness); 0 turns it off. Default 4M.
+    #[arg(long, value_parser = netpager_util::parse_size, value_name = "SIZE")]
+    rebalance_rate: Option<u64>,
     /// Unit of placement (power of two, 4K..64M; default 1M, in modes parity
     /// and ec the largest that keeps a full stripe's data within 1M).
     #[arg(long, value_parser = netpager_util::parse_size, value_name = "SIZE")]
@@ -251,6 +256,7 @@ impl Args {
                 .expect("the working directory is readable"),
             forget_after: self.forget_after,
             grace: self.grace,
+            rebalance_rate: self.rebalance_rate,
             discover: self.discover,
             insecure: self.insecure,
             trust_network: self.trust_network.clone(),
