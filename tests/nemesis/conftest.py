@@ -15,7 +15,7 @@ from netpager_testkit.paths import pagerctl, server_plugin
 
 @pytest.fixture
 def nemesis(memhog, tmp_path):
-    """`nemesis(text_or_setup, ops=None, seed=1, deadline=None)` runs a
+    """`nemesis(text_or_setup, ops=None, seed=1, op_seconds=None)` runs a
     schedule (its text 'SETUP | OP; ...', or a setup and its ops) and
     returns the RunResult; what it set up is undone before it returns."""
     if os.geteuid() != 0:
@@ -24,10 +24,10 @@ def nemesis(memhog, tmp_path):
         if not path.exists():
             skip_or_fail(f"not built: {path} missing (run `make build`)")
 
-    def run(schedule, ops=None, seed: int = 1, deadline=None):
+    def run(schedule, ops=None, seed: int = 1, op_seconds=None):
         setup, ops = parse_schedule(schedule) if ops is None else (schedule, ops)
         print(f"schedule: {schedule_text(setup, ops)}")
-        return run_schedule(setup, ops, seed, memhog, deadline=deadline, workdir=tmp_path / "world",
+        return run_schedule(setup, ops, seed, memhog, op_seconds=op_seconds, workdir=tmp_path / "world",
                             keep=tmp_path / "logs")
 
     return run

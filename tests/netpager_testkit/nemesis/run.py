@@ -72,10 +72,12 @@ def parse_schedule(text: str) -> tuple[Setup, list[Op]]:
 
 def run_schedule(setup: Setup, ops: list[Op], seed: int, memhog: Path, log=print,
                  deadline: float | None = None, workdir: Path | None = None,
-                 keep: Path | None = None) -> RunResult:
-    """Runs `ops` (stopping early at `deadline`, a time.monotonic()) and the
-    end checks; everything set up is undone before it returns. A run that
-    fails leaves its logs in `keep`, if given."""
+                 keep: Path | None = None, op_seconds: float | None = None) -> RunResult:
+    """Runs `ops` (stopping early at `deadline`, a time.monotonic(), or
+    `op_seconds` after the world is up, however long setting it up took;
+    the first op always runs) and the end checks; everything set up is
+    undone before it returns. A run that fails leaves its logs in `keep`,
+    if given."""
     res = RunResult(seed, setup, [])
     t0 = time.monotonic()
     base = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="netpager-nemesis-"))
@@ -89,7 +91,9 @@ def run_schedule(setup: Setup, ops: list[Op], seed: int, memhog: Path, log=print
         world.check(model)
         t_ops = time.monotonic()
         for i, op in enumerate(ops):
-            if deadline is not None and time.monotonic() > deadline:
+            now = time.monotonic()
+            if i > 0 and (deadline is not None and now > deadline
+                          or op_seconds is not None and now - t_ops > op_seconds):
                 break
             expect = model.apply(op)
             log(f"  [{i:3d}] {op.text()}")
