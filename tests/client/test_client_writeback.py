@@ -61,7 +61,7 @@ def test_a_stopped_donor_holds_the_drain_not_the_writer(teardown, donors, client
     it in the kernel.)"""
     (d,) = donors(1)
     dev = client.attach([d], mode="none", size="64M",
-                        extra=["--writeback-buffer", "256K", "--request-timeout", "120"])
+                        extra=["--writeback-buffer", "256K", "--writeback-ack-early", "--request-timeout", "120"])
     io = Direct(teardown, dev)
     io.write(pattern(1, 4), 0)  # places the extent while the donor runs
     io.read(4 * PAGE, 0)

@@ -175,6 +175,12 @@ pub struct Args {
     /// (pagerctl(1) PERFORMANCE).
     #[arg(long, default_value = super::serve::DEFAULT_WRITEBACK, value_name = "SIZE", value_parser = check_size)]
     writeback_buffer: String,
+    /// A block device's buffered writes acknowledged once buffered, as
+    /// swap's are, like a disk with a volatile write cache: a crash of the
+    /// serving process loses what was not flushed (default: acknowledged
+    /// once on the donors).
+    #[arg(long)]
+    writeback_ack_early: bool,
     /// Keep the device's FUSE connection (or kernel nbd device) in a
     /// holder process, so that the serving process can crash (it is
     /// restarted at once) or be replaced (pagerctl restart) while swap
@@ -473,7 +479,7 @@ pub fn run(a: Args) -> Result<()> {
             // serving process that is the device anyway; a held device
             // acknowledges late by itself (and its holder takes no such
             // option).
-            ack_late: !a.swap && !restartable,
+            ack_late: !a.swap && !restartable && !a.writeback_ack_early,
         },
         restartable,
         nbd_timeouts: (a.nbd_timeout, a.dead_conn_timeout),
