@@ -146,7 +146,8 @@ def join_run(b, tag: str, bval: float | None, join_at: float | None) -> dict:
         client = PagerClient(td, b.work / f"c-{tag}", client_id="bench")
         fallback = b.work / f"fallback-{tag}.img"
         td.add(f"fallback file {fallback}", lambda: fallback.unlink(missing_ok=True))
-        extra = ["--epoch", str(b.join_epoch), "--fallback", fallback, "--fallback-size", str(device)]
+        extra = ["--epoch", str(b.join_epoch), "--fallback", fallback, "--fallback-size", str(device),
+                 "--rebalance-rate", "4M"]
         if bval is not None:
             extra += ["--b", str(bval)]
         dev = client.attach(donors[:2], mode="none", size=f"{device >> 20}M", extra=extra)

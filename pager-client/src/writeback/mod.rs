@@ -83,8 +83,9 @@ pub enum WriteBackError {
 impl WriteBackError {
     pub fn errno(&self) -> i32 {
         match self {
-            WriteBackError::Sink(e) => e.errno,
-            WriteBackError::Drain(_) => libc::EIO,
+            // The drain's own errno: a write that waited for its drain
+            // (acknowledged late) learns ENOSPC as ENOSPC, not as EIO.
+            WriteBackError::Sink(e) | WriteBackError::Drain(e) => e.errno,
         }
     }
 }
