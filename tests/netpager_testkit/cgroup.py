@@ -1,6 +1,8 @@
 """Memory cgroups for jobs that must swap (cgroup v1 and v2).
 
-`run_job_in_cgroup(cmd, limit_bytes)` creates `netpager-test-XXXX` under the
+`run_job_in_cgroup(cmd, limit_bytes)` creates `netpager-test-PID-START-XXXX`
+(its owner's `machine.owner_tag()`: each new one first sweeps those whose
+owner was killed before its teardown could run) under the
 memory controller, limits its memory (swap stays unlimited unless asked),
 starts the job inside it (the wrapper shell writes its own pid into the
 cgroup before it execs the job, so not one page is charged elsewhere),
@@ -18,6 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import machine
 from .cleanup import Teardown
 from .procs import OwnedProcess, tail, wait_for
 
@@ -56,18 +59,67 @@ def _read_kv(path: Path) -> dict[str, int]:
     return out
 
 
+PREFIX = "netpager-test-"
+
+
+def sweep_leftovers(root: Path) -> None:
+    """Removes the cgroups of test processes that are gone (killed with
+    SIGKILL, or the machine's session ended under them), ending what still
+    runs in them: only this harness makes such names."""
+    for path in root.glob(f"{PREFIX}*-*-*"):
+        tag = path.name[len(PREFIX):].rsplit("-", 1)[0]
+        if path.is_dir() and machine.owner_gone(tag):
+            try:
+                _empty_and_remove(path, 10.0)
+            except (OSError, RuntimeError, TimeoutError):
+                pass  # its owner's teardown or the next sweep gets it
+
+
+def _pids(path: Path) -> list[int]:
+    try:
+        return [int(p) for p in (path / "cgroup.procs").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def _empty_and_remove(path: Path, timeout: float) -> None:
+    """Kills what is left in cgroup `path`, waits until it is empty, then
+    removes it."""
+    if not path.exists():
+        return
+    if (path / "cgroup.kill").exists() and _pids(path):
+        (path / "cgroup.kill").write_text("1")
+    for pid in _pids(path):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    wait_for(lambda: not _pids(path), timeout, f"{path} to be empty")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            path.rmdir()
+            return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rmdir {path}: {e}") from None
+            time.sleep(0.1)
+
+
 class MemoryCgroup:
-    """A memory cgroup named netpager-test-XXXX, removed on teardown."""
+    """A memory cgroup named netpager-test-PID-START-XXXX, removed on
+    teardown (and by the next run's sweep if its owner was killed first)."""
 
     def __init__(self, teardown: Teardown, limit_bytes: int, swap_limit_bytes: int | None = None,
-                 prefix: str = "netpager-test-"):
+                 prefix: str = PREFIX):
         self.version = cgroup_version()
         root = V1_ROOT if self.version == 1 else V2_ROOT
         if self.version == 2:
             subtree = (V2_ROOT / "cgroup.subtree_control").read_text().split()
             if "memory" not in subtree:
                 (V2_ROOT / "cgroup.subtree_control").write_text("+memory")
-        self.path = root / f"{prefix}{uuid.uuid4().hex[:8]}"
+        sweep_leftovers(root)
+        self.path = root / f"{prefix}{machine.owner_tag()}-{uuid.uuid4().hex[:8]}"
         self.path.mkdir()
         teardown.add(f"cgroup {self.path}", self.remove)
         self.limit_bytes = limit_bytes
@@ -88,10 +140,7 @@ class MemoryCgroup:
         return self.path / "cgroup.procs"
 
     def pids(self) -> list[int]:
-        try:
-            return [int(p) for p in self.procs_file.read_text().split()]
-        except FileNotFoundError:
-            return []
+        return _pids(self.path)
 
     def memory_bytes(self) -> int:
         name = "memory.usage_in_bytes" if self.version == 1 else "memory.current"
@@ -115,25 +164,7 @@ class MemoryCgroup:
         """Kills what is left in the cgroup (only our job and its children can
         be in it: we created it under a fresh name), waits until it is empty,
         then removes it."""
-        if not self.path.exists():
-            return
-        if self.version == 2 and (self.path / "cgroup.kill").exists() and self.pids():
-            (self.path / "cgroup.kill").write_text("1")
-        for pid in self.pids():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        wait_for(lambda: not self.pids(), timeout, f"{self.path} to be empty")
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                self.path.rmdir()
-                return
-            except OSError as e:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"rmdir {self.path}: {e}") from None
-                time.sleep(0.1)
+        _empty_and_remove(self.path, timeout)
 
 
 @dataclass

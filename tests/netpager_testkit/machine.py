@@ -22,6 +22,11 @@ Each is an flock on a file in /run/lock (the Rust harness, test-support's
 `machine.rs`, takes the same files), released by the kernel when the
 process exits, however it exits. Holders write who they are into the file,
 so a run that waits too long says whom it waited for.
+
+What the kernel does not release with the process (a memory cgroup) is
+named with its owner (`owner_tag()`: pid and start time), so that the next
+run can tell a leftover of a process killed with SIGKILL, whose teardown
+never ran, from another live run's, and sweep it (`owner_gone`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,28 @@ from contextlib import contextmanager
 from pathlib import Path
 
 LOCK_DIR = Path("/run/lock") if os.access("/run/lock", os.W_OK) else Path(tempfile.gettempdir())
+
+
+def _start_time(pid: int) -> str | None:
+    """A process's start time in clock ticks since boot (/proc/PID/stat's
+    22nd field), None when it is gone: with the pid, it names one process
+    even after the pid is reused."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()[19]
+
+
+def owner_tag() -> str:
+    """`PID-STARTTIME` of this process, for names of what outlives it."""
+    return f"{os.getpid()}-{_start_time(os.getpid())}"
+
+
+def owner_gone(tag: str) -> bool:
+    """Whether the process an `owner_tag` names has exited."""
+    pid, _, start = tag.partition("-")
+    return not pid.isdigit() or _start_time(int(pid)) != start
 
 
 def lock_path(name: str) -> Path:

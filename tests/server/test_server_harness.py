@@ -187,3 +187,40 @@ def test_missing_requirements_fail_under_ci(monkeypatch):
     monkeypatch.setenv("CI", "true")
     with pytest.raises(pytest.fail.Exception, match="CI=true"):
         skip_or_fail("needs root")
+
+
+KILLED_CHILD = """
+import sys, time
+from netpager_testkit import MemoryCgroup, OwnedProcess, Teardown
+td = Teardown("killed-child")
+cg = MemoryCgroup(td, 64 << 20)
+job = OwnedProcess(["sh", "-c", 'echo $$ > "$0" && exec sleep 600', cg.procs_file], sys.argv[1], td, "sleeper")
+while str(job.pid) not in cg.procs_file.read_text().split():
+    time.sleep(0.05)
+print(cg.path, job.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_cgroup_of_a_killed_test_is_swept_by_the_next(root, teardown, tmp_path):
+    """SIGKILL runs no teardown: the memory cgroup and its job stay. The next
+    cgroup the harness makes sweeps them (its owner, named in the cgroup's
+    name, is gone), and leaves a live owner's alone."""
+    from netpager_testkit.cgroup import MemoryCgroup, _empty_and_remove
+    env = dict(os.environ, PYTHONPATH=str(repo_root() / "tests"))
+    child = subprocess.Popen([sys.executable, "-c", KILLED_CHILD, str(tmp_path / "sleeper.log")],
+                             stdout=subprocess.PIPE, text=True, env=env)
+    teardown.add("killed child", lambda: (child.poll() is None and child.kill(), child.wait()))
+    line = child.stdout.readline()
+    assert line, "the child died before making its cgroup"
+    path, job = Path(line.split()[0]), int(line.split()[1])
+    teardown.add(f"cgroup {path}", lambda: _empty_and_remove(path, 30))
+    mine = MemoryCgroup(teardown, 64 << 20)
+    assert path.exists(), "a live owner's cgroup was swept"
+    child.kill()
+    child.wait()
+    assert path.exists() and job in [int(p) for p in (path / "cgroup.procs").read_text().split()]
+    again = MemoryCgroup(teardown, 64 << 20)
+    assert not path.exists(), f"{path} of a killed test stayed"
+    assert not Path(f"/proc/{job}").exists() or "Z" in Path(f"/proc/{job}/stat").read_text().split(")")[1][:3]
+    assert mine.path.exists() and again.path.exists()
