@@ -33,6 +33,20 @@ def discover(dns: DnsServer, *args: str) -> tuple[dict, str]:
     return {r["node_id"]: r for r in json.loads(p.stdout)}, p.stderr
 
 
+def write_and_read_back(device: str) -> None:
+    """8 MiB written, flushed, dropped from the page cache and read back."""
+    data = secrets.token_bytes(1 << 20)
+    fd = os.open(device, os.O_RDWR)
+    try:
+        for off in range(0, 8 << 20, 1 << 20):
+            os.pwrite(fd, data, off)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        for off in range(0, 8 << 20, 1 << 20):
+            assert os.pread(fd, 1 << 20, off) == data, f"mismatch at {off}"
+    finally:
+        os.close(fd)
+
 def test_a_donor_in_the_labs_dns_is_found_verified_used_and_removed_at_its_stop(
         teardown, tmp_path, cluster, client):
     dns = DnsServer(teardown, tmp_path)
@@ -67,17 +81,7 @@ def test_a_donor_in_the_labs_dns_is_found_verified_used_and_removed_at_its_stop(
     assert st["donors"][0]["joined"] == "discovered", st["donors"]
     assert "status not verified with the lab key" in st["not_admitted"]["forged"], st["not_admitted"]
     assert st["discover_domain"] == [ZONE], st
-    data = secrets.token_bytes(1 << 20)
-    fd = os.open(client.device, os.O_RDWR)
-    try:
-        for off in range(0, 8 << 20, 1 << 20):
-            os.pwrite(fd, data, off)
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        for off in range(0, 8 << 20, 1 << 20):
-            assert os.pread(fd, 1 << 20, off) == data, f"mismatch at {off}"
-    finally:
-        os.close(fd)
+    write_and_read_back(client.device)
     wait_for(lambda: client.device_status()["donors"][0]["extents_held"] > 0, 30, "d1 to hold extents")
     assert stranger.status().used_bytes == 0
 
@@ -179,16 +183,6 @@ def test_a_dns_server_that_does_not_answer_delays_no_io_and_shows_in_status(tear
     st = wait_for(lambda: (lambda s: s if s.get("discovery_error") else None)(client.device_status()),
                   60, "the DNS server's silence in status")
     assert f"domain {ZONE}: DNS server {server}: no answer" in st["discovery_error"], st["discovery_error"]
-    data = secrets.token_bytes(1 << 20)
-    fd = os.open(client.device, os.O_RDWR)
-    try:
-        for off in range(0, 8 << 20, 1 << 20):
-            os.pwrite(fd, data, off)
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        for off in range(0, 8 << 20, 1 << 20):
-            assert os.pread(fd, 1 << 20, off) == data, f"mismatch at {off}"
-    finally:
-        os.close(fd)
+    write_and_read_back(client.device)
     text = run_pagerctl(["status", "--state-dir", client.state_dir]).stdout
     assert f"discovery: browsing _netpager._tcp on domain {ZONE}; domain {ZONE}: DNS server" in text, text
