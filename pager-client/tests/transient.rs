@@ -56,20 +56,34 @@ impl Writer {
     }
 }
 
+/// `n` donors and a device in `mode` with a grace of `grace_ms`, every
+/// extent written (the model knows what); `None` when pager-server is not
+/// built. The state directory lives as long as the returned guard.
+fn filled(
+    mode: Mode,
+    n: usize,
+    grace_ms: u64,
+    seed: u64,
+) -> Option<(Vec<common::Nbdkit>, tempfile::TempDir, Device, Model)> {
+    let ds = netpager_test_support::pager_servers(n)?;
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(mode, SIZE, EXTENT, &ds.iter().collect::<Vec<_>>());
+    cfg.grace_ms = grace_ms;
+    let dev = Device::open(cfg, dir.path()).unwrap();
+    let mut model = Model::new(SIZE);
+    model.fill(&dev, &mut Rng::new(seed), EXTENT);
+    Some((ds, dir, dev, model))
+}
+
 /// Mode none, a donor paused for several request timeouts but less than
 /// the grace while writes and reads go on: they wait for it, and nothing
 /// is lost or failed.
 #[test]
 fn mode_none_waits_out_a_pause_shorter_than_the_grace() {
-    let Some(mut ds) = netpager_test_support::pager_servers(2) else {
+    let Some((mut ds, _dir, dev, model)) = filled(Mode::None, 2, 60_000, 1) else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let mut cfg = config(Mode::None, SIZE, EXTENT, &ds.iter().collect::<Vec<_>>());
-    cfg.grace_ms = 60_000;
-    let dev = Arc::new(Device::open(cfg, dir.path()).unwrap());
-    let mut model = Model::new(SIZE);
-    model.fill(&dev, &mut Rng::new(1), EXTENT);
+    let dev = Arc::new(dev);
     let writer = Writer::start(&dev, &model, 2);
     ds[0].stop();
     // Requests have waited past several request timeouts (1 s each).
@@ -100,15 +114,9 @@ fn mode_none_waits_out_a_pause_shorter_than_the_grace() {
 /// was.
 #[test]
 fn mode_none_takes_back_a_donor_that_returns_after_the_grace() {
-    let Some(mut ds) = netpager_test_support::pager_servers(2) else {
+    let Some((mut ds, _dir, dev, mut model)) = filled(Mode::None, 2, 1500, 3) else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let mut cfg = config(Mode::None, SIZE, EXTENT, &ds.iter().collect::<Vec<_>>());
-    cfg.grace_ms = 1500;
-    let dev = Device::open(cfg, dir.path()).unwrap();
-    let mut model = Model::new(SIZE);
-    model.fill(&dev, &mut Rng::new(3), EXTENT);
     let held = donor_of(&dev.status(), "d0").extents_held;
     assert!(held > 1, "{}", render_table(&dev.status()));
     ds[0].stop();
@@ -159,15 +167,10 @@ fn reader(
 /// is re-created. Every byte reads back both times.
 #[test]
 fn mirror_takes_back_a_paused_donor_and_recreates_only_what_changed() {
-    let Some(mut ds) = netpager_test_support::pager_servers(3) else {
+    let Some((mut ds, _dir, dev, mut model)) = filled(Mode::Mirror, 3, 60_000, 5) else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let mut cfg = config(Mode::Mirror, SIZE, EXTENT, &ds.iter().collect::<Vec<_>>());
-    cfg.grace_ms = 60_000;
-    let dev = Arc::new(Device::open(cfg, dir.path()).unwrap());
-    let mut model = Model::new(SIZE);
-    model.fill(&dev, &mut Rng::new(5), EXTENT);
+    let dev = Arc::new(dev);
     let held = donor_of(&dev.status(), "d0").extents_held;
     assert!(held > 0);
 
