@@ -3,7 +3,14 @@
 
 SHELL := /bin/bash
 CARGO ?= cargo
-PYTEST := /usr/bin/python3 -m pytest -ra --durations=30
+# A hung test fails alone, named, instead of eating CI's whole time: each
+# end-to-end test has TEST_TIMEOUT seconds (pytest-timeout; SIGALRM, so its
+# teardown still runs), each `cargo test` CARGO_TEST_TIMEOUT (cargo names a
+# test that runs over 60 s).
+TEST_TIMEOUT ?= 900
+CARGO_TEST_TIMEOUT ?= 1200
+PYTEST := /usr/bin/python3 -m pytest -ra --durations=30 -p timeout --timeout=$(TEST_TIMEOUT) --timeout-method=signal
+CARGO_TEST := timeout --kill-after=30 $(CARGO_TEST_TIMEOUT) $(CARGO) test
 # Benchmarks are modules of the test harness (tests/netpager_testkit).
 BENCH_PY := PYTHONPATH=$(CURDIR)/tests /usr/bin/python3 -m netpager_testkit
 # Which client benchmarks `make bench-client` runs (donors modes swap latency depth: all).
@@ -59,23 +66,23 @@ lab-demo: build
 	bash scripts/demo.sh --lab
 
 test: build
-	$(CARGO) test --release --workspace
+	$(CARGO_TEST) --release --workspace
 	bash scripts/fuzz.sh $(FUZZ_SHORT_SECONDS)
 	$(PYTEST) tests
 
 test-unit: build
-	$(CARGO) test --release --workspace
+	$(CARGO_TEST) --release --workspace
 
 test-server: build
-	$(CARGO) test --release -p netpager-proto -p pager-server
+	$(CARGO_TEST) --release -p netpager-proto -p pager-server
 	$(PYTEST) tests/server
 
 test-client: build
-	$(CARGO) test --release -p netpager-nbd -p pager-client -p pagerctl
+	$(CARGO_TEST) --release -p netpager-nbd -p pager-client -p pagerctl
 	$(PYTEST) tests/client
 
 test-prefetch: build
-	$(CARGO) test --release -p hints -p prefetchd
+	$(CARGO_TEST) --release -p hints -p prefetchd
 	$(PYTEST) tests/prefetch
 
 test-ansible: build
@@ -86,7 +93,7 @@ test-security: build
 	$(PYTEST) tests/security
 
 test-monitoring: build
-	$(CARGO) test --release -p netpager-metrics
+	$(CARGO_TEST) --release -p netpager-metrics
 	$(PYTEST) tests/monitoring
 
 # Every benchmark of bench-client, bench-server and bench-prefetch in its

@@ -8,7 +8,7 @@ debs=(
   nbdkit nbdkit-plugin-dev libnbd-dev libnbd-bin python3-libnbd
   nbd-client nbd-server fio liburing-dev protobuf-compiler
   fuse3 libfuse3-dev e2fsprogs util-linux procps kmod
-  python3 python3-pytest python3-matplotlib python3-protobuf stress-ng sqlite3 iptables systemd
+  python3 python3-pytest python3-pytest-timeout python3-matplotlib python3-protobuf stress-ng sqlite3 iptables systemd
   ansible ansible-lint prometheus tmux openssh-server bind9 bind9-dnsutils
   pandoc help2man lintian dpkg-dev mmdebstrap
   redis-server redis-tools python3-igraph python3-numpy bpftrace

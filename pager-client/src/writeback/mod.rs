@@ -36,8 +36,6 @@ use serde::{Deserialize, Serialize};
 use crate::stages::{StageOp, StageStats};
 
 /// Bytes of a slot: a page.
-/// How often a waiting flush wakes the drainers again.
-const FLUSH_RECHECK: Duration = Duration::from_millis(100);
 pub const PAGE: usize = 4096;
 
 /// Most pages one drained batch carries (a request of 128 KiB): longer
@@ -524,10 +522,7 @@ impl<S: Sink> WriteBack<S> {
                 return Err(st.failure());
             }
             self.work.notify_all();
-            // Kicks the drainers again now and then: a unit test hung here
-            // once in about 40 runs with pages dirty and no drain under way
-            // (a lost wakeup not yet found), and a flush must not hang.
-            st = self.drained.wait_timeout_or_recover(st, FLUSH_RECHECK).0;
+            st = self.drained.wait_or_recover(st);
         }
     }
 

@@ -60,6 +60,11 @@ fn page_of(tag: u8) -> Vec<u8> {
 }
 
 /// A buffer of `pages` over `mem`, its drainers running in `scope`.
+///
+/// A panic in `f` (a failed assertion) opens the sink and stops the
+/// drainers before it propagates: the scope joins them, and a drainer
+/// left waiting on a held sink or a buffer that never empties would turn
+/// the failure into a hang of the whole test binary.
 fn with_buffer<R>(
     mem: &Arc<Mem>,
     pages: usize,
@@ -67,15 +72,21 @@ fn with_buffer<R>(
 ) -> R {
     let counters = Arc::new(Counters::default());
     let wb = WriteBack::new(mem.clone(), (pages * PAGE) as u64, Some(counters.clone()));
-    std::thread::scope(|s| {
+    let r = std::thread::scope(|s| {
         for _ in 0..DRAINERS {
             s.spawn(|| wb.drain_loop());
         }
-        let r = f(&wb, &counters);
-        wb.flush().unwrap();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&wb, &counters)));
+        if r.is_err() {
+            mem.hold.store(false, SeqCst);
+            mem.fail.store(false, SeqCst);
+        } else {
+            wb.flush().unwrap();
+        }
         wb.stop();
         r
-    })
+    });
+    r.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }
 
 #[test]
@@ -114,30 +125,41 @@ fn writes_are_acknowledged_before_the_sink_has_them_and_read_back_from_the_buffe
 #[test]
 fn flush_waits_for_the_drain_and_runs_are_batched() {
     let mem = Mem::new(256 * PAGE);
-    with_buffer(&mem, 128, |wb, c| {
-        mem.hold.store(true, SeqCst);
-        for p in 0..64u64 {
-            wb.write(&page_of(p as u8), p * PAGE as u64).unwrap();
+    let counters = Arc::new(Counters::default());
+    let wb = WriteBack::new(mem.clone(), 128 * PAGE as u64, Some(counters.clone()));
+    // Written before any drainer runs, so the runs drained do not depend
+    // on how the drainers were scheduled against the writer.
+    for p in 0..64u64 {
+        wb.write(&page_of(p as u8), p * PAGE as u64).unwrap();
+    }
+    mem.hold.store(true, SeqCst);
+    let flushed = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        for _ in 0..DRAINERS {
+            s.spawn(|| wb.drain_loop());
         }
-        let flushed = AtomicBool::new(false);
-        std::thread::scope(|s| {
-            s.spawn(|| {
-                wb.flush().unwrap();
-                flushed.store(true, SeqCst);
-            });
-            std::thread::sleep(Duration::from_millis(50));
-            assert!(!flushed.load(SeqCst), "flush returned with the sink held");
-            mem.hold.store(false, SeqCst);
+        s.spawn(|| {
+            wb.flush().unwrap();
+            flushed.store(true, SeqCst);
         });
-        assert!(flushed.load(SeqCst));
-        for p in 0..64 {
-            assert_eq!(mem.page(p), page_of(p as u8), "page {p}");
+        std::thread::sleep(Duration::from_millis(50));
+        // Opened before asserting: a held sink would keep the scope from
+        // ever ending.
+        let early = flushed.load(SeqCst);
+        mem.hold.store(false, SeqCst);
+        assert!(!early, "flush returned with the sink held");
+        while !flushed.load(SeqCst) {
+            std::thread::sleep(Duration::from_millis(1));
         }
-        assert_eq!(c.pages_drained.load(SeqCst), 64);
-        // 64 consecutive pages in runs of up to MAX_BATCH.
-        assert!(c.batches.load(SeqCst) <= 64 / MAX_BATCH as u64 + DRAINERS as u64);
-        assert_eq!(wb.buffered(), 0);
+        wb.stop();
     });
+    for p in 0..64 {
+        assert_eq!(mem.page(p), page_of(p as u8), "page {p}");
+    }
+    assert_eq!(counters.pages_drained.load(SeqCst), 64);
+    // 64 consecutive pages, whoever drains them: two runs of MAX_BATCH.
+    assert_eq!(counters.batches.load(SeqCst), 64 / MAX_BATCH as u64);
+    assert_eq!(wb.buffered(), 0);
 }
 
 #[test]
@@ -157,14 +179,17 @@ fn a_full_buffer_makes_writers_wait_instead_of_growing() {
             while c.full_waits.load(SeqCst) == 0 && std::time::Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(1));
             }
-            assert!(c.full_waits.load(SeqCst) > 0, "the writer never waited");
-            assert_eq!(
+            let (waits, taken, used) = (
+                c.full_waits.load(SeqCst),
                 done.load(SeqCst),
-                32,
-                "exactly the buffer's pages were taken"
+                c.used_bytes.load(SeqCst),
             );
-            assert!(c.used_bytes.load(SeqCst) <= 32 * PAGE as u64);
+            // Opened before asserting: the writer waits on the held sink,
+            // and the scope would never end.
             mem.hold.store(false, SeqCst);
+            assert!(waits > 0, "the writer never waited");
+            assert_eq!(taken, 32, "exactly the buffer's pages were taken");
+            assert!(used <= 32 * PAGE as u64);
         });
         assert_eq!(done.load(SeqCst), 64);
     });
@@ -220,11 +245,9 @@ fn unaligned_writes_and_settle_wait_for_buffered_pages() {
         std::thread::scope(|s| {
             let h = s.spawn(|| wb.write(&[0xee; 10], 2 * PAGE as u64 + 5));
             std::thread::sleep(Duration::from_millis(30));
-            assert!(
-                !h.is_finished(),
-                "the partial write overtook the buffered page"
-            );
+            let overtook = h.is_finished();
             mem.hold.store(false, SeqCst);
+            assert!(!overtook, "the partial write overtook the buffered page");
             h.join().unwrap().unwrap();
         });
         let mut want = page_of(4);
@@ -242,8 +265,9 @@ fn a_durable_write_returns_only_once_drained() {
             let h =
                 s.spawn(|| wb.write_durable(&[page_of(5), page_of(6)].concat(), 8 * PAGE as u64));
             std::thread::sleep(Duration::from_millis(30));
-            assert!(!h.is_finished(), "acknowledged before the sink had it");
+            let early = h.is_finished();
             mem.hold.store(false, SeqCst);
+            assert!(!early, "acknowledged before the sink had it");
             h.join().unwrap().unwrap();
         });
         assert_eq!(mem.page(8), page_of(5));
