@@ -250,3 +250,28 @@ def test_target_dir_switches_for_one_side(tmp_path, monkeypatch):
         started = subprocess.run(["sh", "-c", "echo $NETPAGER_TARGET_DIR"], capture_output=True, text=True)
         assert started.stdout.strip() == str(tmp_path)
     assert server_plugin() == before and "NETPAGER_TARGET_DIR" not in os.environ
+
+
+def test_bench_ab_clean_removes_base_builds_and_worktrees(tmp_path, monkeypatch):
+    """`make clean` (bench_ab --clean): a cached base build goes, and git
+    forgets its worktree."""
+    if shutil.which("git") is None:
+        skip_or_fail("git not installed")
+    repo = tmp_path / "repo"
+
+    def git(*args) -> str:
+        return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              check=True, capture_output=True, text=True).stdout
+
+    repo.mkdir()
+    git("init", "-q")
+    git("commit", "-q", "--allow-empty", "-m", "base")
+    sha = git("rev-parse", "HEAD").strip()
+    tree = repo / "target" / "ab" / sha / "tree"
+    git("worktree", "add", "-q", "--detach", str(tree), sha)
+    (tree.parent / "built").write_text(sha)
+    monkeypatch.setenv("NETPAGER_ROOT", str(repo))
+    assert str(tree) in git("worktree", "list")
+    assert bench_ab.main(["--clean"]) == 0
+    assert not (repo / "target" / "ab").exists()
+    assert str(tree) not in git("worktree", "list")
