@@ -40,7 +40,7 @@ VM_TIMEOUT ?= 3600
 
 .PHONY: all deps build demo lab-demo test test-unit test-server test-client test-prefetch \
         test-ansible test-security test-monitoring test-bench test-stress bench bench-server bench-client \
-        bench-prefetch bench-apps fuzz soak faults nemesis clean lint deb test-deb test-vm
+        bench-prefetch bench-apps bench-ab fuzz soak faults nemesis clean lint deb test-deb test-vm
 
 all: build
 
@@ -169,12 +169,29 @@ bench-client: build
 bench-prefetch: build
 	$(BENCH_PY).bench_prefetch
 
+# The client's request path, A/B: the swap job, QD1 4 KiB latency and QD16
+# 4 KiB throughput through BASE's build (a commit, built once into
+# target/ab/COMMIT/: a git worktree and its own CARGO_TARGET_DIR) and this
+# tree's, alternating A B for ROUNDS rounds (default 3), mode none on
+# loopback donors; each side's numbers, medians and B/A ratios in
+# bench-results/ab/ab.txt and ab.json (netpager_testkit.bench_ab).
+BASE ?=
+ifneq ($(filter bench-ab,$(MAKECMDGOALS)),)
+ifeq ($(BASE),)
+$(error make bench-ab: say which build to compare with, BASE=REV)
+endif
+endif
+bench-ab: build
+	$(BENCH_PY).bench_ab --base '$(BASE)'
+
 # Real programs (redis, PageRank, a sort) at 75% and 50% of their memory
 # through netpager, a swap file, zram and zswap: bench-results/apps/.
 bench-apps: build
 	$(BENCH_PY).bench_apps
 
+# The A/B benchmark's base builds go first: their worktrees are registered in git.
 clean:
+	$(BENCH_PY).bench_ab --clean
 	$(CARGO) clean
 	rm -rf dist
 	$(MAKE) -C tests/jobs clean

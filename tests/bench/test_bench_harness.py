@@ -1,21 +1,24 @@
 """The benchmarks' harness cannot rot: each benchmark of `make bench-client`,
-`make bench-server`, `make bench-prefetch` and `make bench-apps` runs here in its shortest configuration (tiny sizes,
-one round, one front end), in-process so that the test's own exit paths undo
+`make bench-server`, `make bench-prefetch`, `make bench-apps` and `make
+bench-ab` runs here in its shortest configuration (tiny sizes, one round,
+one front end), in-process so that the test's own exit paths undo
 what it set up. Checks the structure of the files each writes, never timing."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from netpager_testkit import Teardown, bench_apps, bench_client, bench_prefetch, bench_server
+from netpager_testkit import Teardown, bench_ab, bench_apps, bench_client, bench_prefetch, bench_server
 from netpager_testkit.bench import MEMORY_FS, disk_workdir, fs_type
 from netpager_testkit.ci import skip_or_fail
 from netpager_testkit.client import client_plugin
-from netpager_testkit.paths import pagerctl, target_dir
+from netpager_testkit.paths import pagerctl, server_plugin, target_dir, using_target_dir
 from netpager_testkit.prefetch import missing_binaries
 
 # The shortest configuration of every knob the benchmarks read.
@@ -31,6 +34,8 @@ TINY_PREFETCH = {"BENCH_SCALE": "0.002", "BENCH_DELAY": "1ms", "BENCH_DONORS": "
 TINY_APPS = {"ROUNDS": "1", "FRACTIONS": "50", "SETUPS": "parity+pf", "REDIS_KEYS": "20000",
              "REDIS_VALUE": "512", "REDIS_GETS": "5000", "GRAPH_VERTICES": "20000",
              "SORT_MIB": "16", "RUNTIME": "1", "TIMEOUT": "300"}
+TINY_AB = {"ROUNDS": "1", "RUNTIME": "1", "RAMP": "0", "LIMIT": "16M", "FIO_SIZE": "16M",
+           "FRONTEND": "fuse-uring"}
 FIO_COLUMNS = ["randread_iops", "randwrite_iops", "read_MBps", "write_MBps"]
 
 
@@ -204,3 +209,69 @@ def test_bench_apps_tiny(root, tools, donor_plugin, tmp_path, monkeypatch):
     md = (tmp_path / "apps.md").read_text()
     assert all(f"### {p}" in md for p in bench_apps.PROGRAMS)
     assert any(line.startswith("parity+pf") for line in doc["table"])
+
+
+def test_bench_ab_tiny(root, tools, donor_plugin, memhog, tmp_path, monkeypatch):
+    """`make bench-ab` with this tree's build on both sides (a base build
+    takes minutes): A then B, each measured, its medians and ratios written."""
+    for path in (pagerctl(), client_plugin()):
+        if not path.exists():
+            skip_or_fail(f"{path} missing (make build)")
+    for k, v in TINY_AB.items():
+        monkeypatch.setenv(k, v)
+    assert bench_ab.main(["--base-target", str(target_dir()), "--out", str(tmp_path)]) == 0
+    doc = written(tmp_path, "ab")
+    assert doc["knobs"]["rounds"] == 1 and doc["knobs"]["frontend"] == "fuse-uring"
+    r = doc["results"]
+    assert list(r["sides"]) == ["A", "B"]
+    for side in r["sides"].values():
+        assert Path(side["target_dir"]).resolve() == target_dir().resolve()
+        assert side["version"].startswith("pagerctl ")
+    assert list(r["metrics"]) == list(bench_ab.METRICS)
+    for m in r["metrics"].values():
+        assert len(m["a"]) == len(m["b"]) == 1 and m["a"][0] > 0 and m["b"][0] > 0
+        assert m["ratio"] == round(m["b_median"] / m["a_median"], 3)
+    rows = doc["table"][4:9]
+    assert all(row.startswith(label) for row, (label, *_) in zip(rows, bench_ab.METRICS.values()))
+
+
+def test_bench_ab_names_a_missing_base():
+    with pytest.raises(SystemExit, match="BASE='no-such-revision' names no commit"):
+        bench_ab.main(["--base", "no-such-revision"])
+
+
+def test_target_dir_switches_for_one_side(tmp_path, monkeypatch):
+    """What an A/B side runs, and what it starts, come from its own build."""
+    monkeypatch.delenv("NETPAGER_TARGET_DIR", raising=False)
+    before = server_plugin()
+    with using_target_dir(tmp_path):
+        assert pagerctl() == tmp_path / "pagerctl" and server_plugin() == tmp_path / "libpager_server.so"
+        assert client_plugin() == tmp_path / "libpager_client_plugin.so"
+        started = subprocess.run(["sh", "-c", "echo $NETPAGER_TARGET_DIR"], capture_output=True, text=True)
+        assert started.stdout.strip() == str(tmp_path)
+    assert server_plugin() == before and "NETPAGER_TARGET_DIR" not in os.environ
+
+
+def test_bench_ab_clean_removes_base_builds_and_worktrees(tmp_path, monkeypatch):
+    """`make clean` (bench_ab --clean): a cached base build goes, and git
+    forgets its worktree."""
+    if shutil.which("git") is None:
+        skip_or_fail("git not installed")
+    repo = tmp_path / "repo"
+
+    def git(*args) -> str:
+        return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              check=True, capture_output=True, text=True).stdout
+
+    repo.mkdir()
+    git("init", "-q")
+    git("commit", "-q", "--allow-empty", "-m", "base")
+    sha = git("rev-parse", "HEAD").strip()
+    tree = repo / "target" / "ab" / sha / "tree"
+    git("worktree", "add", "-q", "--detach", str(tree), sha)
+    (tree.parent / "built").write_text(sha)
+    monkeypatch.setenv("NETPAGER_ROOT", str(repo))
+    assert str(tree) in git("worktree", "list")
+    assert bench_ab.main(["--clean"]) == 0
+    assert not (repo / "target" / "ab").exists()
+    assert str(tree) not in git("worktree", "list")

@@ -126,6 +126,12 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
+def fmt_row(widths: list[int], cells, first_left: int = 1) -> str:
+    """Cells padded to `widths`, the first `first_left` left-aligned."""
+    return " ".join(f"{str(c):<{w}}" if i < first_left else f"{str(c):>{w}}"
+                    for i, (c, w) in enumerate(zip(cells, widths)))
+
+
 class Report:
     """A benchmark's table, printed as it grows and written with its numbers."""
 

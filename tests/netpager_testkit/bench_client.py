@@ -90,6 +90,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -97,7 +98,8 @@ from pathlib import Path
 
 from . import bench_anatomy, bench_join
 from .attach import FuseFile, LoopDevice, Swap, run
-from .bench import Report, arg_parser, die, disk_workdir, env_int, env_str, fio_json, mean, nbdkit, ratio, require
+from .bench import (Report, arg_parser, die, disk_workdir, env_int, env_str, fio_json, fmt_row, mean, nbdkit,
+                    ratio, require)
 from .cgroup import run_job_in_cgroup
 from .cleanup import Teardown, install_handlers
 from .client import URING_SWITCH, Job, PagerClient, client_plugin
@@ -242,12 +244,6 @@ def spin_args(frontend: str) -> list[str]:
     """A FRONTENDS entry FRONTEND@US spins US microseconds before sleeping on a reply."""
     _, at, us = frontend.partition("@")
     return ["--spin-us", us] if at else []
-
-
-def fmt_row(widths: list[int], cells, first_left: int = 1) -> str:
-    """Cells padded to `widths`, the first `first_left` left-aligned."""
-    return " ".join(f"{str(c):<{w}}" if i < first_left else f"{str(c):>{w}}"
-                    for i, (c, w) in enumerate(zip(cells, widths)))
 
 
 # ------------------------------------------------------------ 1. donors
@@ -453,6 +449,24 @@ def swap_label(run_name: str, k: Knobs) -> str:
     return f"{label}, loopback" if setting else label
 
 
+def swap_once(b: Bench, targets: SwapTargets, name: str) -> float:
+    """The swap job's seconds through one target, named as bench_swap names
+    them: KIND[:FRONTEND+MODE][/SETTING] (client:fuse-uring+parity/links)."""
+    k = b.knobs
+    limit = parse_size(k.limit)
+    target, _, setting = name.partition("/")
+    kind, _, spec = target.partition(":")
+    frontend, _, mode = spec.partition("+")
+    with Teardown(f"swap {name}") as td:
+        device = getattr(targets, kind)(td, k.link_rate if setting == "links" else None, frontend, mode)
+        r = run_job_in_cgroup(td, [job("memhog"), 3 * limit, "--passes", "1"], limit,
+                              b.work / f"memhog-{kind}.log", swap_devices=[device])
+        td.close_or_raise()
+    if r.returncode != 0 or r.timed_out:
+        die(PROG, f"memhog through {name} failed: {r.describe()}")
+    return round(r.seconds, 1)
+
+
 def bench_swap(b: Bench) -> None:
     k = b.knobs
     limit = parse_size(k.limit)
@@ -467,23 +481,10 @@ def bench_swap(b: Bench) -> None:
     runs += ["floor", "zram", "file"]
     targets = SwapTargets(b)
     t: dict[str, list[float]] = {name: [] for name in runs}
-    memhog = job("memhog")
     for rnd in range(1, k.rounds + 1):
         for name in runs:
-            target, _, setting = name.partition("/")
-            kind, _, spec = target.partition(":")
-            frontend, _, mode = spec.partition("+")
-            with Teardown(f"swap {name}") as td:
-                device = getattr(targets, kind)(td, k.link_rate if setting == "links" else None,
-                                                frontend, mode)
-                log = b.work / f"memhog-{kind}.log"
-                r = run_job_in_cgroup(td, [memhog, touch, "--passes", "1"], limit, log,
-                                      swap_devices=[device])
-                td.close_or_raise()
-            if r.returncode != 0 or r.timed_out:
-                die(PROG, f"memhog through {name} failed: {r.describe()}")
-            t[name].append(round(r.seconds, 1))
-            print(f"round {rnd}: {name} {r.seconds:.1f}s", file=sys.stderr, flush=True)
+            t[name].append(swap_once(b, targets, name))
+            print(f"round {rnd}: {name} {t[name][-1]}s", file=sys.stderr, flush=True)
     w = [52, 24, 10, 16]
     b.report.line(fmt_row(w, ["target", "seconds per round", "mean", "vs nbdkit memory"], first_left=2))
     for name in runs:
@@ -508,6 +509,20 @@ def bench_swap(b: Bench) -> None:
 
 
 # ---------------------------------------------------------- 4. latency
+def client_latency(b: Bench, donor: Donor, frontend: str) -> dict[str, float]:
+    """QD1 4 KiB randread and randwrite latency (us) through a fresh client, mode none, on `donor`."""
+    with Teardown(f"latency {frontend}") as td:
+        dev = b.attach(td, f"lat-{frontend}", [donor], "none", "256M", frontend).device
+        # The device is new: written once first, so reads find data
+        # on the donor and writes find their extents placed.
+        fio_json(["--name=fill", f"--filename={dev}", "--rw=write", "--bs=1M",
+                  "--size=64M", "--direct=1"], b.work)
+        us = {rw: b.fio_lat(f"--filename={dev}", rw, "--ioengine=psync", "--direct=1")
+              for rw in ("randread", "randwrite")}
+        td.close_or_raise()
+    return us
+
+
 def bench_latency(b: Bench) -> None:
     k = b.knobs
     b.report.line(f"== 4. Latency: QD1 4 KiB random I/O, mean completion time (us), {k.rounds} rounds")
@@ -517,15 +532,8 @@ def bench_latency(b: Bench) -> None:
         donor = b.donors(donors_td, 1, None, "latency")[0]
         for _ in range(k.rounds):
             for f in k.frontends:
-                with Teardown(f"latency {f}") as td:
-                    dev = b.attach(td, f"lat-{f}", [donor], "none", "256M", f).device
-                    # The device is new: written once first, so reads find data
-                    # on the donor and writes find their extents placed.
-                    fio_json(["--name=fill", f"--filename={dev}", "--rw=write", "--bs=1M",
-                              "--size=64M", "--direct=1"], b.work)
-                    for rw in ("randread", "randwrite"):
-                        lat[f][rw].append(b.fio_lat(f"--filename={dev}", rw, "--ioengine=psync", "--direct=1"))
-                    td.close_or_raise()
+                for rw, us in client_latency(b, donor, f).items():
+                    lat[f][rw].append(us)
             for rw in ("randread", "randwrite"):
                 lat["direct"][rw].append(b.fio_lat(f"--uri=nbd://{donor.addr}:{donor.port}/direct@256M",
                                                    rw, "--ioengine=nbd"))
@@ -552,6 +560,21 @@ def depth_jobs(qds) -> list[tuple[str, str, str, int]]:
     return jobs + [("1M read", "read", "1M", 16), ("1M write", "write", "1M", 16)]
 
 
+def depth_run(b: Bench, target: list[str], rw: str, bs: str, qd: int, timed: bool = True) -> float:
+    """One fio run over a depth target's FIO_SIZE region with the engine it
+    names (nbd), else libaio, direct: IOPS (4k) or MB/s (1M). Untimed, the
+    region written once (depth_run(b, t, "write", "1M", 8, timed=False))."""
+    k = b.knobs
+    ramp = 2 if k.ramp is None else k.ramp
+    engine = [] if any(a.startswith("--ioengine=") for a in target) else ["--ioengine=libaio", "--direct=1"]
+    timing = ["--time_based", f"--runtime={k.runtime}", f"--ramp_time={ramp}", "--randrepeat=0"] if timed else []
+    j = fio_json([f"--name={rw}", *target, *engine, f"--rw={rw}", f"--bs={bs}", f"--iodepth={qd}",
+                  f"--size={k.fio_size}", *timing], b.work)
+    iops = j["read"]["iops"] + j["write"]["iops"]
+    mbps = (j["read"]["bw_bytes"] + j["write"]["bw_bytes"]) / 1e6
+    return round(mbps, 1) if bs == "1M" else round(iops)
+
+
 def bench_depth(b: Bench) -> None:
     """Throughput at depth: fio (libaio, direct) 4 KiB random I/O at queue
     depths 1-64 and 1 MiB sequential I/O through the client's loop device
@@ -563,7 +586,6 @@ def bench_depth(b: Bench) -> None:
     qds = [int(q) for q in env_str("DEPTH_QDS", " ".join(map(str, DEPTH_QDS))).split()]
     modes = env_str("DEPTH_MODES", "none parity ec").split()
     jobs = depth_jobs(qds)
-    ramp = 2 if k.ramp is None else k.ramp
     b.report.line(f"== 5. Throughput at depth: fio libaio direct, {k.runtime} s per run, "
                   f"{k.rounds} rounds alternating, {k.fio_size} region")
     with Teardown("depth") as td:
@@ -577,20 +599,13 @@ def bench_depth(b: Bench) -> None:
             targets[mode] = [f"--filename={dev}"]
         d0 = donors[0]
         targets["direct"] = ["--ioengine=nbd", f"--uri=nbd://{d0.addr}:{d0.port}/direct@{k.fio_size}"]
-        for name, t in targets.items():
-            fio_json(["--name=fill", *t, "--rw=write", "--bs=1M", f"--size={k.fio_size}", "--iodepth=8",
-                      *([] if name == "direct" else ["--ioengine=libaio", "--direct=1"])], b.work)
+        for t in targets.values():
+            depth_run(b, t, "write", "1M", 8, timed=False)
         res: dict[str, dict[str, list[float]]] = {n: {j[0]: [] for j in jobs} for n in targets}
         for _ in range(k.rounds):
             for name, t in targets.items():
-                engine = [] if name == "direct" else ["--ioengine=libaio", "--direct=1"]
                 for col, rw, bs, q in jobs:
-                    j = fio_json([f"--name={rw}", *t, *engine, f"--rw={rw}", f"--bs={bs}", f"--iodepth={q}",
-                                  f"--size={k.fio_size}", "--time_based", f"--runtime={k.runtime}",
-                                  f"--ramp_time={ramp}", "--randrepeat=0"], b.work)
-                    iops = j["read"]["iops"] + j["write"]["iops"]
-                    mbps = (j["read"]["bw_bytes"] + j["write"]["bw_bytes"]) / 1e6
-                    res[name][col].append(round(mbps, 1) if bs == "1M" else round(iops))
+                    res[name][col].append(depth_run(b, t, rw, bs, q))
         td.close_or_raise()
     best = {n: [max(res[n][c]) for c, *_ in jobs] for n in targets}
     w = [12, *([11] * len(jobs))]
@@ -619,11 +634,6 @@ def loop_completions(device: str) -> int:
     f = Path("/sys/block") / Path(device).name / "stat"
     v = f.read_text().split()
     return int(v[0]) + int(v[4])
-
-
-def median(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
 
 
 def bench_restart(b: Bench) -> None:
@@ -678,8 +688,9 @@ def bench_restart(b: Bench) -> None:
         td.close_or_raise()
     w = [58, 10, 10]
     b.report.line(fmt_row(w, ["", "median ms", "worst ms"]))
-    b.report.line(fmt_row(w, ["kill to the new process serving (holder)", median(held), max(held)]))
-    b.report.line(fmt_row(w, ["job's stall (kill to the device's next completion)", median(stall), max(stall)]))
+    for label, ms in (("kill to the new process serving (holder)", held),
+                      ("job's stall (kill to the device's next completion)", stall)):
+        b.report.line(fmt_row(w, [label, statistics.median(ms), max(ms)]))
     b.report.line(f"restarts {h['restarts']} (after a crash {h['crashes']}), requests resent {h['resent_total']}, "
                   f"jobs run {jobs}, every one verified")
     b.report.line("(targets: median < 1000 ms, worst < 3000 ms)")
