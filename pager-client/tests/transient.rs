@@ -19,6 +19,7 @@ use pager_client::status::{render_table, ClientStatus};
 
 const EXTENT: u64 = 64 << 10;
 const SIZE: u64 = 4 << 20;
+const PAGE: u64 = 4096;
 
 fn donor_of<'a>(s: &'a ClientStatus, name: &str) -> &'a pager_client::status::DonorReport {
     s.donors.iter().find(|d| d.name == name).expect("a member")
@@ -137,6 +138,13 @@ fn mode_none_takes_back_a_donor_that_returns_after_the_grace() {
         "every copy but the rewritten one: {}",
         render_table(&s)
     );
+    // The rewritten extent's old slot on d0 is trimmed as d0 is taken
+    // back: the donor keeps pages only for the copies it holds (and its
+    // label's page). It used to keep that slot's pages for nobody.
+    let cap = (held - 1) * EXTENT + PAGE;
+    wait_status(&dev, "d0 keeping only the copies it holds", |s| {
+        donor_of(s, "d0").used_bytes <= cap
+    });
     model.check_all(&dev, EXTENT);
 }
 

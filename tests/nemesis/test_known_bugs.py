@@ -39,6 +39,21 @@ an older connection's writes):
   connection asks for a round of its own (`CLIENT/DEVICE:SESSION.CONN`)
   and the donor refuses the requests of an older one.
 
+Fixed, its regression elsewhere:
+
+- left-behind-after-take-back (the slice's seed 1779333423, parity on
+  d1..d4 with 2 spares and a grace of 1 s: "stop s2 long; heal s2" among
+  others): a donor stopped past the grace is failed and some of its
+  members are rebuilt elsewhere; when it answers with its label it is
+  taken back (re-add), but the slots of the members rebuilt meanwhile were
+  never trimmed, and the donor kept their pages for nobody (13.9 MB of the
+  export where the device placed 21 extents, 11.0 MB at most). A race
+  (whether a rebuild finishes before the donor returns), so the schedule
+  is no test; pager-client/tests/transient.rs's mode-none take-back
+  checks it every run (a lost extent rewritten elsewhere while the donor
+  is away). Now the slots a donor held when its copies were marked lost
+  are trimmed on take-back unless a member took them back.
+
 Open:
 
 - drains-overlapping: device A (parity 3 on d1..d5) under fio and the

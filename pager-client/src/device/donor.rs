@@ -115,6 +115,11 @@ pub(crate) struct Donor {
     pub away: Mutex<Option<Away>>,
     /// Extent copies taken back as they were when it returned (re-add).
     pub taken_back: AtomicU64,
+    /// The slots it held when its copies were marked lost: if it is taken
+    /// back, those no member takes back are trimmed (their members were
+    /// rebuilt elsewhere, or written meanwhile), or the donor keeps their
+    /// pages for nobody.
+    pub left_behind: Mutex<Vec<u32>>,
 }
 
 impl Donor {
@@ -154,6 +159,7 @@ impl Donor {
             probing: Mutex::new(()),
             away: Mutex::new(None),
             taken_back: AtomicU64::new(0),
+            left_behind: Mutex::new(Vec::new()),
         }
     }
 
@@ -509,7 +515,7 @@ impl Inner {
                     }
                 }
             }
-            self.map.forget_donor_slots(d.id);
+            *d.left_behind.lock_or_recover() = self.map.forget_donor_slots(d.id);
             if self.map.donor_label(d.id) != 0 {
                 if let Err(e) = self.map.set_donor_label(d.id, 0) {
                     tracing::error!("journaling donor {}'s label: {e}", d.cfg.name);

@@ -314,7 +314,7 @@ impl Inner {
             return (0, 0);
         }
         let dirty = std::mem::take(&mut *self.dirty.slots.lock_or_recover());
-        let (mut back, mut stale) = (0u64, Vec::new());
+        let (mut back, mut stale) = (0u64, 0u64);
         for u in 0..self.layout.units() {
             let mut g = self.map.unit(u).write_or_recover();
             let Some(unit) = g.as_mut() else { continue };
@@ -330,7 +330,7 @@ impl Inner {
                     changed = true;
                     back += 1;
                 } else {
-                    stale.push(m.loc);
+                    stale += 1;
                 }
             }
             if changed {
@@ -341,20 +341,24 @@ impl Inner {
         }
         // Others may still be away: what they need noted stays noted.
         self.dirty.slots.lock_or_recover().extend(dirty);
-        // Not through `exec`: `d` is still failed, so nothing else can be
-        // placed on it before these trims.
-        for &loc in &stale {
-            if let Loc::Donor { slot, .. } = loc {
-                let at = u64::from(slot) * self.layout.extent;
-                let res = d
-                    .pool
-                    .checkout()
-                    .and_then(|mut l| l.run(at, Op::Trim(self.layout.extent)));
-                if let Err(e) = res {
-                    tracing::debug!("donor {}: trimming a stale member: {e}", d.cfg.name);
-                }
+        // Every slot it held that no member took back: stale members, and
+        // members rebuilt elsewhere while it was away. Not through `exec`:
+        // `d` is still failed, so nothing else can be placed on it before
+        // these trims.
+        let left = std::mem::take(&mut *d.left_behind.lock_or_recover());
+        for slot in left {
+            if self.map.in_use(Loc::Donor { donor: d.id, slot }) {
+                continue;
+            }
+            let at = u64::from(slot) * self.layout.extent;
+            let res = d
+                .pool
+                .checkout()
+                .and_then(|mut l| l.run(at, Op::Trim(self.layout.extent)));
+            if let Err(e) = res {
+                tracing::debug!("donor {}: trimming a slot left behind: {e}", d.cfg.name);
             }
         }
-        (back, stale.len() as u64)
+        (back, stale)
     }
 }

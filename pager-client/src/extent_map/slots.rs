@@ -164,9 +164,24 @@ impl ExtentMap {
     }
 
     /// Forgets every slot of donor `id` (it died: all its members are Lost,
-    /// and if it comes back it is a new donor).
-    pub fn forget_donor_slots(&self, id: u16) {
-        self.slots.lock_or_recover().donors[id as usize].clear();
+    /// and if it comes back it is a new donor); returns the slots it used.
+    pub fn forget_donor_slots(&self, id: u16) -> Vec<u32> {
+        let mut s = self.slots.lock_or_recover();
+        let set = &mut s.donors[id as usize];
+        let used = (0..set.bits.len() as u32 * 64)
+            .filter(|&k| set.is_used(k))
+            .collect();
+        set.clear();
+        used
+    }
+
+    /// Whether slot `loc` holds a member.
+    pub fn in_use(&self, loc: Loc) -> bool {
+        let s = self.slots.lock_or_recover();
+        match loc {
+            Loc::Donor { donor, slot } => s.donors[donor as usize].is_used(slot),
+            Loc::Fallback { slot } => s.fallback.is_used(slot),
+        }
     }
 
     /// Slots in use and slots still free.
