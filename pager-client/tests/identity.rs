@@ -60,6 +60,41 @@ fn a_donor_reached_by_a_second_name_is_refused() {
     model.check_all(&dev, EXTENT);
 }
 
+/// A member drained empty drops its label (so the donor ends holding
+/// nothing); its export reached by a second name was then accepted as a
+/// new donor, found by the nemesis (mode none: "drain d2 meminfo; ...;
+/// add-alias d2"). Now the label written on the newcomer is looked for
+/// through every unlabelled member, and the second name is refused.
+#[test]
+fn a_drained_members_second_name_is_refused() {
+    let (Some(a), Some(others)) = (on_localhost(), netpager_test_support::pager_servers(1)) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(Mode::None, SIZE, EXTENT, &[&others[0]]);
+    let mut first = DonorConfig::new("a", a.addr.clone());
+    first.status = a.status.clone();
+    cfg.donors.insert(0, first);
+    let dev = Device::open(cfg, dir.path()).unwrap();
+    let mut model = Model::new(SIZE);
+    model.fill(&dev, &mut Rng::new(5), EXTENT);
+    let status = a.status.clone().expect("status endpoint");
+    netpager_proto::set_draining(&status, true, Duration::from_secs(2)).unwrap();
+    common::wait_status(&dev, "donor a drained, its label gone", |s| {
+        dev.poll_donors_now();
+        s.donors[0].extents_held == 0 && s.donors[0].used_bytes == 0
+    });
+    netpager_proto::set_draining(&status, false, Duration::from_secs(2)).unwrap();
+    let mut again = DonorConfig::new("b", format!("localhost:{}", port_of(&a)));
+    again.status = a.status.clone();
+    let e = dev.add_donor(again, Joined::Added).unwrap_err().to_string();
+    assert!(e.contains("same export as member a"), "{e}");
+    let names: Vec<String> = dev.status().donors.iter().map(|d| d.name.clone()).collect();
+    assert_eq!(names, ["a", "d0"], "the duplicate is not a member");
+    model.fill(&dev, &mut Rng::new(6), EXTENT);
+    model.check_all(&dev, EXTENT);
+}
+
 /// The same export named twice at attach: the device does not open.
 #[test]
 fn two_names_of_one_donor_at_attach_are_refused() {

@@ -54,6 +54,16 @@ Fixed, its regression elsewhere:
   is away). Now the slots a donor held when its copies were marked lost
   are trimmed on take-back unless a member took them back.
 
+- alias-of-a-drained-member (`make nemesis`, mode none, seed 1265920796:
+  "drain d2 meminfo; ...; pause 5; add-alias d2"): a member drained
+  empty drops its label (so the donor ends holding nothing), and its
+  export under a second address then read as unlabelled and was accepted
+  as a new donor, sharing slots with the member once both were used
+  again. Now the label written on a newcomer is looked for through every
+  attached unlabelled member, and a match is refused.
+  pager-client/tests/identity.rs's drained-member test holds it (fails
+  without the fix).
+
 Open:
 
 - drains-overlapping: device A (parity 3 on d1..d5) under fio and the

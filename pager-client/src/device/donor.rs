@@ -369,10 +369,64 @@ impl Inner {
         d.attached.store(true, Ordering::Release);
         // Labelled now, not at its first extent: a second address of this
         // export that joins later finds the label and is refused.
-        if let Err(e) = self.ensure_label(d) {
+        if let Err(e) = self.write_label(d) {
             tracing::warn!("donor {}: {e}; labelled at its first extent", d.cfg.name);
+            return Ok(());
+        }
+        // A member that holds nothing of ours (drained, or not yet given an
+        // extent) has no label, so the export's own read found none: ask
+        // each such member whether it now reads the label just written.
+        if let Some(m) = self.unlabelled_member_reading(d) {
+            d.attached.store(false, Ordering::Release);
+            // Taken off again through the member (its round is the newest
+            // now), so the export holds nothing of ours, as before.
+            if let Err(e) = self.map.set_donor_label(d.id, 0) {
+                tracing::error!("journaling donor {}'s label: {e}", d.cfg.name);
+            }
+            let trim = m
+                .pool
+                .checkout()
+                .and_then(|mut l| l.run(0, Op::Trim(self.layout.extent)));
+            if let Err(e) = trim {
+                tracing::warn!("trimming the label written through {}: {e}", d.cfg.name);
+            }
+            return Err(AttachFail::Refused(format!(
+                "{} serves the same export as member {} (it reads the label just written here): one donor reached two ways",
+                d.cfg.address, m.cfg.name
+            )));
         }
         Ok(())
+    }
+
+    /// The unlabelled member (other than `d`) whose export reads `d`'s
+    /// label: the same export reached another way. The caller holds
+    /// `labelling`, so no member labels itself meanwhile.
+    fn unlabelled_member_reading(&self, d: &Donor) -> Option<&Donor> {
+        let ours = self.map.donor_label(d.id);
+        let read = |o: &Donor| {
+            let mut b = vec![0u8; LABEL_BYTES];
+            o.pool
+                .checkout()
+                .and_then(|mut l| l.run(0, Op::Read(&mut b)))
+                .map(|()| b)
+        };
+        self.members
+            .iter()
+            // Attached: one not attached yet checks itself when it is.
+            .filter(|o| o.idx != d.idx && !o.is_retired() && !o.is_failed())
+            .filter(|o| o.attached.load(Ordering::Acquire) && self.map.donor_label(o.id) == 0)
+            .find(|o| {
+                let mut got = read(o);
+                if got.as_ref().is_err_and(|e| e.is_fenced()) {
+                    // Its connections' round is older than the one `d` just
+                    // opened on the same export: that is the answer, but
+                    // it is read on a new round to be sure.
+                    o.pool.close();
+                    o.pool.reopen();
+                    got = read(o);
+                }
+                got.is_ok_and(|b| label::decode(&b).value() == Some(ours))
+            })
     }
 
     fn set_capacity(&self, d: &Donor, size: u64, cleared: bool) {
@@ -548,6 +602,14 @@ impl Inner {
         if self.map.donor_label(d.id) != 0 {
             return Ok(());
         }
+        // One export at a time, as in `try_attach`, whose check of an
+        // unlabelled member must not race that member's labelling.
+        let _one = self.labelling.lock_or_recover();
+        self.write_label(d)
+    }
+
+    /// [`Inner::ensure_label`] with `labelling` held.
+    fn write_label(&self, d: &Donor) -> Result<()> {
         let _g = d.label_lock.lock_or_recover();
         if self.map.donor_label(d.id) != 0 {
             return Ok(());
@@ -573,6 +635,14 @@ impl Inner {
     /// Removes the label of a donor that holds nothing of ours any more
     /// (so a drained donor ends empty).
     pub(crate) fn drop_label(&self, d: &Donor) -> Result<()> {
+        // Not while `try_attach` checks unlabelled members against a label
+        // it wrote (on a shared export this trim would erase it).
+        let _one = self.labelling.lock_or_recover();
+        self.unlabel(d)
+    }
+
+    /// [`Inner::drop_label`] with `labelling` held.
+    fn unlabel(&self, d: &Donor) -> Result<()> {
         let _g = d.label_lock.lock_or_recover();
         if self.map.donor_label(d.id) == 0 {
             return Ok(());
