@@ -91,9 +91,17 @@ pub fn read_donors_file_lines(path: &Path) -> Result<Vec<(usize, DonorSpec)>, Do
         path: path.to_path_buf(),
         source,
     })?;
+    parse_donors_file_lines(path, &text)
+}
+
+/// Parses the text of the donors file at `path`: each donor with its line.
+pub fn parse_donors_file_lines(
+    path: &Path,
+    text: &str,
+) -> Result<Vec<(usize, DonorSpec)>, DonorsFileError> {
     parse_numbered(
         path,
-        &text,
+        text,
         |l| l.parse::<DonorSpec>().map_err(|e| e.reason),
         |s| s.name.clone(),
     )

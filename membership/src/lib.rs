@@ -16,7 +16,8 @@ pub mod file;
 pub mod spec;
 
 pub use file::{
-    parse_donors_file, parse_lines, read_donors_file, read_donors_file_lines, DonorsFileError,
+    parse_donors_file, parse_donors_file_lines, parse_lines, read_donors_file,
+    read_donors_file_lines, DonorsFileError,
 };
 pub use spec::{DonorSpec, SpecError};
 

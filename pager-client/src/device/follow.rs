@@ -11,10 +11,10 @@
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::Duration;
 
 use netpager_membership::discovery::{self, Admission, Announced, Trust, Verdict};
-use netpager_membership::{read_donors_file_lines, DonorSpec, Joined};
+use netpager_membership::{parse_donors_file_lines, read_donors_file_lines, DonorSpec, Joined};
 
 use super::Inner;
 use crate::config::{DeviceConfig, DonorConfig};
@@ -212,23 +212,30 @@ impl Inner {
         book.discovery_error = (!errors.is_empty()).then(|| errors.join("; "));
     }
 
-    /// The donors file's specs with their lines: parsed again when it
-    /// changed, else as last parsed; `None` while it has never parsed.
+    /// The donors file's specs with their lines: parsed again when its
+    /// text changed, else as last parsed; `None` while it has never parsed.
+    /// By its text, not its modification time: two writes within one tick
+    /// of the kernel's clock leave the same time, and the second change
+    /// was missed (a bad line written right after a good change went
+    /// unreported: the nemesis's "add s1; file-bad").
     fn read_donors_file(&self, path: &PathBuf) -> Option<Vec<(usize, DonorSpec)>> {
-        let mtime = std::fs::metadata(path).and_then(|m| m.modified());
+        let text = std::fs::read_to_string(path);
         let mut book = self.members.book();
-        if let (Ok(t), Some((seen, specs))) = (&mtime, &book.file) {
+        if let (Ok(t), Some((seen, specs))) = (&text, &book.file) {
             if t == seen {
                 return Some(specs.clone());
             }
         }
-        match read_donors_file_lines(path) {
+        let parsed = match &text {
+            Ok(t) => parse_donors_file_lines(path, t),
+            Err(_) => read_donors_file_lines(path),
+        };
+        match parsed {
             Ok(specs) => {
                 if book.file_error.take().is_some() {
                     tracing::info!("donors file {} parses again", path.display());
                 }
-                let t = mtime.unwrap_or(UNIX_EPOCH);
-                book.file = Some((t, specs.clone()));
+                book.file = Some((text.unwrap_or_default(), specs.clone()));
                 Some(specs)
             }
             Err(e) => {

@@ -70,9 +70,9 @@ impl Standing {
 /// donors file, discovery) and recent departures, for status.
 #[derive(Default)]
 pub(crate) struct Book {
-    /// The donors file as last parsed (each donor with its line), and its
-    /// modification time.
-    pub file: Option<(SystemTime, Vec<(usize, DonorSpec)>)>,
+    /// The donors file as last parsed: its text, and each donor with its
+    /// line.
+    pub file: Option<(String, Vec<(usize, DonorSpec)>)>,
     /// Why the donors file was not taken, if it was not.
     pub file_error: Option<String>,
     /// Why a change it asks for could not be made yet (retried each epoch).
