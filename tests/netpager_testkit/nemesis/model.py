@@ -384,7 +384,8 @@ class Model:
         if k == "file-bad":
             s.file_bad = True
             return {}
-        if k == "file-fix":
+        if k in ("file-fix", "reattach"):
+            # A re-attach fixes the file first: attach refuses a bad line.
             s.file_bad = False
             return {}
         if k == "announce":

@@ -277,6 +277,10 @@ class World:
                 raise Failure("attach", f"attach took {self.donors_file} with a bad line")
             self.file_lines = [x for x in self.file_lines if x[0] != "bad"]
             self._write_file()
+            # Fixed, as a file-fix op would (the model's reattach says so
+            # too; the end checks' re-attach is no op): the settles from
+            # here expect status to report no bad line.
+            model.file_bad = False
         dev = self.a.attach([], new_device=False, extra=extra)
         self.history.reopen(dev)
         self.fio.verify_last(dev)
