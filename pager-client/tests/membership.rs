@@ -276,6 +276,13 @@ fn the_donors_file_drives_the_set() {
     assert!(err.contains("line 3"), "{err}");
     assert_eq!(names(&s), ["a", "b"]);
 
+    // Back to the text it last took: the error goes.
+    rewrite(format!("# lab\n{}{}", line(&ds[0], "a"), line(&ds[1], "b")));
+    let s = wait_status(&dev, "the error to clear", |s| {
+        s.donors_file_error.is_none()
+    });
+    assert_eq!(names(&s), ["a", "b"]);
+
     rewrite(format!("{}{}", line(&ds[0], "a"), line(&ds[2], "c")));
     let s = wait_status(&dev, "b to leave and c to join", |s| {
         has_left(s, "b") && names(s) == ["a", "c"]

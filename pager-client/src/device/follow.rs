@@ -221,14 +221,11 @@ impl Inner {
     fn read_donors_file(&self, path: &PathBuf) -> Option<Vec<(usize, DonorSpec)>> {
         let text = std::fs::read_to_string(path);
         let mut book = self.members.book();
-        if let (Ok(t), Some((seen, specs))) = (&text, &book.file) {
-            if t == seen {
-                return Some(specs.clone());
-            }
-        }
-        let parsed = match &text {
-            Ok(t) => parse_donors_file_lines(path, t),
-            Err(_) => read_donors_file_lines(path),
+        let parsed = match (&text, &book.file) {
+            // The text last taken (also after a bad line was removed again).
+            (Ok(t), Some((seen, specs))) if t == seen => Ok(specs.clone()),
+            (Ok(t), _) => parse_donors_file_lines(path, t),
+            (Err(_), _) => read_donors_file_lines(path),
         };
         match parsed {
             Ok(specs) => {
