@@ -234,6 +234,11 @@ class Model:
 
     def may_hurt(self, name: str, permanent: bool) -> bool:
         """Whether a donor-failing fault on `name` stays within every promise."""
+        if name in self.a.joining:
+            # It joins at the device's next epoch: hurt before that, the
+            # model could not say whether it is a member (slice seed
+            # 3111124785: "announce; kill an" and it never joined).
+            return False
         holders = self.holders(name)
         if not holders:
             return self.donors[name].running and not self.donors[name].fault
