@@ -6,15 +6,15 @@
 //! The buffer sits here, above the device, rather than in it: it holds
 //! the kernel's writes, whatever the mode does with them, so every mode
 //! gets it with no change to the device's locks or ordering, and the
-//! device stays what the nbd front end serves too. Where the serving
-//! process's death ends the device (fuse-uring, fuse) a write is
-//! acknowledged once buffered: nothing acknowledged can outlive the
-//! process there anyway, since the kernel fails every request of a dead
-//! connection. A restartable device (`--held`) outlives its serving
-//! process, and the kernel resends only what was never answered, so it
-//! acknowledges a write once its pages have drained (late): its writes
-//! still travel in the buffer's batches and its reads still find buffered
-//! pages, but a kill -9 loses nothing that was acknowledged.
+//! device stays what the nbd front end serves too. A write is
+//! acknowledged once buffered, so only a device whose acknowledged writes
+//! may die with the serving process has one: swap over fuse-uring or
+//! fuse, where the kernel fails every request of a dead connection and the
+//! process is the device anyway. A restartable device (`--held`) outlives
+//! its serving process and the kernel resends only what was never
+//! answered, and a block device's data must outlive a crash: both write
+//! straight to the device (`pager_client::writeback` says what waiting
+//! for a drainer cost them).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -70,21 +70,18 @@ impl Gate {
     }
 }
 
-/// The device's write-back buffer and how it acknowledges.
+/// The device's write-back buffer.
 pub struct Buffer {
     pub wb: WriteBack<Arc<Device>>,
-    /// Acknowledge a write only once drained (restartable devices).
-    pub late: bool,
 }
 
 impl Buffer {
     /// A buffer of `bytes` in front of `device` (counted in its status),
     /// with its drainer threads started.
-    pub fn start(device: &Arc<Device>, bytes: u64, late: bool) -> std::io::Result<Arc<Buffer>> {
+    pub fn start(device: &Arc<Device>, bytes: u64) -> std::io::Result<Arc<Buffer>> {
         let counters = device.stats().writeback.clone();
         let b = Arc::new(Buffer {
             wb: WriteBack::new(device.clone(), bytes, Some(counters)),
-            late,
         });
         for i in 0..DRAINERS {
             let b = b.clone();
@@ -126,7 +123,6 @@ impl Backend for DeviceBackend {
     fn write(&self, data: &[u8], offset: u64) -> Result<(), i32> {
         let _in = self.gate.enter();
         match &self.buffer {
-            Some(b) if b.late => timed_wb(|| b.wb.write_durable(data, offset), "write", offset),
             Some(b) => timed_wb(|| b.wb.write(data, offset), "write", offset),
             None => timed(|| self.device.write(data, offset), "write", offset),
         }

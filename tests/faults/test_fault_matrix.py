@@ -650,10 +650,12 @@ def test_two_clients_fill_the_same_donors(mode, teardown, donors, client, second
     writes that found no room, and nothing accepted is lost."""
     ds = donors(3, budget="40M")
     cell = Cell("2 clients fill donors (ENOSPC/fallback)", mode, client)
+    # Client 2 first: attach refuses donors that are full already (in
+    # mirror client 1's fill alone takes them all).
+    dev2 = second_client.attach(ds, mode=mode, size="64M", extra=TIMEOUTS)
     # The fallback holds the whole device with its redundancy.
     cell.attach_block(teardown, ds, extra=["--fallback", tmp_path / "fallback.img",
                                            "--fallback-size", "192M"])
-    dev2 = second_client.attach(ds, mode=mode, size="64M", extra=TIMEOUTS)
     cell.inject()
     w2 = start_block_workload(teardown, dev2, SIZE)
     w2.fill()

@@ -62,7 +62,12 @@ Fixed, its regression elsewhere:
   again. Now the label written on a newcomer is looked for through every
   attached unlabelled member, and a match is refused.
   pager-client/tests/identity.rs's drained-member test holds it (fails
-  without the fix).
+  without the fix). The same with the member still draining (the slice's
+  seed 2807349881, mode mirror: "drain d3 admin; ...; add-alias d3"):
+  the newcomer's label write was refused (ENOSPC), and it was accepted
+  unchecked. Now a donor that takes no label is not used until it does:
+  donor-add refuses it, a file line or an announcement waits.
+  identity.rs's draining-member tests hold both (fail without the fix).
 
 Open:
 

@@ -36,6 +36,9 @@ pub(crate) struct Health {
     /// Why it is not ours to use (its export is another device's, or a
     /// member's of ours reached another way), if it is not.
     pub refused: Option<String>,
+    /// Why it answers but is not attached yet: it took no label (it
+    /// refuses new pages); tried again each epoch it takes pages.
+    pub unlabelled: Option<String>,
 }
 
 /// Why a donor could not be attached.
@@ -49,12 +52,19 @@ pub(crate) enum AttachFail {
     Refused(String),
     /// It is member `.0` (entry), failed away and now at this address.
     Moved(usize),
+    /// It took no label (it refuses new pages: draining or full), so it
+    /// cannot be told apart from an unlabelled member reached another way:
+    /// not used until it can be labelled.
+    Unlabelled(String),
 }
 
 impl AttachFail {
     pub fn reason(&self) -> &str {
         match self {
-            AttachFail::Unreachable(r) | AttachFail::Lost(r) | AttachFail::Refused(r) => r,
+            AttachFail::Unreachable(r)
+            | AttachFail::Lost(r)
+            | AttachFail::Refused(r)
+            | AttachFail::Unlabelled(r) => r,
             AttachFail::Moved(_) => "a member at a new address",
         }
     }
@@ -277,6 +287,10 @@ impl Inner {
                 self.fail_donor(d, &reason);
                 false
             }
+            Err(AttachFail::Unlabelled(reason)) => {
+                self.wait_for_label(d, reason);
+                false
+            }
             Err(AttachFail::Lost(reason)) => {
                 self.fail_donor_gone(d, &reason);
                 true
@@ -370,8 +384,10 @@ impl Inner {
         // Labelled now, not at its first extent: a second address of this
         // export that joins later finds the label and is refused.
         if let Err(e) = self.write_label(d) {
-            tracing::warn!("donor {}: {e}; labelled at its first extent", d.cfg.name);
-            return Ok(());
+            d.attached.store(false, Ordering::Release);
+            return Err(AttachFail::Unlabelled(format!(
+                "it takes no label now ({e}): a donor that refuses new pages (draining or full) cannot be told apart from a member reached another way"
+            )));
         }
         // A member that holds nothing of ours (drained, or not yet given an
         // extent) has no label, so the export's own read found none: ask
@@ -493,9 +509,9 @@ impl Inner {
                 self.end_away(d);
                 self.refuse_donor(d, self.moved_here(i))
             }
-            Err(AttachFail::Unreachable(e) | AttachFail::Lost(e)) => {
+            Err(AttachFail::Unreachable(e) | AttachFail::Lost(e) | AttachFail::Unlabelled(e)) => {
                 d.pool.close();
-                tracing::debug!("donor {} still unreachable: {e}", d.cfg.name);
+                tracing::debug!("donor {} not back yet: {e}", d.cfg.name);
             }
         }
     }
@@ -541,6 +557,42 @@ impl Inner {
         d.pool.close();
         let mut h = d.health();
         h.refused = Some(reason);
+    }
+
+    /// Donor `d` answers but took no label: it waits, not attached and not
+    /// failed (it holds nothing of ours), until it takes pages.
+    pub(crate) fn wait_for_label(&self, d: &Donor, reason: String) {
+        tracing::warn!(
+            "donor {} ({}) not used yet: {reason}",
+            d.cfg.name,
+            d.cfg.address
+        );
+        d.pool.close();
+        d.health().unlabelled = Some(reason);
+    }
+
+    /// Each epoch, for a donor waiting to be labelled that may take pages
+    /// now (its status no longer says draining): attaches it, or says why
+    /// not.
+    pub(crate) fn retry_label(&self, d: &Donor) {
+        if d.draining.load(Ordering::Acquire) {
+            return;
+        }
+        let res = self.try_attach(d);
+        let mut h = d.health();
+        h.unlabelled = None;
+        drop(h);
+        match res {
+            Ok(()) => tracing::info!("donor {} ({}) labelled: in use", d.cfg.name, d.cfg.address),
+            Err(AttachFail::Unlabelled(r)) => {
+                d.pool.close();
+                d.health().unlabelled = Some(r);
+            }
+            Err(AttachFail::Refused(why)) => self.refuse_donor(d, why),
+            Err(AttachFail::Moved(i)) => self.refuse_donor(d, self.moved_here(i)),
+            Err(AttachFail::Unreachable(r)) => self.fail_donor(d, &r),
+            Err(AttachFail::Lost(r)) => self.fail_donor_gone(d, &r),
+        }
     }
 
     /// Marks every copy on failed donors lost, forgets their slots and

@@ -59,6 +59,12 @@ impl Inner {
         // backlog) and answers no handshake: one connect timeout each.
         let failed: Vec<&Donor> = self.members.iter().filter(|d| d.is_failed()).collect();
         self.on_pollers(&failed, |d| self.revive(d));
+        let waiting: Vec<&Donor> = self
+            .members
+            .iter()
+            .filter(|d| !d.is_failed() && !d.is_retired() && d.health().unlabelled.is_some())
+            .collect();
+        self.on_pollers(&waiting, |d| self.retry_label(d));
         let suspect: Vec<&Donor> = self.members.iter().filter(|d| d.is_suspect()).collect();
         self.on_pollers(&suspect, |d| self.check_suspect(d));
         self.update_frequencies(window);

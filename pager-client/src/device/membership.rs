@@ -440,6 +440,7 @@ impl Inner {
                     words.as_deref().unwrap_or(f.reason())
                 )));
             }
+            Err(AttachFail::Unlabelled(why)) => self.wait_for_label(d, why),
             Err(f) => self.fail_donor(d, words.as_deref().unwrap_or(f.reason())),
         }
         self.map

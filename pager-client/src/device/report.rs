@@ -246,7 +246,10 @@ impl Inner {
                     failed: d.is_failed(),
                     failure: {
                         let h = d.health();
-                        h.refused.clone().or_else(|| h.failure.clone())
+                        h.refused
+                            .clone()
+                            .or_else(|| h.failure.clone())
+                            .or_else(|| h.unlabelled.clone())
                     },
                     silent_ms: d.suspect_at().map(|t| t.elapsed().as_millis() as u64),
                     taken_back: d.taken_back.load(Ordering::Relaxed),

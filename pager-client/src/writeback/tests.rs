@@ -257,25 +257,6 @@ fn unaligned_writes_and_settle_wait_for_buffered_pages() {
 }
 
 #[test]
-fn a_durable_write_returns_only_once_drained() {
-    let mem = Mem::new(64 * PAGE);
-    with_buffer(&mem, 32, |wb, _| {
-        mem.hold.store(true, SeqCst);
-        std::thread::scope(|s| {
-            let h =
-                s.spawn(|| wb.write_durable(&[page_of(5), page_of(6)].concat(), 8 * PAGE as u64));
-            std::thread::sleep(Duration::from_millis(30));
-            let early = h.is_finished();
-            mem.hold.store(false, SeqCst);
-            assert!(!early, "acknowledged before the sink had it");
-            h.join().unwrap().unwrap();
-        });
-        assert_eq!(mem.page(8), page_of(5));
-        assert_eq!(mem.page(9), page_of(6));
-    });
-}
-
-#[test]
 fn a_full_buffer_whose_drains_fail_fails_its_writers() {
     let mem = Mem::new(256 * PAGE);
     mem.fail.store(true, SeqCst);
@@ -288,47 +269,5 @@ fn a_full_buffer_whose_drains_fail_fails_its_writers() {
         let e = r.unwrap_err();
         assert_eq!(e.errno(), libc::EIO);
         mem.fail.store(false, SeqCst);
-    });
-}
-
-#[test]
-fn a_refused_durable_write_fails_alone_and_leaves_the_buffer() {
-    let mem = Mem::new(16 * PAGE);
-    mem.bytes.lock().unwrap()[3 * PAGE..4 * PAGE].copy_from_slice(&page_of(1));
-    with_buffer(&mem, 32, |wb, c| {
-        mem.fail.store(true, SeqCst);
-        let e = wb.write_durable(&page_of(2), 3 * PAGE as u64).unwrap_err();
-        assert_eq!(e.errno(), libc::EIO);
-        assert!(c.drain_failures.load(SeqCst) > 0);
-        // Told of the failure, so not owed: gone from the buffer, and the
-        // device's block is what a read returns.
-        assert_eq!(wb.buffered(), 0);
-        let mut b = vec![0; PAGE];
-        wb.read(&mut b, 3 * PAGE as u64).unwrap();
-        assert_eq!(b, page_of(1));
-        // A flush has nothing refused left to wait on (it did, forever,
-        // when refused pages stayed buffered: fsync EIO on full donors).
-        wb.flush().unwrap();
-        mem.fail.store(false, SeqCst);
-        wb.write_durable(&page_of(3), 3 * PAGE as u64).unwrap();
-        assert_eq!(mem.page(3), page_of(3));
-    });
-}
-
-#[test]
-fn a_refused_page_with_an_early_write_in_it_stays_owed() {
-    let mem = Mem::new(16 * PAGE);
-    with_buffer(&mem, 32, |wb, _| {
-        mem.hold.store(true, SeqCst);
-        // Acknowledged early, then written durably while held: the early
-        // write's bytes are owed whatever happens to the durable one.
-        wb.write(&page_of(4), 5 * PAGE as u64).unwrap();
-        mem.fail.store(true, SeqCst);
-        mem.hold.store(false, SeqCst);
-        assert!(wb.write_durable(&page_of(5), 5 * PAGE as u64).is_err());
-        assert_eq!(wb.buffered(), 1, "the promised page was dropped");
-        mem.fail.store(false, SeqCst);
-        wb.flush().unwrap();
-        assert_eq!(mem.page(5), page_of(5));
     });
 }

@@ -170,13 +170,12 @@ pub struct Args {
     #[arg(long, default_value_t = 16, value_name = "N")]
     serve_threads: usize,
     /// The serving process's write-back buffer for swap-outs (FUSE front
-    /// ends; 0: none): writes acknowledged once buffered (with
-    /// --restartable once drained), sent to the donors in batches in the
-    /// background, reads of buffered pages served from it
-    /// (pagerctl(1) PERFORMANCE).
+    /// ends; 0: none; none with --restartable): writes acknowledged once
+    /// buffered, sent to the donors in batches in the background, reads of
+    /// buffered pages served from it (pagerctl(1) PERFORMANCE).
     #[arg(long, default_value = super::serve::DEFAULT_WRITEBACK, value_name = "SIZE", value_parser = check_size)]
     writeback_buffer: String,
-    /// A block device's buffered writes acknowledged once buffered, as
+    /// A block device's writes buffered and acknowledged once buffered, as
     /// swap's are, like a disk with a volatile write cache: a crash of the
     /// serving process loses what was not flushed (default: acknowledged
     /// once on the donors).

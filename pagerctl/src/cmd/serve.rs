@@ -50,14 +50,15 @@ pub struct Args {
     /// restartable device instead of mounting one.
     #[arg(long)]
     held: bool,
-    /// The write-back buffer: swap-outs acknowledged once buffered (a
-    /// restartable device's once drained) and sent to the donors in the
-    /// background in batches (0: none; pagerctl(1) PERFORMANCE).
+    /// The write-back buffer: swap-outs acknowledged once buffered and
+    /// sent to the donors in the background in batches (0: none; a
+    /// restartable device has none; pagerctl(1) PERFORMANCE).
     #[arg(long, default_value = DEFAULT_WRITEBACK, value_parser = parse_size, value_name = "SIZE")]
     writeback_buffer: u64,
-    /// Acknowledge buffered writes only once they are on the donors, as a
-    /// restartable device does (attach sets it for a block device: what it
-    /// acknowledged survives a crash of this process and a re-attach).
+    /// Acknowledge writes only once they are on the donors, with no
+    /// buffer, as a restartable device does (attach sets it for a block
+    /// device: what it acknowledged survives a crash of this process and a
+    /// re-attach).
     #[arg(long)]
     writeback_ack_late: bool,
 }
@@ -134,17 +135,13 @@ pub fn run(a: Args) -> Result<()> {
     };
     // Restartable once the connection is known to outlive this process.
     let mut restartable = a.held || stored.is_some();
-    // Late acknowledgement wherever the connection may outlive this
-    // process (serving.rs; a stored connection counts before the service
-    // manager says it keeps it) or a block device's data must.
-    let buffer = (a.writeback_buffer > 0)
-        .then(|| {
-            Buffer::start(
-                &device,
-                a.writeback_buffer,
-                restartable || store_in.is_some() || a.writeback_ack_late,
-            )
-        })
+    // No buffer wherever the connection may outlive this process
+    // (serving.rs; a stored connection counts before the service manager
+    // says it keeps it) or a block device's data must: a write is then
+    // acknowledged once on the donors.
+    let late = restartable || store_in.is_some() || a.writeback_ack_late;
+    let buffer = (a.writeback_buffer > 0 && !late)
+        .then(|| Buffer::start(&device, a.writeback_buffer))
         .transpose()
         .context("cannot start the write-back buffer's drainers")?;
     let backend = DeviceBackend {
