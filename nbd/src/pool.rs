@@ -235,6 +235,24 @@ impl Pool {
     pub fn close(&self) {
         let mut st = self.lock();
         st.closed = true;
+        self.next_round(&mut st);
+    }
+
+    /// Drops every connection if the pool is still at `generation` (see
+    /// [`Pool::generation`]): the next checkout connects on a new round
+    /// (the donor refused that generation's requests because a newer round
+    /// of the same export connected). Only once per generation: each new
+    /// round fences the one before, so callers that saw the same refusal
+    /// must not each open one. Unlike [`Pool::close`] then
+    /// [`Pool::reopen`], no checkout meanwhile is refused.
+    pub fn renew_from(&self, generation: u64) {
+        let mut st = self.lock();
+        if st.generation == generation {
+            self.next_round(&mut st);
+        }
+    }
+
+    fn next_round(&self, st: &mut PoolState) {
         st.generation += 1;
         if let Some(r) = &self.rounds {
             st.round = r.fetch_add(1, Ordering::AcqRel) + 1;

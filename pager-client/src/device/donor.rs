@@ -41,6 +41,10 @@ pub(crate) struct Health {
     pub unlabelled: Option<String>,
 }
 
+/// Reads of a donor's first page, each on a new round of connections, while
+/// the donor refuses its round ([`Inner::read_on_a_live_round`]).
+const STALE_READS: usize = 3;
+
 /// Why a donor could not be attached.
 #[derive(Debug)]
 pub(crate) enum AttachFail {
@@ -320,7 +324,18 @@ impl Inner {
 
     /// Attaches `d`, or says why not.
     pub(crate) fn try_attach(&self, d: &Donor) -> std::result::Result<(), AttachFail> {
-        let unreachable = |e: netpager_nbd::NbdError| AttachFail::Unreachable(e.to_string());
+        let unreachable = |e: netpager_nbd::NbdError| {
+            if e.is_fenced() {
+                // Its connection is this session's newest but one: another
+                // entry of this device connected to the same export since.
+                AttachFail::Refused(format!(
+                    "{} serves the same export as a member (a member's connection to it took it over while it was checked): one donor reached two ways",
+                    d.cfg.address
+                ))
+            } else {
+                AttachFail::Unreachable(e.to_string())
+            }
+        };
         let mut lease = d.pool.checkout().map_err(unreachable)?;
         let size = lease.size();
         // Connected first (that may wait out a timeout), then one export at
@@ -419,30 +434,52 @@ impl Inner {
     /// `labelling`, so no member labels itself meanwhile.
     fn unlabelled_member_reading(&self, d: &Donor) -> Option<&Donor> {
         let ours = self.map.donor_label(d.id);
-        let read = |o: &Donor| {
-            let mut b = vec![0u8; LABEL_BYTES];
-            o.pool
-                .checkout()
-                .and_then(|mut l| l.run(0, Op::Read(&mut b)))
-                .map(|()| b)
-        };
         self.members
             .iter()
             // Attached: one not attached yet checks itself when it is.
             .filter(|o| o.idx != d.idx && !o.is_retired() && !o.is_failed())
             .filter(|o| o.attached.load(Ordering::Acquire) && self.map.donor_label(o.id) == 0)
             .find(|o| {
-                let mut got = read(o);
-                if got.as_ref().is_err_and(|e| e.is_fenced()) {
-                    // Its connections' round is older than the one `d` just
-                    // opened on the same export: that is the answer, but
-                    // it is read on a new round to be sure.
-                    o.pool.close();
-                    o.pool.reopen();
-                    got = read(o);
-                }
-                got.is_ok_and(|b| label::decode(&b).value() == Some(ours))
+                // Its connections' round may be older than the one `d`
+                // just opened on the same export: that is the answer, but
+                // it is read on a new round to be sure.
+                let mut b = vec![0u8; LABEL_BYTES];
+                self.read_on_a_live_round(o, &mut b).is_ok()
+                    && label::decode(&b).value() == Some(ours)
             })
+    }
+
+    /// Reads the start of `d`'s export on a round of connections the donor
+    /// still takes. It refuses an older round's requests once a newer
+    /// round of this device's connects to the same export (another pool:
+    /// a second name being checked). A new round is opened only if the
+    /// current one is refused, once per refused generation (each new round
+    /// fences the one before, so threads renewing at once fenced each
+    /// other, and the device took that for a newer session and stopped),
+    /// and never through `close`: a checkout between it and `reopen` was
+    /// refused, and that failed the donor (the nemesis, mirror, seed
+    /// 658104338: "add-alias d2" failed d2).
+    pub(crate) fn read_on_a_live_round(
+        &self,
+        d: &Donor,
+        b: &mut [u8],
+    ) -> std::result::Result<(), netpager_nbd::NbdError> {
+        let read = |b: &mut [u8]| {
+            let generation = d.pool.generation();
+            let r = d.pool.checkout().and_then(|mut l| l.run(0, Op::Read(b)));
+            (generation, r)
+        };
+        let mut r = read(b);
+        for _ in 0..STALE_READS {
+            match r {
+                (generation, Err(e)) if e.is_fenced() => {
+                    d.pool.renew_from(generation);
+                    r = read(b);
+                }
+                _ => break,
+            }
+        }
+        r.1
     }
 
     fn set_capacity(&self, d: &Donor, size: u64, cleared: bool) {
@@ -579,9 +616,7 @@ impl Inner {
             return;
         }
         let res = self.try_attach(d);
-        let mut h = d.health();
-        h.unlabelled = None;
-        drop(h);
+        d.health().unlabelled = None;
         match res {
             Ok(()) => tracing::info!("donor {} ({}) labelled: in use", d.cfg.name, d.cfg.address),
             Err(AttachFail::Unlabelled(r)) => {

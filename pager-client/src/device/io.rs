@@ -281,6 +281,13 @@ pub(crate) fn retry_once(d: &super::donor::Donor, e: &nbd::NbdError) -> bool {
     again
 }
 
+/// Sends of a request the donor refused for an older round of
+/// connections, each on a new round. Each check of a second name of a
+/// member fences the member's round once, so a request is refused as
+/// often as such checks come while it waits; a newer session refuses
+/// every round, and that is found after the last (`donor_error`).
+const STALE_TRIES: usize = 16;
+
 /// Runs a batch of NBD requests, a result for each.
 fn run<const N: usize>(
     batch: &mut [Option<nbd::Request<'_, '_>>; N],
@@ -413,7 +420,7 @@ impl Inner {
             // Rounds of connections the requests went out on: a refusal
             // (EPERM) on a round the pool has since left is a queued
             // request the donor fenced off, not a newer session.
-            let rounds: [u64; N] =
+            let mut rounds: [u64; N] =
                 std::array::from_fn(|i| who[i].map_or(0, |d| d.pool.generation()));
             let mut out = run(&mut batch);
             // One failed request is not a failed donor: a connection reset
@@ -421,39 +428,43 @@ impl Inner {
             // connection, so it is sent once more (on another or a fresh
             // one) before the donor is failed. A timeout has used the
             // request's deadline already and is not retried.
-            let mut retry: [Option<nbd::Request<'_, '_>>; N] = std::array::from_fn(|_| None);
-            let mut again = false;
-            for ((((o, d), r), slot), round) in out
-                .iter()
-                .zip(&who)
-                .zip(reqs.iter_mut())
-                .zip(&mut retry)
-                .zip(rounds)
-            {
-                let (Some(d), Some(r), Err(e)) = (d, r.as_mut(), o) else {
-                    continue;
-                };
-                let Loc::Donor { slot: s, .. } = r.loc else {
-                    continue;
-                };
-                // Refused for an older round: this pool's connections were
-                // superseded, by a round of its own (the pool moved on) or by
-                // another entry of this session that reached the same export
-                // (a second name of a member, for a moment): once more on a
-                // new round. A newer session refuses that one too.
-                let stale = e.is_fenced();
-                if stale && d.pool.generation() == round {
-                    d.pool.close();
-                    d.pool.reopen();
+            for pass in 0..STALE_TRIES {
+                let mut retry: [Option<nbd::Request<'_, '_>>; N] = std::array::from_fn(|_| None);
+                let mut again = false;
+                for ((((o, d), r), slot), round) in out
+                    .iter()
+                    .zip(&who)
+                    .zip(reqs.iter_mut())
+                    .zip(&mut retry)
+                    .zip(rounds)
+                {
+                    let (Some(d), Some(r), Err(e)) = (d, r.as_mut(), o) else {
+                        continue;
+                    };
+                    let Loc::Donor { slot: s, .. } = r.loc else {
+                        continue;
+                    };
+                    // Refused for an older round: this pool's connections
+                    // were superseded, by a round of its own (the pool moved
+                    // on) or by another entry of this session that reached
+                    // the same export (a second name of a member being
+                    // checked): again on a new round. A newer session
+                    // refuses that one too.
+                    let stale = e.is_fenced();
+                    if stale {
+                        d.pool.renew_from(round);
+                    }
+                    if stale || (pass == 0 && retry_once(d, e)) {
+                        *slot = Some(self.nbd_request(d, s, r));
+                        again = true;
+                    }
                 }
-                if stale || retry_once(d, e) {
-                    *slot = Some(self.nbd_request(d, s, r));
-                    again = true;
+                if !again {
+                    break;
                 }
-            }
-            if again {
-                let second = run(&mut retry);
-                for ((o, s), b) in out.iter_mut().zip(second).zip(&retry) {
+                rounds = std::array::from_fn(|i| who[i].map_or(0, |d| d.pool.generation()));
+                let next = run(&mut retry);
+                for ((o, s), b) in out.iter_mut().zip(next).zip(&retry) {
                     if b.is_some() {
                         *o = s;
                     }
@@ -586,14 +597,8 @@ impl Inner {
     /// session owns the export), after a request of an older round was
     /// refused.
     fn refused_on_a_new_round(&self, d: &Donor) -> bool {
-        d.pool.close();
-        d.pool.reopen();
-        let mut b = [0u8; 512];
-        let res = d
-            .pool
-            .checkout()
-            .and_then(|mut l| l.run(0, Op::Read(&mut b)));
-        res.is_err_and(|e| e.is_fenced())
+        self.read_on_a_live_round(d, &mut [0u8; 512])
+            .is_err_and(|e| e.is_fenced())
     }
 
     /// A newer session of this device owns its exports: serve and change

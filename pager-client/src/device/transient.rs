@@ -144,6 +144,10 @@ impl Inner {
     /// failed as it was, with the label to take it back by.
     pub(crate) fn succeed(&self, old: &Donor, new: &Donor) {
         *new.away.lock_or_recover() = old.away.lock_or_recover().take();
+        // What it held when marked lost goes with it, to be trimmed if
+        // not taken back (the same export, another address).
+        *new.left_behind.lock_or_recover() =
+            std::mem::take(&mut *old.left_behind.lock_or_recover());
         let (failure, failed_at, marked) = {
             let h = old.health();
             (h.failure.clone(), h.failed_at, h.marked)
