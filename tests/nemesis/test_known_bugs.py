@@ -54,6 +54,18 @@ Fixed, its regression elsewhere:
   is away). Now the slots a donor held when its copies were marked lost
   are trimmed on take-back unless a member took them back.
 
+- second-name-fails-the-member (`make nemesis`, mirror, seed 658104338:
+  "stop s2 short; pause 2; add-alias d2; add-alias d2"): the check of a
+  second name connects a newer round to the shared export, fencing the
+  member's connections; the member closed and reopened its pool, a
+  request between the two was refused ("no new connections") and the
+  member was failed, and the next add-alias then moved d2 to the alias
+  (taking it for the failed member at a new address), leaking its old
+  slots. Now the member moves to a new round once per refused
+  generation, never through close, and a refused request is sent again
+  on new rounds. pager-client/tests/identity.rs's second-name-under-load
+  test holds it (failed 3 of 3 before); the seed's replay passes.
+
 - alias-of-a-drained-member (`make nemesis`, mode none, seed 1265920796:
   "drain d2 meminfo; ...; pause 5; add-alias d2"): a member drained
   empty drops its label (so the donor ends holding nothing), and its
@@ -69,7 +81,25 @@ Fixed, its regression elsewhere:
   donor-add refuses it, a file line or an announcement waits.
   identity.rs's draining-member tests hold both (fail without the fix).
 
-Open:
+Open, found by `make nemesis` on 2026-11-28 and not yet shrunk or fixed
+(their replays, `make nemesis MODES=M SEED=S OPS=40`, find them; not kept
+as tests until shrunk to a schedule that finds them every time):
+
+- move-to-a-stopped-donor (mirror, seed 658104340: "add s2; drain d3
+  admin; stop s2 long; add-unreachable; heal s2"): a write whose member
+  sits on the draining d3 moves it first, to s2, which is stopped; the
+  copy to its new place times out and the application's write gets EIO,
+  although d1 and d2 hold the other copies and took the write.
+- leftover-after-stop (mirror, seed 658104342): at the end checks s2
+  keeps 16.3 MB of the export where the device places 14 extents (14.7 MB
+  at most): slots left behind on some path the take-back trims miss.
+- drain-with-too-few-donors (parity, seeds 658104337 and 658104338): a
+  donor starts draining ("drain d5 meminfo", "drain an meminfo") while
+  others are failed or stopped; writes into the draining donor's members
+  get ENOSPC (it takes no new pages) and the move finds no room. Either
+  the model draws a drain the mode cannot absorb, or this is
+  drains-overlapping below by another road: not yet told apart.
+
 
 - drains-overlapping: device A (parity 3 on d1..d5) under fio and the
   history; two donors start draining one right after the other, three
