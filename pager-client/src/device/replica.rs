@@ -152,7 +152,7 @@ impl Inner {
                 }
                 match self.move_member(e, &mut g, j, MoveWhy::Full) {
                     Ok(()) => {}
-                    Err(DeviceError::NoSpace { .. })
+                    Err(DeviceError::NoSpace { .. } | DeviceError::Io { .. })
                         if g.as_ref().is_some_and(|u| {
                             u.members
                                 .iter()
@@ -160,8 +160,11 @@ impl Inner {
                                 .any(|(k, m)| k != j && self.usable(m))
                         }) =>
                     {
-                        // Another copy took the write: keep that one, rebuild
-                        // this one when room appears.
+                        // Another copy takes the write: keep that one, rebuild
+                        // this one when room appears, or when its new place
+                        // answers (a move to a stopped donor timed out: the
+                        // nemesis, mirror, seed 658104340, gave the
+                        // application EIO).
                         self.drop_member(e, &mut g, j)?;
                     }
                     Err(err) => return Err(err),
