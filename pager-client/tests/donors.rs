@@ -1,6 +1,8 @@
 //! With real pager-server donors (status endpoint, budget, draining): a
-//! draining donor is emptied while writes go on, and a donor whose budget
-//! runs out mid-extent makes that extent move. Skipped with a note when
+//! draining donor is emptied while writes go on, a donor whose budget
+//! runs out mid-extent makes that extent move, and a striped member refused
+//! a write that the others took moves with it, or is dropped, never left
+//! stale. Skipped with a note when
 //! libpager_server.so has not been built (see netpager_test_support::pager_server_so).
 
 mod common;
@@ -305,4 +307,134 @@ fn an_idle_device_is_not_throttled_and_a_busy_one_is() {
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     writer.join().unwrap();
     assert!(s.totals.all_capped, "{}", render_table(&s));
+}
+
+/// Group 0 of a striped device on `width` donors (plus a spare if
+/// `spare`), each of its extents half written, and the donors of extents
+/// 0 and 1's data members: (device, model, the donors, x, y).
+fn half_written_group(
+    mode: Mode,
+    width: usize,
+    spare: bool,
+) -> Option<(Device, Model, Vec<Nbdkit>, usize, usize, tempfile::TempDir)> {
+    let n = width + usize::from(spare);
+    let ds = servers(n, "16M")?;
+    let refs: Vec<&Nbdkit> = ds.iter().collect();
+    let state = tempfile::tempdir().unwrap();
+    let size = 16 * EXTENT;
+    let mut cfg = config(mode, size, EXTENT, &refs);
+    // Writes go home by read-modify-write.
+    cfg.parity_log = Some(ByteSize(0));
+    let dev = Device::open(cfg, state.path()).unwrap();
+    let mut model = Model::new(size);
+    let mut rng = Rng::new(47);
+    // The first half of each extent of group 0: the second halves hold no
+    // page on any donor yet.
+    for e in 0..4 {
+        model.write_random(&dev, &mut rng, e * EXTENT, EXTENT / 2);
+    }
+    // Which donor serves an extent's reads: its data member's.
+    let holder = |e: u64| -> usize {
+        let before: Vec<u64> = dev.status().donors.iter().map(|d| d.reads).collect();
+        model.check(&dev, e * EXTENT, 4096);
+        let after = dev.status().donors;
+        (0..n)
+            .find(|&i| after[i].reads > before[i])
+            .expect("a read reached a donor")
+    };
+    let (x, y) = (holder(0), holder(1));
+    Some((dev, model, ds, x, y, state))
+}
+
+/// Reads the whole device: each extent as `model` has it, or EIO; the
+/// number of extents that failed.
+fn extents_failing(dev: &Device, model: &Model) -> u64 {
+    let mut failed = 0;
+    for e in 0..dev.size() / EXTENT {
+        let mut b = vec![0u8; EXTENT as usize];
+        match dev.read(&mut b, e * EXTENT) {
+            Ok(()) => assert!(
+                b == model.data[(e * EXTENT) as usize..((e + 1) * EXTENT) as usize],
+                "extent {e} reads back wrong"
+            ),
+            Err(err) => {
+                assert_eq!(err.errno(), libc::EIO, "{err}");
+                failed += 1;
+            }
+        }
+    }
+    failed
+}
+
+/// Donor `x` drains, so takes no new page, and a page is written to the
+/// second half of extent 0, whose data member `x` holds.
+fn refused_on(ds: &[Nbdkit], x: usize, dev: &Device, model: &mut Model) {
+    let status = ds[x].status.clone().expect("status endpoint");
+    netpager_proto::set_draining(&status, true, Duration::from_secs(2)).unwrap();
+    model.write_random(dev, &mut Rng::new(48), EXTENT / 2, 4096);
+}
+
+/// A striped write whose member is refused (its donor drains, so takes no
+/// new page) while every other member takes the new stripe, with no room
+/// anywhere to move that member: the member now holds stale bytes, so it is
+/// dropped (lost, rebuilt when room appears) and the write, held by the
+/// others, succeeds. Kept as it was, it read back stale, and once another
+/// member's donor died the group decoded that stale member into the other
+/// extents (the nemesis, ec, seed 2485690532: a swap page read back wrong).
+fn refused_member_with_no_room_anywhere(mode: Mode, width: usize, parity: u64) {
+    let Some((dev, mut model, mut ds, x, y, _state)) = half_written_group(mode, width, false)
+    else {
+        return;
+    };
+    refused_on(&ds, x, &dev, &mut model);
+    assert_eq!(extents_failing(&dev, &model), 0);
+    let s = dev.status();
+    assert_eq!(
+        (s.totals.degraded, s.totals.lost),
+        (1, 0),
+        "{}",
+        render_table(&s)
+    );
+    ds[y].kill9();
+    // Ec 4+2 survives the two; parity 2+1 loses both of the group's extents.
+    let k = width as u64 - parity;
+    assert_eq!(
+        extents_failing(&dev, &model),
+        if parity > 1 { 0 } else { k }
+    );
+}
+
+/// The same refusal while another member of the group is lost already,
+/// with a spare donor to move to: the member moves with its own bytes (the
+/// others cannot re-create it) and then takes the refused write at its new
+/// place. Before, it moved with its old bytes and the write was dropped.
+fn refused_member_moves_while_another_is_lost(mode: Mode, width: usize) {
+    let Some((dev, mut model, mut ds, x, y, _state)) = half_written_group(mode, width, true) else {
+        return;
+    };
+    ds[y].kill9();
+    refused_on(&ds, x, &dev, &mut model);
+    assert_eq!(extents_failing(&dev, &model), 0);
+    let s = dev.status();
+    assert_eq!(s.totals.lost, 0, "{}", render_table(&s));
+}
+
+#[test]
+fn ec_member_refused_with_no_room_anywhere_is_dropped_not_left_stale() {
+    refused_member_with_no_room_anywhere(Mode::Ec { data: 4, parity: 2 }, 6, 2);
+}
+
+#[test]
+fn parity_member_refused_with_no_room_anywhere_is_dropped_not_left_stale() {
+    refused_member_with_no_room_anywhere(Mode::Parity { width: 3 }, 3, 1);
+}
+
+#[test]
+fn ec_member_refused_while_another_is_lost_moves_with_the_write() {
+    refused_member_moves_while_another_is_lost(Mode::Ec { data: 4, parity: 2 }, 6);
+}
+
+#[test]
+fn parity_member_refused_while_another_is_lost_moves_with_the_write() {
+    refused_member_moves_while_another_is_lost(Mode::Parity { width: 3 }, 3);
 }

@@ -28,8 +28,9 @@ pub(crate) enum MoveWhy {
     Rebuild,
     /// Its donor is draining: copy it away, then trim the old slot.
     Drain,
-    /// Its donor refused a write for lack of room: the other members (or,
-    /// failing that, the member itself) have the data that belongs there.
+    /// Its donor refused a write for lack of room, which is written again
+    /// at its new place: the member itself (current but for the refused
+    /// bytes) or the other members have the data that belongs there.
     Full,
     /// It is on the local fallback and a donor has room: copy it there.
     OffFallback,
@@ -171,6 +172,66 @@ impl Inner {
             state: CopyState::Ok,
         };
         *g = Some(next);
+        self.map.commit(u, g)?;
+        self.release_slot(old);
+        Ok(())
+    }
+
+    /// Member `j` of striped unit `u` was refused a write for lack of room
+    /// while the unit's other members took their part of it: it moves
+    /// (read from itself, or re-created from the others where it cannot
+    /// be read) and the bytes it was refused, `patches` (offset, bytes),
+    /// are written at its new place. With no room anywhere it is marked
+    /// lost instead, so nothing reads its stale bytes (rebuild re-creates
+    /// it once there is room). Kept as it was, it read back stale and, once
+    /// another member was lost, decoded into the other extents of its group
+    /// (the nemesis, ec, seed 2485690532). Fails only if the unit is left
+    /// with fewer members than a read needs.
+    pub(crate) fn move_refused(
+        &self,
+        u: u64,
+        g: &mut Option<Unit>,
+        j: usize,
+        patches: &[(u64, &[u8])],
+    ) -> Result<()> {
+        let err = match self.move_member(u, g, j, MoveWhy::Full) {
+            Ok(()) => {
+                let m = g.as_ref().expect("a placed unit").members[j];
+                let failed = patches
+                    .iter()
+                    .find_map(|&(off, bytes)| self.exec1(m.loc, off, Op::Write(bytes)).err());
+                let Some(f) = failed else {
+                    return Ok(());
+                };
+                DeviceError::Io {
+                    extent: u * self.layout.data_per_unit(),
+                    reason: format!("writing the refused bytes at its new place: {}", f.reason()),
+                }
+            }
+            Err(
+                e @ (DeviceError::NoSpace { .. }
+                | DeviceError::Io { .. }
+                | DeviceError::Lost { .. }),
+            ) => e,
+            Err(e) => return Err(e),
+        };
+        self.drop_member(u, g, j)?;
+        let unit = g.as_ref().expect("a placed unit");
+        let usable = unit.members.iter().filter(|m| self.usable(m)).count();
+        if usable < self.layout.data_per_unit() as usize {
+            return Err(err);
+        }
+        tracing::warn!("unit {u}: member {j} lost until there is room for it ({err})");
+        Ok(())
+    }
+
+    /// Marks member `j` of unit `u` lost and gives back its slot.
+    pub(crate) fn drop_member(&self, u: u64, g: &mut Option<Unit>, j: usize) -> Result<()> {
+        let Some(unit) = g.as_mut() else {
+            return Ok(());
+        };
+        let old = unit.members[j];
+        unit.members[j].state = CopyState::Lost;
         self.map.commit(u, g)?;
         self.release_slot(old);
         Ok(())

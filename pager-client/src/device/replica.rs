@@ -212,18 +212,6 @@ impl Inner {
         })
     }
 
-    /// Marks member `j` lost and gives back its slot.
-    fn drop_member(&self, u: u64, g: &mut Option<Unit>, j: usize) -> Result<()> {
-        let Some(unit) = g.as_mut() else {
-            return Ok(());
-        };
-        let old = unit.members[j];
-        unit.members[j].state = CopyState::Lost;
-        self.map.commit(u, g)?;
-        self.release_slot(old);
-        Ok(())
-    }
-
     /// First write to extent `e`: choose its copies, write them, journal.
     fn place_replica(&self, e: u64, g: &mut Option<Unit>, in_off: u64, data: &[u8]) -> Result<()> {
         let full = in_off == 0 && data.len() as u64 == self.extent_len(e);

@@ -26,7 +26,7 @@ mod write;
 
 use super::backend::StripedBackend;
 use super::io::{batch, IoReq};
-use super::maintenance::Moving;
+use super::maintenance::{MoveWhy, Moving};
 use super::{DeviceError, Inner, Result};
 use crate::extent_map::{CopyState, Loc, Member, Unit};
 use netpager_nbd::Op;
@@ -39,8 +39,8 @@ impl Inner {
     }
 
     /// What member `j` of group `u` should hold: read from itself when it
-    /// is leaving (drain) or another member is gone too, else decoded from
-    /// the others (a member refused a write for room holds old bytes).
+    /// is leaving (drain), was refused a write (written again after), or
+    /// another member is gone too, else decoded from the others.
     pub(crate) fn stripe_member_content(
         &self,
         mv: &Moving<'_>,
@@ -54,7 +54,8 @@ impl Inner {
             .iter()
             .enumerate()
             .all(|(k, m)| k == j || self.usable(m));
-        let from_self = self.usable(&me) && (why.reads_itself_first() || !others_ok);
+        let from_self =
+            self.usable(&me) && (why.reads_itself_first() || why == MoveWhy::Full || !others_ok);
         if from_self && self.exec1(me.loc, 0, Op::Read(out)).is_ok() {
             return Ok(());
         }

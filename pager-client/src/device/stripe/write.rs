@@ -11,13 +11,19 @@ use std::sync::RwLockWriteGuard;
 use super::super::io::{batch, xor_into, IoFail, IoReq, ZEROS};
 use super::super::maintenance::MoveWhy;
 use super::super::{DeviceError, Inner, Result};
-use crate::erasure::{aligned, ALIGN, MAX_SHARDS};
+use crate::erasure::{aligned, ALIGN};
 use crate::extent_map::{Loc, Unit};
 use crate::page_log::PAGE;
 use netpager_nbd::Op;
 use netpager_util::RwLockExt;
 
 type GroupGuard<'a> = RwLockWriteGuard<'a, Option<Unit>>;
+
+/// What members of a group refused for lack of room, while the others
+/// took their part of the same write: (member, offset in it, bytes).
+/// Copied off the shared buffers (the move takes its own), on a path
+/// taken only when a donor refuses.
+type Refusals = Vec<(usize, u64, Vec<u8>)>;
 
 impl Inner {
     /// Writes `data` at device offset `offset`: whole groups at once (their
@@ -136,6 +142,42 @@ impl Inner {
             self.place_group(first, g, &mut guard, false)?;
         }
         self.map.mark_written(g)?;
+        let refused = self.full_stripe_pass(g, data, guard.as_ref().expect("placed above"))?;
+        self.settle_refusals(g, &mut guard, &refused)?;
+        let pages = data.len() as u64 / PAGE;
+        self.journal()
+            .drop_pages(first * ext as u64 / PAGE, pages)?;
+        Ok(())
+    }
+
+    /// Moves each member that was refused bytes of a write for lack of
+    /// room, and gives it those bytes at its new place
+    /// (`Inner::move_refused`).
+    fn settle_refusals(
+        &self,
+        g: u64,
+        guard: &mut GroupGuard<'_>,
+        refused: &Refusals,
+    ) -> Result<()> {
+        let mut members: Vec<usize> = refused.iter().map(|r| r.0).collect();
+        members.sort_unstable();
+        members.dedup();
+        for j in members {
+            let patches: Vec<(u64, &[u8])> = refused
+                .iter()
+                .filter(|r| r.0 == j)
+                .map(|r| (r.1, &r.2[..]))
+                .collect();
+            self.move_refused(g, guard, j, &patches)?;
+        }
+        Ok(())
+    }
+
+    /// The full-stripe write of group `g` placed as `unit`: what members
+    /// refused for lack of room.
+    fn full_stripe_pass(&self, g: u64, data: &[u8], unit: &Unit) -> Result<Refusals> {
+        let ext = self.layout.extent as usize;
+        let first = g * self.layout.data_per_unit();
         let (k, r) = (
             self.layout.data_per_unit() as usize,
             self.layout.parity_count(),
@@ -144,7 +186,6 @@ impl Inner {
         let par = bufs.one(r * ext);
         self.encode_chunks(first, data, par, ext)?;
         let par: &[u8] = par;
-        let unit = guard.as_ref().expect("placed above");
         let mut reqs = batch();
         for (j, (m, req)) in unit.members.iter().zip(&mut reqs).enumerate() {
             let s = self.layout.shard_of(g, j);
@@ -167,7 +208,6 @@ impl Inner {
             });
         }
         let res = self.exec(&mut reqs);
-        drop(bufs);
         let failed = res
             .iter()
             .filter(|r| matches!(r, Some(Err(IoFail::Failed(_)))))
@@ -181,17 +221,19 @@ impl Inner {
                 ),
             });
         }
-        // A member refused for lack of room is rebuilt elsewhere from the
-        // others, which now hold the new stripe.
-        for (k, r) in res.iter().enumerate() {
-            if matches!(r, Some(Err(IoFail::NoSpace(_)))) {
-                self.move_member(g, &mut guard, k, MoveWhy::Full)?;
+        let mut refused = Refusals::new();
+        for (j, (r, req)) in res.iter().zip(&reqs).enumerate() {
+            if let (
+                Some(Err(IoFail::NoSpace(_))),
+                Some(IoReq {
+                    op: Op::Write(b), ..
+                }),
+            ) = (r, req)
+            {
+                refused.push((j, 0, b.to_vec()));
             }
         }
-        let pages = data.len() as u64 / PAGE;
-        self.journal()
-            .drop_pages(first * ext as u64 / PAGE, pages)?;
-        Ok(())
+        Ok(refused)
     }
 
     /// Forgets that the pages `[at, end)` touches read as zeros: they are
@@ -357,19 +399,36 @@ impl Inner {
             };
             match (self.usable(&dm), self.usable(&pm)) {
                 (true, true) => {
-                    let Some([dw, pw]) = self.update_pair(dm.loc, pm.loc, in_off, data) else {
+                    // Up to a page (the swap path's size) the scratch is on
+                    // the stack, so concurrent small writes never wait for
+                    // the shared extent buffers.
+                    let mut stack = [[0u8; PAGE as usize]; 2];
+                    let mut pooled = (len > PAGE as usize).then(|| self.bufs.take(2));
+                    let (old_d, par) = match pooled.as_mut() {
+                        Some(b) => b.two(len),
+                        None => {
+                            let [a, b] = &mut stack;
+                            (&mut a[..len], &mut b[..len])
+                        }
+                    };
+                    let Some([dw, pw]) = self.update_pair(dm.loc, pm.loc, in_off, data, old_d, par)
+                    else {
                         // A donor just failed (and is marked): go degraded.
                         continue;
                     };
                     match (dw, pw) {
                         (Ok(()), Ok(())) => return Ok(()),
-                        // Parity has the new data folded in: rebuild the data
-                        // member from it elsewhere.
+                        // The other took its part: the refused member
+                        // moves and is given its part there.
                         (Err(IoFail::NoSpace(_)), Ok(())) => {
-                            return self.move_member(g, guard, pos, MoveWhy::Full)
+                            drop(pooled);
+                            return self.move_refused(g, guard, pos, &[(in_off, data)]);
                         }
                         (Ok(()), Err(IoFail::NoSpace(_))) => {
-                            return self.move_member(g, guard, pp, MoveWhy::Full)
+                            // Off the shared buffers: the move takes its own.
+                            let par = par.to_vec();
+                            drop(pooled);
+                            return self.move_refused(g, guard, pp, &[(in_off, &par)]);
                         }
                         // One member's donor died mid-write: the other holds
                         // what is needed to rebuild it.
@@ -441,6 +500,14 @@ impl Inner {
     /// no fewer than the `k - 1` read here at the usual 4+2, and would need
     /// the code's coefficients.
     fn write_stripe_locked(&self, off: u64, data: &[u8], guard: &mut GroupGuard<'_>) -> Result<()> {
+        let (g, _) = self.layout.locate(off / self.layout.extent);
+        let refused = self.stripe_pass(off, data, guard.as_ref().expect("placed by the caller"))?;
+        self.settle_refusals(g, guard, &refused)
+    }
+
+    /// [`Self::write_stripe_locked`]'s writes to group members `unit`:
+    /// what members refused for lack of room.
+    fn stripe_pass(&self, off: u64, data: &[u8], unit: &Unit) -> Result<Refusals> {
         let l = self.layout;
         let (e, in_off) = (off / l.extent, off % l.extent);
         let (g, pos) = l.locate(e);
@@ -451,12 +518,11 @@ impl Inner {
         let mut bufs = self.bufs.take(2);
         let (shards, scratch) = bufs.two(self.buf_bytes());
         let piece = (shards.len() / (k + r) / ALIGN * ALIGN) as u64;
-        let mut moves = [false; MAX_SHARDS];
+        let mut refused = Refusals::new();
         let mut at = a_off;
         while at < a_off + a_len {
             let n = piece.min(a_off + a_len - at) as usize;
             let (dpart, ppart) = shards[..(k + r) * n].split_at_mut(k * n);
-            let unit = guard.as_ref().expect("placed by the caller");
             // The data shards as they are: read in one batch, decoded
             // where a member is gone or its read failed.
             let covered = |i: usize| i == me && at >= in_off && at + n as u64 <= end;
@@ -490,8 +556,8 @@ impl Inner {
                 .copy_from_slice(&data[(from - in_off) as usize..(to - in_off) as usize]);
             self.encode_chunks(e, dpart, ppart, n)?;
             let (dpart, ppart) = (&*dpart, &*ppart);
+            let mut reqs = batch();
             let res = {
-                let mut reqs = batch();
                 for (j, req) in reqs.iter_mut().enumerate().take(k + r) {
                     let s = l.shard_of(g, j);
                     let m = unit.members[j];
@@ -515,15 +581,20 @@ impl Inner {
             let mut current = 0;
             for (j, m) in unit.members.iter().enumerate() {
                 let s = l.shard_of(g, j);
-                match &res[j] {
-                    Some(Ok(())) => current += 1,
-                    Some(Err(IoFail::NoSpace(_))) => {
-                        // Re-created elsewhere from the others below.
-                        moves[j] = true;
+                match (&res[j], &reqs[j]) {
+                    (Some(Ok(())), _) => current += 1,
+                    (
+                        Some(Err(IoFail::NoSpace(_))),
+                        Some(IoReq {
+                            op: Op::Write(b), ..
+                        }),
+                    ) => {
+                        // Moved, and given these bytes, by the caller.
+                        refused.push((j, at, b.to_vec()));
                         current += 1;
                     }
-                    Some(Err(IoFail::Failed(_))) => {}
-                    None => current += usize::from(s < k && s != me && self.usable(m)),
+                    (Some(Err(_)), _) => {}
+                    (None, _) => current += usize::from(s < k && s != me && self.usable(m)),
                 }
             }
             if current < k {
@@ -538,35 +609,22 @@ impl Inner {
             }
             at += n as u64;
         }
-        drop(bufs);
-        for j in (0..k + r).filter(|&j| moves[j]) {
-            self.move_member(g, guard, j, MoveWhy::Full)?;
-        }
-        Ok(())
+        Ok(refused)
     }
 
     /// Read-modify-write of data member `dm` and parity member `pm` at
-    /// `in_off`: the results of writing `data` and the new parity, or
-    /// `None` if reading the old ones failed. Up to a page (the swap
-    /// path's size) the scratch is on the stack, so concurrent small writes
-    /// never wait for the shared extent buffers.
+    /// `in_off`: the results of writing `data` and the new parity (left in
+    /// `par`), or `None` if reading the old ones (into `old_d` and `par`)
+    /// failed.
     fn update_pair(
         &self,
         dm: Loc,
         pm: Loc,
         in_off: u64,
         data: &[u8],
+        old_d: &mut [u8],
+        par: &mut [u8],
     ) -> Option<[std::result::Result<(), IoFail>; 2]> {
-        let len = data.len();
-        let mut stack = [[0u8; PAGE as usize]; 2];
-        let mut pooled;
-        let (old_d, par) = if len <= PAGE as usize {
-            let [a, b] = &mut stack;
-            (&mut a[..len], &mut b[..len])
-        } else {
-            pooled = self.bufs.take(2);
-            pooled.two(len)
-        };
         let reads = self.exec(&mut [
             Some(IoReq {
                 loc: dm,
