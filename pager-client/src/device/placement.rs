@@ -283,7 +283,17 @@ impl Inner {
         if pl.freqs.all_capped && self.fallback.is_some() {
             return (Vec::new(), "every donor is capped by its load bound".into());
         }
-        if let Some(v) = pl.selector.pick_distinct(&f, k, eligible) {
+        // With no fallback, the only other way out is ENOSPC to the
+        // application: eligible donors at f = 0 fill in (the nemesis, ec,
+        // seed 2485690532: a donor undrained an epoch ago, held up by a
+        // donor that did not answer, still had f = 0 while every other
+        // donor was draining, failed or held the unit's other members).
+        let picked = if self.fallback.is_none() {
+            pl.selector.pick_distinct_or_fill(&f, k, eligible)
+        } else {
+            pl.selector.pick_distinct(&f, k, eligible)
+        };
+        if let Some(v) = picked {
             return (v, String::new());
         }
         let qualifying = (0..n).filter(|&i| f[i] > 0.0 && eligible(i)).count();

@@ -54,6 +54,30 @@ impl Selector {
         Some(chosen)
     }
 
+    /// [`Self::pick_distinct`], except that when fewer than k eligible
+    /// donors have f > 0, eligible ones at f = 0 fill in. For a caller with
+    /// nowhere else to go: frequencies are an epoch old (a donor that
+    /// stopped draining since has f = 0 until the next epoch, which a
+    /// donor that does not answer can hold up for a connect timeout), and
+    /// placing against them beats failing the application's write.
+    pub fn pick_distinct_or_fill(
+        &mut self,
+        f: &[f64],
+        k: usize,
+        eligible: impl Fn(usize) -> bool,
+    ) -> Option<Vec<usize>> {
+        if let Some(v) = self.pick_distinct(f, k, &eligible) {
+            return Some(v);
+        }
+        // Far below any real frequency: the filling donors come last
+        // wherever credits allow.
+        let filled: Vec<f64> = f
+            .iter()
+            .map(|&x| if participates(x) { x } else { FILL })
+            .collect();
+        self.pick_distinct(&filled, k, eligible)
+    }
+
     /// `excluded` donors (already chosen for this extent) sit this pick out:
     /// they are neither credited nor chosen, but still count as present.
     fn pick_excluding(
@@ -117,6 +141,9 @@ impl Selector {
         Some(best)
     }
 }
+
+/// The frequency [`Selector::pick_distinct_or_fill`] lends donors at 0.
+const FILL: f64 = 1e-9;
 
 fn participates(f: f64) -> bool {
     f.is_finite() && f > 0.0

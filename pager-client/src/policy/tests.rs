@@ -425,3 +425,26 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn pick_distinct_or_fill_fills_with_eligible_donors_at_zero_only_when_it_must() {
+    let mut sel = Selector::new(5);
+    // Enough donors with a frequency: the donors at 0 are never chosen.
+    let f = [0.5, 0.3, 0.2, 0.0, 0.0];
+    for _ in 0..100 {
+        let v = sel.pick_distinct_or_fill(&f, 3, |_| true).unwrap();
+        assert!(v.iter().all(|&i| i < 3), "{v:?}");
+    }
+    // Too few: eligible donors at 0 fill in, distinct, never an ineligible one.
+    let f = [0.5, 0.5, 0.0, 0.0, 0.0];
+    for _ in 0..100 {
+        let mut v = sel.pick_distinct_or_fill(&f, 3, |i| i != 4).unwrap();
+        v.sort_unstable();
+        v.dedup();
+        assert_eq!(v.len(), 3, "{v:?}");
+        assert!(!v.contains(&4), "{v:?}");
+    }
+    // Too few eligible donors in all: none.
+    assert_eq!(sel.pick_distinct_or_fill(&f, 3, |i| i < 2), None);
+    assert_eq!(sel.pick_distinct(&f, 3, |_| true), None);
+}
