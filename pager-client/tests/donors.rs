@@ -438,3 +438,67 @@ fn ec_member_refused_while_another_is_lost_moves_with_the_write() {
 fn parity_member_refused_while_another_is_lost_moves_with_the_write() {
     refused_member_moves_while_another_is_lost(Mode::Parity { width: 3 }, 3);
 }
+
+/// A second member of the same group refused, with no room anywhere: it
+/// cannot be dropped too (the group would be lost), so it stays, the
+/// member that took its part gets its old bytes back, and only that write
+/// fails (ENOSPC). Dropped, it lost both of the group's extents (the
+/// nemesis, parity, drains-overlapping: reads failed with EIO).
+#[test]
+fn parity_second_refusal_in_a_group_fails_only_that_write() {
+    let Some((dev, mut model, ds, x, y, _state)) =
+        half_written_group(Mode::Parity { width: 3 }, 3, false)
+    else {
+        return;
+    };
+    refused_on(&ds, x, &dev, &mut model);
+    let status = ds[y].status.clone().expect("status endpoint");
+    netpager_proto::set_draining(&status, true, Duration::from_secs(2)).unwrap();
+    // Random bytes: the donor compresses, and a page that packs into
+    // room it holds already needs no new page.
+    let mut page = [0u8; 4096];
+    Rng::new(49).fill(&mut page);
+    let err = dev
+        .write(&page, EXTENT + EXTENT / 2)
+        .expect_err("no room for the write");
+    assert_eq!(err.errno(), libc::ENOSPC, "{err}");
+    assert_eq!(extents_failing(&dev, &model), 0);
+    let s = dev.status();
+    assert_eq!(
+        (s.totals.degraded, s.totals.lost),
+        (1, 0),
+        "{}",
+        render_table(&s)
+    );
+}
+
+/// Donors stop and start draining between two epochs: a placement that
+/// would fail on the epoch's view of them (one still draining there, the
+/// one draining now not known to be) looks at the refusing donors again
+/// before it gives the application ENOSPC (the nemesis, parity,
+/// drains-overlapping).
+#[test]
+fn a_placement_looks_again_before_failing_on_an_old_view_of_draining() {
+    let Some(ds) = servers(3, "16M") else {
+        return;
+    };
+    let refs: Vec<&Nbdkit> = ds.iter().collect();
+    let state = tempfile::tempdir().unwrap();
+    let size = 16 * EXTENT;
+    let mut cfg = config(Mode::Mirror, size, EXTENT, &refs);
+    // No epoch but those the test asks for.
+    cfg.policy.epoch_ms = 3_600_000;
+    let dev = Device::open(cfg, state.path()).unwrap();
+    let status = |i: usize| ds[i].status.clone().expect("status endpoint");
+    netpager_proto::set_draining(&status(0), true, Duration::from_secs(2)).unwrap();
+    run_epoch(&dev);
+    assert_eq!(dev.status().donors[0].state, "draining");
+    // Between epochs: donor 0 takes pages again, donor 1 drains.
+    netpager_proto::set_draining(&status(0), false, Duration::from_secs(2)).unwrap();
+    netpager_proto::set_draining(&status(1), true, Duration::from_secs(2)).unwrap();
+    let mut model = Model::new(size);
+    model.fill(&dev, &mut Rng::new(55), EXTENT);
+    model.check_all(&dev, EXTENT);
+    let s = dev.status();
+    assert_eq!(s.donors[1].extents_held, 0, "{}", render_table(&s));
+}

@@ -27,6 +27,9 @@ const POLLERS: usize = 8;
 /// epoch thread's turn-by-turn polling.
 const SLOW_POLL: Duration = Duration::from_millis(100);
 const POLLER_STACK: usize = 256 << 10;
+/// How often a failing placement may re-read refusing donors' statuses
+/// (`Inner::refresh_refusing`).
+const REFRESH_EVERY: Duration = Duration::from_millis(100);
 /// Epochs kept for status (what they cost, and when they ran).
 const EPOCHS_KEPT: usize = 64;
 
@@ -117,6 +120,30 @@ impl Inner {
                 }
             }
         });
+    }
+
+    /// Before a placement fails for want of donors, re-reads now the
+    /// status of those that refuse new extents only by what the last poll
+    /// or a refused write said (draining or full): the epoch's view can be
+    /// an epoch old, and a connect timeout older, while donors stop and
+    /// start draining (the nemesis, parity, drains-overlapping: writes got
+    /// ENOSPC while donors had room). At most once per [`REFRESH_EVERY`];
+    /// a placement that comes while one runs waits for it.
+    pub(crate) fn refresh_refusing(&self) {
+        let mut last = self.status_refresh.lock_or_recover();
+        let refusing = |d: &Donor| {
+            !d.is_failed()
+                && !d.is_retired()
+                && (d.draining.load(Ordering::Acquire) || d.full.load(Ordering::Acquire))
+        };
+        // One that just ran (maybe while this waited) found what there is.
+        if last.is_some_and(|t| t.elapsed() < REFRESH_EVERY) {
+            return;
+        }
+        *last = Some(Instant::now());
+        for d in self.members.iter().filter(|d| refusing(d)) {
+            self.poll_one(d);
+        }
     }
 
     fn poll_one(&self, d: &Donor) {

@@ -183,10 +183,11 @@ impl Inner {
     /// be read) and the bytes it was refused, `patches` (offset, bytes),
     /// are written at its new place. With no room anywhere it is marked
     /// lost instead, so nothing reads its stale bytes (rebuild re-creates
-    /// it once there is room). Kept as it was, it read back stale and, once
-    /// another member was lost, decoded into the other extents of its group
-    /// (the nemesis, ec, seed 2485690532). Fails only if the unit is left
-    /// with fewer members than a read needs.
+    /// it once there is room), if the others can still be read without it.
+    /// Kept as it was, it read back stale and, once another member was
+    /// lost, decoded into the other extents of its group (the nemesis, ec,
+    /// seed 2485690532). If they cannot, it stays and this fails: the
+    /// caller puts back what the others took where it can.
     pub(crate) fn move_refused(
         &self,
         u: u64,
@@ -215,12 +216,16 @@ impl Inner {
             ) => e,
             Err(e) => return Err(e),
         };
-        self.drop_member(u, g, j)?;
         let unit = g.as_ref().expect("a placed unit");
-        let usable = unit.members.iter().filter(|m| self.usable(m)).count();
-        if usable < self.layout.data_per_unit() as usize {
+        let others = (unit.members.iter().enumerate())
+            .filter(|&(k, m)| k != j && self.usable(m))
+            .count();
+        // Dropped, it would take the whole unit with it (the nemesis,
+        // parity, drains-overlapping: a second refusal in one group).
+        if others < self.layout.data_per_unit() as usize {
             return Err(err);
         }
+        self.drop_member(u, g, j)?;
         tracing::warn!("unit {u}: member {j} lost until there is room for it ({err})");
         Ok(())
     }

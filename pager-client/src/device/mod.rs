@@ -219,6 +219,9 @@ pub(crate) struct Inner {
     pub(crate) status_write: Mutex<()>,
     /// When write intents were last swept.
     pub(crate) intent_sweep: Mutex<Instant>,
+    /// When a placement about to fail last re-read the refusing donors'
+    /// statuses (epoch.rs, `refresh_refusing`); held while it does.
+    pub(crate) status_refresh: Mutex<Option<Instant>>,
     /// The stride prefetcher (`prefetch_pages` > 0).
     pub(crate) prefetch: Option<prefetch::Prefetch>,
     /// The last status found lost extents: writes then recover the units
@@ -299,6 +302,7 @@ impl Device {
             frontend: Mutex::new(FrontendInfo::default()),
             resynced: AtomicU64::new(0),
             intent_sweep: Mutex::new(Instant::now()),
+            status_refresh: Mutex::new(None),
             status_write: Mutex::new(()),
             lost_seen: AtomicBool::new(false),
             rebalancer: rebalance::Rebalancer::new(&layout),

@@ -138,12 +138,21 @@ impl Inner {
         extent: u64,
         spill: Spill,
     ) -> Result<Vec<(Loc, bool)>> {
+        let mut refreshed = false;
         // Each failed try rules out a donor (now full or failed).
         for _ in 0..self.members.len() + 2 {
             // The set's lock, from the choice to the slots: a chosen donor
             // cannot retire (nor start leaving) before it has its slot.
             let set = self.members.change();
             let (picked, why) = self.pick_donors(k, exclude);
+            if k > picked.len() && self.fallback.is_none() && !refreshed {
+                // ENOSPC next, perhaps on an old view of the donors: look
+                // at those that refuse, then choose again.
+                drop(set);
+                refreshed = true;
+                self.refresh_refusing();
+                continue;
+            }
             let replica = !self.layout.mode.striped();
             let missing = k - picked.len();
             let n_fallback = if replica && picked.is_empty() {

@@ -419,16 +419,24 @@ impl Inner {
                     match (dw, pw) {
                         (Ok(()), Ok(())) => return Ok(()),
                         // The other took its part: the refused member
-                        // moves and is given its part there.
+                        // moves and is given its part there. Failing that,
+                        // the other gets its old bytes back, so the pair
+                        // still matches and only this write fails.
+                        // Copied off the shared buffers: the move takes
+                        // its own.
                         (Err(IoFail::NoSpace(_)), Ok(())) => {
+                            let mut old_p = par.to_vec();
+                            xor_into(&mut old_p, old_d);
+                            xor_into(&mut old_p, data);
                             drop(pooled);
-                            return self.move_refused(g, guard, pos, &[(in_off, data)]);
+                            let res = self.move_refused(g, guard, pos, &[(in_off, data)]);
+                            return self.undo_on_error(res, pm.loc, in_off, &old_p);
                         }
                         (Ok(()), Err(IoFail::NoSpace(_))) => {
-                            // Off the shared buffers: the move takes its own.
-                            let par = par.to_vec();
+                            let (par, old_d) = (par.to_vec(), old_d.to_vec());
                             drop(pooled);
-                            return self.move_refused(g, guard, pp, &[(in_off, &par)]);
+                            let res = self.move_refused(g, guard, pp, &[(in_off, &par)]);
+                            return self.undo_on_error(res, dm.loc, in_off, &old_d);
                         }
                         // One member's donor died mid-write: the other holds
                         // what is needed to rebuild it.
@@ -610,6 +618,18 @@ impl Inner {
             at += n as u64;
         }
         Ok(refused)
+    }
+
+    /// `res`, the outcome of a write, after writing `old` back at `off` of
+    /// `loc` if it failed: the bytes a member took of a write that could
+    /// not be completed.
+    fn undo_on_error(&self, res: Result<()>, loc: Loc, off: u64, old: &[u8]) -> Result<()> {
+        if res.is_err() {
+            if let Err(f) = self.exec1(loc, off, Op::Write(old)) {
+                tracing::error!("putting back what a failed write changed: {}", f.reason());
+            }
+        }
+        res
     }
 
     /// Read-modify-write of data member `dm` and parity member `pm` at
