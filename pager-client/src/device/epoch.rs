@@ -27,9 +27,6 @@ const POLLERS: usize = 8;
 /// epoch thread's turn-by-turn polling.
 const SLOW_POLL: Duration = Duration::from_millis(100);
 const POLLER_STACK: usize = 256 << 10;
-/// How often a failing placement may re-read refusing donors' statuses
-/// (`Inner::refresh_refusing`).
-const REFRESH_EVERY: Duration = Duration::from_millis(100);
 /// Epochs kept for status (what they cost, and when they ran).
 const EPOCHS_KEPT: usize = 64;
 
@@ -127,21 +124,21 @@ impl Inner {
     /// or a refused write said (draining or full): the epoch's view can be
     /// an epoch old, and a connect timeout older, while donors stop and
     /// start draining (the nemesis, parity, drains-overlapping: writes got
-    /// ENOSPC while donors had room). At most once per [`REFRESH_EVERY`];
-    /// a placement that comes while one runs waits for it.
-    pub(crate) fn refresh_refusing(&self) {
+    /// ENOSPC while donors had room). Placements that fail together share
+    /// one re-read: one that started after this placement `asked` found
+    /// what there is.
+    pub(crate) fn refresh_refusing(&self, asked: Instant) {
         let mut last = self.status_refresh.lock_or_recover();
-        let refusing = |d: &Donor| {
+        if last.is_some_and(|t| t >= asked) {
+            return;
+        }
+        *last = Some(Instant::now());
+        let refusing = |d: &&Donor| {
             !d.is_failed()
                 && !d.is_retired()
                 && (d.draining.load(Ordering::Acquire) || d.full.load(Ordering::Acquire))
         };
-        // One that just ran (maybe while this waited) found what there is.
-        if last.is_some_and(|t| t.elapsed() < REFRESH_EVERY) {
-            return;
-        }
-        *last = Some(Instant::now());
-        for d in self.members.iter().filter(|d| refusing(d)) {
+        for d in self.members.iter().filter(refusing) {
             self.poll_one(d);
         }
     }

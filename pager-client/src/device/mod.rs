@@ -219,8 +219,9 @@ pub(crate) struct Inner {
     pub(crate) status_write: Mutex<()>,
     /// When write intents were last swept.
     pub(crate) intent_sweep: Mutex<Instant>,
-    /// When a placement about to fail last re-read the refusing donors'
-    /// statuses (epoch.rs, `refresh_refusing`); held while it does.
+    /// When a placement about to fail last started re-reading the
+    /// refusing donors' statuses (epoch.rs, `refresh_refusing`); held
+    /// while it does.
     pub(crate) status_refresh: Mutex<Option<Instant>>,
     /// The stride prefetcher (`prefetch_pages` > 0).
     pub(crate) prefetch: Option<prefetch::Prefetch>,

@@ -7,6 +7,7 @@
 //! (first writes), maintenance and lost.rs (new slots).
 
 use std::sync::atomic::Ordering;
+use std::time::Instant;
 
 use netpager_util::LockExt;
 
@@ -150,7 +151,7 @@ impl Inner {
                 // at those that refuse, then choose again.
                 drop(set);
                 refreshed = true;
-                self.refresh_refusing();
+                self.refresh_refusing(Instant::now());
                 continue;
             }
             let replica = !self.layout.mode.striped();
