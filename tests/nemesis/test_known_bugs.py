@@ -1,14 +1,10 @@
 """Schedules the nemesis shrank failing runs to, kept as deterministic
-tests. The fixed bugs' schedules must pass (regressions); the bugs still
-open run marked xfail raising `Finding`: a run that finds the bug is the
-expected failure, a run that breaks otherwise fails the test. Where the
-schedule finds its bug every time, the marker is strict: once the fix
-lands the schedule passes, which fails the test until it moves to the
-regressions and the bug's entry in netpager_testkit.nemesis.model.KNOWN_BUGS
-(which keeps its op, or the state that finds it, out of the random
-schedules) is removed. Where the bug is a race the schedule finds most
-times, not all, the marker is not strict (a pass shows as XPASS in `-ra`'s
-summary); move it all the same with the fix.
+tests: the fixed bugs' schedules must pass (regressions). A bug still open
+gets an entry in netpager_testkit.nemesis.model.KNOWN_BUGS, which keeps its
+op (or the state that finds it) out of the random schedules, and its
+schedule here as an xfail (strict where it finds the bug every time);
+with the fix, the entry goes and the schedule joins the regressions. None
+is open now.
 
 Fixed (issue 34: donor identity, a store per device, sessions that fence
 an older connection's writes):
@@ -81,6 +77,37 @@ Fixed, its regression elsewhere:
   donor-add refuses it, a file line or an announcement waits.
   identity.rs's draining-member tests hold both (fail without the fix).
 
+- swap-page-wrong-after-enospc (the slice at 7262f5d, seed 2485690532,
+  mode ec: "add s1; drain d2 admin; ...; stop s1 long; kill d5; drain d3
+  admin; add-wrongkey; start d5; heal s1"): a write at home whose member
+  was refused for lack of room (its donor draining) while the group's
+  other members took their part left that member as it was when its move
+  found no room: it read back stale, and once another member was lost it
+  decoded into the group's other extents (memhog read a page with other
+  bytes than it wrote). Now the member moves with its own bytes and is
+  given the refused ones at its new place, or, with no room anywhere, is
+  lost until there is room if the others can be read without it; else the
+  write fails and the member that took its part gets its old bytes back.
+  pager-client/tests/donors.rs's refused-member tests hold it (the four
+  fail without the fix, one of them with a wrong extent). The seed's
+  ENOSPC had a second cause: a donor undrained an epoch ago still had
+  selection frequency 0 (the epoch was held up by a donor that did not
+  answer), and every other donor was draining, failed or held the unit's
+  members; eligible donors at frequency 0 now fill in before ENOSPC
+  (policy tests). The seed's replay passes.
+- drains-overlapping: device A (parity 3 on d1..d5) under fio and the
+  history; two donors start draining one right after the other, three
+  times. Writes got ENOSPC (and, once the refused-member fix dropped a
+  second member of one group, reads EIO) because placement went by the
+  last epoch's view of who drains: the donor undrained since still
+  draining there, the one draining now not known to be. Now a placement
+  about to fail re-reads the refusing donors' statuses first (placements
+  failing together share one re-read), and a second refusal in a group
+  fails only that write. donors.rs's old-view placement test and
+  second-refusal test hold it (both fail without the fix); the schedule
+  passed 8 of 8 runs (it failed most runs before), and drains may now
+  overlap in random schedules.
+
 Open, found by `make nemesis` on 2026-11-28 and not yet shrunk or fixed
 (their replays, `make nemesis MODES=M SEED=S OPS=40`, find them; not kept
 as tests until shrunk to a schedule that finds them every time):
@@ -97,50 +124,20 @@ as tests until shrunk to a schedule that finds them every time):
 - leftover-after-stop (mirror, seed 658104342): at the end checks s2
   keeps 16.3 MB of the export where the device places 14 extents (14.7 MB
   at most): slots left behind on some path the take-back trims miss.
-- swap-page-wrong-after-enospc (the slice at 7262f5d, seed 2485690532,
-  mode ec: "add s1; drain d2 admin; add-wrongkey; file-add s2; settle;
-  file-remove s2; undrain d2; add-alias s1; stop s1 long; kill d5; drain
-  d3 admin; add-wrongkey; start d5; heal s1"): with d5 killed, s1
-  stopped, d2 and d3 draining or full, ec 4+2 found no 4 distinct donors
-  for new extents, and the history writer got ENOSPC (73 writes); memhog
-  through swap (the write-back buffer, acknowledging early) then read a
-  page with other bytes than it wrote (bad page 11201). ENOSPC is the
-  drain class below; a wrong page is not, and it is the worst finding
-  open. Not yet looked into: whether the buffer, the ENOSPC path of ec's
-  writes, or swap's handling of a failed write gives the old page back.
 - drain-with-too-few-donors (parity, seeds 658104337 and 658104338): a
   donor starts draining ("drain d5 meminfo", "drain an meminfo") while
   others are failed or stopped; writes into the draining donor's members
   get ENOSPC (it takes no new pages) and the move finds no room. Either
   the model draws a drain the mode cannot absorb, or this is
-  drains-overlapping below by another road: not yet told apart.
-
-
-- drains-overlapping: device A (parity 3 on d1..d5) under fio and the
-  history; two donors start draining one right after the other, three
-  times. A write whose member sits on the first (it refuses new pages:
-  ENOSPC) moves the member, and picks the second, which the client does
-  not know to be draining yet: the copy fails with ENOSPC and so does the
-  application's write, although three donors have room. A race: most
-  runs, not all.
+  drains-overlapping (fixed above) by another road: their replays not yet
+  run since that fix.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from netpager_testkit.nemesis.model import KNOWN_BUGS
-
 PLAIN = "tls=0 restartable=0 swap=0 swap_restartable=0 parity_log=0 grace=0"
-
-
-class Finding(AssertionError):
-    """The schedule found the bug (the expected failure of an xfail)."""
-
-
-def known(key: str, name: str, schedule: str, strict: bool = True):
-    return pytest.param(schedule, id=name, marks=pytest.mark.xfail(
-        strict=strict, raises=Finding, reason=KNOWN_BUGS[key]))
 
 
 @pytest.mark.parametrize("schedule", [
@@ -150,22 +147,12 @@ def known(key: str, name: str, schedule: str, strict: bool = True):
     pytest.param(f"mode=mirror members=4 spares=2 {PLAIN} | partition d1 long; heal d1; settle; "
                  "partition d1 long; heal d1; settle; partition d1 long; heal d1; settle; "
                  "partition d1 long; heal d1; settle", id="late-writes-after-revive"),
+    pytest.param(f"mode=parity members=5 spares=2 {PLAIN.replace('parity_log=0', 'parity_log=1')} | "
+                 "drain d1 admin; drain d2 meminfo; pause 2; undrain d1; undrain d2; drain d3 admin; "
+                 "drain d4 meminfo; pause 2; undrain d3; undrain d4; drain d1 admin; drain d2 meminfo; "
+                 "pause 2; undrain d1; undrain d2; settle", id="drains-overlapping"),
 ])
 def test_fixed_bug(schedule, nemesis):
     res = nemesis(schedule)
     assert res.error is None, f"the run broke: {res.error}"
     assert res.ok, res.explain()
-
-
-@pytest.mark.parametrize("schedule", [
-    known("drain-overlap", "drains-overlapping",
-          f"mode=parity members=5 spares=2 {PLAIN.replace('parity_log=0', 'parity_log=1')} | "
-          "drain d1 admin; drain d2 meminfo; pause 2; undrain d1; undrain d2; drain d3 admin; "
-          "drain d4 meminfo; pause 2; undrain d3; undrain d4; drain d1 admin; drain d2 meminfo; "
-          "pause 2; undrain d1; undrain d2; settle", strict=False),
-])
-def test_known_bug(schedule, nemesis):
-    res = nemesis(schedule)
-    assert res.error is None, f"the run broke (not the bug): {res.error}"
-    if not res.ok:
-        raise Finding(res.explain())

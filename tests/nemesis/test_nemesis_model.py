@@ -62,19 +62,23 @@ def test_every_drawn_schedule_is_legal_and_within_the_promise(mode, grace):
     assert expected <= kinds, expected - kinds
 
 
-def test_known_bugs_are_drawn_only_when_asked():
+def test_excluded_and_known_bugs_ops_are_drawn_only_when_asked():
+    overlapping = 0
     for mode in MODES:
         for seed in SEEDS:
-            s = generate(seed, mode, 40, Features(exclude=default_exclude(known=False)))
-            assert not {op_key(o) for o in s.ops} & set(KNOWN_BUGS), (mode, seed)
+            s = generate(seed, mode, 40, Features(exclude=default_exclude(False, {"add-alias"})))
+            keys = {op_key(o) for o in s.ops}
+            assert not keys & (set(KNOWN_BUGS) | {"add-alias"}), (mode, seed)
             m = Model(s.setup)
             for op in s.ops:
-                if op.kind == "drain":
-                    assert not any(d.draining for d in m.donors.values()), (mode, seed, op.text())
+                # Drains may overlap (fixed: drains-overlapping).
+                if op.kind == "drain" and any(d.draining for d in m.donors.values()):
+                    overlapping += 1
                 m.apply(op)
+    assert overlapping > 0
     drawn = {op_key(o) for seed in SEEDS for o in
              generate(seed, "mirror", 40, Features(exclude=default_exclude(known=True))).ops}
-    assert set(KNOWN_BUGS) - {"drain-overlap"} <= drawn
+    assert set(KNOWN_BUGS) <= drawn and "add-alias" in drawn
 
 
 def test_a_schedule_text_replays_it():

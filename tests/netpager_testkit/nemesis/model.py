@@ -28,11 +28,7 @@ from dataclasses import dataclass, field
 # (`--known`), so that `make test`'s slice stays green until the fix lands.
 # The lead removes an entry with its fix (and tests/nemesis/test_known_bugs.py's
 # xfail marker).
-KNOWN_BUGS = {
-    # Not an op: a state the model keeps out of the schedules (`candidates`).
-    "drain-overlap": "a write that moves a member off a donor that just refused new pages picks "
-                     "another donor that has just turned draining too: ENOSPC to the application",
-}
+KNOWN_BUGS: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -301,13 +297,12 @@ class Model:
                 ops.append(Op("announce-stranger"))
             else:
                 ops.append(Op("unannounce", STRANGER))
-        overlap_ok = "drain-overlap" not in exclude or not any(x.draining for x in s.donors.values())
         for n in sorted(s.donors):
             d = s.donors[n]
             holders = s.holders(n)
             if not holders or n in (WRONG_KEY, STRANGER):
                 continue
-            if overlap_ok and not d.draining and s.healthy(n) and all(
+            if not d.draining and s.healthy(n) and all(
                     s.usable_others(dev, n) >= s.spec.members for dev in holders):
                 ops += [Op("drain", n, "meminfo"), Op("drain", n, "admin")]
             if d.draining and d.running:
