@@ -213,6 +213,27 @@ impl Model {
         }
     }
 
+    /// Reads the device extent by extent (`extent` bytes each): each
+    /// reads as the model has it, or fails with EIO; the extents that
+    /// failed, with their errors' text.
+    pub fn failing_extents(&self, dev: &Device, extent: u64) -> Vec<(u64, String)> {
+        let mut failed = Vec::new();
+        for e in 0..self.data.len() as u64 / extent {
+            let mut b = vec![0u8; extent as usize];
+            match dev.read(&mut b, e * extent) {
+                Ok(()) => assert!(
+                    b == self.data[(e * extent) as usize..((e + 1) * extent) as usize],
+                    "extent {e} reads back wrong"
+                ),
+                Err(err) => {
+                    assert_eq!(err.errno(), libc::EIO, "{err}");
+                    failed.push((e, err.to_string()));
+                }
+            }
+        }
+        failed
+    }
+
     /// Reads the whole device in `chunk`-sized pieces and compares.
     pub fn check_all(&self, dev: &Device, chunk: u64) {
         let size = self.data.len() as u64;
