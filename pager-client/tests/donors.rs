@@ -487,3 +487,43 @@ fn a_placement_looks_again_before_failing_on_an_old_view_of_draining() {
     let s = dev.status();
     assert_eq!(s.donors[1].extents_held, 0, "{}", render_table(&s));
 }
+
+/// A donor drained empty, then hung past the timeouts (failed), comes back
+/// still draining: it takes no label, so, as a newcomer would, it is back
+/// (not failed) and waits for its label, and takes extents again once it
+/// stops draining. It stayed failed until then (the nemesis, parity, seed
+/// 1931941111: the swap device never settled).
+#[test]
+fn a_drained_donor_back_from_a_failure_while_draining_is_not_failed() {
+    let Some(mut ds) = servers(2, "16M") else {
+        return;
+    };
+    let refs: Vec<&Nbdkit> = ds.iter().collect();
+    let state = tempfile::tempdir().unwrap();
+    let size = 2 << 20;
+    let dev = Device::open(config(Mode::None, size, EXTENT, &refs), state.path()).unwrap();
+    let mut model = Model::new(size);
+    model.fill(&dev, &mut Rng::new(57), EXTENT);
+    let d0 = ds[0].status.clone().expect("status endpoint");
+    netpager_proto::set_draining(&d0, true, Duration::from_secs(2)).unwrap();
+    wait_status(&dev, "donor 0 drained, its label gone", |s| {
+        dev.poll_donors_now();
+        s.donors[0].extents_held == 0 && !s.totals.drain.active && donor_used(&d0) == 0
+    });
+    ds[0].stop();
+    wait_status(&dev, "donor 0 failed", |s| {
+        dev.poll_donors_now();
+        s.donors[0].failed
+    });
+    ds[0].cont();
+    wait_status(&dev, "donor 0 back, waiting for its label", |s| {
+        dev.poll_donors_now();
+        !s.donors[0].failed
+    });
+    netpager_proto::set_draining(&d0, false, Duration::from_secs(2)).unwrap();
+    wait_status(&dev, "donor 0 selected again", |s| {
+        dev.poll_donors_now();
+        s.donors[0].f > 0.0
+    });
+    model.check_all(&dev, 256 << 10);
+}

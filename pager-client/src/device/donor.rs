@@ -546,7 +546,28 @@ impl Inner {
                 self.end_away(d);
                 self.refuse_donor(d, self.moved_here(i))
             }
-            Err(AttachFail::Unreachable(e) | AttachFail::Lost(e) | AttachFail::Unlabelled(e)) => {
+            Err(AttachFail::Unlabelled(why)) => {
+                // Back, but refusing new pages (a drained member still
+                // draining): as a newcomer does, it waits for its label
+                // (`retry_label`, each epoch). Kept failed, it stayed so
+                // until it stopped draining (the nemesis, parity, seed
+                // 1931941111: the swap device never settled).
+                self.end_away(d);
+                d.pool.close();
+                {
+                    let mut h = d.health();
+                    h.failure = None;
+                    h.failed_at = None;
+                    h.unlabelled = Some(why);
+                }
+                d.failed.store(false, Ordering::Release);
+                tracing::info!(
+                    "donor {} ({}) is back; it takes no label yet, so nothing new goes there",
+                    d.cfg.name,
+                    d.cfg.address
+                );
+            }
+            Err(AttachFail::Unreachable(e) | AttachFail::Lost(e)) => {
                 d.pool.close();
                 tracing::debug!("donor {} not back yet: {e}", d.cfg.name);
             }
