@@ -107,6 +107,13 @@ Fixed, its regression elsewhere:
   second-refusal test hold it (both fail without the fix); the schedule
   passed 8 of 8 runs (it failed most runs before), and drains may now
   overlap in random schedules.
+- failed-while-draining-stays-failed (parity, seed 1931941111, swap on
+  d1..d5: "drain d1 meminfo; ...; partition d1 long; ...; heal d1", d1
+  never undrained): d1, drained empty (no label), failed in the partition
+  and, back, took no label (draining), so revive kept it failed: the swap
+  device never settled. Now such a donor is back and waits for its label
+  as a newcomer does. donors.rs's back-from-a-failure-while-draining test
+  holds it (fails without the fix); the seed's replay passes.
 
 Open, found by `make nemesis` on 2026-11-28 and not yet shrunk or fixed
 (their replays, `make nemesis MODES=M SEED=S OPS=40`, find them; not kept
