@@ -114,6 +114,14 @@ Fixed, its regression elsewhere:
   device never settled. Now such a donor is back and waits for its label
   as a newcomer does. donors.rs's back-from-a-failure-while-draining test
   holds it (fails without the fix); the seed's replay passes.
+- label-waiter-never-fails (the slice at a993788, mirror, seed
+  3339075913: "...; drain d2 meminfo; restart C; ...; kill d2; ..."): the
+  swap device C, restarted while d2 drained, kept d2 waiting for its label;
+  d2 was then killed, and since its last status said draining nothing ever
+  tried it again, so it never failed and C never settled. Now a waiting
+  donor whose status does not answer is tried each epoch (and failed when
+  it is gone). donors.rs's waiting-donor-dies test holds it (timed out
+  without the fix).
 
 Open, found by `make nemesis` on 2026-11-28 and not yet shrunk or fixed
 (their replays, `make nemesis MODES=M SEED=S OPS=40`, find them; not kept

@@ -630,10 +630,14 @@ impl Inner {
     }
 
     /// Each epoch, for a donor waiting to be labelled that may take pages
-    /// now (its status no longer says draining): attaches it, or says why
-    /// not.
+    /// now (its status no longer says draining, or did not answer):
+    /// attaches it, or says why not.
     pub(crate) fn retry_label(&self, d: &Donor) {
-        if d.draining.load(Ordering::Acquire) {
+        // Still draining, as its status said just now: no label yet. A
+        // status that did not answer says nothing, and the try finds out
+        // whether the donor died (it waited for ever, never failed: the
+        // nemesis slice, mirror, seed 3339075913).
+        if d.draining.load(Ordering::Acquire) && d.remote().error.is_none() {
             return;
         }
         let res = self.try_attach(d);
