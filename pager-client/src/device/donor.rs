@@ -497,6 +497,21 @@ impl Inner {
         }
     }
 
+    /// Donor `d` answers again: no longer failed, nor full until it says
+    /// so; waiting for its label if `unlabelled` says why.
+    fn is_back(d: &Donor, unlabelled: Option<String>) {
+        d.full.store(false, Ordering::Release);
+        {
+            let mut h = d.health();
+            h.failure = None;
+            h.failed_at = None;
+            if unlabelled.is_some() {
+                h.unlabelled = unlabelled;
+            }
+        }
+        d.failed.store(false, Ordering::Release);
+    }
+
     /// After its copies were marked lost: take a failed donor back, with
     /// what it still holds if it kept our label (re-add, transient.rs), or
     /// as a new one (its export is cleared, its old pages never trusted).
@@ -507,13 +522,7 @@ impl Inner {
         d.pool.reopen();
         let taken_back = self.take_back(d);
         if let Some((back, rebuild)) = taken_back {
-            d.full.store(false, Ordering::Release);
-            {
-                let mut h = d.health();
-                h.failure = None;
-                h.failed_at = None;
-            }
-            d.failed.store(false, Ordering::Release);
+            Self::is_back(d, None);
             tracing::warn!(
                 "donor {} ({}) is back with our data: {back} extent copies taken back as they were, {rebuild} re-created (written while it was away)",
                 d.cfg.name,
@@ -525,13 +534,7 @@ impl Inner {
         match self.try_attach(d) {
             Ok(()) => {
                 self.end_away(d);
-                d.full.store(false, Ordering::Release);
-                {
-                    let mut h = d.health();
-                    h.failure = None;
-                    h.failed_at = None;
-                }
-                d.failed.store(false, Ordering::Release);
+                Self::is_back(d, None);
                 tracing::info!(
                     "donor {} ({}) is back; using it as a new donor",
                     d.cfg.name,
@@ -554,13 +557,7 @@ impl Inner {
                 // 1931941111: the swap device never settled).
                 self.end_away(d);
                 d.pool.close();
-                {
-                    let mut h = d.health();
-                    h.failure = None;
-                    h.failed_at = None;
-                    h.unlabelled = Some(why);
-                }
-                d.failed.store(false, Ordering::Release);
+                Self::is_back(d, Some(why));
                 tracing::info!(
                     "donor {} ({}) is back; it takes no label yet, so nothing new goes there",
                     d.cfg.name,
