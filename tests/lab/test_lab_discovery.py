@@ -99,6 +99,40 @@ def test_announced_donors_are_discovered_and_verified_with_the_lab_key(lab_root,
     assert errors == []
 
 
+def test_a_donor_stopped_while_it_probes_and_started_again_is_discovered(lab_root, donor_plugin):
+    """A donor stopped in its first second (its announcement still being
+    probed) and started again at once is seen by a browser that ran all
+    along. Its goodbye used to go out before any announcement: the
+    browser cached the withdrawn records for a second, took the new
+    announcement for a refresh of them and never resolved the donor (the
+    nemesis, ec: "announce-stranger; unannounce aw; announce-stranger")."""
+    td = Teardown("discovery")
+    try:
+        lab = netlab.Lab(td, lab_root, ["d1", "c1"], ssh=False)
+        key = lab_root / "lab.psk"
+        key.write_text(f"lab:{secrets.token_hex(32)}\n")
+        out = lab_root / "discover.json"
+        browse = OwnedProcess(lab["c1"].netns_argv(
+            ["sh", "-c", f'exec "$0" discover --json --for 20 --timeout 3 --psk {key} > {out}',
+             pagerctl()]), lab_root / "discover.log", td, "pagerctl discover on c1")
+        # The browser's first query goes out after a second; started later,
+        # it would see only the second announcement and the test could
+        # pass without the fix, never fail with it.
+        time.sleep(2)
+        donor = netlab.LabDonor(lab["d1"], td, lab_root, donor_plugin,
+                                {"size": "64M", "budget": "64M", "mlock": False, "psk": key,
+                                 "announce": True}, tls_psk=key).start()
+        donor.terminate()
+        donor.start()
+        assert browse.wait(60) == 0, (lab_root / "discover.log").read_text()
+        seen = {row["node_id"]: row for row in json.loads(out.read_text())}
+        assert "d1" in seen, f"the donor started again is not seen: {seen}"
+        assert seen["d1"]["usable"], seen["d1"]
+    finally:
+        errors = td.close()
+    assert errors == []
+
+
 def test_announce_needs_a_status_endpoint(lab_root, donor_plugin):
     p = subprocess.run(["nbdkit", "-f", "-U", "-", str(donor_plugin), "budget=1M", "mlock=false",
                         "announce=true", "--run", "true"], capture_output=True, text=True, timeout=30)

@@ -5,9 +5,9 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use mdns_sd::{ServiceDaemon, ServiceEvent, ServiceInfo};
+use mdns_sd::{DaemonEvent, Receiver, ServiceDaemon, ServiceEvent, ServiceInfo};
 use netpager_util::LockExt;
 
 use super::{txt_record, Announced, DiscoveryError, Seen, SERVICE_TYPE};
@@ -87,10 +87,16 @@ impl Drop for Browser {
     }
 }
 
+/// How long [`Announcer`]'s drop waits for an announcement still being
+/// probed (three probes 250 ms apart, then the announcement).
+const ANNOUNCE_WAIT: Duration = Duration::from_secs(3);
+
 /// A donor's announcement, withdrawn (a goodbye packet) when dropped.
 pub struct Announcer {
     daemon: ServiceDaemon,
     fullname: String,
+    /// The daemon's events: whether the announcement has gone out.
+    events: Option<Receiver<DaemonEvent>>,
 }
 
 impl Announcer {
@@ -118,16 +124,43 @@ impl Announcer {
         .map_err(|e| failed(e.to_string()))?
         .enable_addr_auto();
         let fullname = info.get_fullname().to_string();
+        let events = daemon.monitor().ok();
         if let Err(e) = daemon.register(info) {
             let _ = daemon.shutdown();
             return Err(failed(e.to_string()));
         }
-        Ok(Announcer { daemon, fullname })
+        Ok(Announcer {
+            daemon,
+            fullname,
+            events,
+        })
+    }
+
+    /// Waits, at most [`ANNOUNCE_WAIT`], until the announcement has gone out.
+    /// A goodbye sent while the daemon still probes withdraws records no
+    /// browser has; mdns-sd's browser caches them for a second, and takes
+    /// an announcement in that second (the donor started again at once) as
+    /// a refresh of them: the instance is never resolved, and the donor
+    /// stays unseen for as long as its records live (the nemesis's
+    /// "announce-stranger; unannounce aw; announce-stranger").
+    fn wait_announced(&mut self) {
+        let Some(events) = self.events.take() else {
+            return;
+        };
+        let deadline = Instant::now() + ANNOUNCE_WAIT;
+        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+            match events.recv_timeout(left) {
+                // This daemon announces only this donor.
+                Ok(DaemonEvent::Announce(..)) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
     }
 }
 
 impl Drop for Announcer {
     fn drop(&mut self) {
+        self.wait_announced();
         if let Ok(done) = self.daemon.unregister(&self.fullname) {
             let _ = done.recv_timeout(STOP_WAIT);
         }
