@@ -90,6 +90,10 @@ impl Drop for Browser {
 /// How long [`Announcer`]'s drop waits for an announcement still being
 /// probed (three probes 250 ms apart, then the announcement).
 const ANNOUNCE_WAIT: Duration = Duration::from_secs(3);
+/// mdns-sd probes and announces on each interface (loopback too) on its
+/// own schedule, each started with up to 250 ms of jitter: an interface
+/// not announced this long after the last one was is taken as done.
+const ANNOUNCE_SPREAD: Duration = Duration::from_millis(500);
 
 /// A donor's announcement, withdrawn (a goodbye packet) when dropped.
 pub struct Announcer {
@@ -97,6 +101,7 @@ pub struct Announcer {
     fullname: String,
     /// The daemon's events: whether the announcement has gone out.
     events: Option<Receiver<DaemonEvent>>,
+    started: Instant,
 }
 
 impl Announcer {
@@ -125,6 +130,7 @@ impl Announcer {
         .enable_addr_auto();
         let fullname = info.get_fullname().to_string();
         let events = daemon.monitor().ok();
+        let started = Instant::now();
         if let Err(e) = daemon.register(info) {
             let _ = daemon.shutdown();
             return Err(failed(e.to_string()));
@@ -133,26 +139,34 @@ impl Announcer {
             daemon,
             fullname,
             events,
+            started,
         })
     }
 
-    /// Waits, at most [`ANNOUNCE_WAIT`], until the announcement has gone out.
-    /// A goodbye sent while the daemon still probes withdraws records no
-    /// browser has; mdns-sd's browser caches them for a second, and takes
-    /// an announcement in that second (the donor started again at once) as
-    /// a refresh of them: the instance is never resolved, and the donor
-    /// stays unseen for as long as its records live (the nemesis's
-    /// "announce-stranger; unannounce aw; announce-stranger").
+    /// Waits, at most [`ANNOUNCE_WAIT`], until the announcement has gone
+    /// out on every interface. A goodbye sent while the daemon still
+    /// probes withdraws records no browser has; mdns-sd's browser caches
+    /// them for a second, and takes an announcement in that second (the
+    /// donor started again at once) as a refresh of them: the instance is
+    /// never resolved, and the donor stays unseen for as long as its
+    /// records live (the nemesis's "announce-stranger; unannounce aw;
+    /// announce-stranger"). The daemon reports one announcement per
+    /// interface, and the interfaces are its own to list: after the first,
+    /// the others are waited for until none came for [`ANNOUNCE_SPREAD`].
     fn wait_announced(&mut self) {
         let Some(events) = self.events.take() else {
             return;
         };
-        let deadline = Instant::now() + ANNOUNCE_WAIT;
+        let end = self.started + ANNOUNCE_WAIT;
+        let mut deadline = end;
         while let Some(left) = deadline.checked_duration_since(Instant::now()) {
             match events.recv_timeout(left) {
                 // This daemon announces only this donor.
-                Ok(DaemonEvent::Announce(..)) | Err(_) => return,
+                Ok(DaemonEvent::Announce(..)) => {
+                    deadline = end.min(Instant::now() + ANNOUNCE_SPREAD);
+                }
                 Ok(_) => {}
+                Err(_) => return,
             }
         }
     }
