@@ -457,6 +457,41 @@ fn parity_second_refusal_in_a_group_fails_only_that_write() {
     one_degraded(&dev);
 }
 
+/// Ec 4+2 with one data member lost: a write to another extent is taken
+/// by its data member and refused by both parity members (their donors
+/// drain, and there is no room anywhere to move them). Neither parity
+/// can be dropped (the others could not be read without it), so the write
+/// fails (ENOSPC), and the data member gets its old bytes back, decoded
+/// from the parities that kept theirs. Left with the new bytes, it decoded
+/// with the old parities into wrong bytes of the lost member's extent;
+/// and the first parity was dropped because the second, as stale, was
+/// counted as readable.
+#[test]
+fn ec_write_refused_by_every_parity_puts_back_what_the_data_member_took() {
+    let Some((dev, model, mut ds, x, y, _state)) =
+        half_written_group(Mode::Ec { data: 4, parity: 2 }, 6, false)
+    else {
+        return;
+    };
+    ds[y].kill9();
+    // Extent 1 reads degraded; its donor is marked failed.
+    model.check(&dev, EXTENT, EXTENT);
+    for i in (0..ds.len()).filter(|&i| i != x && i != y) {
+        let status = ds[i].status.clone().expect("status endpoint");
+        netpager_proto::set_draining(&status, true, Duration::from_secs(2)).unwrap();
+    }
+    let mut page = [0u8; 4096];
+    Rng::new(50).fill(&mut page);
+    let err = dev
+        .write(&page, EXTENT / 2)
+        .expect_err("no room for the parities");
+    assert_eq!(err.errno(), libc::ENOSPC, "{err}");
+    assert_eq!(
+        model.failing_extents(&dev, EXTENT),
+        Vec::<(u64, String)>::new()
+    );
+}
+
 /// Donors stop and start draining between two epochs: a placement that
 /// would fail on the epoch's view of them (one still draining there, the
 /// one draining now not known to be) looks at the refusing donors again

@@ -187,13 +187,16 @@ impl Inner {
     /// Kept as it was, it read back stale and, once another member was
     /// lost, decoded into the other extents of its group (the nemesis, ec,
     /// seed 2485690532). If they cannot, it stays and this fails: the
-    /// caller puts back what the others took where it can.
+    /// caller puts back what the others took where it can. `stale`: other
+    /// members refused the same write and not yet settled, which hold old
+    /// bytes, so they do not count among those that can be read.
     pub(crate) fn move_refused(
         &self,
         u: u64,
         g: &mut Option<Unit>,
         j: usize,
         patches: &[(u64, &[u8])],
+        stale: &[usize],
     ) -> Result<()> {
         let err = match self.move_member(u, g, j, MoveWhy::Full) {
             Ok(()) => {
@@ -218,7 +221,7 @@ impl Inner {
         };
         let unit = g.as_ref().expect("a placed unit");
         let others = (unit.members.iter().enumerate())
-            .filter(|&(k, m)| k != j && self.usable(m))
+            .filter(|&(k, m)| k != j && !stale.contains(&k) && self.usable(m))
             .count();
         // Dropped, it would take the whole unit with it (the nemesis,
         // parity, drains-overlapping: a second refusal in one group).

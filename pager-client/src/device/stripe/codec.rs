@@ -57,8 +57,10 @@ impl Inner {
 
     /// Member `pos`'s bytes `[in_off, in_off + out.len())` decoded from `k`
     /// other members (degraded read, rebuild), read in parallel piece by
-    /// piece into `scratch` (any size from `(k + 1) * 64` bytes). A member
-    /// whose read fails is left out and another one read instead.
+    /// piece into `scratch` (any size from `(k + 1) * 64` bytes), none of
+    /// them in `not_from`. A member whose read fails is left out and
+    /// another one read instead.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn reconstruct(
         &self,
         e: u64,
@@ -67,6 +69,7 @@ impl Inner {
         in_off: u64,
         out: &mut [u8],
         scratch: &mut [u8],
+        not_from: &[usize],
     ) -> Result<()> {
         let l = &self.layout;
         let g = e / l.data_per_unit();
@@ -75,7 +78,7 @@ impl Inner {
         let mut gone = [false; MAX_SHARDS];
         gone[pos] = true;
         for (j, m) in unit.members.iter().enumerate() {
-            gone[j] |= !self.usable(m);
+            gone[j] |= !self.usable(m) || not_from.contains(&j);
         }
         let mut why = String::new();
         let (a_off, a_len) = aligned(in_off, out.len() as u64);

@@ -487,7 +487,7 @@ impl Inner {
         }
         let e = g * self.layout.data_per_unit();
         let mut bufs = self.bufs.take(1);
-        self.reconstruct(e, unit, pos, off, buf, bufs.one(self.buf_bytes()))
+        self.reconstruct(e, unit, pos, off, buf, bufs.one(self.buf_bytes()), &[])
     }
 
     /// Frees closed log unit `lu` (no live page is left in it: a closed

@@ -63,7 +63,7 @@ impl Inner {
             .layout
             .extent_of(u, j)
             .unwrap_or(u * self.layout.data_per_unit());
-        self.reconstruct(e, unit, j, 0, out, scratch)
+        self.reconstruct(e, unit, j, 0, out, scratch, &[])
     }
 
     /// Orders a new group's locations by member position: its parity

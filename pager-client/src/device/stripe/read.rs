@@ -343,6 +343,6 @@ impl Inner {
             return Ok(());
         }
         let mut bufs = self.bufs.take(1);
-        self.reconstruct(e, unit, pos, in_off, buf, bufs.one(self.buf_bytes()))
+        self.reconstruct(e, unit, pos, in_off, buf, bufs.one(self.buf_bytes()), &[])
     }
 }

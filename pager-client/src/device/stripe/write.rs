@@ -143,7 +143,10 @@ impl Inner {
         }
         self.map.mark_written(g)?;
         let refused = self.full_stripe_pass(g, data, guard.as_ref().expect("placed above"))?;
-        self.settle_refusals(g, &mut guard, &refused)?;
+        // Every data member was written: what a failure leaves undefined
+        // is this write's own range.
+        self.settle_refusals(g, &mut guard, &refused)
+            .map_err(|(e, _)| e)?;
         let pages = data.len() as u64 / PAGE;
         self.journal()
             .drop_pages(first * ext as u64 / PAGE, pages)?;
@@ -152,23 +155,27 @@ impl Inner {
 
     /// Moves each member that was refused bytes of a write for lack of
     /// room, and gives it those bytes at its new place
-    /// (`Inner::move_refused`).
+    /// (`Inner::move_refused`). On failure, also the members that still
+    /// hold their old bytes: the one that could not move, and those after
+    /// it.
     fn settle_refusals(
         &self,
         g: u64,
         guard: &mut GroupGuard<'_>,
         refused: &Refusals,
-    ) -> Result<()> {
+    ) -> std::result::Result<(), (DeviceError, Vec<usize>)> {
         let mut members: Vec<usize> = refused.iter().map(|r| r.0).collect();
         members.sort_unstable();
         members.dedup();
-        for j in members {
+        for (i, &j) in members.iter().enumerate() {
             let patches: Vec<(u64, &[u8])> = refused
                 .iter()
                 .filter(|r| r.0 == j)
                 .map(|r| (r.1, &r.2[..]))
                 .collect();
-            self.move_refused(g, guard, j, &patches)?;
+            if let Err(e) = self.move_refused(g, guard, j, &patches, &members[i + 1..]) {
+                return Err((e, members[i..].to_vec()));
+            }
         }
         Ok(())
     }
@@ -429,13 +436,13 @@ impl Inner {
                             xor_into(&mut old_p, old_d);
                             xor_into(&mut old_p, data);
                             drop(pooled);
-                            let res = self.move_refused(g, guard, pos, &[(in_off, data)]);
+                            let res = self.move_refused(g, guard, pos, &[(in_off, data)], &[]);
                             return self.undo_on_error(res, pm.loc, in_off, &old_p);
                         }
                         (Ok(()), Err(IoFail::NoSpace(_))) => {
                             let (par, old_d) = (par.to_vec(), old_d.to_vec());
                             drop(pooled);
-                            let res = self.move_refused(g, guard, pp, &[(in_off, &par)]);
+                            let res = self.move_refused(g, guard, pp, &[(in_off, &par)], &[]);
                             return self.undo_on_error(res, dm.loc, in_off, &old_d);
                         }
                         // One member's donor died mid-write: the other holds
@@ -508,9 +515,64 @@ impl Inner {
     /// no fewer than the `k - 1` read here at the usual 4+2, and would need
     /// the code's coefficients.
     fn write_stripe_locked(&self, off: u64, data: &[u8], guard: &mut GroupGuard<'_>) -> Result<()> {
-        let (g, _) = self.layout.locate(off / self.layout.extent);
+        let e = off / self.layout.extent;
+        let (g, _) = self.layout.locate(e);
         let refused = self.stripe_pass(off, data, guard.as_ref().expect("placed by the caller"))?;
         self.settle_refusals(g, guard, &refused)
+            .map_err(|(err, stale)| {
+                self.put_back_stripe(e, guard.as_ref().expect("placed"), &refused, &stale);
+                err
+            })
+    }
+
+    /// A write at home to extent `e` failed with members `stale` still
+    /// holding their old bytes where they were `refused` them: on each
+    /// such piece, the members that took the new bytes get their old ones
+    /// back, decoded from the stale members and those the write did not
+    /// touch, so that the group decodes its other extents right. Left
+    /// new, they decoded with the stale ones into wrong bytes of a lost
+    /// member's extent.
+    fn put_back_stripe(&self, e: u64, unit: &Unit, refused: &Refusals, stale: &[usize]) {
+        let l = self.layout;
+        let (g, pos) = l.locate(e);
+        let (k, me) = (l.data_per_unit() as usize, l.shard_of(g, pos));
+        let mut bufs = self.bufs.take(2);
+        let (out, scratch) = bufs.two(self.buf_bytes());
+        let mut pieces: Vec<(u64, usize)> = refused
+            .iter()
+            .filter(|r| stale.contains(&r.0))
+            .map(|r| (r.1, r.2.len()))
+            .collect();
+        pieces.sort_unstable();
+        pieces.dedup();
+        for (at, n) in pieces {
+            let old_here = |j: usize| {
+                refused
+                    .iter()
+                    .any(|r| r.0 == j && r.1 == at && stale.contains(&j))
+            };
+            let took: Vec<usize> = (0..unit.members.len())
+                .filter(|&j| {
+                    let s = l.shard_of(g, j);
+                    (s == me || s >= k) && self.usable(&unit.members[j]) && !old_here(j)
+                })
+                .collect();
+            for &w in &took {
+                let old = &mut out[..n];
+                let res = self
+                    .reconstruct(e, unit, w, at, old, scratch, &took)
+                    .and_then(|()| {
+                        self.exec1(unit.members[w].loc, at, Op::Write(old))
+                            .map_err(|f| DeviceError::Io {
+                                extent: e,
+                                reason: f.reason().to_string(),
+                            })
+                    });
+                if let Err(err) = res {
+                    tracing::error!("unit {g}: putting back member {w}'s old bytes: {err}");
+                }
+            }
+        }
     }
 
     /// [`Self::write_stripe_locked`]'s writes to group members `unit`:
@@ -554,7 +616,7 @@ impl Inner {
                 }
                 let j = l.member_of(g, i);
                 let ei = l.extent_of(g, j).unwrap_or(e);
-                self.reconstruct(ei, unit, j, at, chunk, scratch)?;
+                self.reconstruct(ei, unit, j, at, chunk, scratch, &[])?;
             }
             // The new bytes over the target's shard.
             let from = at.max(in_off);
