@@ -630,3 +630,38 @@ fn a_donor_waiting_for_its_label_that_dies_is_failed() {
         s.donors[0].failed
     });
 }
+
+/// A donor waiting for its label (it drained) that stops draining is
+/// labelled and used without ever being failed. Its connections were
+/// closed while it waited and the retry did not reopen them, so it was
+/// failed first ("no new connections") and taken in only by revive; failed
+/// meanwhile, it was left out of the second-name check, and a second name
+/// of it was accepted (the nemesis, mode none, seed 28889084: "undrain d2;
+/// add-alias d2").
+#[test]
+fn a_donor_waiting_for_its_label_is_labelled_when_it_stops_draining_and_never_failed() {
+    let Some(ds) = servers(2, "16M") else {
+        return;
+    };
+    let d0 = ds[0].status.clone().expect("status endpoint");
+    netpager_proto::set_draining(&d0, true, Duration::from_secs(2)).unwrap();
+    let refs: Vec<&Nbdkit> = ds.iter().collect();
+    let state = tempfile::tempdir().unwrap();
+    let dev = Device::open(config(Mode::None, 2 << 20, EXTENT, &refs), state.path()).unwrap();
+    wait_status(&dev, "donor 0 waiting for its label", |s| {
+        dev.poll_donors_now();
+        s.donors[0]
+            .failure
+            .as_deref()
+            .is_some_and(|f| f.contains("no label"))
+    });
+    netpager_proto::set_draining(&d0, false, Duration::from_secs(2)).unwrap();
+    let s = wait_status(&dev, "donor 0 selected", |s| {
+        dev.poll_donors_now();
+        s.donors[0].f > 0.0
+    });
+    assert_eq!(s.donors[0].errors, 0, "{}", render_table(&s));
+    let mut model = Model::new(2 << 20);
+    model.fill(&dev, &mut Rng::new(60), EXTENT);
+    model.check_all(&dev, EXTENT);
+}

@@ -637,6 +637,11 @@ impl Inner {
         if d.draining.load(Ordering::Acquire) && d.remote().error.is_none() {
             return;
         }
+        // Its connections were closed as it began to wait: tried on a
+        // closed pool it was failed ("no new connections"), and failed it
+        // was left out of the second-name check, so a second name of it
+        // was accepted (the nemesis, mode none, seed 28889084).
+        d.pool.reopen();
         let res = self.try_attach(d);
         d.health().unlabelled = None;
         match res {
