@@ -522,7 +522,6 @@ impl Inner {
         d.pool.reopen();
         let taken_back = self.take_back(d);
         if let Some((back, rebuild)) = taken_back {
-            Self::is_back(d, None);
             tracing::warn!(
                 "donor {} ({}) is back with our data: {back} extent copies taken back as they were, {rebuild} re-created (written while it was away)",
                 d.cfg.name,
@@ -591,6 +590,12 @@ impl Inner {
             d.cfg.name,
             away.since.elapsed().as_secs()
         );
+        // Usable before any member is taken back: a member taken back on a
+        // donor still failed was skipped by the next write to its group
+        // (a degraded write), and read back stale once the donor was back
+        // (the nemesis, parity, seed 28889085: d3 on a slow link, taken
+        // back while its trims crawled). Not placed on before `attached`.
+        Self::is_back(d, None);
         self.set_capacity(d, size, false);
         // Taken back while the slots written meanwhile are still noted.
         let r = self.readd(d, away);

@@ -322,7 +322,12 @@ impl Inner {
         for u in 0..self.layout.units() {
             let mut g = self.map.unit(u).write_or_recover();
             let Some(unit) = g.as_mut() else { continue };
-            let written = unit.members.iter().any(|m| dirty.contains(&m.loc));
+            // Also what was noted since the noted set was taken: a write
+            // that skipped this member (still lost) just before the lock.
+            let written = {
+                let now = self.dirty.slots.lock_or_recover();
+                (unit.members.iter()).any(|m| dirty.contains(&m.loc) || now.contains(&m.loc))
+            };
             let mut changed = false;
             for m in unit.members.iter_mut() {
                 let on_d = matches!(m.loc, Loc::Donor { donor, .. } if donor == d.id);
@@ -346,9 +351,8 @@ impl Inner {
         // Others may still be away: what they need noted stays noted.
         self.dirty.slots.lock_or_recover().extend(dirty);
         // Every slot it held that no member took back: stale members, and
-        // members rebuilt elsewhere while it was away. Not through `exec`:
-        // `d` is still failed, so nothing else can be placed on it before
-        // these trims.
+        // members rebuilt elsewhere while it was away. Nothing else can be
+        // placed on it before these trims: it is not attached yet.
         let left = std::mem::take(&mut *d.left_behind.lock_or_recover());
         for slot in left {
             if self.map.in_use(Loc::Donor { donor: d.id, slot }) {
