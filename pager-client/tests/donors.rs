@@ -492,6 +492,16 @@ fn ec_write_refused_by_every_parity_puts_back_what_the_data_member_took() {
     );
 }
 
+/// A mirror device of `size` on donors `ds` that runs no epoch but those
+/// its test asks for; the state directory lives as long as the guard.
+fn mirror_without_epochs(ds: &[Nbdkit], size: u64) -> (Device, tempfile::TempDir) {
+    let refs: Vec<&Nbdkit> = ds.iter().collect();
+    let state = tempfile::tempdir().unwrap();
+    let mut cfg = config(Mode::Mirror, size, EXTENT, &refs);
+    cfg.policy.epoch_ms = 3_600_000;
+    (Device::open(cfg, state.path()).unwrap(), state)
+}
+
 /// Mirror: a copy refused a write (its donor drains) must move, and the
 /// only donor it can move to has hung (stopped, not yet known to be): the
 /// move times out, so the copy is dropped (rebuilt later) and the other
@@ -503,14 +513,9 @@ fn mirror_copy_whose_move_hangs_is_dropped_and_the_write_goes_to_the_other() {
     let Some(mut ds) = servers(3, "16M") else {
         return;
     };
-    let refs: Vec<&Nbdkit> = ds.iter().collect();
-    let state = tempfile::tempdir().unwrap();
     let size = 4 * EXTENT;
-    let mut cfg = config(Mode::Mirror, size, EXTENT, &refs);
-    // No epoch but those the test asks for: nothing finds the hung donor
-    // before the move does.
-    cfg.policy.epoch_ms = 3_600_000;
-    let dev = Device::open(cfg, state.path()).unwrap();
+    // Nothing finds the hung donor before the move does.
+    let (dev, _state) = mirror_without_epochs(&ds, size);
     let mut model = Model::new(size);
     model.write_random(&dev, &mut Rng::new(58), 0, EXTENT / 2);
     let held: Vec<u64> = dev.status().donors.iter().map(|d| d.extents_held).collect();
@@ -541,13 +546,8 @@ fn a_placement_looks_again_before_failing_on_an_old_view_of_draining() {
     let Some(ds) = servers(3, "16M") else {
         return;
     };
-    let refs: Vec<&Nbdkit> = ds.iter().collect();
-    let state = tempfile::tempdir().unwrap();
     let size = 16 * EXTENT;
-    let mut cfg = config(Mode::Mirror, size, EXTENT, &refs);
-    // No epoch but those the test asks for.
-    cfg.policy.epoch_ms = 3_600_000;
-    let dev = Device::open(cfg, state.path()).unwrap();
+    let (dev, _state) = mirror_without_epochs(&ds, size);
     let status = |i: usize| ds[i].status.clone().expect("status endpoint");
     netpager_proto::set_draining(&status(0), true, Duration::from_secs(2)).unwrap();
     run_epoch(&dev);
