@@ -602,15 +602,10 @@ fn a_drained_donor_back_from_a_failure_while_draining_is_not_failed() {
     model.check_all(&dev, 256 << 10);
 }
 
-/// A donor that waits for its label (it drains, so takes none) and then
-/// dies is failed, though its last status said draining. It waited on for
-/// ever, never failed (the nemesis slice, mirror, seed 3339075913: a
-/// restarted swap device never settled).
-#[test]
-fn a_donor_waiting_for_its_label_that_dies_is_failed() {
-    let Some(mut ds) = servers(2, "16M") else {
-        return;
-    };
+/// A mode-none device on `ds` whose donor 0 drains as it opens, so waits
+/// for its label (listed, not failed); the state directory lives as long
+/// as the guard.
+fn waiting_for_its_label(ds: &[Nbdkit]) -> (Device, tempfile::TempDir) {
     let d0 = ds[0].status.clone().expect("status endpoint");
     netpager_proto::set_draining(&d0, true, Duration::from_secs(2)).unwrap();
     let refs: Vec<&Nbdkit> = ds.iter().collect();
@@ -624,6 +619,19 @@ fn a_donor_waiting_for_its_label_that_dies_is_failed() {
                 .as_deref()
                 .is_some_and(|f| f.contains("no label"))
     });
+    (dev, state)
+}
+
+/// A donor that waits for its label (it drains, so takes none) and then
+/// dies is failed, though its last status said draining. It waited on for
+/// ever, never failed (the nemesis slice, mirror, seed 3339075913: a
+/// restarted swap device never settled).
+#[test]
+fn a_donor_waiting_for_its_label_that_dies_is_failed() {
+    let Some(mut ds) = servers(2, "16M") else {
+        return;
+    };
+    let (dev, _state) = waiting_for_its_label(&ds);
     ds[0].kill9();
     wait_status(&dev, "donor 0 failed", |s| {
         dev.poll_donors_now();
@@ -643,18 +651,8 @@ fn a_donor_waiting_for_its_label_is_labelled_when_it_stops_draining_and_never_fa
     let Some(ds) = servers(2, "16M") else {
         return;
     };
+    let (dev, _state) = waiting_for_its_label(&ds);
     let d0 = ds[0].status.clone().expect("status endpoint");
-    netpager_proto::set_draining(&d0, true, Duration::from_secs(2)).unwrap();
-    let refs: Vec<&Nbdkit> = ds.iter().collect();
-    let state = tempfile::tempdir().unwrap();
-    let dev = Device::open(config(Mode::None, 2 << 20, EXTENT, &refs), state.path()).unwrap();
-    wait_status(&dev, "donor 0 waiting for its label", |s| {
-        dev.poll_donors_now();
-        s.donors[0]
-            .failure
-            .as_deref()
-            .is_some_and(|f| f.contains("no label"))
-    });
     netpager_proto::set_draining(&d0, false, Duration::from_secs(2)).unwrap();
     let s = wait_status(&dev, "donor 0 selected", |s| {
         dev.poll_donors_now();
