@@ -12,7 +12,8 @@ another's result:
   priority, whichever test made it: a job would swap onto another run's
   device, and lose pages when that test kills its client. A test holds
   `SWAP` while it has a swap area on (`PagerClient` with `--swap`,
-  `attach.Swap`).
+  `attach.Swap`). A run killed with SIGKILL leaves its area on; once its
+  FUSE server is gone as well, the next run to take `SWAP` switches it off.
 - FUSE over io_uring's switch (`/sys/module/fuse/parameters/enable_uring`),
   read when a FUSE file system is mounted: `pagerctl attach` turns it on,
   `pagerctl detach` turns it back, some tests turn it off. Attach, detach
@@ -31,8 +32,12 @@ never ran, from another live run's, and sweep it (`owner_gone`).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import re
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -135,7 +140,65 @@ class MachineLock:
         teardown.add(f"release {self.path}", self.release)
 
 
-SWAP = MachineLock("swap", "a swap area on")
+class SwapLock(MachineLock):
+    """`SWAP`: whoever takes it first in a process also switches off the swap
+    areas a killed run left on a dead FUSE file (`sweep_dead_swap`): under the
+    lock no live run has one on, and such an area, at the top priority tests
+    use, would take the next job's pages and fail every write."""
+
+    def acquire(self, timeout: float = 1800.0) -> None:
+        super().acquire(timeout)
+        if self._depth == 1:
+            for what in sweep_dead_swap():
+                print(f"netpager tests: swept {what}", file=sys.stderr, flush=True)
+
+
+def _fuse_mounts() -> list[str]:
+    """Mount points of FUSE file systems, longest first (/proc/self/mountinfo
+    escapes a space as \\040)."""
+    points = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        pre, _, post = line.partition(" - ")
+        if post.split()[0].startswith("fuse"):
+            points.append(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), pre.split()[4]))
+    return sorted(points, key=len, reverse=True)
+
+
+def _server_gone(mountpoint: str) -> bool:
+    """A FUSE mount whose server has exited answers ENOTCONN to everything."""
+    try:
+        os.stat(mountpoint)
+    except OSError as e:
+        return e.errno == errno.ENOTCONN
+    return False
+
+
+def sweep_dead_swap() -> list[str]:
+    """Switches off each swap area on a loop device whose file lies on a FUSE
+    mount whose server is gone (a run killed with SIGKILL: its teardown never
+    ran), detaches the loop device and unmounts the dead mount; returns what
+    it swept. Nothing with a live server is touched."""
+    swept = []
+    for line in Path("/proc/swaps").read_text().splitlines()[1:]:
+        device = line.split()[0]
+        loop = re.fullmatch(r"/dev/(loop\d+)", device)
+        if not loop:
+            continue
+        try:
+            backing = Path(f"/sys/block/{loop[1]}/loop/backing_file").read_text().strip()
+        except OSError:
+            continue
+        backing = backing.removesuffix(" (deleted)")
+        mount = next((m for m in _fuse_mounts() if backing.startswith(m.rstrip("/") + "/")), None)
+        if mount is None or not _server_gone(mount):
+            continue
+        for argv in (["swapoff", device], ["losetup", "-d", device], ["umount", "-l", mount]):
+            subprocess.run(argv, capture_output=True, timeout=600)
+        swept.append(f"swap area {device} on {backing}, whose FUSE server is gone")
+    return swept
+
+
+SWAP = SwapLock("swap", "a swap area on")
 URING_SWITCH = MachineLock("uring-switch", "FUSE over io_uring's switch")
 
 _block: tuple[int, int] | None = None

@@ -177,6 +177,39 @@ def test_signal_midway_leaves_nothing_behind(root, teardown, tmp_path, sig):
     assert f"{signal.Signals(sig).name}: undoing everything" in log.read_text()
 
 
+def test_swap_a_killed_run_left_on_a_dead_server_is_swept_by_the_next(root, teardown, tmp_path):
+    """SIGKILL runs no teardown: the child's swap area stays on, at the top
+    priority, and once its FUSE server is gone too it fails every write the
+    next job's pages get. The next run to take the swap lock switches it off,
+    detaches its loop device and unmounts the dead mount; while the server
+    lives, the area is left alone."""
+    from netpager_testkit.machine import sweep_dead_swap
+    env = dict(os.environ, PYTHONPATH=str(repo_root() / "tests"))
+    log = tmp_path / "child.log"
+    teardown.add_log(log)
+    with open(log, "w") as err:
+        child = subprocess.Popen([sys.executable, str(Path(__file__).with_name("cleanup_child.py"))],
+                                 stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    teardown.add("cleanup child", lambda: (child.poll() is None and child.kill(), child.wait()))
+    line = child.stdout.readline()
+    assert line, f"child died before setting up; log {log}:\n{log.read_text()}"
+    info = json.loads(line)
+    teardown.add("salvage what the child left", lambda: _salvage(info))
+    child.kill()
+    child.wait()
+    with SWAP.held():
+        assert sweep_dead_swap() == []
+    assert info["loop"] in swaps(), "a swap area whose server lives was swept"
+    nbdfuse, start = info["pids"]["nbdfuse"]
+    if proc_start_time(nbdfuse) == start:
+        os.kill(nbdfuse, signal.SIGKILL)
+    wait_for(lambda: proc_start_time(nbdfuse) != start, 10, "nbdfuse to die")
+    assert info["loop"] in swaps() and mounted(info["mountdir"])
+    with SWAP.held():
+        pass
+    assert [x for x in _leftovers(info) if x.split()[0] in ("mount", "swap", "loop")] == []
+
+
 def test_missing_requirements_fail_under_ci(monkeypatch):
     """A test skipped for want of root or a tool fails when CI=true."""
     from netpager_testkit.ci import skip_or_fail
