@@ -91,16 +91,28 @@ impl Inner {
         }
     }
 
-    /// Whether `unit` can no longer be read: a group missing more members
-    /// than its code survives, or a copy set with no copy left. Never in
+    /// Whether unit `u` (placement `unit`) can no longer be read: a group
+    /// missing more members than its code survives, or a data member while
+    /// its parity is not trusted; a copy set with no copy left. Never in
     /// mode disk, whose file holds every page.
-    pub(crate) fn unit_lost(&self, unit: &Unit) -> bool {
-        let bad = unit.members.iter().filter(|m| !self.usable(m)).count();
+    pub(crate) fn unit_lost(&self, u: u64, unit: &Unit) -> bool {
+        let bad: Vec<usize> = (0..unit.members.len())
+            .filter(|&j| !self.usable(&unit.members[j]))
+            .collect();
         match self.layout.mode {
             Redundancy::Disk => false,
-            m if m.striped() => bad > self.layout.parity_count(),
-            _ => bad == unit.members.len(),
+            m if m.striped() => self.group_lost(u, &bad),
+            _ => bad.len() == unit.members.len(),
         }
+    }
+
+    /// Whether group `u` whose members `bad` are gone can no longer be
+    /// read there: more are gone than its code survives, or a data member
+    /// while its parity may not match its data (`ExtentMap::is_unsynced`).
+    pub(crate) fn group_lost(&self, u: u64, bad: &[usize]) -> bool {
+        bad.len() > self.layout.parity_count()
+            || (self.map.is_unsynced(u)
+                && bad.iter().any(|&j| self.layout.extent_of(u, j).is_some()))
     }
 
     /// The home units a request of `len` bytes at `offset` touches.
@@ -184,7 +196,7 @@ impl Inner {
         guard: &mut Option<Unit>,
         forget: &dyn Fn(u64) -> bool,
     ) -> Result<Vec<u64>> {
-        let Some(unit) = guard.as_ref().filter(|unit| self.unit_lost(unit)) else {
+        let Some(unit) = guard.as_ref().filter(|unit| self.unit_lost(u, unit)) else {
             return Ok(Vec::new());
         };
         let striped = self.layout.mode.striped();
@@ -297,7 +309,9 @@ impl Inner {
             .unit(lu)
             .read_or_recover()
             .as_ref()
-            .is_none_or(|unit| self.unit_lost(unit) && !self.usable(&unit.members[pos]))
+            .is_none_or(|unit| {
+                self.unit_lost(self.layout.log_unit(lu), unit) && !self.usable(&unit.members[pos])
+            })
     }
 
     /// Drops home group `g`'s logged pages whose log copy is lost: zeroed

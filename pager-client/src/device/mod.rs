@@ -533,6 +533,16 @@ impl Device {
             let _ = t.join();
         }
         let flushed = self.inner.flush();
+        if flushed.is_ok() {
+            // Every group written lately agrees with its parity now: a
+            // planned restart need not resync them (the sweep would have
+            // closed them a moment later).
+            if let Err(e) = self.inner.map.close_all_intents() {
+                tracing::warn!(
+                    "closing parity groups' write intents: {e} (the next start resyncs them)"
+                );
+            }
+        }
         self.inner.write_status();
         flushed
     }

@@ -128,7 +128,7 @@ impl Inner {
             match layout.mode {
                 // Past what the code survives, the extents on gone members
                 // are lost; those on live members still read directly.
-                m if m.striped() && bad.len() > spare => match (log_unit, geo) {
+                m if m.striped() && self.group_lost(u, &bad) => match (log_unit, geo) {
                     // The extents whose current pages were on gone members.
                     (Some(lu), Some(geo)) => lost.extend(
                         self.journal()

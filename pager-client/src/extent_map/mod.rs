@@ -71,6 +71,11 @@ pub const COMPACT_AFTER_BYTES: u64 = 4 << 20;
 pub(super) const INTENT_OPEN: u8 = 1;
 /// The group was written at home since the last sweep.
 const INTENT_TOUCHED: u8 = 2;
+/// Open at start and its resync failed (a data member was unreachable):
+/// its parity may not match its data, so nothing is decoded from it until
+/// a resync succeeds. Not journaled: the open intent is, and the next
+/// start resyncs the group again.
+const INTENT_UNSYNCED: u8 = 4;
 
 /// A donor as the map knows it: ids are stable across restarts and config
 /// changes, the label says which incarnation of our export holds our data
@@ -182,7 +187,8 @@ pub struct ExtentMap {
     layout: Layout,
     dir: PathBuf,
     units: Vec<RwLock<Option<Unit>>>,
-    /// Write intent of each home group ([`INTENT_OPEN`], [`INTENT_TOUCHED`]):
+    /// Write intent of each home group ([`INTENT_OPEN`], [`INTENT_TOUCHED`],
+    /// [`INTENT_UNSYNCED`]):
     /// changed with the group's write lock held, and the open bit only
     /// with `persist` held too, so a snapshot sees what the journal says.
     intents: Vec<AtomicU8>,
@@ -469,11 +475,23 @@ impl ExtentMap {
     /// Closes the intent of every open group not written since the last
     /// sweep (taking its write lock, so no write is in flight; a group
     /// whose lock is busy waits for the next sweep). Returns the open
-    /// groups whose lock is poisoned: a request panicked mid-write there,
-    /// so their parity may not match their data, and they stay open until
-    /// the caller has resynced them.
+    /// groups whose parity may not match their data, which stay open until
+    /// the caller has resynced them: those whose lock is poisoned (a
+    /// request panicked mid-write there) and those marked unsynced.
     pub fn sweep_intents(&self) -> Result<Vec<u64>, MapError> {
-        let mut poisoned = Vec::new();
+        self.close_intents(false)
+    }
+
+    /// At a clean stop, every request answered: closes the intent of
+    /// every open group whose members agree (as `sweep_intents`, written
+    /// lately or not), so the next start has nothing to resync but what
+    /// it returns.
+    pub fn close_all_intents(&self) -> Result<Vec<u64>, MapError> {
+        self.close_intents(true)
+    }
+
+    fn close_intents(&self, touched_too: bool) -> Result<Vec<u64>, MapError> {
+        let mut untrusted = Vec::new();
         for (g, i) in self.intents.iter().enumerate() {
             if i.load(Ordering::Relaxed) & INTENT_OPEN == 0 {
                 continue;
@@ -481,19 +499,37 @@ impl ExtentMap {
             let guard = match self.units[g].try_write() {
                 Ok(guard) => guard,
                 Err(TryLockError::Poisoned(_)) => {
-                    poisoned.push(g as u64);
+                    untrusted.push(g as u64);
                     continue;
                 }
                 Err(TryLockError::WouldBlock) => continue,
             };
-            if i.load(Ordering::Relaxed) & INTENT_TOUCHED != 0 {
+            let v = i.load(Ordering::Relaxed);
+            if v & INTENT_UNSYNCED != 0 {
+                untrusted.push(g as u64);
+            } else if v & INTENT_TOUCHED != 0 && !touched_too {
                 i.fetch_and(!INTENT_TOUCHED, Ordering::Relaxed);
             } else {
                 self.clear_intent(g as u64)?;
             }
             drop(guard);
         }
-        Ok(poisoned)
+        Ok(untrusted)
+    }
+
+    /// Marks open group `g` unsynced: its resync failed, so its parity may
+    /// not match its data until one succeeds ([`Self::clear_intent`]).
+    /// Call with its write lock held.
+    pub fn mark_unsynced(&self, g: u64) {
+        self.intents[g as usize].fetch_or(INTENT_UNSYNCED, Ordering::Relaxed);
+    }
+
+    /// Whether unit `u` is a home group whose parity may not match its
+    /// data ([`Self::mark_unsynced`]).
+    pub fn is_unsynced(&self, u: u64) -> bool {
+        self.intents
+            .get(u as usize)
+            .is_some_and(|i| i.load(Ordering::Relaxed) & INTENT_UNSYNCED != 0)
     }
 
     /// Home groups whose write intent is open (at start: those a crash may

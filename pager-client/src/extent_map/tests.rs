@@ -353,6 +353,24 @@ fn a_group_poisoned_mid_write_stays_open_until_resynced() {
 }
 
 #[test]
+fn a_clean_stop_closes_every_intent_but_an_unsynced_groups() {
+    let (_dir, m) = mirror_map();
+    for g in [1, 3, 4] {
+        m.mark_written(g).unwrap();
+    }
+    m.mark_unsynced(3);
+    // Written just now: a sweep would keep 1 and 4 open a while longer.
+    assert_eq!(m.close_all_intents().unwrap(), vec![3]);
+    assert_eq!(m.open_intents(), vec![3]);
+    assert!(m.is_unsynced(3) && !m.is_unsynced(1));
+    // Sweeps hand it back for a resync until one succeeds.
+    assert_eq!(m.sweep_intents().unwrap(), vec![3]);
+    m.clear_intent(3).unwrap();
+    assert!(!m.is_unsynced(3));
+    assert_eq!(m.open_intents(), Vec::<u64>::new());
+}
+
+#[test]
 fn parity_members_are_counted_per_donor_through_changes_and_reopen() {
     let dir = tempfile::tempdir().unwrap();
     let l = log_layout();

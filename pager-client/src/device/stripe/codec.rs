@@ -74,6 +74,15 @@ impl Inner {
         let l = &self.layout;
         let g = e / l.data_per_unit();
         let (k, r) = (l.data_per_unit() as usize, l.parity_count());
+        if self.map.is_unsynced(g) {
+            return Err(DeviceError::Lost {
+                extent: e,
+                reason: format!(
+                    "group {g}'s parity was not resynced since the device last stopped, so it may not match its data: {}",
+                    self.lost_reason(unit)
+                ),
+            });
+        }
         let want = l.shard_of(g, pos);
         let mut gone = [false; MAX_SHARDS];
         gone[pos] = true;

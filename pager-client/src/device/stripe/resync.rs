@@ -51,11 +51,18 @@ impl Inner {
                     self.resynced.fetch_add(1, Ordering::Relaxed);
                 }
                 Ok(false) => {}
-                // Nothing better can be done: the group's parity (or a
-                // member rebuilt from it) may not match its data.
-                Err(e) => tracing::error!("resync of parity group {g}: {e}"),
+                // A data member unreachable now may be back in a second
+                // (a donor slow or restarting), with the data the parity
+                // must be computed from; decoding from this parity
+                // instead would return what the group held before its
+                // last writes (zeros, for a fresh group).
+                Err(e) => {
+                    self.map.mark_unsynced(g);
+                    tracing::error!(
+                        "resync of parity group {g}: {e}; nothing is decoded from its parity until a resync succeeds (retried while the device serves), so a member it would rebuild reads as lost meanwhile"
+                    );
+                }
             }
-            self.map.clear_intent(g)?;
             drop(guard);
             if (i + 1) % LOG_EVERY == 0 {
                 tracing::info!("resync: {}/{} groups", i + 1, open.len());
@@ -71,20 +78,21 @@ impl Inner {
     }
 
     /// Recomputes group `g`'s parity members from its data members and
-    /// writes them (group write-locked, `unit` its placement); false if
-    /// the group has no placement.
+    /// writes them (group write-locked, `unit` its placement), then closes
+    /// its write intent; false if the group has no placement.
     pub(crate) fn resync_group(&self, g: u64, unit: Option<&Unit>) -> Result<bool> {
         let Some(unit) = unit else {
+            self.map.clear_intent(g)?;
             return Ok(false);
         };
         let l = self.layout;
         let (k, r) = (l.data_per_unit() as usize, l.parity_count());
         let first = g * l.data_per_unit();
         if let Some(s) = (0..k).find(|&s| !self.usable(&unit.members[l.member_of(g, s)])) {
-            return Err(DeviceError::Lost {
+            return Err(DeviceError::Io {
                 extent: first + s as u64,
                 reason: format!(
-                    "data member {} is gone, so the parity cannot be recomputed: {}",
+                    "data member {} is unreachable, so the parity cannot be recomputed: {}",
                     l.member_of(g, s),
                     self.lost_reason(unit)
                 ),
@@ -140,6 +148,7 @@ impl Inner {
             }
             at += n as u64;
         }
+        self.map.clear_intent(g)?;
         Ok(true)
     }
 
@@ -154,37 +163,41 @@ impl Inner {
             }
             *last = Instant::now();
         }
-        let poisoned = match self.map.sweep_intents() {
+        let untrusted = match self.map.sweep_intents() {
             Ok(p) => p,
             Err(e) => {
                 tracing::error!("closing parity groups' write intents: {e}");
                 return;
             }
         };
-        for g in poisoned {
-            self.resync_poisoned(g);
+        for g in untrusted {
+            self.resync_untrusted(g);
         }
     }
 
-    /// A request panicked while it held group `g`'s lock: its data and
-    /// parity may disagree. Recompute the parity, and only then trust the
-    /// group again (lock unpoisoned, intent closed).
-    fn resync_poisoned(&self, g: u64) {
+    /// Group `g`'s data and parity may disagree: a request panicked while
+    /// it held the group's lock, or its resync at start failed. Recompute
+    /// the parity, and only then trust the group again (lock unpoisoned,
+    /// intent closed).
+    fn resync_untrusted(&self, g: u64) {
         let lock = self.map.unit(g);
         let guard = lock.write_or_recover();
+        let unsynced = self.map.is_unsynced(g);
+        let why = if unsynced {
+            "its resync at start had failed"
+        } else {
+            "a request failed mid-write (panic)"
+        };
         match self.resync_group(g, guard.as_ref()) {
             Ok(_) => {
                 self.resynced.fetch_add(1, Ordering::Relaxed);
                 lock.clear_poison();
-                if let Err(e) = self.map.clear_intent(g) {
-                    tracing::error!("closing parity group {g}'s write intent: {e}");
-                }
-                tracing::warn!(
-                    "parity group {g}: a request failed mid-write (panic); parity recomputed"
-                );
+                tracing::warn!("parity group {g}: {why}; parity recomputed");
             }
-            // Left open: the next sweep, or the next start, tries again.
-            Err(e) => tracing::error!("resync of parity group {g} after a panic mid-write: {e}"),
+            // Left open: the next sweep, or the next start, tries again
+            // (while a donor is away, every sweep: not logged each time).
+            Err(e) if unsynced => tracing::debug!("resync of parity group {g} ({why}): {e}"),
+            Err(e) => tracing::error!("resync of parity group {g} ({why}): {e}"),
         }
     }
 }
