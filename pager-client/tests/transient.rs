@@ -322,3 +322,32 @@ fn a_member_found_at_a_new_address_moves_with_its_copies() {
     assert_eq!(donor_of(&s, "a").taken_back, held, "{}", render_table(&s));
     model.check_all(&dev, EXTENT);
 }
+
+/// Parity, a donor paused and resumed three times in a row while writes
+/// and reads go on (the nemesis: a donor on a slow link failed and taken
+/// back three times in a minute, then a read returned other bytes): every
+/// time it is failed, its copies lost after the grace, then taken back
+/// with what was written meanwhile re-created. Every byte reads back.
+#[test]
+fn parity_takes_back_a_donor_paused_again_and_again_under_writes() {
+    let Some((mut ds, _dir, dev, model)) = filled(Mode::Parity { width: 3 }, 4, 1000, 11) else {
+        return;
+    };
+    let dev = Arc::new(dev);
+    let writer = Writer::start(&dev, &model, 12);
+    for round in 0..3 {
+        ds[0].stop();
+        wait_status(&dev, &format!("round {round}: d0 failed"), |s| {
+            donor_of(s, "d0").failed
+        });
+        std::thread::sleep(std::time::Duration::from_millis(1500));
+        ds[0].cont();
+        wait_status(&dev, &format!("round {round}: d0 taken back"), |s| {
+            !donor_of(s, "d0").failed && s.totals.lost == 0
+        });
+    }
+    let (model, written) = writer.finish();
+    assert!(!written.is_empty());
+    wait_status(&dev, "nothing degraded", |s| s.totals.degraded == 0);
+    model.check_all(&dev, EXTENT);
+}
