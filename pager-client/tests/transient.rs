@@ -222,10 +222,13 @@ fn mirror_takes_back_a_paused_donor_and_recreates_only_what_changed() {
 
 /// A TCP relay on a loopback address of its own to `to`: a second
 /// address of one donor, which can be cut (bytes stop flowing both ways,
-/// connections stay open: a partition) until dropped.
+/// connections stay open, what was sent is delivered once it is dropped)
+/// or partitioned (what is sent meanwhile is lost, as packets a firewall
+/// drops: a connection that carried any is useless after).
 struct Relay {
     addr: String,
     cut: Arc<AtomicBool>,
+    lose: Arc<AtomicBool>,
 }
 
 impl Relay {
@@ -233,7 +236,8 @@ impl Relay {
         let l = std::net::TcpListener::bind((ip, 0)).expect("bind the relay");
         let addr = l.local_addr().expect("bound").to_string();
         let cut = Arc::new(AtomicBool::new(false));
-        let (to, flag) = (to.to_string(), cut.clone());
+        let lose = Arc::new(AtomicBool::new(false));
+        let (to, flag, losing) = (to.to_string(), cut.clone(), lose.clone());
         std::thread::spawn(move || {
             for c in l.incoming().flatten() {
                 let Ok(d) = std::net::TcpStream::connect(&to) else {
@@ -242,7 +246,7 @@ impl Relay {
                 for (mut from, mut into) in
                     [(c.try_clone().unwrap(), d.try_clone().unwrap()), (d, c)]
                 {
-                    let flag = flag.clone();
+                    let (flag, losing) = (flag.clone(), losing.clone());
                     std::thread::spawn(move || {
                         let mut b = [0u8; 65536];
                         loop {
@@ -251,6 +255,9 @@ impl Relay {
                             // Cut: what arrives is held, never passed on.
                             while flag.load(Ordering::Relaxed) {
                                 std::thread::sleep(std::time::Duration::from_millis(20));
+                            }
+                            if n > 0 && losing.load(Ordering::Relaxed) {
+                                continue;
                             }
                             if n == 0 || into.write_all(&b[..n]).is_err() {
                                 let _ = into.shutdown(std::net::Shutdown::Write);
@@ -261,11 +268,15 @@ impl Relay {
                 }
             }
         });
-        Relay { addr, cut }
+        Relay { addr, cut, lose }
     }
 
     fn cut(&self) {
         self.cut.store(true, Ordering::Relaxed);
+    }
+
+    fn partition(&self, on: bool) {
+        self.lose.store(on, Ordering::Relaxed);
     }
 }
 
@@ -350,4 +361,52 @@ fn parity_takes_back_a_donor_paused_again_and_again_under_writes() {
     assert!(!written.is_empty());
     wait_status(&dev, "nothing degraded", |s| s.totals.degraded == 0);
     model.check_all(&dev, EXTENT);
+}
+
+/// A member partitioned off (what is sent to it is lost) while a discard
+/// frees extents it holds: their trims never reach it, yet the slots are
+/// given back. Taken back, it must trim them then, or it keeps their
+/// pages for nobody (the nemesis, ec: a donor kept 12.5 MB where its 22
+/// extents fit in 11.5 MB, another 512 KiB with no extent at all).
+#[test]
+fn slots_freed_while_a_member_is_partitioned_off_are_trimmed_when_it_is_back() {
+    let Some(a) = netpager_test_support::pager_server_on(
+        &netpager_test_support::next_ip(),
+        &["size=16M", "budget=64M", "poll-ms=100"],
+    ) else {
+        return;
+    };
+    let relay = Relay::start(&netpager_test_support::next_ip(), &a.addr);
+    let Some(ds) = netpager_test_support::pager_servers(2) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(Mode::Mirror, SIZE, EXTENT, &ds.iter().collect::<Vec<_>>());
+    let mut first = pager_client::config::DonorConfig::new("a", relay.addr.clone());
+    first.status = a.status.clone();
+    cfg.donors.insert(0, first);
+    cfg.grace_ms = 60_000;
+    let dev = Device::open(cfg, dir.path()).unwrap();
+    let mut model = Model::new(SIZE);
+    model.fill(&dev, &mut Rng::new(21), EXTENT);
+    let before = donor_of(&dev.status(), "a").extents_held;
+    relay.partition(true);
+    // Half the device discarded: a's trims are lost, and it is failed.
+    dev.trim(SIZE / 2, 0).unwrap();
+    wait_status(&dev, "a failed", |s| donor_of(s, "a").failed);
+    relay.partition(false);
+    let s = wait_status(&dev, "a taken back", |s| {
+        !donor_of(s, "a").failed && s.totals.degraded == 0
+    });
+    let held = donor_of(&s, "a").extents_held;
+    assert!(
+        held < before,
+        "the discard freed some of a's extents: {}",
+        render_table(&s)
+    );
+    let cap = held * EXTENT + PAGE;
+    wait_status(&dev, "a keeping only the copies it holds", |s| {
+        donor_of(s, "a").used_bytes <= cap
+    });
+    model.check(&dev, SIZE / 2, SIZE / 2);
 }

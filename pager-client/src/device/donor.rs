@@ -129,9 +129,10 @@ pub(crate) struct Donor {
     pub away: Mutex<Option<Away>>,
     /// Extent copies taken back as they were when it returned (re-add).
     pub taken_back: AtomicU64,
-    /// The slots it held when its copies were marked lost: if it is taken
-    /// back, those no member takes back are trimmed (their members were
-    /// rebuilt elsewhere, or written meanwhile), or the donor keeps their
+    /// The slots it held when its copies were marked lost, and those given
+    /// back untrimmed while it was failed: if it is taken back, those no
+    /// member takes back are trimmed (their members were rebuilt
+    /// elsewhere, written meanwhile, or freed), or the donor keeps their
     /// pages for nobody.
     pub left_behind: Mutex<Vec<u32>>,
 }
@@ -688,7 +689,10 @@ impl Inner {
                     }
                 }
             }
-            *d.left_behind.lock_or_recover() = self.map.forget_donor_slots(d.id);
+            // With the slots given back untrimmed while it was failed.
+            d.left_behind
+                .lock_or_recover()
+                .extend(self.map.forget_donor_slots(d.id));
             if self.map.donor_label(d.id) != 0 {
                 if let Err(e) = self.map.set_donor_label(d.id, 0) {
                     tracing::error!("journaling donor {}'s label: {e}", d.cfg.name);

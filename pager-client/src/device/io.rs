@@ -332,10 +332,22 @@ impl Inner {
         if m.state != CopyState::Ok {
             return;
         }
-        if self.loc_available(m.loc) {
-            let _ = self.exec1(m.loc, 0, Op::Trim(self.layout.extent));
+        let trimmed =
+            self.loc_available(m.loc) && self.exec1(m.loc, 0, Op::Trim(self.layout.extent)).is_ok();
+        self.give_back(m.loc, trimmed);
+    }
+
+    /// Slot `loc` is given back. One not `trimmed` (its donor failed, or
+    /// failed on the trim) is noted, to be trimmed should the donor be
+    /// taken back: its copies are marked lost later, and only the slots
+    /// still in use then are noted there, so the donor kept this one's
+    /// pages for nobody (the nemesis, ec: a donor kept 12.5 MB where its
+    /// 22 extents fit in 11.5 MB).
+    fn give_back(&self, loc: Loc, trimmed: bool) {
+        if let (false, Loc::Donor { slot, .. }, Some(i)) = (trimmed, loc, self.loc_donor(loc)) {
+            self.members[i].left_behind.lock_or_recover().push(slot);
         }
-        self.map.free(m.loc);
+        self.map.free(loc);
     }
 
     /// Unit `u` (write-locked as `g`) becomes unplaced, journaled first;
@@ -357,9 +369,9 @@ impl Inner {
                 op: Op::Trim(self.layout.extent),
             });
         }
-        self.exec(&mut reqs);
-        for m in owned {
-            self.map.free(m.loc);
+        let res = self.exec(&mut reqs);
+        for (m, r) in owned.into_iter().zip(res) {
+            self.give_back(m.loc, matches!(r, Some(Ok(()))));
         }
         Ok(())
     }
