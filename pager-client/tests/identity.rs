@@ -325,6 +325,36 @@ fn two_names_of_one_donor_at_attach_are_refused() {
     );
 }
 
+/// A device that holds data, restarted with a second name of a member in
+/// its set (a donors file edited, a discovered address): it opens, the
+/// second name left out and shown why, and every extent reads back. It
+/// used to refuse to open, so every restart failed: the device was
+/// bricked (the nemesis, after a second name got in).
+#[test]
+fn a_device_holding_data_reopens_with_a_second_name_left_out() {
+    let Some(t) = a_on_localhost_and_d0(None) else {
+        return;
+    };
+    let mut model = Model::new(SIZE);
+    model.fill(&t.dev, &mut Rng::new(4), EXTENT);
+    let alias = t.alias();
+    let OnLocalhost { dev, a, d0, _dir } = t;
+    let mut cfg = dev.config().clone();
+    drop(dev);
+    cfg.donors.push(alias);
+    let dev = Device::open(cfg, _dir.path()).expect("opens without the second name");
+    let s = dev.status();
+    let b = s.donors.iter().find(|d| d.name == "b").expect("b listed");
+    let table = pager_client::status::render_table(&s);
+    assert!(
+        b.failed && table.contains("same export as member a"),
+        "{table}"
+    );
+    model.check_all(&dev, EXTENT);
+    drop(dev);
+    drop((a, d0));
+}
+
 /// Two devices of one client (two state directories, same client id, same
 /// donors) keep apart: the second one's attach leaves the first one's
 /// pages alone, and each reads back only what it wrote.

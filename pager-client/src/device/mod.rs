@@ -327,8 +327,19 @@ impl Device {
                     .map(|r| format!("donor {}: {r}", d.cfg.name))
             })
             .collect();
-        if !refused.is_empty() {
+        if !refused.is_empty() && !inner.holds_data() {
             return Err(DeviceError::Membership(refused.join("; ")));
+        }
+        // A device that holds data opens without them (their copies are
+        // rebuilt from the others, or lost): refusing to open bricked it,
+        // every restart failing on a donor named twice.
+        for d in inner
+            .members
+            .iter()
+            .filter(|d| d.health().refused.is_some())
+        {
+            let why = d.health().refused.clone().unwrap_or_default();
+            inner.fail_donor_gone(d, &format!("refused at open: {why}"));
         }
         inner.run_epoch(Duration::from_millis(inner.cfg.policy.epoch_ms));
         inner.mark_failed_donors();
@@ -557,6 +568,11 @@ impl Drop for Device {
 }
 
 impl Inner {
+    /// Whether any unit is placed: the device holds data.
+    fn holds_data(&self) -> bool {
+        (0..self.layout.units()).any(|u| self.map.unit(u).read_or_recover().is_some())
+    }
+
     fn check_range(&self, offset: u64, len: u64) -> Result<()> {
         let size = self.layout.size;
         if offset.checked_add(len).is_none_or(|end| end > size) {
