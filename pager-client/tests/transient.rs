@@ -286,52 +286,80 @@ impl Drop for Relay {
     }
 }
 
-/// A member cut off at its address (a partition) while still reachable at
-/// another (a host renumbered, a second route): `donor-add` of the new
-/// address moves the member instead of adding a donor, and it is taken
-/// back there with all its copies.
-#[test]
-fn a_member_found_at_a_new_address_moves_with_its_copies() {
-    let Some(a) = netpager_test_support::pager_server_on(
+/// Mode mirror on donor `a`, known at a relay's address, and two others,
+/// every extent written (seed `seed`); `None` when pager-server is not
+/// built. Fields drop in order: the device before its donors.
+struct Relayed {
+    dev: Device,
+    model: Model,
+    relay: Relay,
+    a: common::Nbdkit,
+    _others: Vec<common::Nbdkit>,
+    _dir: tempfile::TempDir,
+}
+
+fn relayed(seed: u64) -> Option<Relayed> {
+    let a = netpager_test_support::pager_server_on(
         &netpager_test_support::next_ip(),
         &["size=16M", "budget=64M", "poll-ms=100"],
-    ) else {
-        return;
-    };
-    // The member is known at the relay's address; later the relay is cut
-    // and the donor is found at its own.
+    )?;
     let relay = Relay::start(&netpager_test_support::next_ip(), &a.addr);
-    let Some(ds) = netpager_test_support::pager_servers(2) else {
-        return;
-    };
+    let others = netpager_test_support::pager_servers(2)?;
     let dir = tempfile::tempdir().unwrap();
-    let mut cfg = config(Mode::Mirror, SIZE, EXTENT, &ds.iter().collect::<Vec<_>>());
+    let mut cfg = config(
+        Mode::Mirror,
+        SIZE,
+        EXTENT,
+        &others.iter().collect::<Vec<_>>(),
+    );
     let mut first = pager_client::config::DonorConfig::new("a", relay.addr.clone());
     first.status = a.status.clone();
     cfg.donors.insert(0, first);
     cfg.grace_ms = 60_000;
     let dev = Device::open(cfg, dir.path()).unwrap();
     let mut model = Model::new(SIZE);
-    model.fill(&dev, &mut Rng::new(9), EXTENT);
-    let held = donor_of(&dev.status(), "a").extents_held;
-    relay.cut();
+    model.fill(&dev, &mut Rng::new(seed), EXTENT);
+    Some(Relayed {
+        dev,
+        model,
+        relay,
+        a,
+        _others: others,
+        _dir: dir,
+    })
+}
+
+/// A member cut off at its address (a partition) while still reachable at
+/// another (a host renumbered, a second route): `donor-add` of the new
+/// address moves the member instead of adding a donor, and it is taken
+/// back there with all its copies.
+#[test]
+fn a_member_found_at_a_new_address_moves_with_its_copies() {
+    // The member is known at the relay's address; later the relay is cut
+    // and the donor is found at its own.
+    let Some(t) = relayed(9) else {
+        return;
+    };
+    let held = donor_of(&t.dev.status(), "a").extents_held;
+    t.relay.cut();
     // Reads go on; a request to the cut-off member times out and fails it.
-    model.check_all(&dev, EXTENT);
-    wait_status(&dev, "a failed", |s| donor_of(s, "a").failed);
-    let mut again = pager_client::config::DonorConfig::new("a-again", a.addr.clone());
-    again.status = a.status.clone();
-    dev.add_donor(again, netpager_membership::Joined::Added)
+    t.model.check_all(&t.dev, EXTENT);
+    wait_status(&t.dev, "a failed", |s| donor_of(s, "a").failed);
+    let mut again = pager_client::config::DonorConfig::new("a-again", t.a.addr.clone());
+    again.status = t.a.status.clone();
+    t.dev
+        .add_donor(again, netpager_membership::Joined::Added)
         .unwrap();
-    let s = wait_status(&dev, "a back at its new address", |s| {
+    let s = wait_status(&t.dev, "a back at its new address", |s| {
         !donor_of(s, "a").failed && s.totals.degraded == 0
     });
-    drop(relay);
+    drop(t.relay);
     let mut names: Vec<&str> = s.donors.iter().map(|d| d.name.as_str()).collect();
     names.sort_unstable();
     assert_eq!(names, ["a", "d0", "d1"], "{}", render_table(&s));
-    assert_eq!(donor_of(&s, "a").address, a.addr);
+    assert_eq!(donor_of(&s, "a").address, t.a.addr);
     assert_eq!(donor_of(&s, "a").taken_back, held, "{}", render_table(&s));
-    model.check_all(&dev, EXTENT);
+    t.model.check_all(&t.dev, EXTENT);
 }
 
 /// Parity, a donor paused and resumed three times in a row while writes
@@ -370,32 +398,16 @@ fn parity_takes_back_a_donor_paused_again_and_again_under_writes() {
 /// extents fit in 11.5 MB, another 512 KiB with no extent at all).
 #[test]
 fn slots_freed_while_a_member_is_partitioned_off_are_trimmed_when_it_is_back() {
-    let Some(a) = netpager_test_support::pager_server_on(
-        &netpager_test_support::next_ip(),
-        &["size=16M", "budget=64M", "poll-ms=100"],
-    ) else {
+    let Some(t) = relayed(21) else {
         return;
     };
-    let relay = Relay::start(&netpager_test_support::next_ip(), &a.addr);
-    let Some(ds) = netpager_test_support::pager_servers(2) else {
-        return;
-    };
-    let dir = tempfile::tempdir().unwrap();
-    let mut cfg = config(Mode::Mirror, SIZE, EXTENT, &ds.iter().collect::<Vec<_>>());
-    let mut first = pager_client::config::DonorConfig::new("a", relay.addr.clone());
-    first.status = a.status.clone();
-    cfg.donors.insert(0, first);
-    cfg.grace_ms = 60_000;
-    let dev = Device::open(cfg, dir.path()).unwrap();
-    let mut model = Model::new(SIZE);
-    model.fill(&dev, &mut Rng::new(21), EXTENT);
-    let before = donor_of(&dev.status(), "a").extents_held;
-    relay.partition(true);
+    let before = donor_of(&t.dev.status(), "a").extents_held;
+    t.relay.partition(true);
     // Half the device discarded: a's trims are lost, and it is failed.
-    dev.trim(SIZE / 2, 0).unwrap();
-    wait_status(&dev, "a failed", |s| donor_of(s, "a").failed);
-    relay.partition(false);
-    let s = wait_status(&dev, "a taken back", |s| {
+    t.dev.trim(SIZE / 2, 0).unwrap();
+    wait_status(&t.dev, "a failed", |s| donor_of(s, "a").failed);
+    t.relay.partition(false);
+    let s = wait_status(&t.dev, "a taken back", |s| {
         !donor_of(s, "a").failed && s.totals.degraded == 0
     });
     let held = donor_of(&s, "a").extents_held;
@@ -405,8 +417,8 @@ fn slots_freed_while_a_member_is_partitioned_off_are_trimmed_when_it_is_back() {
         render_table(&s)
     );
     let cap = held * EXTENT + PAGE;
-    wait_status(&dev, "a keeping only the copies it holds", |s| {
+    wait_status(&t.dev, "a keeping only the copies it holds", |s| {
         donor_of(s, "a").used_bytes <= cap
     });
-    model.check(&dev, SIZE / 2, SIZE / 2);
+    t.model.check(&t.dev, SIZE / 2, SIZE / 2);
 }

@@ -154,8 +154,10 @@ def _salvage(info: dict) -> None:
     subprocess.run(["rm", "-rf", "--one-file-system", info["workdir"]])
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_signal_midway_leaves_nothing_behind(root, teardown, tmp_path, sig):
+def _cleanup_child(teardown, tmp_path):
+    """Starts cleanup_child.py and waits until it has set everything up:
+    the child, what it made (its JSON line) and its log; what it leaves is
+    salvaged at teardown."""
     env = dict(os.environ, PYTHONPATH=str(repo_root() / "tests"))
     log = tmp_path / "child.log"
     teardown.add_log(log)
@@ -167,6 +169,12 @@ def test_signal_midway_leaves_nothing_behind(root, teardown, tmp_path, sig):
     assert line, f"child died before setting up; log {log}:\n{log.read_text()}"
     info = json.loads(line)
     teardown.add("salvage what the child left", lambda: _salvage(info))
+    return child, info, log
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_midway_leaves_nothing_behind(root, teardown, tmp_path, sig):
+    child, info, log = _cleanup_child(teardown, tmp_path)
     assert _leftovers(info) == [f"{n} pid {p}" for n, (p, _) in info["pids"].items()] \
         + [f"mount {info['mountdir']}", f"swap {info['loop']}", f"loop {info['loop']}",
            f"cgroup {info['cgroup']}", f"directory {info['workdir']}"]
@@ -184,17 +192,7 @@ def test_swap_a_killed_run_left_on_a_dead_server_is_swept_by_the_next(root, tear
     detaches its loop device and unmounts the dead mount; while the server
     lives, the area is left alone."""
     from netpager_testkit.machine import sweep_dead_swap
-    env = dict(os.environ, PYTHONPATH=str(repo_root() / "tests"))
-    log = tmp_path / "child.log"
-    teardown.add_log(log)
-    with open(log, "w") as err:
-        child = subprocess.Popen([sys.executable, str(Path(__file__).with_name("cleanup_child.py"))],
-                                 stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-    teardown.add("cleanup child", lambda: (child.poll() is None and child.kill(), child.wait()))
-    line = child.stdout.readline()
-    assert line, f"child died before setting up; log {log}:\n{log.read_text()}"
-    info = json.loads(line)
-    teardown.add("salvage what the child left", lambda: _salvage(info))
+    child, info, _ = _cleanup_child(teardown, tmp_path)
     child.kill()
     child.wait()
     with SWAP.held():
