@@ -121,7 +121,7 @@ impl Inner {
         // Distinct donors: not where another live member is, and not back
         // where this one is leaving from (a lost member's donor may have
         // come back as a new donor: that one is fine).
-        let exclude = donor_ids(unit.members.iter().enumerate().filter_map(|(k, m)| {
+        let mut exclude = donor_ids(unit.members.iter().enumerate().filter_map(|(k, m)| {
             ((k != j && m.state != CopyState::Lost) || (k == j && why != MoveWhy::Rebuild))
                 .then_some(m)
         }));
@@ -131,42 +131,57 @@ impl Inner {
         } else {
             Spill::Allowed
         };
-        let dest = match to {
-            Some(i) => self.allocate_on(i, &exclude, first_extent)?,
-            None => {
-                self.allocate_where(1, &exclude, first_extent, spill)?
-                    .remove(0)
-                    .0
-            }
-        };
         let mut next = unit.clone();
-        next.members[j] = Member {
-            loc: dest,
-            state: CopyState::Rebuilding,
-        };
-        *g = Some(next.clone());
-        if why.reads_itself_first() && old.state == CopyState::Ok {
-            self.map.commit_move(u, g, j, old.loc)?;
-        } else {
-            self.map.commit(u, g)?;
-        }
-        if let Err(f) = self.exec1(dest, 0, Op::Write(content)) {
+        let dest = loop {
+            let dest = match to {
+                Some(i) => self.allocate_on(i, &exclude, first_extent)?,
+                None => {
+                    self.allocate_where(1, &exclude, first_extent, spill)?
+                        .remove(0)
+                        .0
+                }
+            };
+            next.members[j] = Member {
+                loc: dest,
+                state: CopyState::Rebuilding,
+            };
+            *g = Some(next.clone());
+            if why.reads_itself_first() && old.state == CopyState::Ok {
+                self.map.commit_move(u, g, j, old.loc)?;
+            } else {
+                self.map.commit(u, g)?;
+            }
+            let Err(f) = self.exec1(dest, 0, Op::Write(content)) else {
+                break dest;
+            };
             self.map.free(dest);
             next.members[j] = old;
-            *g = Some(next);
+            *g = Some(next.clone());
             self.map.commit(u, g)?;
             let reason = format!("copying to its new place: {}", f.reason());
-            return Err(match f {
-                super::io::IoFail::NoSpace(_) => DeviceError::NoSpace {
-                    extent: first_extent,
-                    reason,
-                },
-                super::io::IoFail::Failed(_) => DeviceError::Io {
-                    extent: first_extent,
-                    reason,
-                },
-            });
-        }
+            match (f, dest, to) {
+                // Full since the last epoch (another device filled its
+                // budget), it is marked so now: another donor may take it
+                // (the `make test` slice, mode none, seed 2802978135, gave
+                // the application ENOSPC). Each try excludes one more.
+                (super::io::IoFail::NoSpace(_), Loc::Donor { donor, .. }, None) => {
+                    exclude.push(donor);
+                    tracing::debug!("unit {u}: member {j}: {reason}; trying another donor");
+                }
+                (super::io::IoFail::NoSpace(_), ..) => {
+                    return Err(DeviceError::NoSpace {
+                        extent: first_extent,
+                        reason,
+                    })
+                }
+                (super::io::IoFail::Failed(_), ..) => {
+                    return Err(DeviceError::Io {
+                        extent: first_extent,
+                        reason,
+                    })
+                }
+            }
+        };
         next.members[j] = Member {
             loc: dest,
             state: CopyState::Ok,
