@@ -519,6 +519,7 @@ impl Export {
         let mut freer = Freer::new(&self.back);
         let (mut logical, mut stored) = (0i64, 0i64);
         let (mut written_pages, mut written_bytes) = (0u64, 0u64);
+        let mut emptied = Vec::new();
         for s in steps {
             let map = maps.map(s.page);
             let old_weight = map.get(s.page).map(|(e, _)| self.weight(e));
@@ -546,8 +547,12 @@ impl Export {
             let new_weight = s.fresh.as_ref().map(|e| self.weight(e));
             match s.fresh {
                 None => {
-                    if let Some(old) = map.remove(s.page) {
+                    // Its group stays: a later page of this write may have
+                    // reserved it (dropped, putting that page aborted the
+                    // donor). Pruned once every page is in.
+                    if let Some(old) = map.take(s.page) {
                         freer.free(old);
+                        emptied.push(s.page);
                     }
                 }
                 Some(e) => match map.get_mut(s.page) {
@@ -565,6 +570,9 @@ impl Export {
             stored += new_weight.unwrap_or(0) as i64 - old_weight.unwrap_or(0) as i64;
             written_pages += u64::from(new_weight.is_some());
             written_bytes += new_weight.unwrap_or(0);
+        }
+        for page in emptied {
+            maps.map(page).prune(page);
         }
         self.logical.fetch_add(logical as u64, Relaxed);
         self.stored.fetch_add(stored as u64, Relaxed);

@@ -104,12 +104,23 @@ impl PageMap {
         true
     }
 
-    /// Drops `page`'s group if [`Self::reserve`] made it and nothing
-    /// was put in it.
+    /// Drops `page`'s group if it holds nothing: [`Self::reserve`] made it
+    /// and nothing was put in it, or [`Self::take`] emptied it.
     pub fn prune(&mut self, page: u64) {
         let key = page / GROUP_PAGES;
         if self.0.get(&key).is_some_and(|g| g.live == 0) {
-            self.0.remove(&key);
+            self.drop_group(key);
+        }
+    }
+
+    fn drop_group(&mut self, key: u64) {
+        self.0.remove(&key);
+        // A table does not shrink by itself: trimmed exports would keep
+        // their peak's tables. Shrinking at a quarter full to half full
+        // keeps the rehashing amortised.
+        let cap = self.0.capacity();
+        if cap > MIN_TABLE && self.0.len() < cap / 4 {
+            self.0.shrink_to(self.0.len() * 2);
         }
     }
 
@@ -126,22 +137,20 @@ impl PageMap {
         *g.stamps[i].get_mut() = stamp;
     }
 
-    /// Takes an entry out of the table, for the caller to free.
+    /// Takes an entry out of the table, for the caller to free; an
+    /// emptied group goes too.
     pub fn remove(&mut self, page: u64) -> Option<Entry> {
-        let key = page / GROUP_PAGES;
-        let g = self.0.get_mut(&key)?;
+        let data = self.take(page)?;
+        self.prune(page);
+        Some(data)
+    }
+
+    /// [`Self::remove`], but an emptied group stays (for a page of the
+    /// same write still to be put there) until [`Self::prune`].
+    pub fn take(&mut self, page: u64) -> Option<Entry> {
+        let g = self.0.get_mut(&(page / GROUP_PAGES))?;
         let data = g.data[slot(page)].take()?;
         g.live -= 1;
-        if g.live == 0 {
-            self.0.remove(&key);
-            // A table does not shrink by itself: trimmed exports would keep
-            // their peak's tables. Shrinking at a quarter full to half full
-            // keeps the rehashing amortised.
-            let cap = self.0.capacity();
-            if cap > MIN_TABLE && self.0.len() < cap / 4 {
-                self.0.shrink_to(self.0.len() * 2);
-            }
-        }
         Some(data)
     }
 

@@ -330,3 +330,22 @@ fn parallel_writers_readers_and_trimmers_keep_pages_consistent() {
     assert_eq!(counted, e.logical_pages());
     assert_eq!(p.budget().used_pages(), e.logical_pages());
 }
+
+/// One write that turns the only page its group holds into zeros (no
+/// entry) and puts a new page in the same group: the emptied group must
+/// stay until the new page is in it. It was dropped at once, and putting
+/// the new page aborted the donor ("the group was reserved": a swap job in
+/// mode parity, the donor's pages gone with it).
+#[test]
+fn a_write_emptying_a_group_and_filling_it_again_keeps_the_group() {
+    for compress in [Compress::Off, Compress::Lz4] {
+        let p = Pool::new(64, 8, compress);
+        let e = p.open(&spec("a"), 1 << 20).unwrap();
+        e.write(&[5; 4096], 0, 1).unwrap();
+        let mut buf = vec![0u8; 2 * 4096];
+        buf[4096..].fill(9);
+        e.write(&buf, 0, 2).unwrap();
+        assert_eq!(read(&e, 0, 2 * 4096), buf);
+        assert_eq!(e.logical_pages(), 1);
+    }
+}
