@@ -49,6 +49,8 @@ def test_every_drawn_schedule_is_legal_and_within_the_promise(mode, grace):
                     assert m.usable_others(dev, op.target) >= spec.members, (seed, op.text())
             if op.kind == "kill-serve":
                 assert spec.tolerates and not m.compromised, (seed, m.describe())
+            if op.kind in FAULTS and op.target in m.donors:
+                assert not m.donors[op.target].leaving, (seed, op.text(), m.describe())
             if op.kind == "undrain" and m.donors[op.target].draining == "admin":
                 assert not m.donors[op.target].fault, (seed, op.text(), m.describe())
             m.apply(op)

@@ -235,6 +235,11 @@ class Model:
             # model could not say whether it is a member (slice seed
             # 3111124785: "announce; kill an" and it never joined).
             return False
+        if self.donors[name].leaving:
+            # Out of the donors file, it still holds pages until its drain
+            # is over (the next settle): "file-remove s2; kill s2" lost
+            # them in mode none (hunt, seed 1558365144).
+            return False
         holders = self.holders(name)
         if not holders:
             return self.donors[name].running and not self.donors[name].fault
