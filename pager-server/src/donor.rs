@@ -375,6 +375,7 @@ impl Donor {
                     size_bytes: u.size,
                     used_bytes: u.stored_bytes,
                     logical_bytes: u.logical_bytes,
+                    broken: u.broken.unwrap_or_default(),
                 })
                 .collect(),
             age_x: self.settings.age_x,
@@ -629,6 +630,7 @@ mod tests {
                 used_bytes: 3 * 4096,
                 clients: 0,
                 logical_bytes: 3 * 4096,
+                ..Default::default()
             }]
         );
         assert_eq!(

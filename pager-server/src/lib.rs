@@ -185,10 +185,23 @@ impl PagerServer {
             None => None,
         };
         let t0 = Instant::now();
-        let r = f(self.donor.tick(t0));
+        let r = self.guarded(|| f(self.donor.tick(t0)));
         self.donor
             .record(op, bytes, t0.elapsed(), r.as_ref().map(|_| ()));
         r.map_err(|e| Error::new(e.errno(), e.to_string()))
+    }
+
+    /// [`Export::guarded`], saying in the log when it shuts the export.
+    fn guarded<R>(
+        &self,
+        f: impl FnOnce() -> std::result::Result<R, StoreError>,
+    ) -> std::result::Result<R, StoreError> {
+        let was_open = self.export.broken().is_none();
+        let r = self.export.guarded(|_| f());
+        if let (true, Err(e @ StoreError::Broken { .. })) = (was_open, &r) {
+            sys::log_error(&e.to_string());
+        }
+        r
     }
 }
 
@@ -487,25 +500,29 @@ impl Server for PagerServer {
     fn extents(&self, count: u32, offset: u64, flags: Flags, h: &mut ExtentHandle) -> Result<()> {
         let one = flags.contains(Flags::REQ_ONE);
         let mut failed = None;
-        self.export.extents(
-            offset,
-            u64::from(count),
-            EXTENTS_MAX_PAGES,
-            |o, l, allocated| {
-                let kind = if allocated {
-                    ExtentType::Allocated
-                } else {
-                    ExtentType::HoleZero
-                };
-                match h.add(o, l, kind) {
-                    Ok(()) => !one,
-                    Err(e) => {
-                        failed = Some(e);
-                        false
+        self.guarded(|| {
+            self.export.extents(
+                offset,
+                u64::from(count),
+                EXTENTS_MAX_PAGES,
+                |o, l, allocated| {
+                    let kind = if allocated {
+                        ExtentType::Allocated
+                    } else {
+                        ExtentType::HoleZero
+                    };
+                    match h.add(o, l, kind) {
+                        Ok(()) => !one,
+                        Err(e) => {
+                            failed = Some(e);
+                            false
+                        }
                     }
-                }
-            },
-        );
+                },
+            );
+            Ok(())
+        })
+        .map_err(|e| Error::new(e.errno(), e.to_string()))?;
         failed.map_or(Ok(()), Err)
     }
 }

@@ -129,6 +129,18 @@ pub fn exposition(s: &DonorStatus, service: &[(Op, HistogramSnapshot)]) -> Expos
             .collect(),
     );
     e.gauge(
+        "donor_export_shut",
+        "1 when a request panicked in the export and it answers EIO to everything.",
+        None,
+        s.exports
+            .iter()
+            .map(|x| {
+                let shut = !x.broken.is_empty();
+                (labels([("export", &x.name)]), Value::Int(u64::from(shut)))
+            })
+            .collect(),
+    );
+    e.gauge(
         "donor_page_age",
         "Age of the x-th oldest page held (age-x=), 0 with fewer pages.",
         Some(BaseUnit::Seconds),
@@ -210,6 +222,7 @@ mod tests {
                 used_bytes: 8192,
                 clients: 1,
                 logical_bytes: 3 * 8192,
+                ..Default::default()
             }],
             age_x: 64,
             age_x_ms: 1500,

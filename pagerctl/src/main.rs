@@ -147,12 +147,7 @@ fn main() {
 fn quiet_broken_pipe() {
     let default = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
-        let p = info.payload();
-        let msg = p
-            .downcast_ref::<String>()
-            .map(String::as_str)
-            .or_else(|| p.downcast_ref::<&str>().copied())
-            .unwrap_or_default();
+        let msg = netpager_util::panic_message(info.payload());
         if msg.starts_with("failed printing to stdout") && msg.contains("Broken pipe") {
             std::process::exit(128 + libc::SIGPIPE);
         }

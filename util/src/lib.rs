@@ -17,7 +17,7 @@ mod sys;
 pub mod trace;
 pub mod version;
 
-pub use sync::{CondvarExt, LockExt, RwLockExt};
+pub use sync::{panic_message, CondvarExt, LockExt, RwLockExt};
 
 /// A random, non-zero 128-bit number from the kernel's generator, mixed
 /// with the time and pid should `/dev/urandom` be unreadable: for names

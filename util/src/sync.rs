@@ -9,8 +9,19 @@
 //! and a swap device that stops answering wedges the machine. So every
 //! lock, read, write and wait takes the guard back from the poison error.
 
+use std::any::Any;
 use std::sync::{Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
+
+/// What a panic said (`panic!` with a literal or a formatted message), for
+/// the log line or error that reports it; empty for any other payload.
+pub fn panic_message(payload: &(dyn Any + Send)) -> &str {
+    payload
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| payload.downcast_ref::<&str>().copied())
+        .unwrap_or_default()
+}
 
 /// [`Mutex::lock`] that recovers a poisoned lock (see the module doc).
 pub trait LockExt<T: ?Sized> {

@@ -14,10 +14,11 @@
 //! in place, so an overwrite needs no memory beyond what it frees.
 
 use std::ops::Range;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use netpager_util::RwLockExt;
+use netpager_util::{panic_message, RwLockExt};
 
 use super::budget::Refusal;
 use super::codec::{self, Compress};
@@ -156,6 +157,8 @@ pub struct Export {
     stored: AtomicU64,
     shards: Box<[RwLock<PageMap>]>,
     back: Arc<Backing>,
+    /// Set when a request panicked in this export (see [`Export::guarded`]).
+    broken: OnceLock<String>,
 }
 
 impl Export {
@@ -170,6 +173,7 @@ impl Export {
             stored: AtomicU64::new(0),
             shards,
             back,
+            broken: OnceLock::new(),
         }
     }
 
@@ -179,6 +183,44 @@ impl Export {
 
     pub fn size(&self) -> u64 {
         self.size
+    }
+
+    /// Runs one request on this export. A panic in it (a bug) shuts this
+    /// export instead of aborting nbdkit: the request may have left its
+    /// pages half-changed, so from then on every request gets
+    /// [`StoreError::Broken`] (EIO; the client fails the member and
+    /// rebuilds it from the other copies), while the donor's other
+    /// exports, other devices' pages, go on being served. Unwinding out of
+    /// an nbdkit callback would abort the process and lose them all.
+    pub fn guarded<R>(
+        &self,
+        f: impl FnOnce(&Export) -> Result<R, StoreError>,
+    ) -> Result<R, StoreError> {
+        if let Some(why) = self.broken.get() {
+            return Err(self.shut(why));
+        }
+        match catch_unwind(AssertUnwindSafe(|| f(self))) {
+            Ok(r) => r,
+            Err(p) => {
+                let why = self.broken.get_or_init(|| match panic_message(&*p) {
+                    "" => "a panic without a message".to_string(),
+                    m => m.to_string(),
+                });
+                Err(self.shut(why))
+            }
+        }
+    }
+
+    fn shut(&self, why: &str) -> StoreError {
+        StoreError::Broken {
+            export: self.name.clone(),
+            why: why.to_string(),
+        }
+    }
+
+    /// Why this export is shut, if a request panicked in it.
+    pub fn broken(&self) -> Option<&str> {
+        self.broken.get().map(String::as_str)
     }
 
     /// Pages holding data (a page of zeros is none).
@@ -201,8 +243,8 @@ impl Export {
     }
 
     fn read_shard(&self, page: u64) -> RwLockReadGuard<'_, PageMap> {
-        // A panic while holding a shard cannot leave a page half-linked:
-        // the map is only changed by complete insert/remove calls.
+        // A shard poisoned by a panic is never read again: the panic shut
+        // the export (see `guarded`) before any other request could.
         self.shards[shard_of(page)].read_or_recover()
     }
 

@@ -79,6 +79,8 @@ pub enum StoreError {
         offset: u64,
         why: String,
     },
+    #[error("export {export} is shut: a request panicked in it ({why}); its pages are no longer served, and the donor gives their memory back when it restarts")]
+    Broken { export: String, why: String },
 }
 
 impl StoreError {
@@ -88,7 +90,7 @@ impl StoreError {
             StoreError::OutOfRange { .. } => libc::EINVAL,
             StoreError::Draining { .. } | StoreError::NoSpace { .. } => libc::ENOSPC,
             StoreError::NoMemory { .. } => libc::ENOMEM,
-            StoreError::Corrupt { .. } => libc::EIO,
+            StoreError::Corrupt { .. } | StoreError::Broken { .. } => libc::EIO,
         }
     }
 }
@@ -134,6 +136,8 @@ pub struct Usage {
     pub logical_bytes: u64,
     /// Bytes those pages take in the store.
     pub stored_bytes: u64,
+    /// Why it is shut, when a request panicked in it.
+    pub broken: Option<String>,
 }
 
 /// All exports of a donor and their common budget.
@@ -247,6 +251,7 @@ impl Pool {
                 size: e.size,
                 logical_bytes: e.logical_pages() * PAGE,
                 stored_bytes: e.stored_bytes(),
+                broken: e.broken().map(str::to_string),
             })
             .collect()
     }

@@ -349,3 +349,41 @@ fn a_write_emptying_a_group_and_filling_it_again_keeps_the_group() {
         assert_eq!(e.logical_pages(), 1);
     }
 }
+
+#[test]
+fn a_panic_in_a_request_shuts_its_export_and_spares_the_others() {
+    let p = pool(64);
+    let a = p.open(&spec("a"), 1 << 20).unwrap();
+    let b = p.open(&spec("b"), 1 << 20).unwrap();
+    b.write(&[2; 8192], 0, 1).unwrap();
+    // A bug that panics while the request holds a shard's lock (in the
+    // middle of an extents walk), after a write of the same request.
+    let r = a.guarded(|a| {
+        a.write(&[1; 4096], 0, 1)?;
+        a.extents(0, 4096, 16, |_, _, _| panic!("a bug in the walk"));
+        Ok(())
+    });
+    let shut = |r: Result<(), StoreError>| match r {
+        Err(e @ StoreError::Broken { .. }) => {
+            assert_eq!(e.errno(), libc::EIO);
+            assert!(e.to_string().contains("a bug in the walk"), "{e}");
+        }
+        other => panic!("expected the export shut, got {other:?}"),
+    };
+    shut(r);
+    // Every later request on it, by any connection, is refused.
+    let mut buf = [0u8; 4096];
+    shut(a.guarded(|a| a.read(&mut buf, 0, 2)));
+    shut(a.guarded(|a| a.write(&[3; 4096], 4096, 2)));
+    shut(a.guarded(|a| a.discard(0, 4096).map(|_| ())));
+    let again = p.open(&spec("a"), 1 << 20).unwrap();
+    shut(again.guarded(|a| a.read(&mut buf, 0, 2)));
+    // The other export goes on, and status names the shut one.
+    b.guarded(|b| b.write(&[4; 4096], 8192, 3)).unwrap();
+    assert_eq!(read(&b, 0, 8192), vec![2; 8192]);
+    assert_eq!(read(&b, 8192, 4096), vec![4; 4096]);
+    let usage = p.usage();
+    let by = |n: &str| usage.iter().find(|u| u.name == n).unwrap().broken.clone();
+    assert_eq!(by("a").as_deref(), Some("a bug in the walk"));
+    assert_eq!(by("b"), None);
+}

@@ -141,6 +141,12 @@ fn render(addr: &str, s: &DonorStatus) -> String {
                 e.clients
             ));
         }
+        for e in s.exports.iter().filter(|e| !e.broken.is_empty()) {
+            out.push(format!(
+                "SHUT: {}: {}; its clients rebuild its pages elsewhere, restart the donor to free its memory",
+                e.name, e.broken
+            ));
+        }
         let unclaimed = netpager_proto::unclaimed_exports(s);
         if !unclaimed.is_empty() {
             out.push(format!(
@@ -176,6 +182,7 @@ mod tests {
                     used_bytes: 8 << 20,
                     logical_bytes: 20 << 20,
                     clients: 1,
+                    ..Default::default()
                 },
                 ExportUsage {
                     name: "bob".into(),
@@ -183,6 +190,7 @@ mod tests {
                     used_bytes: 4 << 20,
                     logical_bytes: 4 << 20,
                     clients: 0,
+                    broken: "index out of bounds".into(),
                 },
             ],
             ..Default::default()
@@ -211,6 +219,12 @@ mod tests {
             note.starts_with("UNCLAIMED")
                 && note.contains("bob (4 MiB)")
                 && !note.contains("alice"),
+            "{t}"
+        );
+        // A shut export is named with why, and what it costs.
+        assert!(
+            t.lines()
+                .any(|l| l.starts_with("SHUT: bob: index out of bounds;")),
             "{t}"
         );
     }
