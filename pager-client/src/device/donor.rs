@@ -483,7 +483,7 @@ impl Inner {
         r.1
     }
 
-    fn set_capacity(&self, d: &Donor, size: u64, cleared: bool) {
+    pub(super) fn set_capacity(&self, d: &Donor, size: u64, cleared: bool) {
         let slots = (size / self.layout.extent).min(u32::MAX as u64) as u32;
         self.map.set_capacity(SlotOwner::Donor(d.id), slots);
         if cleared {
@@ -500,7 +500,7 @@ impl Inner {
 
     /// Donor `d` answers again: no longer failed, nor full until it says
     /// so; waiting for its label if `unlabelled` says why.
-    fn is_back(d: &Donor, unlabelled: Option<String>) {
+    pub(super) fn is_back(d: &Donor, unlabelled: Option<String>) {
         d.full.store(false, Ordering::Release);
         {
             let mut h = d.health();
@@ -569,41 +569,6 @@ impl Inner {
                 tracing::debug!("donor {} not back yet: {e}", d.cfg.name);
             }
         }
-    }
-
-    /// Re-add: `d` was away and still carries the label it had, so its
-    /// members are taken back (transient.rs); `None` when it was not away,
-    /// or came back without our data (then it is a new donor).
-    fn take_back(&self, d: &Donor) -> Option<(u64, u64)> {
-        let away = (*d.away.lock_or_recover())?;
-        let mut lease = d.pool.checkout().ok()?;
-        let size = lease.size();
-        let mut b = vec![0u8; LABEL_BYTES];
-        lease.run(0, Op::Read(&mut b)).ok()?;
-        drop(lease);
-        if label::decode(&b).value() != Some(away.label) {
-            // It restarted: nothing to take back.
-            self.end_away(d);
-            return None;
-        }
-        tracing::info!(
-            "donor {} answers with our label after {} s away: taking it back",
-            d.cfg.name,
-            away.since.elapsed().as_secs()
-        );
-        // Usable before any member is taken back: a member taken back on a
-        // donor still failed was skipped by the next write to its group
-        // (a degraded write), and read back stale once the donor was back
-        // (the nemesis, parity, seed 28889085: d3 on a slow link, taken
-        // back while its trims crawled). Not placed on before `attached`.
-        Self::is_back(d, None);
-        self.set_capacity(d, size, false);
-        // Taken back while the slots written meanwhile are still noted.
-        let r = self.readd(d, away);
-        self.end_away(d);
-        d.taken_back.fetch_add(r.0, Ordering::Relaxed);
-        d.attached.store(true, Ordering::Release);
-        Some(r)
     }
 
     /// Donor `d` is not ours to use (another device's export, or a member

@@ -307,6 +307,41 @@ impl Inner {
         }
     }
 
+    /// Re-add: `d` was away and still carries the label it had, so its
+    /// members are taken back (below); `None` when it was not away,
+    /// or came back without our data (then it is a new donor).
+    pub(crate) fn take_back(&self, d: &Donor) -> Option<(u64, u64)> {
+        let away = (*d.away.lock_or_recover())?;
+        let mut lease = d.pool.checkout().ok()?;
+        let size = lease.size();
+        let mut b = vec![0u8; LABEL_BYTES];
+        lease.run(0, Op::Read(&mut b)).ok()?;
+        drop(lease);
+        if label::decode(&b).value() != Some(away.label) {
+            // It restarted: nothing to take back.
+            self.end_away(d);
+            return None;
+        }
+        tracing::info!(
+            "donor {} answers with our label after {} s away: taking it back",
+            d.cfg.name,
+            away.since.elapsed().as_secs()
+        );
+        // Usable before any member is taken back: a member taken back on a
+        // donor still failed was skipped by the next write to its group
+        // (a degraded write), and read back stale once the donor was back
+        // (the nemesis, parity, seed 28889085: d3 on a slow link, taken
+        // back while its trims crawled). Not placed on before `attached`.
+        Self::is_back(d, None);
+        self.set_capacity(d, size, false);
+        // Taken back while the slots written meanwhile are still noted.
+        let r = self.readd(d, away);
+        self.end_away(d);
+        d.taken_back.fetch_add(r.0, Ordering::Relaxed);
+        d.attached.store(true, Ordering::Release);
+        Some(r)
+    }
+
     /// Donor `d`, failed while away with label `away`, answers with that
     /// label: each of its members whose unit no write touched meanwhile is
     /// taken back as it is; the others stay lost and are re-created by
