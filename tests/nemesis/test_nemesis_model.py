@@ -203,3 +203,15 @@ def test_export_keys_drop_size_token_and_generation():
     assert export_key("vm@68157440") == "vm"
     assert export_key("vm~ab12/dev1:7@68157440") == "vm/dev1"
     assert export_key("vm/dev1") == export_key("vm~t/dev1:3") != export_key("vm/dev2")
+
+
+def test_the_rebalancer_is_in_half_the_schedules_and_old_replays_keep_it_off():
+    drawn = [generate(seed, "ec", 5).setup for seed in range(40)]
+    on = sum(s.rebalance for s in drawn)
+    assert 10 <= on <= 30, f"rebalance=1 in {on} of 40 schedules"
+    for s in drawn:
+        assert Setup.parse(s.text()) == s
+    # A replay command printed before the rebalancer joined the hunt.
+    old = Setup.parse("mode=none members=2 spares=2 tls=0 restartable=0 swap=1 "
+                      "swap_restartable=0 parity_log=0 grace=1")
+    assert not old.rebalance and "rebalance=0" in old.text()

@@ -6,6 +6,7 @@ seed, and shortened by asking for fewer operations (`shrink`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 from dataclasses import dataclass
@@ -54,6 +55,10 @@ def generate(seed: int, mode: str, n_ops: int, features: Features = Features()) 
     """The first `n_ops` operations of seed `seed`'s schedule in `mode`."""
     rng = rng_for(seed, mode)
     setup = draw_setup(rng, mode, features)
+    # Drawn from a generator of its own, so that the rest of every seed's
+    # schedule is what it was before the rebalancer was part of the hunt.
+    rebalance = random.Random(f"nemesis:{seed}:{mode}:rebalance").random() < 0.5
+    setup = dataclasses.replace(setup, rebalance=rebalance)
     model = Model(setup)
     ops: list[Op] = []
     while len(ops) < n_ops:

@@ -145,12 +145,15 @@ class Setup:
     swap_restartable: bool
     parity_log: bool            # striped modes: the parity log on (else --parity-log 0)
     grace: bool                 # the client has --grace: mode none may take short faults
+    # Both devices move members toward their donors' shares while the
+    # ops run (--rebalance-rate); absent from schedules written before it.
+    rebalance: bool = False
 
     def text(self) -> str:
         return (f"mode={self.mode} members={self.members} spares={self.spares} tls={int(self.tls)} "
                 f"restartable={int(self.restartable)} swap={int(self.swap)} "
                 f"swap_restartable={int(self.swap_restartable)} parity_log={int(self.parity_log)} "
-                f"grace={int(self.grace)}")
+                f"grace={int(self.grace)} rebalance={int(self.rebalance)}")
 
     @staticmethod
     def parse(text: str) -> "Setup":
@@ -158,7 +161,7 @@ class Setup:
         ints = {k: int(v) for k, v in kv.items() if k != "mode"}
         return Setup(kv["mode"], ints["members"], ints["spares"], bool(ints["tls"]),
                      bool(ints["restartable"]), bool(ints["swap"]), bool(ints["swap_restartable"]),
-                     bool(ints["parity_log"]), bool(ints["grace"]))
+                     bool(ints["parity_log"]), bool(ints["grace"]), bool(ints.get("rebalance", 0)))
 
     def pool(self) -> list[str]:
         return [f"d{i + 1}" for i in range(self.members)] + [f"s{i + 1}" for i in range(self.spares)]

@@ -32,6 +32,7 @@ DEVICE_A = 64 * MIB     # fio on the first half, the history on the second
 DEVICE_C = 96 * MIB
 SWAP_LIMIT = 16 * MIB   # memhog's cgroup; it touches three times this
 SETTLE_TIMEOUT = 300
+REBALANCE_RATE = "8M"   # a Setup's rebalance=1: device A's 64 MiB in 8 s
 
 
 class Failure(Exception):
@@ -152,6 +153,9 @@ class World:
             args += ["--parity-log", "0"]
         if self.setup.grace:
             args += ["--grace", "30"]
+        if self.setup.rebalance:
+            # Fast enough that members move within a slice's 30 s.
+            args += ["--rebalance-rate", REBALANCE_RATE]
         return args
 
     def clients(self) -> dict[str, PagerClient]:
