@@ -250,6 +250,11 @@ class World:
                           f"reads; fio: {self.fio.passes} passes"
                           + (f"; memhog: {self.swapjob.runs} runs" if self.swapjob else ""))
         self._raise(self.troubles() + self.history.check_all())
+        if self.setup.rebalance:
+            # What it did, so a hunt shows the moves ran under the faults.
+            r = self.a.device_status().get("rebalance", {})
+            self.notes.append(f"rebalancer: {r.get('moves', 0)} moves, "
+                              f"{r.get('moved_bytes', 0) >> 20} MiB moved on A")
         self.check_invariants(model)
         self.reattach_a(model, resume=False)
 
