@@ -269,7 +269,13 @@ class Model:
         if s.setup.tls and s.announcer_removed and s.healthy(ANNOUNCER):
             ops.append(Op("add", ANNOUNCER))
         for n in a_members:
-            if s.healthy(n):
+            # Not one still joining (announced, or added to the donors
+            # file, and not yet taken at an epoch): whichever of its two
+            # names the device meets first is the member and the other is
+            # refused, both right (hunt, ec seeds 3141592612, 3141592614:
+            # "announce; add-alias an" took the alias, refused the
+            # announcement).
+            if s.healthy(n) and n not in s.a.joining:
                 ops.append(Op("add-alias", n))
         ops += [Op("add-wrongkey"), Op("add-unreachable"), Op("remove-unknown")]
         if s.settled:
