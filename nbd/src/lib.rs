@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 use ffi::{Handle, InFlight};
 pub use mux::DEPTH as REQUESTS_PER_CONNECTION;
 use plain::{Buf, Plain, PlainCmd};
-pub use pool::{run, run_into, Lease, Pool, Request};
+pub use pool::{run, run_into, Check, Lease, Pool, Request};
 use wire::Command;
 
 /// Most commands one wait drives at once (one per member of the widest
@@ -115,6 +115,10 @@ pub enum NbdError {
     },
     #[error("donor {addr} is marked failed; no new connections")]
     Unavailable { addr: String },
+    /// A new connection reached an export that is not the one the pool's
+    /// earlier connections served (see [`Pool::verified`]).
+    #[error("donor {addr}: {message}")]
+    Restarted { addr: String, message: String },
 }
 
 impl NbdError {
@@ -134,6 +138,12 @@ impl NbdError {
     /// else).
     pub fn is_fenced(&self) -> bool {
         matches!(self, NbdError::Request { errno, .. } if *errno == libc::EPERM)
+    }
+
+    /// A new connection found the export changed under it: the donor
+    /// restarted (see [`Pool::verified`]).
+    pub fn is_restarted(&self) -> bool {
+        matches!(self, NbdError::Restarted { .. })
     }
 }
 

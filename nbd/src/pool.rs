@@ -24,6 +24,10 @@ use netpager_util::{CondvarExt, LockExt};
 /// donor's threads busy without a thread and a socket per request.
 const SPREAD: usize = 16;
 
+/// What a pool asks of each connection it opens after its first (see
+/// [`Pool::verified`]).
+pub type Check = Arc<dyn Fn(&mut Lease<'_>) -> Result<(), NbdError> + Send + Sync>;
+
 /// A small pool of connections to one donor export, opened on demand.
 pub struct Pool {
     /// Position in lock order: batches check out pools in ascending `order`
@@ -44,6 +48,7 @@ pub struct Pool {
     /// session, so two pools that reach one export (a donor named twice
     /// for a moment) never reuse each other's numbers.
     rounds: Option<Arc<AtomicU64>>,
+    check: Option<Check>,
     state: Mutex<PoolState>,
     cv: Condvar,
 }
@@ -62,6 +67,8 @@ struct PoolState {
     /// Threads waiting in `checkout`: a returned lease wakes one only if
     /// there is one, since a wake-up is a system call even with no waiter.
     waiting: usize,
+    /// A connection has been opened: later ones pass `check` first.
+    connected: bool,
 }
 
 impl Pool {
@@ -77,6 +84,7 @@ impl Pool {
             timeouts,
             max: max.max(1),
             rounds: None,
+            check: None,
             state: Mutex::new(PoolState {
                 // Their full sizes now: returning a lease never allocates.
                 idle: Vec::with_capacity(max.max(1)),
@@ -86,6 +94,7 @@ impl Pool {
                 generation: 0,
                 round: 0,
                 waiting: 0,
+                connected: false,
             }),
             cv: Condvar::new(),
         }
@@ -96,6 +105,18 @@ impl Pool {
     pub fn numbered(mut self, rounds: Arc<AtomicU64>) -> Pool {
         self.lock().round = rounds.fetch_add(1, Ordering::AcqRel) + 1;
         self.rounds = Some(rounds);
+        self
+    }
+
+    /// Every connection opened after the pool's first runs `check` on its
+    /// lease before it carries a request or is shared; one that fails it
+    /// is closed and `checkout` returns the error. A server restarted at
+    /// the same address accepts a new connection to an export of the same
+    /// name, empty: a request sent again after its connection broke must
+    /// not read that as the data the first process held. The check (the
+    /// client's: its label is still there) tells the two apart.
+    pub fn verified(mut self, check: Check) -> Pool {
+        self.check = Some(check);
         self
     }
 
@@ -165,31 +186,46 @@ impl Pool {
             if st.open < self.max {
                 st.open += 1;
                 let (generation, round) = (st.generation, st.round);
+                let check = self.check.as_ref().filter(|_| st.connected);
                 drop(st);
-                return match self.connect(round) {
-                    Ok(Leased::Shared { mux, .. }) => {
-                        let slot = mux.reserve().expect("a new connection has free slots");
-                        let mut st = self.lock();
-                        if st.generation == generation {
+                let opened = self.connect(round).and_then(|conn| {
+                    let conn = match conn {
+                        Leased::Shared { mux, .. } => {
+                            let slot = mux.reserve().expect("a new connection has free slots");
+                            Leased::Shared { mux, slot }
+                        }
+                        own => own,
+                    };
+                    let mut lease = Lease {
+                        pool: self,
+                        conn,
+                        generation,
+                    };
+                    match check.map_or(Ok(()), |c| c(&mut lease)) {
+                        Ok(()) => Ok(lease),
+                        Err(e) => {
+                            // Closed, not kept: nothing may run on it.
+                            lease.discard();
+                            Err(e)
+                        }
+                    }
+                });
+                let mut st = self.lock();
+                return match opened {
+                    Ok(lease) => {
+                        st.connected = true;
+                        if let (Leased::Shared { mux, .. }, true) =
+                            (&lease.conn, st.generation == generation)
+                        {
                             st.shared.push(mux.clone());
                         }
                         if st.waiting > 0 {
                             // Others may share the new connection.
                             self.cv.notify_all();
                         }
-                        Ok(Lease {
-                            pool: self,
-                            conn: Leased::Shared { mux, slot },
-                            generation,
-                        })
+                        Ok(lease)
                     }
-                    Ok(conn) => Ok(Lease {
-                        pool: self,
-                        conn,
-                        generation,
-                    }),
                     Err(e) => {
-                        let mut st = self.lock();
                         if st.generation == generation {
                             st.open -= 1;
                         }
@@ -311,8 +347,19 @@ impl Lease<'_> {
         }
     }
 
-    fn addr(&self) -> &str {
+    /// The donor's address, as errors name it.
+    pub fn addr(&self) -> &str {
         &self.pool.addr
+    }
+
+    /// Drops a connection that failed the pool's check without giving it
+    /// back: the caller accounts for it as never opened.
+    fn discard(mut self) {
+        if let Leased::Own(c) = &mut self.conn {
+            drop(c.take());
+        }
+        // Of no generation: Drop frees its slot and counts nothing.
+        self.generation = u64::MAX;
     }
 
     /// Runs one request with the pool's timeouts.

@@ -6,7 +6,7 @@
 //! called by `open`, the epoch thread and membership.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use netpager_proto::{DonorStatus, StatusClient, StatusSession};
@@ -120,6 +120,11 @@ pub(crate) struct Donor {
     answered_seen: AtomicU64,
     /// Serialises writing a new label.
     pub label_lock: Mutex<()>,
+    /// The label its export carries as far as the device knows (0: none,
+    /// or not known to be there): each connection its pool opens after
+    /// the first reads it back before it carries a request
+    /// ([`label_check`]). Set through [`Inner::set_label`] only.
+    pub expected_label: Arc<Mutex<u128>>,
     /// Since when it has not answered, while it is only suspect (not yet
     /// failed: transient.rs).
     suspect: Mutex<Option<Instant>>,
@@ -146,6 +151,7 @@ impl Donor {
         cfg: DonorConfig,
         (joined, joined_unix): (Joined, u64),
         pool: Pool,
+        expected_label: Arc<Mutex<u128>>,
         status_client: StatusClient,
     ) -> Donor {
         Donor {
@@ -170,6 +176,7 @@ impl Donor {
             answered: AtomicU64::new(0),
             answered_seen: AtomicU64::new(0),
             label_lock: Mutex::new(()),
+            expected_label,
             suspect: Mutex::new(None),
             probing: Mutex::new(()),
             away: Mutex::new(None),
@@ -255,7 +262,7 @@ impl Inner {
         // maintenance thread marks its copies lost must not find them
         // trusted at the next open (writes from now on skip them).
         if self.map.donor_label(d.id) != 0 {
-            if let Err(e) = self.map.set_donor_label(d.id, 0) {
+            if let Err(e) = self.set_label(d, 0) {
                 tracing::error!("journaling donor {}'s label: {e}", d.cfg.name);
             }
         }
@@ -326,7 +333,9 @@ impl Inner {
     /// Attaches `d`, or says why not.
     pub(crate) fn try_attach(&self, d: &Donor) -> std::result::Result<(), AttachFail> {
         let unreachable = |e: netpager_nbd::NbdError| {
-            if e.is_fenced() {
+            if e.is_restarted() {
+                AttachFail::Lost(e.to_string())
+            } else if e.is_fenced() {
                 // Its connection is this session's newest but one: another
                 // entry of this device connected to the same export since.
                 AttachFail::Refused(format!(
@@ -412,7 +421,7 @@ impl Inner {
             d.attached.store(false, Ordering::Release);
             // Taken off again through the member (its round is the newest
             // now), so the export holds nothing of ours, as before.
-            if let Err(e) = self.map.set_donor_label(d.id, 0) {
+            if let Err(e) = self.set_label(d, 0) {
                 tracing::error!("journaling donor {}'s label: {e}", d.cfg.name);
             }
             let trim = m
@@ -659,7 +668,7 @@ impl Inner {
                 .lock_or_recover()
                 .extend(self.map.forget_donor_slots(d.id));
             if self.map.donor_label(d.id) != 0 {
-                if let Err(e) = self.map.set_donor_label(d.id, 0) {
+                if let Err(e) = self.set_label(d, 0) {
                     tracing::error!("journaling donor {}'s label: {e}", d.cfg.name);
                 }
             }
@@ -672,6 +681,19 @@ impl Inner {
     }
 
     /// Who this device is, as its labels say.
+    /// Journals donor `d`'s label, and sets what its new connections
+    /// check: a label dropped is no longer checked before it goes from the
+    /// donor (`unlabel` trims it after), and a new one is checked once it
+    /// is on the donor (callers write it first).
+    pub(crate) fn set_label(&self, d: &Donor, label: u128) -> Result<()> {
+        if label == 0 {
+            *d.expected_label.lock_or_recover() = 0;
+        }
+        self.map.set_donor_label(d.id, label)?;
+        *d.expected_label.lock_or_recover() = label;
+        Ok(())
+    }
+
     fn label_owner(&self) -> Owner {
         Owner {
             device: self.cfg.device_id.clone().unwrap_or_default(),
@@ -707,7 +729,7 @@ impl Inner {
         let res = d.pool.checkout().and_then(|mut l| l.run(0, Op::Write(&b)));
         match res {
             Ok(()) => {
-                self.map.set_donor_label(d.id, label)?;
+                self.set_label(d, label)?;
                 Ok(())
             }
             Err(e) => {
@@ -735,7 +757,7 @@ impl Inner {
         if self.map.donor_label(d.id) == 0 {
             return Ok(());
         }
-        self.map.set_donor_label(d.id, 0)?;
+        self.set_label(d, 0)?;
         let res = d
             .pool
             .checkout()
@@ -769,4 +791,29 @@ fn clear_export(
         off += n;
     }
     Ok(true)
+}
+
+/// The check of each connection a donor's pool opens after its first: the
+/// export still carries `want`'s label. A donor killed and started again
+/// at once accepts the connection to an empty export of the same name,
+/// and a request sent again after its connection broke would have read
+/// its zeros as our data (the nemesis, ec, seed 3141592607).
+pub(crate) fn label_check(want: Arc<Mutex<u128>>) -> netpager_nbd::Check {
+    Arc::new(move |lease| {
+        let expected = *want.lock_or_recover();
+        if expected == 0 {
+            return Ok(());
+        }
+        let mut b = vec![0u8; LABEL_BYTES];
+        lease.run(0, Op::Read(&mut b))?;
+        // A label dropped meanwhile (unlabel clears `want` before its trim)
+        // is no restart.
+        if label::decode(&b).value() == Some(expected) || *want.lock_or_recover() != expected {
+            return Ok(());
+        }
+        Err(netpager_nbd::NbdError::Restarted {
+            addr: lease.addr().to_string(),
+            message: "a new connection finds its export without our label: the donor restarted (or lost its memory), and what it holds now is not our data".into(),
+        })
+    })
 }

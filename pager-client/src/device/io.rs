@@ -258,10 +258,11 @@ impl IoFail {
 
 /// Whether a failed request is worth sending once more before its donor is
 /// failed: not a refusal for space, not a timeout (its deadline is spent),
-/// not a donor marked failed already.
+/// not a donor marked failed already, not one that restarted.
 fn retryable(e: &nbd::NbdError) -> bool {
     !e.is_no_space()
         && !e.is_fenced()
+        && !e.is_restarted()
         && !matches!(
             e,
             nbd::NbdError::Timeout { .. }

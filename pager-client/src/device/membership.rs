@@ -24,7 +24,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use netpager_membership::{DonorSpec, Joined};
@@ -270,13 +270,15 @@ impl Inner {
         // gets a number too, so the donor refuses what is left queued on
         // connections this process gave up on.
         let rounds = self.cfg.device_id.is_some().then(|| self.rounds.clone());
+        let expected_label = Arc::new(Mutex::new(self.map.donor_label(id)));
+        let check = super::donor::label_check(expected_label.clone());
         set.push(|idx| {
-            let pool = Pool::new(idx, ep, timeouts, conns);
+            let pool = Pool::new(idx, ep, timeouts, conns).verified(check);
             let pool = match rounds {
                 Some(r) => pool.numbered(r),
                 None => pool,
             };
-            Donor::new(idx, id, c, joined, pool, status_client)
+            Donor::new(idx, id, c, joined, pool, expected_label, status_client)
         })
             .ok_or_else(|| {
                 refuse(format!(

@@ -290,7 +290,7 @@ impl Inner {
             .and_then(|mut l| l.run(0, Op::Read(&mut b)));
         match res {
             // Nothing listens there: its process, and our data, are gone.
-            Err(e) if e.is_refused() => return Probe::Restarted(e.to_string()),
+            Err(e) if e.is_refused() || e.is_restarted() => return Probe::Restarted(e.to_string()),
             Err(e) => return Probe::Silent(e.to_string()),
             Ok(()) => {}
         }
@@ -348,7 +348,7 @@ impl Inner {
     /// rebuild (their stale slots are trimmed first, while nothing can be
     /// placed on `d`). Returns (taken back, left to rebuild).
     pub(crate) fn readd(&self, d: &Donor, away: Away) -> (u64, u64) {
-        if let Err(e) = self.map.set_donor_label(d.id, away.label) {
+        if let Err(e) = self.set_label(d, away.label) {
             tracing::error!("journaling donor {}'s label: {e}", d.cfg.name);
             return (0, 0);
         }
