@@ -215,3 +215,15 @@ def test_the_rebalancer_is_in_half_the_schedules_and_old_replays_keep_it_off():
     old = Setup.parse("mode=none members=2 spares=2 tls=0 restartable=0 swap=1 "
                       "swap_restartable=0 parity_log=0 grace=1")
     assert not old.rebalance and "rebalance=0" in old.text()
+
+
+def test_no_second_name_of_a_donor_still_joining():
+    m = Model(Setup("ec", 5, 2, True, False, False, False, True, True))
+    m.apply(Op("announce"))
+    assert Op("add-alias", "an") not in m.candidates()
+    m.apply(Op("settle"))
+    assert Op("add-alias", "an") in m.candidates()
+    m.apply(Op("file-add", "s1"))
+    assert Op("add-alias", "s1") not in m.candidates()
+    m.apply(Op("settle"))
+    assert Op("add-alias", "s1") in m.candidates()
