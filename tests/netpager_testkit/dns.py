@@ -7,6 +7,7 @@ foreground by pid with its configuration, zone, journal and log in the
 test's directory; stopped on teardown. Nothing of the machine's (its
 /etc/bind, its resolver, port 53) is used.
 
+`include` names a file the zone $INCLUDEs.
 `records(name, type)` asks it (dig), `update(lines)` changes the zone as an
 admin or an attacker holding the key would (nsupdate)."""
 
@@ -34,7 +35,7 @@ def missing_tools() -> list[str]:
 
 class DnsServer:
     def __init__(self, teardown: Teardown, workdir, zone: str = "lab.test", addr: str = ADDR,
-                 wrap=lambda argv: argv):
+                 wrap=lambda argv: argv, include: Path | None = None):
         missing = missing_tools()
         if missing:
             skip_or_fail(f"no {', '.join(missing)} (Debian's bind9 and bind9-dnsutils: make deps)")
@@ -49,10 +50,14 @@ class DnsServer:
         secret = base64.b64encode(os.urandom(32)).decode()
         self.key_file.write_text(
             f'key "{KEY_NAME}" {{\n\talgorithm hmac-sha256;\n\tsecret "{secret}";\n}};\n')
-        (self.dir / f"{zone}.zone").write_text(
+        self.zone_file = self.dir / f"{zone}.zone"
+        self.zone_file.write_text(
             f"$ORIGIN {zone}.\n$TTL 60\n"
             f"@ IN SOA ns.{zone}. admin.{zone}. 1 60 60 600 60\n"
-            f"@ IN NS ns.{zone}.\nns IN A {addr}\n")
+            f"@ IN NS ns.{zone}.\nns IN A {addr}\n"
+            # Records written elsewhere, as an admin's zone includes a
+            # fragment (ansible's netpager_dns_publish zonefile).
+            + (f"$INCLUDE {include}\n" if include else ""))
         conf = self.dir / "named.conf"
         d = self.dir
         conf.write_text(f"""options {{
