@@ -22,7 +22,7 @@
 //! 4. [`donor`] (the whole donor, and the thread that feeds it meminfo)
 //!    uses `store`, `state`, `ratio`, `memwatch` and `config`; [`replay`]
 //!    (recorded pages through the store, for `make bench-compress`) uses
-//!    `store` and `config`;
+//!    `store`, `sys` (a thread's CPU clock) and `config`;
 //! 5. [`status`] uses `donor`; this file uses them all.
 //!
 //! The one edge upward is nbdkit's entry point, `sys::plugin_init`, which

@@ -12,7 +12,7 @@
 use std::time::Duration;
 
 use crate::config::{Compress, ExportSpec, PAGE_SIZE};
-use crate::store::{OpenError, Pool, StoreError};
+use crate::store::{codec, OpenError, Pool, StoreError};
 
 const PAGE: u64 = PAGE_SIZE as u64;
 
@@ -42,7 +42,13 @@ pub enum ReplayError {
         page: u64,
         byte: usize,
     },
-    #[error("this thread's CPU time from {PATH}: {why}")]
+    #[error("compress={codec}: the codec alone does not give back the {index}th page it compressed: {why}")]
+    Codec {
+        codec: &'static str,
+        index: u64,
+        why: String,
+    },
+    #[error("this thread's CPU time (CLOCK_THREAD_CPUTIME_ID): {why}")]
     CpuTime { why: String },
 }
 
@@ -65,6 +71,24 @@ pub struct Replay {
     /// This thread's CPU time in the writes, and in the reads back.
     pub write_cpu: Duration,
     pub read_cpu: Duration,
+    /// The codec alone on the same pages (`None` with `compress=off`).
+    pub codec_cost: Option<CodecCost>,
+}
+
+/// What the codec alone costs on a dump's pages, with no store around it:
+/// one reused buffer, so no memory is mapped or faulted in while the
+/// clock runs (through the store, a fresh slab's page faults count too,
+/// and on a VM those vary with the host far more than the codecs do).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CodecCost {
+    /// Bytes of the pages compressed (every page the store would try to
+    /// compress: not filled with one word) and the CPU it took.
+    pub compressed_bytes: u64,
+    pub compress_cpu: Duration,
+    /// Bytes of the pages that came out smaller than a page, decompressed
+    /// back, and the CPU it took.
+    pub decompressed_bytes: u64,
+    pub decompress_cpu: Duration,
 }
 
 impl Replay {
@@ -75,21 +99,10 @@ impl Replay {
     }
 }
 
-const PATH: &str = "/proc/thread-self/schedstat";
-
-/// This thread's time on a CPU so far: the scheduler's own count in
-/// nanoseconds (`schedstat`'s first field), so that neither another
-/// process on the machine nor a wait for the CPU counts.
-pub fn thread_cpu() -> Result<Duration, ReplayError> {
-    let text =
-        std::fs::read_to_string(PATH).map_err(|e| ReplayError::CpuTime { why: e.to_string() })?;
-    let first = text.split_whitespace().next().unwrap_or("");
-    first
-        .parse::<u64>()
-        .map(Duration::from_nanos)
-        .map_err(|e| ReplayError::CpuTime {
-            why: format!("first field {first:?}: {e}"),
-        })
+/// This thread's CPU time so far: neither another process on the machine
+/// nor a wait for the CPU counts.
+fn thread_cpu() -> Result<Duration, ReplayError> {
+    crate::sys::thread_cpu_time().map_err(|e| ReplayError::CpuTime { why: e.to_string() })
 }
 
 /// Writes the pages of `dump` through a fresh store with `codec`, in
@@ -137,7 +150,10 @@ pub fn replay(dump: &[u8], codec: Compress, batch: usize) -> Result<Replay, Repl
     }
     let write_cpu = thread_cpu()?.saturating_sub(t0);
 
-    let mut back = vec![0u8; dump.len()];
+    // Filled, so its pages are faulted in before the clock starts (a
+    // donor's reply buffers are reused, never fresh), and so a page the
+    // store failed to write does not read back as zeros by chance.
+    let mut back = vec![0xA5u8; dump.len()];
     let t0 = thread_cpu()?;
     for (i, chunk) in back.chunks_mut(request).enumerate() {
         let at = i * request;
@@ -172,6 +188,51 @@ pub fn replay(dump: &[u8], codec: Compress, batch: usize) -> Result<Replay, Repl
         mapped_bytes: pool.mapped_bytes(),
         write_cpu,
         read_cpu,
+        codec_cost: match codec {
+            Compress::Off => None,
+            _ => Some(codec_cost(dump, codec)?),
+        },
+    })
+}
+
+/// See [`CodecCost`].
+fn codec_cost(dump: &[u8], codec: Compress) -> Result<CodecCost, ReplayError> {
+    let pages: Vec<&[u8]> = dump
+        .chunks(PAGE_SIZE)
+        .filter(|p| codec::same_filled(p).is_none())
+        .collect();
+    // Every object back to back; filled first so that its pages are
+    // faulted in before the clock starts.
+    let mut objects = vec![0xA5u8; pages.len() * codec::BOUND];
+    let mut lens = Vec::with_capacity(pages.len());
+    let t0 = thread_cpu()?;
+    for (page, out) in pages.iter().zip(objects.chunks_exact_mut(codec::BOUND)) {
+        let out: &mut [u8; codec::BOUND] = out.try_into().expect("chunks of BOUND");
+        lens.push(codec::compress(codec, page, out, PAGE_SIZE - 1));
+    }
+    let compress_cpu = thread_cpu()?.saturating_sub(t0);
+    let mut page = [0u8; PAGE_SIZE];
+    let mut decompressed = 0u64;
+    let t0 = thread_cpu()?;
+    for (i, (len, object)) in lens
+        .iter()
+        .zip(objects.chunks_exact(codec::BOUND))
+        .enumerate()
+    {
+        let Some(n) = *len else { continue };
+        codec::decompress(codec, &object[..n], &mut page).map_err(|e| ReplayError::Codec {
+            codec: codec.word(),
+            index: i as u64,
+            why: e.to_string(),
+        })?;
+        decompressed += 1;
+    }
+    let decompress_cpu = thread_cpu()?.saturating_sub(t0);
+    Ok(CodecCost {
+        compressed_bytes: pages.len() as u64 * PAGE,
+        compress_cpu,
+        decompressed_bytes: decompressed * PAGE,
+        decompress_cpu,
     })
 }
 
@@ -225,7 +286,13 @@ mod tests {
                 off.stored_bytes
             );
             assert!(r.mapped_bytes >= r.stored_bytes, "{codec:?}");
+            // Zeros and the repeated word are not compressed; noise is,
+            // but does not come back smaller than a page.
+            let cost = r.codec_cost.expect("a codec");
+            assert_eq!(cost.compressed_bytes, 120 * PAGE, "{codec:?}");
+            assert_eq!(cost.decompressed_bytes, 80 * PAGE, "{codec:?}");
         }
+        assert_eq!(off.codec_cost, None);
     }
 
     #[test]
