@@ -68,6 +68,9 @@ def test_replay_gives_back_every_byte_and_compresses_text(replayer, tmp_path):
         assert n["noise"] * PAGE <= c["stored_bytes"] < (n["noise"] + n["text"] // 2) * PAGE, name
         assert c["ratio"] > off["ratio"], name
         assert c["mapped_bytes"] >= c["stored_bytes"], name
+        assert c["compress_mb_per_cpu_s"] > 0 and c["decompress_mb_per_cpu_s"] > 0, name
+    # compress=off has no codec to time, only the store.
+    assert off["compress_mb_per_cpu_s"] is None and off["write_mb_per_cpu_s"] > 0
 
 
 def test_replay_refuses_a_dump_of_partial_pages(replayer, tmp_path):
