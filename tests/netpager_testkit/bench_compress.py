@@ -114,12 +114,6 @@ class Knobs:
         return k
 
 
-def app_knobs() -> bench_apps.Knobs:
-    """bench-apps' knobs, for the programs' sizes (REDIS_KEYS and so on):
-    the same jobs as `make bench-apps` runs."""
-    return bench_apps.Knobs.from_env()
-
-
 def replayer() -> Path:
     return target_dir() / "examples" / "compress-replay"
 
@@ -418,7 +412,9 @@ def main(argv: list[str] | None = None) -> int:
             rows[program] = {"record": json.loads(meta.read_text()),
                              "replay": replay(k, args.dumps / f"{program}.pages")}
     else:
-        ak = app_knobs()
+        # bench-apps' knobs for the programs' sizes (REDIS_KEYS and so on):
+        # the same jobs as `make bench-apps` runs.
+        ak = bench_apps.Knobs.from_env()
         require(PROG, ["mkswap", "swapon", "zramctl", "findmnt"], [], root=True)
         bench_apps.check_programs(ak)
         install_handlers()
