@@ -8,8 +8,7 @@
 //!     compress-replay DUMP [--codec off --codec lz4 ...] [--rounds 3] [--batch 16] [--json]
 //!
 //! Codecs alternate round by round and each keeps its least CPU, so that
-//! a busy moment on a shared machine hits all alike and counts for none;
-//! a first round is not counted.
+//! a busy moment on a shared machine hits all alike and counts for none.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -30,7 +29,7 @@ struct Args {
     /// Codecs to replay with (off, lz4, zstd); default all three.
     #[arg(long = "codec", value_parser = parse_codec)]
     codecs: Vec<Compress>,
-    /// Rounds after the warm-up; each codec keeps its least CPU time.
+    /// Rounds; each codec keeps its least CPU time.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
     rounds: u32,
     /// Pages per write and read request (16: one 64 KiB group of the store).
@@ -123,12 +122,6 @@ fn main() -> Result<()> {
     };
     let dump =
         std::fs::read(&args.dump).with_context(|| format!("reading {}", args.dump.display()))?;
-    // Not counted: the first second or so of work after a pause ran 3-15x
-    // slower on the lab VM (the same pages, any codec).
-    for &codec in &codecs {
-        replay(&dump, codec, args.batch)
-            .with_context(|| format!("{} warm-up round", args.dump.display()))?;
-    }
     let mut best: Vec<Option<Best>> = codecs.iter().map(|_| None).collect();
     for round in 1..=args.rounds {
         for (slot, &codec) in best.iter_mut().zip(&codecs) {

@@ -77,8 +77,11 @@ pub struct Replay {
 
 /// What the codec alone costs on a dump's pages, with no store around it:
 /// one reused buffer, so no memory is mapped or faulted in while the
-/// clock runs (through the store, a fresh slab's page faults count too,
-/// and on a VM those vary with the host far more than the codecs do).
+/// clock runs. Through the store a fresh slab's page faults count too,
+/// and on a VM whose balloon reports free memory to the host (the lab's:
+/// virtio-balloon free page reporting, in 2 MiB blocks, a slab's size)
+/// each can be a fault on the host: `compress=off` wrote the same pages at
+/// 450 to 10000 MB per CPU-second from one run to the next.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CodecCost {
     /// Bytes of the pages compressed (every page the store would try to

@@ -390,7 +390,9 @@ def tables(k: Knobs, rows: dict) -> list[str]:
     text.append("(zram: orig_data_size / mem_used_total; off, lz4, zstd: pager-server's store, "
                 "dump bytes / stored bytes (/ mapped bytes: slabs mapped, spare included); "
                 "lz4/zram, zstd/zram: the store's bytes held over zram's, the issue's target "
-                "at most 1.10)")
+                "at most 1.10; MB/s through the store count its fresh slabs' page faults, which "
+                "on a VM whose balloon reports free memory cost a host fault and vary from run to "
+                "run: the codec alone is its cost)")
     return text
 
 
