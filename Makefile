@@ -40,7 +40,7 @@ VM_TIMEOUT ?= 3600
 
 .PHONY: all deps build demo lab-demo test test-unit test-server test-client test-prefetch \
         test-ansible test-security test-monitoring test-bench test-stress bench bench-server bench-client \
-        bench-prefetch bench-apps bench-ab fuzz soak faults nemesis clean lint deb test-deb test-vm
+        bench-prefetch bench-apps bench-compress bench-ab fuzz soak faults nemesis clean lint deb test-deb test-vm
 
 all: build
 
@@ -190,6 +190,14 @@ bench-ab: build
 # through netpager, a swap file, zram and zswap: bench-results/apps/.
 bench-apps: build
 	$(BENCH_PY).bench_apps
+
+# The donor's compression on the pages real programs swap: bench-apps'
+# programs at FRACTION (50) % of their peak swapping to zram, stopped near
+# their peak, zram's mm_stat and the swapped pages recorded, the pages
+# replayed through pager-server's store (examples/compress-replay) with
+# compress=off, lz4 and zstd: bench-results/compress/ (KEEP=1 keeps the dumps).
+bench-compress: build
+	$(BENCH_PY).bench_compress
 
 # The A/B benchmark's base builds go first: their worktrees are registered in git.
 clean:

@@ -44,7 +44,8 @@ pub enum Compress {
     Off,
     /// LZ4 blocks (`lz4_flex`): the fastest to compress and decompress.
     Lz4,
-    /// Zstandard level 1 (libzstd): denser, about 3x the CPU of LZ4.
+    /// Zstandard level 1 (libzstd): denser (up to half LZ4's bytes on
+    /// real pages), 2.5-4.6x LZ4's CPU to compress (pager-server(1)).
     Zstd,
 }
 

@@ -20,7 +20,9 @@
 //!    `config`; [`slab`] uses `sys`; [`store`] uses `slab`, `sys` and
 //!    `config`;
 //! 4. [`donor`] (the whole donor, and the thread that feeds it meminfo)
-//!    uses `store`, `state`, `ratio`, `memwatch` and `config`;
+//!    uses `store`, `state`, `ratio`, `memwatch` and `config`; [`replay`]
+//!    (recorded pages through the store, for `make bench-compress`) uses
+//!    `store`, `sys` (a thread's CPU clock) and `config`;
 //! 5. [`status`] uses `donor`; this file uses them all.
 //!
 //! The one edge upward is nbdkit's entry point, `sys::plugin_init`, which
@@ -34,6 +36,7 @@ pub mod donor;
 pub mod memwatch;
 pub mod metrics;
 pub mod ratio;
+pub mod replay;
 pub mod session;
 pub mod slab;
 pub mod state;

@@ -1,5 +1,5 @@
 //! Every `unsafe` of the crate: nbdkit's logging functions, the client's
-//! address, memory locking, malloc's mmap threshold, the slabs donated pages live in ([`Slab`],
+//! address, memory locking, malloc's mmap threshold, a thread's CPU clock, the slabs donated pages live in ([`Slab`],
 //! [`Page`]), and the plugin registration struct.
 //!
 //! Registration: the `nbdkit` crate 0.3 describes `struct nbdkit_plugin`
@@ -93,6 +93,23 @@ pub fn memlock_limit() -> io::Result<Option<u64>> {
         return Err(io::Error::last_os_error());
     }
     Ok((lim.rlim_cur != libc::RLIM_INFINITY).then_some(lim.rlim_cur))
+}
+
+/// This thread's CPU time so far (CLOCK_THREAD_CPUTIME_ID: exact to the
+/// nanosecond, the running slice included), for the replay's costs.
+pub fn thread_cpu_time() -> io::Result<std::time::Duration> {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec into the valid struct we pass.
+    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(std::time::Duration::new(
+        ts.tv_sec as u64,
+        ts.tv_nsec as u32,
+    ))
 }
 
 /// One anonymous private mapping of `pages` pages, handed out page by page

@@ -74,15 +74,18 @@ def fs_type(path: Path) -> str:
     return p.stdout.split()[-1]
 
 
-def disk_workdir(td: Teardown, prefix: str, candidates: list[Path] | None = None) -> Path:
+def disk_workdir(td: Teardown, prefix: str, candidates: list[Path] | None = None,
+                 keep: bool = False) -> Path:
     """A fresh directory on the first of `candidates` (/tmp, /var/tmp, the
-    repository's target/) that is a real disk (not tmpfs), removed by `td`."""
+    repository's target/) that is a real disk (not tmpfs), removed by `td`
+    unless `keep` (what it holds is asked for afterwards)."""
     if candidates is None:
         candidates = [Path("/tmp"), Path("/var/tmp"), repo_root() / "target"]
     for base in candidates:
         if base.is_dir() and fs_type(base) not in MEMORY_FS:
             work = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
-            td.add(f"directory {work}", lambda: shutil.rmtree(work, ignore_errors=True))
+            if not keep:
+                td.add(f"directory {work}", lambda: shutil.rmtree(work, ignore_errors=True))
             return work
     raise RuntimeError(f"no directory on a real disk among {', '.join(map(str, candidates))}")
 

@@ -1,0 +1,333 @@
+//! Recorded pages replayed through the real store (`make bench-compress`):
+//! what a donor would hold for the pages a program really swapped, under
+//! each `compress=`, and what compressing and decompressing them costs.
+//!
+//! A dump is a plain file of 4 KiB pages (the recorder writes the pages
+//! zram held for a program, zero pages included). [`replay`] writes them
+//! into one export of a fresh [`Pool`] in requests of `batch` pages, as a
+//! donor's nbdkit writes would (page `i` at offset `i * 4096`), reads them
+//! all back and compares every byte: a page that does not come back as
+//! written is an error, never a number.
+
+use std::time::Duration;
+
+use crate::config::{Compress, ExportSpec, PAGE_SIZE};
+use crate::store::{codec, OpenError, Pool, StoreError};
+
+const PAGE: u64 = PAGE_SIZE as u64;
+
+/// Why a replay could not measure.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    #[error("the dump holds {0} bytes: not a whole, non-zero number of 4 KiB pages")]
+    NotPages(usize),
+    #[error("request size of {0} pages: at least 1")]
+    Batch(usize),
+    #[error("compress={codec}: cannot open the replay export: {source}")]
+    Open {
+        codec: &'static str,
+        source: OpenError,
+    },
+    #[error("compress={codec}: {what} of pages {first}..{end}: {source}")]
+    Store {
+        codec: &'static str,
+        what: &'static str,
+        first: u64,
+        end: u64,
+        source: StoreError,
+    },
+    #[error("compress={codec}: page {page} read back differs from what was written, first at byte {byte}")]
+    Mismatch {
+        codec: &'static str,
+        page: u64,
+        byte: usize,
+    },
+    #[error("compress={codec}: the codec alone does not give back the {index}th page it compressed: {why}")]
+    Codec {
+        codec: &'static str,
+        index: u64,
+        why: String,
+    },
+    #[error("this thread's CPU time (CLOCK_THREAD_CPUTIME_ID): {why}")]
+    CpuTime { why: String },
+}
+
+/// What one codec made of a dump.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Replay {
+    pub codec: Compress,
+    /// Pages in the dump.
+    pub pages: u64,
+    /// Of which all zeros.
+    pub zero_pages: u64,
+    /// The store's own count: bytes of the pages it holds as data (a zero
+    /// page is none).
+    pub logical_bytes: u64,
+    /// Slab pages held, raw or in zspages: the budget's use.
+    pub stored_bytes: u64,
+    /// Slabs mapped: what the node really gives up, size-class and slab
+    /// slack and the spare slab included.
+    pub mapped_bytes: u64,
+    /// This thread's CPU time in the writes, and in the reads back.
+    pub write_cpu: Duration,
+    pub read_cpu: Duration,
+    /// The codec alone on the same pages (`None` with `compress=off`).
+    pub codec_cost: Option<CodecCost>,
+}
+
+/// What the codec alone costs on a dump's pages, with no store around it:
+/// one reused buffer, so no memory is mapped or faulted in while the
+/// clock runs. Through the store a fresh slab's page faults count too,
+/// and on a VM whose balloon reports free memory to the host (the lab's:
+/// virtio-balloon free page reporting, in 2 MiB blocks, a slab's size)
+/// each can be a fault on the host: `compress=off` wrote the same pages at
+/// 450 to 10000 MB per CPU-second from one run to the next.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CodecCost {
+    /// Bytes of the pages compressed (every page the store would try to
+    /// compress: not filled with one word) and the CPU it took.
+    pub compressed_bytes: u64,
+    pub compress_cpu: Duration,
+    /// Bytes of the pages that came out smaller than a page, decompressed
+    /// back, and the CPU it took.
+    pub decompressed_bytes: u64,
+    pub decompress_cpu: Duration,
+}
+
+impl Replay {
+    /// Bytes the pages were as written, zero pages included (what zram
+    /// counts as its `orig_data_size`).
+    pub fn dump_bytes(&self) -> u64 {
+        self.pages * PAGE
+    }
+}
+
+/// This thread's CPU time so far: neither another process on the machine
+/// nor a wait for the CPU counts.
+fn thread_cpu() -> Result<Duration, ReplayError> {
+    crate::sys::thread_cpu_time().map_err(|e| ReplayError::CpuTime { why: e.to_string() })
+}
+
+/// Writes the pages of `dump` through a fresh store with `codec`, in
+/// requests of `batch` pages, reads them back and checks every byte; see
+/// the module's documentation.
+pub fn replay(dump: &[u8], codec: Compress, batch: usize) -> Result<Replay, ReplayError> {
+    if dump.is_empty() || !dump.len().is_multiple_of(PAGE_SIZE) {
+        return Err(ReplayError::NotPages(dump.len()));
+    }
+    if batch == 0 {
+        return Err(ReplayError::Batch(batch));
+    }
+    let pages = (dump.len() / PAGE_SIZE) as u64;
+    // Room for every page raw and the zspages' slack: a replay measures
+    // what the pages take, it never runs into the budget.
+    let pool = Pool::new(2 * pages + 1024, 1, codec);
+    let spec = ExportSpec {
+        name: "replay".into(),
+        size: Some(pages * PAGE),
+    };
+    let export = pool
+        .open(&spec, pages * PAGE)
+        .map_err(|source| ReplayError::Open {
+            codec: codec.word(),
+            source,
+        })?;
+    let request = batch * PAGE_SIZE;
+    let fail = |what, at: usize, len: usize| {
+        let first = (at / PAGE_SIZE) as u64;
+        move |source| ReplayError::Store {
+            codec: codec.word(),
+            what,
+            first,
+            end: first + (len / PAGE_SIZE) as u64,
+            source,
+        }
+    };
+
+    let t0 = thread_cpu()?;
+    for (i, chunk) in dump.chunks(request).enumerate() {
+        let at = i * request;
+        export
+            .write(chunk, at as u64, 0)
+            .map_err(fail("write", at, chunk.len()))?;
+    }
+    let write_cpu = thread_cpu()?.saturating_sub(t0);
+
+    // Filled, so its pages are faulted in before the clock starts (a
+    // donor's reply buffers are reused, never fresh), and so a page the
+    // store failed to write does not read back as zeros by chance.
+    let mut back = vec![0xA5u8; dump.len()];
+    let t0 = thread_cpu()?;
+    for (i, chunk) in back.chunks_mut(request).enumerate() {
+        let at = i * request;
+        let len = chunk.len();
+        export
+            .read(chunk, at as u64, 0)
+            .map_err(fail("read", at, len))?;
+    }
+    let read_cpu = thread_cpu()?.saturating_sub(t0);
+
+    let mut zero_pages = 0;
+    for (page, (want, got)) in dump
+        .chunks(PAGE_SIZE)
+        .zip(back.chunks(PAGE_SIZE))
+        .enumerate()
+    {
+        if let Some(byte) = want.iter().zip(got).position(|(a, b)| a != b) {
+            return Err(ReplayError::Mismatch {
+                codec: codec.word(),
+                page: page as u64,
+                byte,
+            });
+        }
+        zero_pages += u64::from(want.iter().all(|&b| b == 0));
+    }
+    Ok(Replay {
+        codec,
+        pages,
+        zero_pages,
+        logical_bytes: pool.logical_bytes(),
+        stored_bytes: pool.stored_bytes(),
+        mapped_bytes: pool.mapped_bytes(),
+        write_cpu,
+        read_cpu,
+        codec_cost: match codec {
+            Compress::Off => None,
+            _ => Some(codec_cost(dump, codec)?),
+        },
+    })
+}
+
+/// See [`CodecCost`].
+fn codec_cost(dump: &[u8], codec: Compress) -> Result<CodecCost, ReplayError> {
+    let pages: Vec<&[u8]> = dump
+        .chunks(PAGE_SIZE)
+        .filter(|p| codec::same_filled(p).is_none())
+        .collect();
+    // Every object back to back; filled first so that its pages are
+    // faulted in before the clock starts.
+    let mut objects = vec![0xA5u8; pages.len() * codec::BOUND];
+    let mut lens = Vec::with_capacity(pages.len());
+    let t0 = thread_cpu()?;
+    for (page, out) in pages.iter().zip(objects.chunks_exact_mut(codec::BOUND)) {
+        let out: &mut [u8; codec::BOUND] = out.try_into().expect("chunks of BOUND");
+        lens.push(codec::compress(codec, page, out, PAGE_SIZE - 1));
+    }
+    let compress_cpu = thread_cpu()?.saturating_sub(t0);
+    let mut page = [0u8; PAGE_SIZE];
+    let mut decompressed = 0u64;
+    let t0 = thread_cpu()?;
+    for (i, (len, object)) in lens
+        .iter()
+        .zip(objects.chunks_exact(codec::BOUND))
+        .enumerate()
+    {
+        let Some(n) = *len else { continue };
+        codec::decompress(codec, &object[..n], &mut page).map_err(|e| ReplayError::Codec {
+            codec: codec.word(),
+            index: i as u64,
+            why: e.to_string(),
+        })?;
+        decompressed += 1;
+    }
+    let decompress_cpu = thread_cpu()?.saturating_sub(t0);
+    Ok(CodecCost {
+        compressed_bytes: pages.len() as u64 * PAGE,
+        compress_cpu,
+        decompressed_bytes: decompressed * PAGE,
+        decompress_cpu,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pages of every kind a swap device gets: zeros, one repeated word,
+    /// text-like bytes, noise, and half text half noise.
+    fn synthetic(each: usize) -> Vec<u8> {
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut noise = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        };
+        let words = [&b"page "[..], b"swap ", b"donor ", b"netpager ", b"the "];
+        let mut dump = Vec::new();
+        for i in 0..each {
+            dump.extend(std::iter::repeat_n(0u8, PAGE_SIZE));
+            dump.extend((0..PAGE_SIZE).map(|j| [7u8, 0, 0, 0, 1, 0, 0, i as u8][j % 8]));
+            let mut text = Vec::with_capacity(PAGE_SIZE);
+            while text.len() < PAGE_SIZE {
+                text.extend_from_slice(words[usize::from(noise()) % words.len()]);
+            }
+            dump.extend_from_slice(&text[..PAGE_SIZE]);
+            dump.extend((0..PAGE_SIZE).map(|_| noise()));
+            dump.extend((0..PAGE_SIZE).map(|j| if j < PAGE_SIZE / 2 { noise() } else { b'v' }));
+        }
+        dump
+    }
+
+    #[test]
+    fn every_codec_gives_back_every_byte_and_compression_holds_less() {
+        let dump = synthetic(40);
+        let off = replay(&dump, Compress::Off, 16).unwrap();
+        assert_eq!(off.pages, 200);
+        assert_eq!(off.zero_pages, 40);
+        // Zeros take nothing; with compress=off every other page is raw.
+        assert_eq!(off.logical_bytes, 160 * PAGE);
+        assert_eq!(off.stored_bytes, 160 * PAGE);
+        for codec in [Compress::Lz4, Compress::Zstd] {
+            // An odd request size: requests cross groups and shards.
+            let r = replay(&dump, codec, 7).unwrap();
+            assert_eq!(r.logical_bytes, off.logical_bytes, "{codec:?}");
+            assert!(
+                r.stored_bytes < off.stored_bytes * 3 / 4,
+                "{codec:?}: {} stored of {} raw",
+                r.stored_bytes,
+                off.stored_bytes
+            );
+            assert!(r.mapped_bytes >= r.stored_bytes, "{codec:?}");
+            // Zeros and the repeated word are not compressed; noise is,
+            // but does not come back smaller than a page.
+            let cost = r.codec_cost.expect("a codec");
+            assert_eq!(cost.compressed_bytes, 120 * PAGE, "{codec:?}");
+            assert_eq!(cost.decompressed_bytes, 80 * PAGE, "{codec:?}");
+        }
+        assert_eq!(off.codec_cost, None);
+    }
+
+    #[test]
+    fn noise_is_kept_raw_and_takes_no_more_than_off() {
+        let mut x = 1u64;
+        let dump: Vec<u8> = (0..64 * PAGE_SIZE)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                (x >> 56) as u8
+            })
+            .collect();
+        for codec in Compress::ALL {
+            let r = replay(&dump, codec, 16).unwrap();
+            assert_eq!(r.stored_bytes, 64 * PAGE, "{codec:?}");
+        }
+    }
+
+    #[test]
+    fn a_dump_of_no_whole_pages_is_refused() {
+        assert!(matches!(
+            replay(&[1; 100], Compress::Lz4, 16),
+            Err(ReplayError::NotPages(100))
+        ));
+        assert!(matches!(
+            replay(&[], Compress::Lz4, 16),
+            Err(ReplayError::NotPages(0))
+        ));
+        assert!(matches!(
+            replay(&[1; 4096], Compress::Lz4, 0),
+            Err(ReplayError::Batch(0))
+        ));
+    }
+}
