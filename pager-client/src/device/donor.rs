@@ -123,7 +123,7 @@ pub(crate) struct Donor {
     /// The label its export carries as far as the device knows (0: none,
     /// or not known to be there): each connection its pool opens after
     /// the first reads it back before it carries a request
-    /// ([`label_check`]). Set through [`Inner::set_label`] only.
+    /// ([`label_check`](super::transient::label_check)). Set through [`Inner::set_label`] only.
     pub expected_label: Arc<Mutex<u128>>,
     /// Since when it has not answered, while it is only suspect (not yet
     /// failed: transient.rs).
@@ -791,29 +791,4 @@ fn clear_export(
         off += n;
     }
     Ok(true)
-}
-
-/// The check of each connection a donor's pool opens after its first: the
-/// export still carries `want`'s label. A donor killed and started again
-/// at once accepts the connection to an empty export of the same name,
-/// and a request sent again after its connection broke would have read
-/// its zeros as our data (the nemesis, ec, seed 3141592607).
-pub(crate) fn label_check(want: Arc<Mutex<u128>>) -> netpager_nbd::Check {
-    Arc::new(move |lease| {
-        let expected = *want.lock_or_recover();
-        if expected == 0 {
-            return Ok(());
-        }
-        let mut b = vec![0u8; LABEL_BYTES];
-        lease.run(0, Op::Read(&mut b))?;
-        // A label dropped meanwhile (unlabel clears `want` before its trim)
-        // is no restart.
-        if label::decode(&b).value() == Some(expected) || *want.lock_or_recover() != expected {
-            return Ok(());
-        }
-        Err(netpager_nbd::NbdError::Restarted {
-            addr: lease.addr().to_string(),
-            message: "a new connection finds its export without our label: the donor restarted (or lost its memory), and what it holds now is not our data".into(),
-        })
-    })
 }

@@ -271,7 +271,7 @@ impl Inner {
         // connections this process gave up on.
         let rounds = self.cfg.device_id.is_some().then(|| self.rounds.clone());
         let expected_label = Arc::new(Mutex::new(self.map.donor_label(id)));
-        let check = super::donor::label_check(expected_label.clone());
+        let check = super::transient::label_check(expected_label.clone());
         set.push(|idx| {
             let pool = Pool::new(idx, ep, timeouts, conns).verified(check);
             let pool = match rounds {

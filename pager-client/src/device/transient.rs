@@ -23,12 +23,18 @@
 //! round connects: a retried write is never overtaken by its stale first
 //! try.
 //!
+//! A donor killed and started again at once is no pause: its new process
+//! accepts a connection to an empty export of the same name. So each
+//! connection a pool opens after its first reads the label back first
+//! ([`label_check`]); one without it counts as a donor that came back
+//! empty.
+//!
 //! Calls: the donors' pools, labels (label.rs), the extent map; called by
 //! `exec` (io.rs), `fail_donor`, `revive` (donor.rs) and the epoch.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use netpager_nbd::{NbdError, Op};
@@ -404,4 +410,29 @@ impl Inner {
         }
         (back, stale)
     }
+}
+
+/// The check of each connection a donor's pool opens after its first: the
+/// export still carries `want`'s label. A donor killed and started again
+/// at once accepts the connection to an empty export of the same name,
+/// and a request sent again after its connection broke would have read
+/// its zeros as our data (the nemesis, ec, seed 3141592607).
+pub(crate) fn label_check(want: Arc<Mutex<u128>>) -> netpager_nbd::Check {
+    Arc::new(move |lease| {
+        let expected = *want.lock_or_recover();
+        if expected == 0 {
+            return Ok(());
+        }
+        let mut b = vec![0u8; LABEL_BYTES];
+        lease.run(0, Op::Read(&mut b))?;
+        // A label dropped meanwhile (unlabel clears `want` before its trim)
+        // is no restart.
+        if label::decode(&b).value() == Some(expected) || *want.lock_or_recover() != expected {
+            return Ok(());
+        }
+        Err(netpager_nbd::NbdError::Restarted {
+            addr: lease.addr().to_string(),
+            message: "a new connection finds its export without our label: the donor restarted (or lost its memory), and what it holds now is not our data".into(),
+        })
+    })
 }
