@@ -358,7 +358,12 @@ impl Inner {
             tracing::error!("journaling donor {}'s label: {e}", d.cfg.name);
             return (0, 0);
         }
-        let dirty = std::mem::take(&mut *self.dirty.slots.lock_or_recover());
+        // A copy, not taken: another donor back at the same epoch runs its
+        // re-add at the same time (on another poller) and needs every slot
+        // noted while it was away too. Taken, the set was empty for the
+        // second one, which took back members written meanwhile (the
+        // nemesis, ec, seed 3141592629: fio read stale blocks).
+        let dirty = self.dirty.slots.lock_or_recover().clone();
         let (mut back, mut stale) = (0u64, 0u64);
         for u in 0..self.layout.units() {
             let mut g = self.map.unit(u).write_or_recover();
@@ -389,8 +394,6 @@ impl Inner {
                 }
             }
         }
-        // Others may still be away: what they need noted stays noted.
-        self.dirty.slots.lock_or_recover().extend(dirty);
         // Every slot it held that no member took back: stale members, and
         // members rebuilt elsewhere while it was away. Nothing else can be
         // placed on it before these trims: it is not attached yet.
