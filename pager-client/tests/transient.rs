@@ -427,7 +427,7 @@ fn slots_freed_while_a_member_is_partitioned_off_are_trimmed_when_it_is_back() {
 /// at the same time, on two pollers. The first took the set of slots
 /// written while donors were away, so the second found it empty and took
 /// back members written meanwhile: stale data read back (the nemesis, ec,
-/// seed 3141592629: fio read blocks of an older pass). Everything is
+/// seed 3141592629: fio read blocks with a wrong header). Everything is
 /// written while both are away (and no parity log, whose units would not
 /// be), so nothing may be taken back.
 #[test]
