@@ -425,9 +425,10 @@ fn slots_freed_while_a_member_is_partitioned_off_are_trimmed_when_it_is_back() {
 
 /// Two donors away at once and back at the same epoch: their re-adds run
 /// at the same time, on two pollers. The first took the set of slots
-/// written while donors were away, so the second found it empty and took
-/// back members written meanwhile: stale data read back (the nemesis, ec,
-/// seed 3141592629: fio read blocks with a wrong header). Everything is
+/// written while donors were away, so the second could find it empty and
+/// take back members written meanwhile: stale data read back (seen in the
+/// code while tracing the nemesis's ec seed 3141592629, where fio read
+/// blocks with a wrong header; the race did not show here). Everything is
 /// written while both are away (and no parity log, whose units would not
 /// be), so nothing may be taken back.
 #[test]

@@ -360,9 +360,10 @@ impl Inner {
         }
         // A copy, not taken: another donor back at the same epoch runs its
         // re-add at the same time (on another poller) and needs every slot
-        // noted while it was away too. Taken, the set was empty for the
-        // second one, which took back members written meanwhile (the
-        // nemesis, ec, seed 3141592629: fio read stale blocks).
+        // noted while it was away too. Taken, the set could be empty for
+        // the second one, which would take back members written meanwhile
+        // (seen in the code while tracing the nemesis's ec seed 3141592629,
+        // where fio read wrong blocks after two donors came back at once).
         let dirty = self.dirty.slots.lock_or_recover().clone();
         let (mut back, mut stale) = (0u64, 0u64);
         for u in 0..self.layout.units() {
