@@ -253,8 +253,10 @@ class World:
         if self.setup.rebalance:
             # What it did, so a hunt shows the moves ran under the faults.
             r = self.a.device_status().get("rebalance", {})
-            self.notes.append(f"rebalancer: {r.get('moves', 0)} moves, "
-                              f"{r.get('moved_bytes', 0) >> 20} MiB moved on A")
+            paused = f" (now: {r['paused']})" if r.get("paused") else ""
+            self.notes.append(f"rebalancer at {r.get('rate_bytes', 0) >> 20} MiB/s: "
+                              f"{r.get('moves', 0)} moves, {r.get('moved_bytes', 0) >> 20} MiB "
+                              f"moved on A since it last opened{paused}")
         self.check_invariants(model)
         self.reattach_a(model, resume=False)
 
