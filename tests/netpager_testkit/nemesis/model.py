@@ -428,13 +428,6 @@ class Model:
         if k == "undrain":
             how = d.draining
             d.draining = ""
-            if n in s.a.members:
-                # A member drained empty dropped its label, and one that
-                # was draining when device A opened took none: it labels
-                # itself at the next epoch, and a second name drawn before
-                # that wins instead (hunt, ec seed 3141592625: "restart A;
-                # undrain d4; add-alias d4" took the alias, refused d4).
-                s.a.joining.add(n)
             return {"how": how}
         if k == "kill-serve":
             s.compromised |= {x for x in s.donors if s.holders(x)}
