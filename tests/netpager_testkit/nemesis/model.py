@@ -130,6 +130,9 @@ class DeviceM:
     static: bool = False        # its set never changes (device C)
     # Members by the donors file or discovery, not yet surely in the set.
     joining: set[str] = field(default_factory=set)
+    # Members undrained since the last settle: in the set, but unlabelled
+    # until the device's next epoch, so a second name may win (see undrain).
+    unlabelled: set[str] = field(default_factory=set)
     restartable: bool = False
 
 
@@ -275,7 +278,7 @@ class Model:
             # refused, both right (hunt, ec seeds 3141592612, 3141592614:
             # "announce; add-alias an" took the alias, refused the
             # announcement).
-            if s.healthy(n) and n not in s.a.joining:
+            if s.healthy(n) and n not in s.a.joining | s.a.unlabelled:
                 ops.append(Op("add-alias", n))
         ops += [Op("add-wrongkey"), Op("add-unreachable"), Op("remove-unknown")]
         if s.settled:
@@ -428,6 +431,14 @@ class Model:
         if k == "undrain":
             how = d.draining
             d.draining = ""
+            if n in s.a.members:
+                # A member drained empty dropped its label, and one that
+                # was draining when device A opened took none: it labels
+                # itself at the next epoch, and a second name drawn before
+                # that wins instead (hunt, ec seed 3141592625: "restart A;
+                # undrain d4; add-alias d4" took the alias, refused d4).
+                # Only the second name waits: it may drain again at once.
+                s.a.unlabelled.add(n)
             return {"how": how}
         if k == "kill-serve":
             s.compromised |= {x for x in s.donors if s.holders(x)}
@@ -461,6 +472,7 @@ class Model:
             return {}
         if k == "settle":
             s.a.joining.clear()
+            s.a.unlabelled.clear()
             for x in s.donors.values():
                 x.leaving = False
                 if x.running and not x.fault:
