@@ -383,6 +383,11 @@ pub struct DeviceConfig {
     /// idleness, DESIGN.md §2.3a); 0 turns it off.
     #[serde(default = "default_rebalance_rate")]
     pub rebalance_rate: ByteSize,
+    /// An extent accessed within this many epochs is hot: the rebalancer
+    /// moves it only off a donor above its load bound. 0: every extent
+    /// may move, accessed or not.
+    #[serde(default = "default_rebalance_hot_epochs")]
+    pub rebalance_hot_epochs: u32,
     /// The donors that join at attach; the set then changes at run time
     /// (donor-add, donor-remove, the donors file), kept in the map's journal.
     pub donors: Vec<DonorConfig>,
@@ -474,6 +479,9 @@ pub const DEFAULT_REBALANCE_RATE: u64 = 0;
 fn default_rebalance_rate() -> ByteSize {
     ByteSize(DEFAULT_REBALANCE_RATE)
 }
+fn default_rebalance_hot_epochs() -> u32 {
+    crate::policy::rebalance::DEFAULT_HOT_EPOCHS
+}
 fn default_request_ms() -> u64 {
     defaults::REQUEST_TIMEOUT_MS
 }
@@ -535,6 +543,7 @@ impl DeviceConfig {
             forget_after_ms: default_forget_after_ms(),
             grace_ms: default_grace_ms(),
             rebalance_rate: default_rebalance_rate(),
+            rebalance_hot_epochs: default_rebalance_hot_epochs(),
             donors: Vec::new(),
         }
     }

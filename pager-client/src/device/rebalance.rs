@@ -235,6 +235,7 @@ impl Inner {
         let (donors, cands) = self.rebalance_view();
         let mut p = RebalanceParams {
             now: self.rebalancer.recency.now(),
+            hot_epochs: self.cfg.rebalance_hot_epochs,
             ..Default::default()
         };
         let shares = match rebalance::targets(&donors, &p) {

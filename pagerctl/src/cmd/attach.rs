@@ -99,6 +99,11 @@ pub struct Args {
     /// ask for.
     #[arg(long, value_parser = netpager_util::parse_size, value_name = "SIZE")]
     rebalance_rate: Option<u64>,
+    /// Epochs an extent stays hot after an access: the rebalancer moves a
+    /// hot extent only off a donor above its load bound. 0 lets it move
+    /// any extent, in use or not. Default 2.
+    #[arg(long, value_name = "N")]
+    rebalance_hot_epochs: Option<u32>,
     /// Unit of placement (power of two, 4K..64M; default 1M, in modes parity
     /// and ec the largest that keeps a full stripe's data within 1M).
     #[arg(long, value_parser = netpager_util::parse_size, value_name = "SIZE")]
@@ -263,6 +268,7 @@ impl Args {
             forget_after: self.forget_after,
             grace: self.grace,
             rebalance_rate: self.rebalance_rate,
+            rebalance_hot_epochs: self.rebalance_hot_epochs,
             discover: self.discover,
             insecure: self.insecure,
             trust_network: self.trust_network.clone(),
