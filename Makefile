@@ -152,7 +152,7 @@ faults: build
 # KNOWN=1 (also the ops of bugs still open), EXCLUDE=kind,..., NO_SHRINK=1;
 # SCHEDULE='SETUP | OP; ...' replays one schedule. Each run prints its seed
 # and replay command, a failing one is shrunk; the table goes to
-# bench-results/nemesis/. `make test` runs a slice of about 5 minutes.
+# bench-results/nemesis/. `make test` runs a slice: two modes, about 2 minutes.
 nemesis: build
 	$(BENCH_PY).nemesis
 

@@ -3,9 +3,10 @@ job, QD1 4 KiB latency or QD16 4 KiB throughput worse?
 
 Side A is a base build (--base REV, built once into target/ab/COMMIT/, or
 --base-target DIR, binaries already built there); side B is this tree's
-(NETPAGER_TARGET_DIR, default target/release). Each round runs A then B,
-ROUNDS rounds, every side with its own build's pagerctl, client plugin and
-donor plugin, on fresh donors on loopback, in mode none on FRONTEND:
+(NETPAGER_TARGET_DIR, default target/release). Each round runs both
+sides, ROUNDS rounds, in turn first (A B, B A, A B, ...), every side with
+its own build's pagerctl, client plugin and donor plugin, on fresh donors
+on loopback, in mode none on FRONTEND:
 
   swap      the swap job of bench_client's `swap` (memhog touching 3x
             LIMIT in a LIMIT memory cgroup, one verify pass) through the
@@ -15,7 +16,7 @@ donor plugin, on fresh donors on loopback, in mode none on FRONTEND:
   QD16      bench_client's `depth` through the client on 1 donor: 4 KiB
             randread and randwrite IOPS, libaio at queue depth 16
 
-The table has each side's numbers per round, their medians and B/A; the
+The table has each side's numbers per round (in the order A B), their medians and B/A; the
 same workload binaries (tests/jobs, fio) serve both sides, so only the
 builds differ.
 
@@ -231,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         b.report.knobs = {"rounds": knobs.rounds, "frontend": frontend, "runtime": knobs.runtime,
                           "ramp": knobs.ramp, "limit": knobs.limit, "fio_size": knobs.fio_size}
         for rnd in range(1, knobs.rounds + 1):
-            for s in sides:
+            # A B, then B A: a side that always ran second would carry
+            # whatever the first left behind.
+            for s in sides if rnd % 2 else sides[::-1]:
                 got = measure(b, s, frontend, f"{s.name}{rnd}")
                 for key, v in got.items():
                     vals[s.name][key].append(v)
