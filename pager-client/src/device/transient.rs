@@ -343,7 +343,6 @@ impl Inner {
         // Taken back while the slots written meanwhile are still noted.
         let r = self.readd(d, away);
         self.end_away(d);
-        d.taken_back.fetch_add(r.0, Ordering::Relaxed);
         d.attached.store(true, Ordering::Release);
         Some(r)
     }
@@ -385,6 +384,9 @@ impl Inner {
                     m.state = CopyState::Ok;
                     changed = true;
                     back += 1;
+                    // Counted under the unit's lock: a status that sees
+                    // the member no longer lost sees it counted too.
+                    d.taken_back.fetch_add(1, Ordering::Relaxed);
                 } else {
                     stale += 1;
                 }
