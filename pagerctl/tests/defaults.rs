@@ -352,7 +352,10 @@ fn pagerctl_page_states_the_defaults_the_code_has() {
         ("--spin-us", cfg.timeouts.spin_us.to_string()),
         ("--b", cfg.policy.b.to_string()),
         ("--prefetch-pages", cfg.prefetch_pages.to_string()),
-        ("--rebalance-rate", cfg.rebalance_rate.0.to_string()),
+        (
+            "--rebalance-rate",
+            format!("{}M", cfg.rebalance_rate.0 >> 20),
+        ),
         (
             "--rebalance-hot-epochs",
             cfg.rebalance_hot_epochs.to_string(),

@@ -469,13 +469,10 @@ fn default_forget_after_ms() -> u64 {
 fn default_grace_ms() -> u64 {
     30_000
 }
-/// Off until asked for: the rebalancer is new, and the whole test suite
-/// has not yet run with it on by default (the one failure once blamed on
-/// it, two devices filling the same small donors, was the write-back
-/// buffer's). A few MiB/s (`4M`) is the rate to ask for: a 1 MiB
-/// member every quarter second, small against a loopback donor's GiB/s
-/// and a 1 Gbit/s link's 119 MiB/s.
-pub const DEFAULT_REBALANCE_RATE: u64 = 0;
+/// A few MiB/s: a 1 MiB member every quarter second, small against a
+/// loopback donor's GiB/s and a 1 Gbit/s link's 119 MiB/s, and enough for
+/// a newly idle donor to take its share of a GiB device in minutes.
+pub const DEFAULT_REBALANCE_RATE: u64 = 4 << 20;
 fn default_rebalance_rate() -> ByteSize {
     ByteSize(DEFAULT_REBALANCE_RATE)
 }

@@ -95,8 +95,7 @@ pub struct Args {
     grace: Option<Duration>,
     /// Bytes a second the rebalancer may move so that each donor's share
     /// of the device follows its selection frequency (memory follows
-    /// idleness); 0 turns it off. Default 0 (off) for now; 4M is the rate to
-    /// ask for.
+    /// idleness); 0 turns it off. Default 4M.
     #[arg(long, value_parser = netpager_util::parse_size, value_name = "SIZE")]
     rebalance_rate: Option<u64>,
     /// Epochs an extent stays hot after an access: the rebalancer moves a

@@ -158,6 +158,8 @@ class World:
             # workloads touch every extent each epoch, so none would be
             # cold enough to move: here every extent may, under the I/O.
             args += ["--rebalance-rate", REBALANCE_RATE, "--rebalance-hot-epochs", "0"]
+        else:
+            args += ["--rebalance-rate", "0"]
         return args
 
     def clients(self) -> dict[str, PagerClient]:
