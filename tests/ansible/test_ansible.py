@@ -179,14 +179,7 @@ class Lab:
     """A temporary inventory and install prefix, and ansible runs against them."""
 
     def __init__(self, root: Path, bin_src: Path):
-        self.root = root
-        self.inv = root / "inventory"
-        self.prefix = root / "opt"
-        self.etc = root / "etc"
-        self.state = root / "var" / "lib"
-        self.run_dir = root / "run"
-        self.logs = root / "log"
-        self.user = "netpager-t" + secrets.token_hex(3)
+        self.install_into(root, bin_src)
         self.mem_mb = mem_total_mb()
         # d3's budget comes from the memory facts: this share is ~96 MiB here.
         self.d3_percent = DONOR_BUDGET_MIB * 100 / self.mem_mb
@@ -200,15 +193,45 @@ class Lab:
         # The client's and prefetchd's metrics, on loopback in this lab.
         self.client_mport = free_port(self.metrics_addr)
         self.pf_mport = free_port(self.metrics_addr)
-        self.bin_src = bin_src
         self.data = root / "data"
         self.mount = root / "mnt" / "ds1"
         self.hints = root / "hints" / "ds1"
         self.data.mkdir()
         (self.data / "a.bin").write_bytes(secrets.token_bytes(256 * 1024))
+        self.write_inventory(u_star=0.5)
+
+    def install_into(self, root: Path, bin_src: Path) -> None:
+        """The rollout's install prefix, directories and account under
+        `root`, from the build in `bin_src`; ansible's environment."""
+        self.root = root
+        self.inv = root / "inventory"
+        self.prefix = root / "opt"
+        self.etc = root / "etc"
+        self.state = root / "var" / "lib"
+        self.run_dir = root / "run"
+        self.logs = root / "log"
+        self.user = "netpager-t" + secrets.token_hex(3)
+        self.bin_src = bin_src
         self.env = ansible_env(root)
         (root / "ansible-tmp").mkdir()
-        self.write_inventory(u_star=0.5)
+
+    def install_vars(self) -> dict:
+        """The inventory's variables for `install_into`'s layout."""
+        return {
+            # This machine's own rollout copies the build (the lab's installs the packages).
+            "netpager_install": "build",
+            "netpager_bin_src": str(self.bin_src),
+            "netpager_prefix": str(self.prefix),
+            "netpager_etc_dir": str(self.etc),
+            "netpager_state_dir": str(self.state),
+            "netpager_run_dir": str(self.run_dir),
+            "netpager_log_dir": str(self.logs),
+            "netpager_systemd_dir": str(self.root / "systemd"),
+            "netpager_service_manager": "supervise",
+            "netpager_user": self.user,
+            "netpager_group": self.user,
+            "netpager_donor_mlock": False,
+        }
 
     def expected_budget_mib(self, donor: str) -> int:
         if donor == "d3":
@@ -236,22 +259,9 @@ class Lab:
             "vars": {"ansible_connection": "local", "ansible_python_interpreter": "/usr/bin/python3"},
             "children": {"donors": {"hosts": hosts}, "clients": {"hosts": {CLIENT: {}}}},
         }}
-        common = {
-            # This machine's own rollout copies the build (the lab's installs the packages).
-            "netpager_install": "build",
-            "netpager_bin_src": str(self.bin_src),
-            "netpager_prefix": str(self.prefix),
-            "netpager_etc_dir": str(self.etc),
-            "netpager_state_dir": str(self.state),
-            "netpager_run_dir": str(self.run_dir),
-            "netpager_log_dir": str(self.logs),
-            "netpager_systemd_dir": str(self.root / "systemd"),
-            "netpager_service_manager": "supervise",
-            "netpager_user": self.user,
-            # d1 runs as root but shares the group (and so the key file's
-            # group) with the others: one machine, one setting.
-            "netpager_group": self.user,
-            "netpager_donor_mlock": False,
+        # d1 runs as root but shares the group (and so the key file's
+        # group) with the others: one machine, one setting.
+        common = self.install_vars() | {
             "netpager_donor_u_star": u_star,
             "netpager_client_size": f"{CLIENT_SIZE_MIB}M",
             "netpager_metrics": True,

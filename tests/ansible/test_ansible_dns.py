@@ -28,7 +28,7 @@ from netpager_testkit.ci import skip_or_fail
 from netpager_testkit.dns import DnsServer
 from netpager_testkit.machine import loopback
 from netpager_testkit.paths import target_dir
-from test_ansible import Lab, ansible_env, free_port, recap, write_inventory_files
+from test_ansible import Lab, free_port, recap, write_inventory_files
 
 ZONE = "lab.test"
 SERVICE = f"_netpager._tcp.{ZONE}."
@@ -42,19 +42,9 @@ class DnsLab(Lab):
     """Test_ansible's lab with donors only, found through `dns` in ZONE."""
 
     def __init__(self, root: Path, bin_src: Path, publish: str, dns: DnsServer | None):
-        self.root = root
-        self.inv = root / "inventory"
-        self.prefix = root / "opt"
-        self.etc = root / "etc"
-        self.state = root / "var" / "lib"
-        self.run_dir = root / "run"
-        self.logs = root / "log"
+        self.install_into(root, bin_src)
         self.mount = root / "mnt"
         self.hints = root / "hints"
-        self.user = "netpager-t" + os.urandom(3).hex()
-        self.bin_src = bin_src
-        self.env = ansible_env(root)
-        (root / "ansible-tmp").mkdir()
         self.zonefile = root / "zone" / "netpager-dns.zone"
         self.zonefile.parent.mkdir()
         # The reload command's trace: it runs only when the fragment changed.
@@ -69,19 +59,7 @@ class DnsLab(Lab):
             "vars": {"ansible_connection": "local", "ansible_python_interpreter": "/usr/bin/python3"},
             "children": {"donors": {"hosts": hosts}},
         }}
-        common = {
-            "netpager_install": "build",
-            "netpager_bin_src": str(bin_src),
-            "netpager_prefix": str(self.prefix),
-            "netpager_etc_dir": str(self.etc),
-            "netpager_state_dir": str(self.state),
-            "netpager_run_dir": str(self.run_dir),
-            "netpager_log_dir": str(self.logs),
-            "netpager_systemd_dir": str(root / "systemd"),
-            "netpager_service_manager": "supervise",
-            "netpager_user": self.user,
-            "netpager_group": self.user,
-            "netpager_donor_mlock": False,
+        common = self.install_vars() | {
             "netpager_donor_budget": "32M",
             "netpager_start_timeout": 60,
             "netpager_discovery": "dns",
