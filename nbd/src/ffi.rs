@@ -136,10 +136,36 @@ pub struct Handle {
 unsafe impl Send for Handle {}
 
 impl Drop for Handle {
+    /// A handle given up with a command in flight goes to the drain, which
+    /// closes it once the donor's replies are in (see `drain`): closed now,
+    /// it could abort the donor.
     fn drop(&mut self) {
+        if self.poisoned {
+            // SAFETY: valid handle; a query.
+            let fd = unsafe { nbd_aio_get_fd(self.ptr()) };
+            if fd >= 0 {
+                crate::drain::adopt_tls(Abandoned(self.h), fd);
+                return;
+            }
+        }
         // SAFETY: `h` came from nbd_create and is closed exactly once, here.
         // nbd_close never touches buffers of commands still in flight.
         unsafe { nbd_close(self.h.as_ptr()) }
+    }
+}
+
+/// A handle given up with a command libnbd had not retired: never driven
+/// again (the command's buffer is gone), closed when dropped.
+pub(crate) struct Abandoned(NonNull<NbdHandle>);
+
+// SAFETY: as for Handle; nothing but nbd_close is ever called on it.
+unsafe impl Send for Abandoned {}
+
+impl Drop for Abandoned {
+    fn drop(&mut self) {
+        // SAFETY: the handle's one owner since its Handle let go of it;
+        // closed exactly once, here, never touching command buffers.
+        unsafe { nbd_close(self.0.as_ptr()) }
     }
 }
 

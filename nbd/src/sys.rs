@@ -1,8 +1,9 @@
 //! The system calls the plain transport needs that std does not offer:
 //! `sendmsg` with `MSG_NOSIGNAL` (a donor that hung up must be an error,
 //! not a SIGPIPE that kills the process: nbdkit plugins do not control the
-//! signal mask), `poll(2)` with a deadline and an eventfd ([`Latch`]) that
-//! wakes every poll on it; and [`LoanCell`], through
+//! signal mask), `recv` without blocking on a socket another owner keeps
+//! open (the drain's, behind libnbd), `poll(2)` with a deadline and an
+//! eventfd ([`Latch`]) that wakes every poll on it; and [`LoanCell`], through
 //! which a thread lends its read buffer to whichever thread reads the
 //! reply on a shared connection.
 
@@ -37,6 +38,18 @@ thread_local! {
     /// poll(2) itself fails only on a broken process).
     pub(crate) static FAIL_NEXT_POLL: std::cell::Cell<Option<i32>> =
         const { std::cell::Cell::new(None) };
+}
+
+/// Receives what has arrived on `fd` into `buf` without blocking
+/// (`WouldBlock` when nothing has; `Ok(0)` once the peer hung up).
+pub(crate) fn recv_nowait(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
+    // SAFETY: `buf` is valid for writes of `buf.len()` bytes for the call.
+    let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+    if n < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
 }
 
 /// Waits until one of `fds` is ready or `deadline` passes; `Ok(false)`

@@ -399,3 +399,45 @@ fn a_handed_over_socket_answers_requests_sent_as_the_kernel_sends_them() {
     s.read_exact(&mut back).unwrap();
     assert_eq!(back, data);
 }
+
+/// TLS connections given up while their replies are on their way (a
+/// request that timed out as the donor answered): the donor must not die
+/// of the hang-up. nbdkit 1.32 (Debian 12) sends its TLS goodbye from the
+/// thread that saw the client go, while another thread encrypts a reply
+/// on the same session: "nettle_chacha_poly1305_encrypt: Assertion ...
+/// failed" and the donor aborted with every page it held (the nemesis,
+/// mirror seed 8000004).
+#[test]
+fn tls_connections_given_up_mid_reply_do_not_kill_the_donor() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut d, psk) = Nbdkit::memory_tls("64M", dir.path());
+    let mut ep = endpoint(&d.addr, "");
+    ep.tls_psk_file = Some(psk);
+    ep.tls_username = Some(PSK_USER.into());
+    for round in 0..40 {
+        let mut conns: Vec<Connection> = (0..8)
+            .map(|_| Connection::connect(&ep, T))
+            .collect::<Result<_, _>>()
+            .unwrap_or_else(|e| panic!("round {round}: {e}: {}", d.log()));
+        std::thread::scope(|s| {
+            for (i, c) in conns.iter_mut().enumerate() {
+                s.spawn(move || {
+                    let mut b = vec![0u8; 4 << 20];
+                    // Given up at once: the reply is still being sent.
+                    let _ = c.pread(&mut b, (i as u64) << 22, Duration::from_micros(500));
+                });
+            }
+        });
+        drop(conns);
+        // The donor answers a new connection once it has dealt with the
+        // old ones' hang-ups.
+        let mut b = [0u8; 4096];
+        let served = Connection::connect(&ep, T).and_then(|mut c| c.pread(&mut b, 0, T));
+        let exited = d.exited();
+        assert!(
+            served.is_ok() && exited.is_none(),
+            "round {round}: the donor died ({exited:?}, {served:?}): {}",
+            d.log()
+        );
+    }
+}

@@ -123,6 +123,18 @@ Fixed, its regression elsewhere:
   it is gone). donors.rs's waiting-donor-dies test holds it (timed out
   without the fix).
 
+- tls-donor-aborts-after-a-stop (`make nemesis`, mirror, seed 8000004:
+  "...; stop d1 long; add-unreachable; heal d1; announce-stranger"): d1,
+  serving over TLS, aborted as it ran again ("nettle_chacha_poly1305_
+  encrypt: Assertion ... failed"), losing every page it held. The client
+  had given up its requests to the stopped donor and closed those TLS
+  connections; nbdkit 1.32 then sends its TLS goodbye from the thread
+  that sees the hang-up while another encrypts a reply. Now a TLS
+  connection given up with a request in flight stays open until its
+  replies are in (nbd/src/drain.rs). nbd/tests/nbd.rs's given-up-mid-reply
+  test holds it (without the fix the donor aborted in the first of its 40
+  rounds, in each of four runs).
+
 Open, found by `make nemesis` on 2026-11-28 and not yet shrunk or fixed
 (their replays, `make nemesis MODES=M SEED=S OPS=40`, find them; not kept
 as tests until shrunk to a schedule that finds them every time):
