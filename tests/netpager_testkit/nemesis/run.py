@@ -11,6 +11,7 @@ byte read again), and undoes everything. A schedule's text form,
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 import traceback
@@ -82,6 +83,10 @@ def run_schedule(setup: Setup, ops: list[Op], seed: int, memhog: Path, log=print
     t0 = time.monotonic()
     base = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="netpager-nemesis-"))
     td = Teardown(f"nemesis {setup.mode} seed {seed}")
+    if not workdir:
+        # Registered first, so undone last: after every process that
+        # writes there is gone (a failing run's logs are kept before).
+        td.add(f"directory {base}", lambda: shutil.rmtree(base))
     closing = False
     model = Model(setup)
     world = None
