@@ -181,12 +181,19 @@ impl Server for PagerClient {
         Ok(())
     }
 
-    /// Makes the map and the write-through copy durable before nbdkit exits.
+    /// Makes the map and the write-through copy durable before nbdkit exits,
+    /// and lets connections given up on donors end first (netpager_nbd's drain).
     fn unload() {
         if let Some(d) = DEVICE.get() {
             if let Err(e) = d.flush() {
                 eprintln!("pager-client: final flush: {e}");
             }
+        }
+        let left = netpager_nbd::wait_given_up_ended(netpager_nbd::EXIT_WAIT);
+        if left > 0 {
+            eprintln!(
+                "pager-client: closing {left} connections given up on donors that have not finished answering them: an nbdkit before 1.33.10 may abort"
+            );
         }
     }
 

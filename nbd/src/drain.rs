@@ -107,10 +107,26 @@ fn hold(fd: RawFd, owner: Box<dyn Send>, tls: bool) {
     }
 }
 
-/// Sockets the drain holds now.
-#[cfg(test)]
-pub(crate) fn held() -> usize {
-    DRAIN.lock_or_recover().socks.len()
+/// How long a process about to exit waits for its given-up connections:
+/// a donor that runs answers them in milliseconds; one still stopped or
+/// cut off may never.
+pub const EXIT_WAIT: Duration = Duration::from_secs(10);
+
+/// Waits until the drain holds no connection, or `within` has passed;
+/// returns how many it still holds. Call it with [`EXIT_WAIT`] before the
+/// process exits: exiting closes them at once, the hang-up that aborts an
+/// nbdkit still answering on them (the nemesis's late-writes schedule: a
+/// detach right after a partition healed closed connections the donor was
+/// still answering, and it aborted).
+pub fn wait_ended(within: Duration) -> usize {
+    let deadline = Instant::now() + within;
+    loop {
+        let n = DRAIN.lock_or_recover().socks.len();
+        if n == 0 || Instant::now() >= deadline {
+            return n;
+        }
+        std::thread::sleep(TICK / 4);
+    }
 }
 
 fn run() {

@@ -35,6 +35,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+pub use drain::{wait_ended as wait_given_up_ended, EXIT_WAIT};
 use ffi::{Handle, InFlight};
 pub use mux::DEPTH as REQUESTS_PER_CONNECTION;
 use plain::{Buf, Plain, PlainCmd};

@@ -685,11 +685,11 @@ mod tests {
         assert_eq!(d.exited(), None, "the donor died");
         assert!(last.is_none(), "the pool never got through: {last:?}");
         assert_eq!(b, [7u8; 4096]);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while crate::drain::held() > 0 && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        assert_eq!(crate::drain::held(), 0, "the donor never hung up");
+        assert_eq!(
+            crate::drain::wait_ended(Duration::from_secs(10)),
+            0,
+            "the donor never hung up"
+        );
         assert_eq!(d.exited(), None, "the donor died");
     }
 }

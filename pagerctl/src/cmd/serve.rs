@@ -261,6 +261,12 @@ pub fn run(a: Args) -> Result<()> {
         }
     }
     drop(device);
+    let left = netpager_nbd::wait_given_up_ended(netpager_nbd::EXIT_WAIT);
+    if left > 0 {
+        tracing::warn!(
+            "closing {left} connections given up on donors that have not finished answering them: an nbdkit before 1.33.10 may abort"
+        );
+    }
     served.context("serving the FUSE mount")?;
     tracing::info!("unmounted; the device's map is synced");
     Ok(())
