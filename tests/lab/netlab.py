@@ -11,6 +11,13 @@ controller's address (.1): the test, Ansible and a client running on the
 machine itself reach the hosts through it. No host has a default route,
 so nothing in the lab can reach any address outside SUBNET.
 
+With `subnet2=[...]` those hosts sit on a second bridge `nplab-br2` on
+SUBNET2 instead, and a router namespace `nplab-router` (.254 on each
+bridge) forwards unicast between the two; it runs no multicast routing,
+so mDNS stays on its own segment. Every host gets a route to the other
+subnet through the router, still no default route. The controller holds
+.1 on both bridges.
+
 With `ssh=True` every host runs its own sshd (`ip netns exec`, started by
 pid, in the foreground) on a host key, an authorized key and a config that
 the lab generates in its working directory; the machine's /etc/ssh and its
@@ -57,7 +64,11 @@ BRIDGE = f"{PREFIX}-br"
 # A private /24 that this machine does not use; the lab refuses to start
 # if any address or route of the machine overlaps it.
 SUBNET = ipaddress.ip_network("10.213.47.0/24")
+SUBNET2 = ipaddress.ip_network("10.213.48.0/24")
+BRIDGE2 = f"{PREFIX}-br2"
 CONTROLLER = SUBNET.network_address + 1
+# The router's leg on each subnet.
+ROUTER_HOST = 254
 LOCK_FILE = Path("/run/netpager-lab.lock")
 STATE_FILE = Path("/run/netpager-lab.json")
 # Seconds to wait for another lab (another test run) to finish.
@@ -91,19 +102,19 @@ def bridge_exists() -> bool:
     return run(["ip", "link", "show", "dev", BRIDGE], check=False).returncode == 0
 
 
-def subnet_users() -> list[str]:
-    """The machine's addresses and routes that overlap SUBNET."""
+def subnet_users(subnet=SUBNET) -> list[str]:
+    """The machine's addresses and routes that overlap `subnet`."""
     users = []
     for a in json.loads(run(["ip", "-4", "-j", "addr"]).stdout or "[]"):
         for info in a.get("addr_info", []):
             net = ipaddress.ip_network(f"{info['local']}/{info['prefixlen']}", strict=False)
-            if net.overlaps(SUBNET):
+            if net.overlaps(subnet):
                 users.append(f"address {info['local']}/{info['prefixlen']} on {a['ifname']}")
     for r in json.loads(run(["ip", "-4", "-j", "route", "show", "table", "all"]).stdout or "[]"):
         dst = r.get("dst", "")
         if dst in ("default", "") or dst.startswith(("broadcast", "local")):
             continue
-        if ipaddress.ip_network(dst, strict=False).overlaps(SUBNET):
+        if ipaddress.ip_network(dst, strict=False).overlaps(subnet):
             users.append(f"route {dst} dev {r.get('dev', '?')} table {r.get('table', 'main')}")
     return users
 
@@ -177,8 +188,8 @@ def remove_netns(ns: str) -> None:
         run(["ip", "netns", "delete", ns])
 
 
-def remove_bridge() -> None:
-    remove_link(BRIDGE)
+def remove_bridge(name: str = BRIDGE) -> None:
+    remove_link(name)
 
 
 def clean_crashed_run() -> list[str]:
@@ -212,8 +223,11 @@ def clean_crashed_run() -> list[str]:
 class Host:
     """One host: a namespace, its address, and (with ssh) its sshd."""
 
-    def __init__(self, name: str, addr: ipaddress.IPv4Address, workdir: Path):
+    def __init__(self, name: str, addr: ipaddress.IPv4Address, workdir: Path,
+                 subnet=SUBNET, bridge: str = BRIDGE):
         self.name = name
+        self.subnet = subnet
+        self.bridge = bridge
         self.ns = f"{PREFIX}-{name}"
         self.veth = self.ns  # the machine's end of the host's veth pair
         if len(self.veth) > 15:
@@ -242,33 +256,42 @@ class Host:
 class Lab:
     """Hosts in network namespaces on one bridge; see the module's doc."""
 
-    def __init__(self, teardown: Teardown, workdir, names: list[str], ssh: bool = True):
+    def __init__(self, teardown: Teardown, workdir, names: list[str], ssh: bool = True,
+                 subnet2: list[str] = ()):
         if os.geteuid() != 0:
             raise LabError("the lab needs root (network namespaces, a bridge)")
         missing = [t for t in TOOLS if not shutil.which(t)] + ([SSHD] if ssh and not Path(SSHD).exists() else [])
         if missing:
             raise LabError(f"missing {', '.join(missing)} (run scripts/deps.sh: iproute2, openssh-server)")
-        if not 1 <= len(names) <= 100 or len(set(names)) != len(names):
-            raise LabError(f"host names must be 1 to 100 distinct names, got {names}")
+        every = list(names) + list(subnet2)
+        if not 1 <= len(names) <= 100 or len(subnet2) > 100 or len(set(every)) != len(every) or "router" in every:
+            raise LabError(f"host names must be 1 to 100 distinct names per subnet, none 'router', got {every}")
         self.td = teardown
         self.workdir = Path(workdir)
         self.hosts = {n: Host(n, SUBNET.network_address + 11 + i, self.workdir) for i, n in enumerate(names)}
+        self.hosts.update({n: Host(n, SUBNET2.network_address + 11 + i, self.workdir, SUBNET2, BRIDGE2)
+                           for i, n in enumerate(subnet2)})
+        self.subnets = [SUBNET, SUBNET2] if subnet2 else [SUBNET]
         self.controller = str(CONTROLLER)
         self.ssh_key = self.workdir / "ssh" / "id_ed25519"
         self.known_hosts = self.workdir / "ssh" / "known_hosts"
         self._lock()
         clean_crashed_run()
-        taken = subnet_users()
-        if taken:
-            raise LabError(f"the lab's subnet {SUBNET} is already in use on this machine: "
-                           f"{'; '.join(taken)}; the lab does not start on a routed subnet")
+        for subnet in self.subnets:
+            taken = subnet_users(subnet)
+            if taken:
+                raise LabError(f"the lab's subnet {subnet} is already in use on this machine: "
+                               f"{'; '.join(taken)}; the lab does not start on a routed subnet")
         # Keys, configs and logs: the lab's own directory, removed with it.
         self.workdir.mkdir(parents=True)
         self.td.add(f"directory {self.workdir}", lambda: shutil.rmtree(self.workdir, ignore_errors=True))
         self.state = {"workdir": str(self.workdir), "pid": os.getpid(), "privsep_created": False}
         self._write_state()
         self.td.add(f"lab state {STATE_FILE}", lambda: STATE_FILE.unlink(missing_ok=True))
-        self._bridge()
+        for subnet, bridge in zip(self.subnets, (BRIDGE, BRIDGE2)):
+            self._bridge(bridge, subnet)
+        if subnet2:
+            self._router()
         for h in self.hosts.values():
             self._host(h)
         # Before any host's processes are stopped: the devices they serve.
@@ -307,21 +330,39 @@ class Lab:
     def _write_state(self) -> None:
         STATE_FILE.write_text(json.dumps(self.state) + "\n")
 
-    def _bridge(self) -> None:
-        run(["ip", "link", "add", BRIDGE, "type", "bridge"])
-        self.td.add(f"bridge {BRIDGE}", remove_bridge)
-        run(["ip", "addr", "add", f"{CONTROLLER}/{SUBNET.prefixlen}", "dev", BRIDGE])
-        run(["ip", "link", "set", "dev", BRIDGE, "up"])
+    def _bridge(self, bridge: str, subnet) -> None:
+        run(["ip", "link", "add", bridge, "type", "bridge"])
+        self.td.add(f"bridge {bridge}", lambda: remove_bridge(bridge))
+        run(["ip", "addr", "add", f"{subnet.network_address + 1}/{subnet.prefixlen}", "dev", bridge])
+        run(["ip", "link", "set", "dev", bridge, "up"])
+
+    def _router(self) -> None:
+        """The namespace joining the two bridges: a leg on each, forwarding on."""
+        ns = f"{PREFIX}-router"
+        run(["ip", "netns", "add", ns])
+        self.td.add(f"namespace {ns}", lambda: remove_netns(ns))
+        for i, (subnet, bridge) in enumerate(zip(self.subnets, (BRIDGE, BRIDGE2)), start=1):
+            veth = f"{ns}{i}"
+            self.td.add(f"interface {veth}", lambda veth=veth: remove_link(veth))
+            run(["ip", "link", "add", veth, "type", "veth", "peer", "name", f"eth{i}", "netns", ns])
+            run(["ip", "link", "set", "dev", veth, "master", bridge, "up"])
+            run(["ip", "-n", ns, "addr", "add", f"{subnet.network_address + ROUTER_HOST}/{subnet.prefixlen}",
+                 "dev", f"eth{i}"])
+            run(["ip", "-n", ns, "link", "set", "dev", f"eth{i}", "up"])
+        run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
 
     def _host(self, h: Host) -> None:
         h.dir.mkdir(parents=True, exist_ok=True)
         run(["ip", "netns", "add", h.ns])
         self.td.add(f"namespace {h.ns}", lambda: remove_netns(h.ns))
         run(["ip", "link", "add", h.veth, "type", "veth", "peer", "name", "eth0", "netns", h.ns])
-        run(["ip", "link", "set", "dev", h.veth, "master", BRIDGE, "up"])
-        run(["ip", "-n", h.ns, "addr", "add", f"{h.addr}/{SUBNET.prefixlen}", "dev", "eth0"])
+        run(["ip", "link", "set", "dev", h.veth, "master", h.bridge, "up"])
+        run(["ip", "-n", h.ns, "addr", "add", f"{h.addr}/{h.subnet.prefixlen}", "dev", "eth0"])
         run(["ip", "-n", h.ns, "link", "set", "dev", "eth0", "up"])
         run(["ip", "-n", h.ns, "link", "set", "dev", "lo", "up"])
+        for other in self.subnets:
+            if other != h.subnet:
+                run(["ip", "-n", h.ns, "route", "add", str(other), "via", str(h.subnet.network_address + ROUTER_HOST)])
 
     def _keys(self) -> None:
         self.ssh_key.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -386,7 +427,7 @@ class Lab:
         """Gives a host its second address (`Host.alias`, on the lab's
         subnet; gone with the namespace); returns it."""
         h = self.hosts[host]
-        run(["ip", "-n", h.ns, "addr", "add", f"{h.alias}/{SUBNET.prefixlen}", "dev", "eth0"])
+        run(["ip", "-n", h.ns, "addr", "add", f"{h.alias}/{h.subnet.prefixlen}", "dev", "eth0"])
         return h.alias
 
 

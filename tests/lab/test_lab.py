@@ -5,6 +5,7 @@ pager-server's plain-text rule (insecure=false) on a real interface."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import secrets
 import subprocess
@@ -30,11 +31,11 @@ def lab_root(tmp_path):
 
 
 def lab_gone(workdir: Path) -> dict:
-    return {"namespaces": netlab.namespaces(), "bridge": netlab.bridge_exists(),
+    return {"namespaces": netlab.namespaces(), "bridge": netlab.bridge_exists(), "links": netlab.lab_links(),
             "directory": workdir.exists(), "state": netlab.STATE_FILE.exists()}
 
 
-NOTHING = {"namespaces": [], "bridge": False, "directory": False, "state": False}
+NOTHING = {"namespaces": [], "bridge": False, "links": [], "directory": False, "state": False}
 
 
 def test_hosts_reach_each_other_only_and_teardown_leaves_nothing(lab_root):
@@ -62,6 +63,25 @@ def test_hosts_reach_each_other_only_and_teardown_leaves_nothing(lab_root):
     assert [p for p in sshd_pids if Path(f"/proc/{p}").exists()] == []
     # Idempotent: a second close has nothing left to do.
     assert td.close() == []
+
+
+def test_two_subnets_reach_each_other_through_the_router_only(lab_root):
+    td = Teardown("lab")
+    try:
+        lab = netlab.Lab(td, lab_root, ["a1"], subnet2=["b1"])
+        assert ipaddress.ip_address(lab["b1"].addr) in netlab.SUBNET2
+        router = str(netlab.SUBNET.network_address + netlab.ROUTER_HOST)
+        # Its own subnet and the other one through the router; no default route.
+        assert lab.ssh("a1", "ip -4 route").stdout.splitlines()[1].split()[:3] == [str(netlab.SUBNET2), "via", router]
+        assert lab.ssh("a1", f"echo > /dev/tcp/{lab['b1'].addr}/22 && echo open").stdout.strip() == "open"
+        # Nothing outside the lab's two subnets has a route (asked of the
+        # routing table: no packet is sent anywhere).
+        outside = lab.ssh("b1", "ip -4 route get 192.0.2.1", check=False)
+        assert outside.returncode != 0 and "unreachable" in outside.stderr.lower(), outside.stderr
+    finally:
+        errors = td.close()
+    assert errors == []
+    assert lab_gone(lab_root) == NOTHING
 
 
 def test_a_crashed_lab_is_removed_at_the_next_start(lab_root):
