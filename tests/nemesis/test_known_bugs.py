@@ -135,6 +135,14 @@ Fixed, its regression elsewhere:
   test holds it (without the fix the donor aborted in the first of its 40
   rounds, in each of four runs).
 
+- late-writes-after-revive, a second time (the fresh-clone run at
+  5a9dbd5, the schedule below): d1 aborted ("raw_send_socket: Assertion
+  `sock >= 0' failed") 4 s after its last partition healed, as device A
+  was detached for the end checks: the serving process exited while its
+  drain still held connections given up during the partition, which d1
+  was still answering. Now a serving process waits up to 10 s for them
+  before it exits (netpager_nbd::EXIT_WAIT). Not reproduced on demand.
+
 Open, found by `make nemesis` on 2026-11-28 and not yet shrunk or fixed
 (their replays, `make nemesis MODES=M SEED=S OPS=40`, find them; not kept
 as tests until shrunk to a schedule that finds them every time):

@@ -175,7 +175,7 @@ def report(b: Bench, sides: list[Side], vals: dict[str, dict[str, list[float]]],
     k = b.knobs
     a_side, b_side = sides
     b.report.line(f"== A/B of the request path: A = {a_side.label}, B = {b_side.label}; {k.rounds} rounds "
-                  f"alternating A B, mode none, loopback donors, {frontend}")
+                  f"(A B, then B A, in turn), mode none, loopback donors, {frontend}")
     for s in sides:
         b.report.line(f"{s.name}: {s.version} ({s.target})")
     per = max(7 * k.rounds, 12)
@@ -185,7 +185,7 @@ def report(b: Bench, sides: list[Side], vals: dict[str, dict[str, list[float]]],
     results = {}
     for key, (label, unit, better) in METRICS.items():
         a, bb = vals["A"][key], vals["B"][key]
-        am, bm = statistics.median(a), statistics.median(bb)
+        am, bm = round(statistics.median(a), 1), round(statistics.median(bb), 1)
         r = round(bm / am, 3) if am else None
         b.report.line(fmt_row(w, [label, unit, " ".join(map(str, a)), am, " ".join(map(str, bb)), bm,
                                   f"{r:.2f}x" if r else "-", change(am, bm, better)], first_left=2))
