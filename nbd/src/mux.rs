@@ -1,6 +1,6 @@
 //! A plain connection that carries several requests at once: NBD matches
 //! each reply to its request by cookie, and a server may answer in any
-//! order (nbdkit's parallel thread model does).
+//! order (nbdkit plugins whose thread model is parallel do).
 //!
 //! Every request has a slot (its cookie names the slot and the slot's
 //! sequence number). A thread sends its request whole under the send lock,
