@@ -171,7 +171,7 @@ bench-client: build
 bench-prefetch: build
 	$(BENCH_PY).bench_prefetch
 
-# The client's request path, A/B: the swap job, QD1 4 KiB latency and QD16
+# The client's request path, A/B: the swap job and its CPU, QD1 4 KiB latency and QD16
 # 4 KiB throughput through BASE's build (a commit, built once into
 # target/ab/COMMIT/: a git worktree and its own CARGO_TARGET_DIR) and this
 # tree's, alternating A B for ROUNDS rounds (default 3), mode none on

@@ -414,6 +414,15 @@ fn tls_connections_given_up_mid_reply_do_not_kill_the_donor() {
     let mut ep = endpoint(&d.addr, "");
     ep.tls_psk_file = Some(psk);
     ep.tls_username = Some(PSK_USER.into());
+    // Every byte the given-up reads cover is known, so a donor that
+    // survives but serves or keeps the wrong bytes fails too.
+    let region = 8usize << 22;
+    let data: Vec<u8> = (0..region)
+        .map(|i| (i / 4096 * 31 + i % 251) as u8)
+        .collect();
+    Connection::connect(&ep, T)
+        .and_then(|mut c| c.pwrite(&data, 0, T))
+        .unwrap();
     for round in 0..40 {
         let mut conns: Vec<Connection> = (0..8)
             .map(|_| Connection::connect(&ep, T))
@@ -430,14 +439,25 @@ fn tls_connections_given_up_mid_reply_do_not_kill_the_donor() {
         });
         drop(conns);
         // The donor answers a new connection once it has dealt with the
-        // old ones' hang-ups.
+        // old ones' hang-ups, with the bytes written before.
+        let at = round * 811 * 4096 % region;
         let mut b = [0u8; 4096];
-        let served = Connection::connect(&ep, T).and_then(|mut c| c.pread(&mut b, 0, T));
+        let served = Connection::connect(&ep, T).and_then(|mut c| c.pread(&mut b, at as u64, T));
         let exited = d.exited();
         assert!(
             served.is_ok() && exited.is_none(),
             "round {round}: the donor died ({exited:?}, {served:?}): {}",
             d.log()
         );
+        assert!(
+            b[..] == data[at..at + 4096],
+            "round {round}: wrong bytes at {at}"
+        );
     }
+    let mut all = vec![0u8; region];
+    Connection::connect(&ep, T)
+        .and_then(|mut c| c.pread(&mut all, 0, T))
+        .unwrap();
+    let bad = (0..region / 4096).find(|p| all[p * 4096..][..4096] != data[p * 4096..][..4096]);
+    assert_eq!(bad, None, "the first page read back wrong after 40 rounds");
 }

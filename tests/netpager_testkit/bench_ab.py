@@ -32,7 +32,9 @@ exists. The worktree stays registered until `make clean` (or
   PYTHONPATH=tests python3 -m netpager_testkit.bench_ab --base-target DIR
 
 Knobs (environment): ROUNDS (3), FRONTEND (fuse-uring), RUNTIME (8 s per
-fio run), RAMP (2 s), LIMIT (128M), FIO_SIZE (512M, the QD16 region).
+fio run), RAMP (2 s), LIMIT (128M), FIO_SIZE (512M, the QD16 region),
+CLIENT_CPUS and DONOR_CPUS (taskset's lists, unset: all; "0" and "1" split
+the machine as a lab's client and donor machines are split).
 Results: OUTDIR/ab.txt and ab.json (--out, default bench-results/ab).
 Run as root; loopback only; every side's set-up is undone on every exit.
 """
@@ -50,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .bench import arg_parser, die, disk_workdir, env_int, env_str, fmt_row, require
+from .bench_anatomy import machine_cpu
 from .bench_client import Bench, Knobs, SwapTargets, client_latency, depth_run, swap_once
 from .cleanup import Teardown, install_handlers
 from .demo import parse_size
@@ -59,6 +62,7 @@ from .paths import pagerctl, repo_root, server_plugin, target_dir, using_target_
 PROG = "bench-ab"
 # key: (label, unit, which way is better)
 METRICS = {"swap": ("swap job", "s", "lower"),
+           "swap_cpu": ("swap job's CPU", "s", "lower"),
            "qd1_randread": ("QD1 4K randread", "us", "lower"),
            "qd1_randwrite": ("QD1 4K randwrite", "us", "lower"),
            "qd16_randread": ("QD16 4K randread", "IOPS", "higher"),
@@ -148,7 +152,12 @@ def binaries(target: Path) -> list[Path]:
 def measure(b: Bench, side: Side, frontend: str, tag: str) -> dict[str, float]:
     """One round of one side, with its build's binaries."""
     with using_target_dir(side.target):
+        # The whole machine's CPU over the swap job: this machine's client
+        # and donors share its two CPUs, so what one side saves in a party
+        # another may spend.
+        cpu0 = machine_cpu()[0]
         out = {"swap": swap_once(b, SwapTargets(b), f"client:{frontend}+none/loopback")}
+        out["swap_cpu"] = round(machine_cpu()[0] - cpu0, 2)
         with Teardown(f"ab {tag}") as td:
             donor = b.donors(td, 1, None, f"ab-{tag}")[0]
             for rw, us in client_latency(b, donor, frontend).items():
@@ -159,6 +168,15 @@ def measure(b: Bench, side: Side, frontend: str, tag: str) -> dict[str, float]:
             for rw in ("randread", "randwrite"):
                 out[f"qd16_{rw}"] = depth_run(b, target, rw, "4k", 16)
             td.close_or_raise()
+    return out
+
+
+def cpu_list(text: str) -> set[int]:
+    """taskset's CPU list ("0", "0-1,3") as a set."""
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
     return out
 
 
@@ -178,6 +196,9 @@ def report(b: Bench, sides: list[Side], vals: dict[str, dict[str, list[float]]],
                   f"(A B, then B A, in turn), mode none, loopback donors, {frontend}")
     for s in sides:
         b.report.line(f"{s.name}: {s.version} ({s.target})")
+    if os.environ.get("CLIENT_CPUS") or os.environ.get("DONOR_CPUS"):
+        b.report.line(f"client on CPUs {os.environ.get('CLIENT_CPUS') or 'all'}, donors on CPUs "
+                      f"{os.environ.get('DONOR_CPUS') or 'all'}")
     per = max(7 * k.rounds, 12)
     w = [18, 5, per, 9, per, 9, 7, 14]
     b.report.line(fmt_row(w, ["metric", "unit", "A per round", "A median", "B per round", "B median", "B/A",
@@ -211,6 +232,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     knobs = dataclasses.replace(Knobs.from_env(), rounds=env_int(PROG, "ROUNDS", 3))
     frontend = env_str("FRONTEND", "fuse-uring")
+    # A lab's client and donors are machines of their own: CLIENT_CPUS and
+    # DONOR_CPUS split this machine's CPUs between them (everything this
+    # run starts but the donors is the client's), where sharing them would
+    # make one side's CPU placement decide the latency.
+    client_cpus = env_str("CLIENT_CPUS", "")
+    if client_cpus:
+        os.sched_setaffinity(0, cpu_list(client_cpus))
     if args.base:
         sha, a_target = base_build(args.base)
         a_label = f"{args.base} ({sha[:12]})"

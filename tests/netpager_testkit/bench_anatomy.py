@@ -172,11 +172,14 @@ def fit_per_gib(iv: list[dict], party: str) -> tuple[float, float]:
 
 
 # ------------------------------------------------------------ kernel side
+# Swap-outs are the loop device's writes (rwbs W, WS, ...): its discards
+# and flushes are other FUSE requests, and pairing their ends with a
+# write's would measure the time since the last write.
 BPF = r"""
 tracepoint:exceptions:page_fault_user /pid == $1/ { @f[tid] = nsecs; }
 tracepoint:block:block_rq_issue /args->dev == $2/ {
   if (args->rwbs == "R" && @f[tid]) { @fault_to_loop = stats(nsecs - @f[tid]); @w[args->sector] = tid; @f[tid] = 0; }
-  if (args->rwbs == "R") { @ri = nsecs; } else { @wi = nsecs; }
+  if (args->rwbs == "R") { @ri = nsecs; } else if (strncmp(args->rwbs, "W", 1) == 0) { @wi = nsecs; }
 }
 tracepoint:fuse:fuse_request_send /args->opcode == 15 || args->opcode == 16/ {
   @fs[args->unique] = nsecs; @op[args->unique] = args->opcode;
@@ -191,7 +194,7 @@ tracepoint:fuse:fuse_request_end /@fs[args->unique]/ {
 tracepoint:block:block_rq_complete /args->dev == $2/ {
   if (args->rwbs == "R" && @re) { @r_fuse_to_loop_end = stats(nsecs - @re); @re = 0;
     if (@w[args->sector]) { @c[@w[args->sector]] = nsecs; delete(@w[args->sector]); } }
-  if (args->rwbs != "R" && @we) { @w_fuse_to_loop_end = stats(nsecs - @we); @we = 0; }
+  if (strncmp(args->rwbs, "W", 1) == 0 && @we) { @w_fuse_to_loop_end = stats(nsecs - @we); @we = 0; }
 }
 tracepoint:sched:sched_switch /@c[args->next_pid]/ {
   @loop_end_to_task = stats(nsecs - @c[args->next_pid]); delete(@c[args->next_pid]);

@@ -172,7 +172,10 @@ class Donor:
         return f"nbd://{self.addr}:{self.port}/{export}"
 
     def argv(self) -> list[str]:
-        argv = ["nbdkit", "-f"] + (["-v"] if self.verbose else [])
+        # A benchmark's DONOR_CPUS (taskset's list) puts donors on CPUs of
+        # their own, as on machines of their own (bench-ab's CLIENT_CPUS).
+        cpus = os.environ.get("DONOR_CPUS")
+        argv = (["taskset", "-c", cpus] if cpus else []) + ["nbdkit", "-f"] + (["-v"] if self.verbose else [])
         argv += ["--port", str(self.port), "-i", self.addr, "--pidfile", str(self.pidfile)]
         if self.tls_psk:
             argv += ["--tls=require", f"--tls-psk={self.tls_psk}"]
