@@ -82,6 +82,20 @@ def test_bench_server_tiny(tools, donor_plugin, tmp_path, monkeypatch):
     assert any(line.startswith("randread       pager-server") for line in doc["table"])
 
 
+def test_bench_server_compress_tiny(tools, donor_plugin, tmp_path, monkeypatch):
+    for k, v in {"ROUNDS": "1", "RUNTIME": "1", "SIZE": "16M", "COMPRESS": "off lz4"}.items():
+        monkeypatch.setenv(k, v)
+    assert bench_server.main(["--out", str(tmp_path)]) == 0
+    doc = written(tmp_path, "server")
+    assert doc["knobs"]["compress"] == ["off", "lz4"]
+    res = doc["results"]["compress"]
+    assert list(res) == list(bench_server.COMPRESS_METRICS)
+    assert all(len(m["rounds"][c]) == 1 for m in res.values() for c in ("off", "lz4"))
+    # CPU seconds come in clock ticks: a tiny run may read 0.
+    assert all(min(m["rounds"][c]) > 0 for k, m in res.items() for c in ("off", "lz4") if not k.startswith("cpu"))
+    assert any(line.startswith("QD1 4K randread mean") and "x)" in line for line in doc["table"])
+
+
 def test_bench_client_tiny(root, tools, donor_plugin, memhog, tmp_path, monkeypatch):
     for path in (pagerctl(), client_plugin(), target_dir() / "examples" / "fuse-memory"):
         if not path.exists():

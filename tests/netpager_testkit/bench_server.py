@@ -13,6 +13,13 @@ median of the per-round ratios pager-server / nbdkit-memory.
   python3 -m netpager_testkit.bench_server     # 3 rounds of 10 s per test, 2G export (make bench-server)
   ROUNDS=5 RUNTIME=20 SIZE=4G python3 -m netpager_testkit.bench_server
 
+COMPRESS="off lz4 zstd" (make bench-server COMPRESS=...) runs the donor's
+compression side by side instead, one pager-server per setting in turn,
+on data that compresses as swapped pages do (fio's
+buffer_compress_percentage, COMPRESSIBLE=60): QD1 4 KiB randread and
+randwrite latency (mean, and p99), QD32 IOPS, and the donor's CPU seconds
+per GiB written and read, each setting's ratio to the first.
+
 Writes OUTDIR/server.txt and OUTDIR/server.json (--out, default
 bench-results/server). Binaries: NETPAGER_TARGET_DIR/libpager_server.so
 (default target/release). Loopback only; every nbdkit started here is
@@ -26,7 +33,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from .bench import Report, arg_parser, disk_workdir, env_int, env_str, fio_json, nbdkit, require
+from .bench import Report, arg_parser, disk_workdir, env_int, env_str, fio_json, fmt_row, nbdkit, require
 from .cleanup import Teardown, install_handlers
 from .donor import free_ports
 from .paths import server_plugin
@@ -51,6 +58,85 @@ def run_fio(work: Path, uri: str, size: str, rw: str, *extra) -> int:
     return round(j["read"]["iops"] + j["write"]["iops"])
 
 
+def proc_cpu(pid: int) -> float:
+    """utime + stime of a process, seconds."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# key: (label, unit, which way is better)
+COMPRESS_METRICS = {"qd1_read_us": ("QD1 4K randread mean", "us", "lower"),
+                    "qd1_read_p99_us": ("QD1 4K randread p99", "us", "lower"),
+                    "qd1_write_us": ("QD1 4K randwrite mean", "us", "lower"),
+                    "qd1_write_p99_us": ("QD1 4K randwrite p99", "us", "lower"),
+                    "qd32_read_iops": ("QD32 4K randread", "IOPS", "higher"),
+                    "qd32_write_iops": ("QD32 4K randwrite", "IOPS", "higher"),
+                    "cpu_per_gib_written": ("donor CPU per GiB written", "s", "lower"),
+                    "cpu_per_gib_read": ("donor CPU per GiB read", "s", "lower")}
+
+
+def compress_round(work: Path, setting: str, size: str, runtime: int, pct: int) -> dict[str, float]:
+    """One pager-server with compress=`setting`: its metrics above."""
+    data = [f"--buffer_compress_percentage={pct}", "--refill_buffers", "--buffer_compress_chunk=4k"]
+    timed = ["--time_based", f"--runtime={runtime}", *data]
+    out = {}
+    with Teardown(f"{PROG} compress={setting}") as td:
+        port = free_ports("127.0.0.1", 1)[0]
+        proc = nbdkit(td, work, f"pager-{setting}", ["-p", str(port), "-i", "127.0.0.1", str(server_plugin()),
+                                                      f"size={size}", "budget=100%", f"compress={setting}"])
+        uri = f"nbd://127.0.0.1:{port}/"
+        fio = ["--ioengine=nbd", f"--uri={uri}", "--bs=4k", "--numjobs=1", f"--size={size}"]
+        cpu = proc_cpu(proc.pid)
+        fill = fio_json(["--name=fill", *fio, "--rw=write", "--bs=1M", "--iodepth=4", *data], work)
+        out["cpu_per_gib_written"] = (proc_cpu(proc.pid) - cpu) / (fill["write"]["io_bytes"] / 2**30)
+        cpu = proc_cpu(proc.pid)
+        seq = fio_json(["--name=read", *fio, "--rw=read", "--bs=1M", "--iodepth=4"], work)
+        out["cpu_per_gib_read"] = (proc_cpu(proc.pid) - cpu) / (seq["read"]["io_bytes"] / 2**30)
+        for rw, key in (("randread", "read"), ("randwrite", "write")):
+            j = fio_json([f"--name={rw}", *fio, f"--rw={rw}", "--iodepth=1", *timed], work)[key]
+            out[f"qd1_{key}_us"] = j["clat_ns"]["mean"] / 1000
+            out[f"qd1_{key}_p99_us"] = j["clat_ns"]["percentile"]["99.000000"] / 1000
+            out[f"qd32_{key}_iops"] = fio_json([f"--name={rw}", *fio, f"--rw={rw}", "--iodepth=32", *timed],
+                                               work)[key]["iops"]
+        td.close_or_raise()
+    return {k: round(v, 2) for k, v in out.items()}
+
+
+def compress_main(args, settings: list[str], rounds: int, runtime: int, size: str) -> int:
+    pct = env_int(PROG, "COMPRESSIBLE", 60)
+    report = Report("server", {"rounds": rounds, "runtime": runtime, "size": size, "compress": settings,
+                               "compressible": pct})
+    vals = {c: {k: [] for k in COMPRESS_METRICS} for c in settings}
+    with Teardown(PROG) as top:
+        work = disk_workdir(top, "np-bench-server-")
+        for rnd in range(1, rounds + 1):
+            # Each round in another order, so no setting always runs first.
+            order = settings[rnd - 1:] + settings[:rnd - 1]
+            for c in order:
+                r = compress_round(work, c, size, runtime, pct)
+                for k, v in r.items():
+                    vals[c][k].append(v)
+                print(f"round {rnd}: compress={c} {r}", file=sys.stderr, flush=True)
+        top.close_or_raise()
+    base = settings[0]
+    report.line(f"== the donor's compression side by side: {rounds} rounds (each in another order), export "
+                f"{size}, data {pct}% compressible (fio), {os.cpu_count()} CPUs; medians, and each setting "
+                f"against compress={base}")
+    w = [28, 5] + [16] * len(settings)
+    report.line(fmt_row(w, ["metric", "unit", *[f"compress={c}" for c in settings]], first_left=2))
+    results = {}
+    for key, (label, unit, better) in COMPRESS_METRICS.items():
+        med = {c: statistics.median(vals[c][key]) for c in settings}
+        cells = [f"{med[c]:.1f}" + (f" ({med[c] / med[base]:.2f}x)" if c != base and med[base] else "")
+                 for c in settings]
+        report.line(fmt_row(w, [label, unit, *cells], first_left=2))
+        results[key] = {"label": label, "unit": unit, "better": better, "rounds": {c: vals[c][key] for c in settings},
+                        "median": med}
+    report.results = {"compress": results}
+    report.write(args.out)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = arg_parser(PROG, __doc__, "server", "server.txt and server.json")
     args = ap.parse_args(argv)
@@ -59,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     size = env_str("SIZE", "2G")
     require(PROG, ["nbdkit", "fio", "findmnt"], [server_plugin()], root=False)
     install_handlers()
+    settings = env_str("COMPRESS", "").split()
+    if settings:
+        return compress_main(args, settings, rounds, runtime, size)
     report = Report("server", {"rounds": rounds, "runtime": runtime, "size": size})
     timed = ["--time_based", f"--runtime={runtime}"]
     # iops[test][server][round]
