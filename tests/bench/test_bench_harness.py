@@ -159,6 +159,22 @@ def test_bench_client_discard_tiny(root, tools, donor_plugin, memhog, tmp_path, 
     assert any(line.startswith("no-discard") for line in doc["table"])
 
 
+def test_bench_client_rebalance_tiny(root, tools, donor_plugin, tmp_path, monkeypatch):
+    """`make bench-client WHICH=rebalance`: reads beside the rebalancer's
+    moves, and beside none."""
+    if not pagerctl().exists():
+        skip_or_fail(f"{pagerctl()} missing (make build)")
+    for k, v in {**TINY_CLIENT, "REBAL_SIZE": "32M", "REBAL_RUNTIME": "3"}.items():
+        monkeypatch.setenv(k, v)
+    assert bench_client.main(["rebalance", "--out", str(tmp_path)]) == 0
+    r = written(tmp_path, "rebalance")["results"]
+    assert list(r["runs"]) == ["moving", "idle"]
+    assert all(len(runs) == 1 and runs[0]["ios"] > 0 for runs in r["runs"].values())
+    # The idle side's rebalancer is off: it moves nothing.
+    assert r["runs"]["idle"][0]["moved_mib"] == 0
+    assert set(r["ratios"]) == {"p50", "p99", "p99.9"}
+
+
 def test_bench_prefetch_tiny(root, donor_plugin, tmp_path, monkeypatch):
     for tool in ("nbdkit", "nbdfuse", "fusermount3", "sqlite3", "findmnt"):
         if shutil.which(tool) is None:

@@ -96,7 +96,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import bench_anatomy, bench_join
+from . import bench_anatomy, bench_join, bench_rebalance
 from .attach import FuseFile, LoopDevice, Swap, run
 from .bench import (Report, arg_parser, die, disk_workdir, env_int, env_str, fio_json, fmt_row, mean, nbdkit,
                     ratio, require)
@@ -759,9 +759,10 @@ def bench_discard(b: Bench, out: Path) -> None:
 RUN = {"donors": bench_donors, "modes": bench_modes, "swap": bench_swap, "latency": bench_latency,
        "depth": bench_depth, "restart": bench_restart}
 # Run only when named: live membership's (WHICH=join, WHICH=epochs, in
-# bench_join), the fault path's anatomy (WHICH=anatomy, bench_anatomy) and
-# swap with and without discard (WHICH=discard).
-NAMED = {**bench_join.RUN, **bench_anatomy.RUN, "discard": bench_discard}
+# bench_join), the fault path's anatomy (WHICH=anatomy, bench_anatomy), the
+# rebalancer's cost (WHICH=rebalance, bench_rebalance) and swap with and
+# without discard (WHICH=discard).
+NAMED = {**bench_join.RUN, **bench_anatomy.RUN, **bench_rebalance.RUN, "discard": bench_discard}
 
 
 def main(argv: list[str] | None = None) -> int:
