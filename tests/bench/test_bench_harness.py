@@ -159,9 +159,10 @@ def test_bench_client_discard_tiny(root, tools, donor_plugin, memhog, tmp_path, 
     assert any(line.startswith("no-discard") for line in doc["table"])
 
 
-def test_bench_client_rebalance_tiny(root, tools, donor_plugin, tmp_path, monkeypatch):
+def test_bench_client_rebalance_tiny(root, tools, donor_plugin, memhog, tmp_path, monkeypatch):
     """`make bench-client WHICH=rebalance`: reads beside the rebalancer's
-    moves, and beside none."""
+    moves and beside none, then the swap job with a join, the rebalancer
+    on and off."""
     if not pagerctl().exists():
         skip_or_fail(f"{pagerctl()} missing (make build)")
     for k, v in {**TINY_CLIENT, "REBAL_SIZE": "32M", "REBAL_RUNTIME": "3"}.items():
@@ -173,6 +174,9 @@ def test_bench_client_rebalance_tiny(root, tools, donor_plugin, tmp_path, monkey
     # The idle side's rebalancer is off: it moves nothing.
     assert r["runs"]["idle"][0]["moved_mib"] == 0
     assert set(r["ratios"]) == {"p50", "p99", "p99.9"}
+    job = r["job"]
+    assert all(len(job["seconds"][s]) == 1 and job["seconds"][s][0] > 0 for s in ("moving", "idle"))
+    assert job["ratio"] > 0
 
 
 def test_bench_prefetch_tiny(root, donor_plugin, tmp_path, monkeypatch):

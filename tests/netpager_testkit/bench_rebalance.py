@@ -14,8 +14,13 @@ donors, sizes and timings. Reported: each side's read p50, p99 and p99.9
 (fio's clat percentiles), the MiB moved during the reads, and moving/idle.
 Target: p99 within 1.3x.
 
+Then the swap job with a join (bench_join's join run: memhog touching 3x
+LIMIT in a LIMIT cgroup through 2 donors, a third joining a third of the
+way through, swap with discard), with the rebalancer at REBAL_RATE and
+off, alternating: the job's seconds and their ratio. Target: within 1.05x.
+
 Knobs (environment): ROUNDS (2), REBAL_SIZE (256M), REBAL_RUNTIME (20 s),
-REBAL_RATE (4M).
+REBAL_RATE (4M), LIMIT (128M), REBAL_JOB (1; 0 leaves the swap job out).
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-from .bench import env_int, env_str, fio_json, fmt_row
+from .bench import die, env_int, env_str, fio_json, fmt_row
+from .bench_join import join_run
 from .cleanup import Teardown
 from .client import PagerClient, donor_spec, run_pagerctl
 from .demo import parse_size
@@ -90,6 +96,32 @@ def bench_rebalance(b, out: Path) -> None:
     b.report.line(fmt_row(w, ["ratio", *[f"{ratios[n]:.2f}x" for n, _ in PERCENTILES], ""]))
     b.report.line("(ratio: moving/idle, the median of the rounds' ratios; target: p99 within 1.3x)")
     b.report.results = {"runs": runs, "ratios": ratios}
+    if env_int(PROG, "REBAL_JOB", 1):
+        b.report.results["job"] = swap_job_with_join(b, rate)
+
+
+def swap_job_with_join(b, rate: str) -> dict:
+    """The join run's job with the rebalancer at `rate` and off."""
+    k = b.knobs
+    b.join_epoch, b.join_discard = 1.0, True
+    cal = join_run(b, "rebal-calibrate", None, None)
+    if cal.get("oom_killed"):
+        die(PROG, "the calibration run was OOM-killed: no time to join at")
+    join_at = cal["seconds"] / 3
+    sides = {"moving": rate, "idle": "0"}
+    secs: dict[str, list[float]] = {s: [] for s in sides}
+    for rnd in range(1, k.rounds + 1):
+        for side in SIDES if rnd % 2 else SIDES[::-1]:
+            r = join_run(b, f"job-{side}-r{rnd}", None, join_at, sides[side])
+            if r.get("oom_killed"):
+                die(PROG, f"the swap job ({side}, round {rnd}) was OOM-killed")
+            secs[side].append(r["seconds"])
+            print(f"round {rnd}: swap job, {side}: {r['seconds']} s", file=sys.stderr, flush=True)
+    ratio = round(statistics.median(m / i for m, i in zip(secs["moving"], secs["idle"])), 2)
+    b.report.line(f"== the swap job ({k.limit} cgroup, 3x touched) with d3 joining at {join_at:.1f} s: "
+                  f"seconds per round, moving {' '.join(map(str, secs['moving']))}, idle "
+                  f"{' '.join(map(str, secs['idle']))}; moving/idle {ratio:.2f}x (target: within 1.05x)")
+    return {"join_at": round(join_at, 1), "seconds": secs, "ratio": ratio}
 
 
 RUN = {"rebalance": bench_rebalance}
