@@ -62,8 +62,9 @@ lint: deps
 demo: build
 	bash scripts/demo.sh
 
-# The demo on a lab of five hosts in network namespaces, rolled out by
-# Ansible over SSH (tests/lab).
+# The demo on a lab of hosts in network namespaces on two subnets, rolled
+# out by Ansible over SSH, the client finding the far donor through the
+# lab's DNS (tests/lab).
 lab-demo: build
 	bash scripts/demo.sh --lab
 

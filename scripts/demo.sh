@@ -4,7 +4,8 @@
 # page -> the donors' status -> teardown. Run as root after `make build` (`make demo` does both).
 # Options go to the demo module: --donors N --size 1G --limit 128M --factor 3.
 # `demo.sh --lab [--limit 24M --factor 3]` (`make lab-demo`) runs the same on
-# the lab: five hosts in network namespaces, Ansible rolling out over SSH
+# the lab: hosts in network namespaces on two subnets joined by a router,
+# Ansible rolling out over SSH, donors found through the lab's DNS
 # (tests/lab/lab_demo.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."

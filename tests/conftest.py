@@ -7,11 +7,13 @@ to it): `make test`, or `/usr/bin/python3 -m pytest tests`.
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 
 from netpager_testkit import Cluster, Teardown, install_handlers, job, pb2, server_plugin
 from netpager_testkit.ci import skip_or_fail
+from netpager_testkit.paths import target_dir
 from netpager_testkit.procs import tail
 
 _TEARDOWN_KEY = pytest.StashKey[Teardown]()
@@ -87,3 +89,20 @@ def memhog():
 @pytest.fixture(scope="session")
 def blkhog():
     return job("blkhog")
+
+
+@pytest.fixture
+def netpager_token():
+    """Runs `netpager-token SECRET_FILE CLIENT`; skipped when not built."""
+    path = target_dir() / "netpager-token"
+    if not path.exists():
+        skip_or_fail(f"netpager-token not built: {path} missing (run `make build`)")
+
+    def run(secret_file, client: str) -> str:
+        p = subprocess.run([str(path), str(secret_file), client], capture_output=True,
+                           text=True, timeout=30, env={**os.environ, "RUST_BACKTRACE": "0"})
+        if p.returncode != 0:
+            raise AssertionError(f"netpager-token failed ({p.returncode}): {p.stderr}")
+        return p.stdout.strip()
+
+    return run

@@ -471,7 +471,9 @@ def test_systemd_units_pass_systemd_analyze(tmp_path):
         in donor, donor
     client = (out / "netpager-client-c1.service").read_text()
     assert "NetworkNamespacePath" not in client
-    assert "--discover-domain lab.test --dns-server 10.0.0.53" in client, client
+    # Discovered donors are asked for the client's own token's export.
+    assert "--discover-domain lab.test --dns-server 10.0.0.53 --discover-export " \
+           "'c1~00112233445566778899aabbccddeeff'" in client, client
     v = subprocess.run(["systemd-analyze", "verify", "--man=no", *map(str, units)],
                        capture_output=True, text=True, timeout=120)
     assert v.returncode == 0 and not (v.stdout + v.stderr).strip(), v.stdout + v.stderr

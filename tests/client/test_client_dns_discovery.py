@@ -93,6 +93,29 @@ def test_a_donor_in_the_labs_dns_is_found_verified_used_and_removed_at_its_stop(
     assert dns.records(SERVICE, "PTR") == [f"forged.{SERVICE}."]
 
 
+def test_a_donor_requiring_export_tokens_is_asked_for_the_token_given(teardown, tmp_path, cluster, client,
+                                                                      netpager_token):
+    """An announcement carries no token, and a donor with `export-secret=`
+    opens only CLIENT~TOKEN: the device asks its discovered donors for the
+    export `--discover-export` names (as Ansible gives it), and the donor
+    takes its pages."""
+    dns = DnsServer(teardown, tmp_path)
+    secret = tmp_path / "export.secret"
+    secret.write_text(secrets.token_hex(32) + "\n")
+    secret.chmod(0o600)
+    (d1,) = cluster.start_donors(1, budget="64M", mlock=False, poll_ms=100, busy_load=1000,
+                                 export_secret=secret, **dns_params(dns))
+    client.attach([], mode="none", size="32M",
+                  extra=["--discover-domain", ZONE, "--dns-server", dns.server, "--epoch", "0.2",
+                         "--discover-export", netpager_token(secret, client.client_id)])
+    wait_for(lambda: [d["name"] for d in client.device_status().get("donors", [])] == ["d1"], 60,
+             "d1 to join through the DNS")
+    write_and_read_back(client.device)
+    wait_for(lambda: client.device_status()["donors"][0]["extents_held"] > 0, 30, "d1 to hold extents")
+    # (its refusals read `export for client "ID": no token`)
+    assert "export for client" not in d1.log_path.read_text(), "d1 refused an export"
+
+
 def test_a_flood_of_bogus_records_leaves_the_epochs_as_they_were(teardown, tmp_path, cluster, client):
     """200 records point at a port that takes no connection (a full
     backlog: every status query waits out the connect timeout). The checks

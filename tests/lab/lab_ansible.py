@@ -24,10 +24,13 @@ import os
 import secrets
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import netlab
 from netpager_testkit import Teardown
+from netpager_testkit.ci import skip_or_fail
+from netpager_testkit.machine import SWAP
 from netpager_testkit.paths import repo_root, target_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ansible"))
@@ -37,6 +40,10 @@ from test_ansible import AnsibleFailed, ansible_env, recap, run_playbook, write_
 DONORS = ["idle1", "idle2", "idle3"]
 CLIENTS = ["busy1", "busy2"]
 HOSTS = DONORS + CLIENTS
+# The two-subnet layout (`dns_lab`): the lab's DNS server on host ns and
+# every host but idle3 on subnet 1; idle3 alone behind the router.
+DNS_HOST = "ns"
+SUBNET2_HOSTS = ["idle3"]
 BINARIES = ["libpager_server.so", "libpager_client_plugin.so", "pagerctl", "prefetchd", "pager-hints",
             "netpager-token"]
 DONOR_BUDGET = "96M"
@@ -61,12 +68,46 @@ def purge_packages() -> None:
                        timeout=600, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
 
 
+def lab_rollout_dir(td: Teardown) -> Path:
+    """For a rollout test: skipped without root or a build; holds the
+    machine's swap (the clients' swap areas are the machine's: no other
+    test run's alongside) and makes the lab's parent directory, open to the
+    donor account (the hosts' daemons drop to it and must reach their run
+    directories inside), removed on teardown."""
+    if os.geteuid() != 0:
+        skip_or_fail("needs root (network namespaces, swapon, FUSE)")
+    missing = [b for b in BINARIES if not (target_dir() / b).exists()]
+    if missing:
+        skip_or_fail(f"not built in {target_dir()}: {', '.join(missing)} (run `make build`)")
+    SWAP.hold(td)
+    parent = Path(tempfile.mkdtemp(prefix="netpager-lab-", dir="/tmp"))
+    td.add(f"directory {parent}", parent.rmdir)
+    parent.chmod(0o755)
+    return parent
+
+
+def dns_lab(td: Teardown, root: Path):
+    """The example inventory's hosts on two subnets (idle3 behind the
+    router, which forwards no multicast) and BIND on host ns serving the
+    lab's zone, taking the donors' signed updates. Returns (lab, dns); named
+    is stopped after the rollout's undeploy (teardown order), so the donors
+    remove their records at their clean stop."""
+    from netpager_testkit.dns import DnsServer
+
+    lab = netlab.Lab(td, root, [DNS_HOST] + [h for h in HOSTS if h not in SUBNET2_HOSTS], subnet2=SUBNET2_HOSTS)
+    return lab, DnsServer(td, root, addr=lab[DNS_HOST].addr, wrap=lab[DNS_HOST].netns_argv)
+
+
 class LabRollout:
-    """The lab's inventory and ansible-playbook runs against it."""
+    """The lab's inventory and ansible-playbook runs against it. With `dns`
+    (a DnsServer: `dns_lab`) donors publish themselves in its zone
+    (`netpager_discovery: dns`) and each client's donors file names only the
+    donors on its own subnet: the others it finds through the DNS."""
 
     def __init__(self, td: Teardown, lab: netlab.Lab, bin_src: Path | None = None, install: str = "build",
-                 donors: list[str] = DONORS, clients: list[str] = CLIENTS):
+                 donors: list[str] = DONORS, clients: list[str] = CLIENTS, dns=None):
         self.lab = lab
+        self.dns = dns
         # The inventory's groups; a test may change them and write_inventory.
         self.donors, self.clients, self.retired = list(donors), list(clients), []
         self.root = lab.workdir
@@ -125,7 +166,9 @@ class LabRollout:
         # Retired hosts stay donors (their settings apply) until undeployed.
         retired = {h: {} for h in self.retired}
         clients = {h: {"ansible_host": self.lab[h].addr,
-                       "netpager_client_swap_priority": SWAP_PRIORITY[h], **self.paths(h)} for h in self.clients}
+                       "netpager_client_swap_priority": SWAP_PRIORITY[h], **self.paths(h),
+                       **({"netpager_client_donors": self.file_donors(h)} if self.dns else {})}
+                   for h in self.clients}
         ssh_args = " ".join(["-F", "/dev/null", "-o", "IdentitiesOnly=yes",
                              "-o", f"UserKnownHostsFile={self.lab.known_hosts}",
                              "-o", "StrictHostKeyChecking=yes"])
@@ -154,8 +197,18 @@ class LabRollout:
             "netpager_client_mode": "mirror",
             "netpager_start_timeout": 60,
             "netpager_donor_drain_timeout": 300,
+            **(self.dns_vars() if self.dns else {}),
         }
         write_inventory_files(self.inv, inventory, common)
+
+    def file_donors(self, client: str) -> list[str]:
+        """The donors a client's donors file names with `dns`: its own subnet's."""
+        return [d for d in self.donors if self.lab[d].subnet == self.lab[client].subnet]
+
+    def dns_vars(self) -> dict:
+        """Donors publish themselves in the lab's zone, clients browse it."""
+        return {"netpager_discovery": "dns", "netpager_dns_publish": "donor", "netpager_dns_zone": self.dns.zone,
+                "netpager_dns_server": self.dns.server, "netpager_dns_key_controller_file": str(self.dns.key_file)}
 
     def ansible(self, playbook: str, check: bool = True) -> subprocess.CompletedProcess:
         return run_playbook(self.root, self.inv / "hosts.yml", self.env, playbook, check, teardown=self.td)
@@ -204,15 +257,21 @@ class LabRollout:
         """Each host's role and status, one line each (for the demo)."""
         from netpager_testkit.status import LabKey, StatusClient, state_word
 
-        key = LabKey.from_psk_file(self.psk_file(DONORS[0]))
+        key = LabKey.from_psk_file(self.psk_file(self.donors[0]))
         rows = [f"{'host':<7} {'address':<14} {'role':<7} status"]
-        for h in DONORS:
+        if self.dns:
+            rows.append(f"{DNS_HOST:<7} {self.dns.addr:<14} {'dns':<7} BIND serving {self.dns.zone}, "
+                        f"{len(self.dns.records(f'_netpager._tcp.{self.dns.zone}', 'PTR'))} donors published")
+        for h in self.donors:
             st = StatusClient(self.lab[h].addr, STATUS_PORT, key=key).query()
             rows.append(f"{h:<7} {self.lab[h].addr:<14} {'donor':<7} {state_word(st)}, "
                         f"budget {st.budget_bytes >> 20} MiB, used {st.used_bytes >> 20} MiB")
-        for h in CLIENTS:
+        for h in self.clients:
             st = self.client_status(h)
-            donors = ", ".join(f"{d['name']} {d['state']}" for d in (st["status"] or {}).get("donors", []))
+            # How each donor joined: its donors file's line, or the DNS.
+            donors = ", ".join(f"{d['name']} {d['state']}" + (" (found through DNS)" if d["joined"] == "discovered"
+                                                              else "")
+                               for d in (st["status"] or {}).get("donors", []))
             rows.append(f"{h:<7} {self.lab[h].addr:<14} {'client':<7} "
                         f"{'attached' if st['attached'] else 'detached'} {st['device']} "
                         f"({'swap' if st['swap'] else 'no swap'}; donors: {donors})")
@@ -232,5 +291,7 @@ def ssh_masters(lab_root: Path) -> list[int]:
     return out
 
 
-__all__ = ["LabRollout", "AnsibleFailed", "recap", "DONORS", "CLIENTS", "HOSTS", "BINARIES",
+__all__ = ["LabRollout", "AnsibleFailed", "recap", "DONORS", "CLIENTS", "HOSTS", "BINARIES", "dns_lab",
+           "lab_rollout_dir",
+           "DNS_HOST", "SUBNET2_HOSTS",
            "CLIENT_SIZE_MIB", "SWAP_PRIORITY", "NBD_PORT", "STATUS_PORT", "ssh_masters"]

@@ -7,20 +7,15 @@ stopped; the job verifies every page."""
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
 import netlab
-from lab_ansible import BINARIES, LabRollout, recap
+from lab_ansible import LabRollout, lab_rollout_dir, recap
 from netpager_testkit import MemoryCgroup, OwnedProcess, Teardown, swaps, wait_for
-from netpager_testkit.ci import skip_or_fail
-from netpager_testkit.machine import SWAP
-from netpager_testkit.paths import target_dir
 from netpager_testkit.procs import tail
 
 MIB = 1 << 20
@@ -34,20 +29,10 @@ def donors_of(ro: LabRollout, client: str) -> dict:
 # Three site.yml runs over SSH: too long for `make test` (the full set).
 @pytest.mark.lab_full
 def test_donor_hosts_added_and_retired_while_a_job_swaps():
-    if os.geteuid() != 0:
-        skip_or_fail("needs root (network namespaces, swapon, FUSE)")
-    missing = [b for b in BINARIES if not (target_dir() / b).exists()]
-    if missing:
-        skip_or_fail(f"not built in {target_dir()}: {', '.join(missing)} (run `make build`)")
     td = Teardown("lab membership rollout")
     try:
-        # busy1's swap area is the machine's: no other test run's alongside.
-        SWAP.hold(td)
-        parent = Path(tempfile.mkdtemp(prefix="netpager-lab-", dir="/tmp"))
-        td.add(f"directory {parent}", parent.rmdir)
-        lab = netlab.Lab(td, parent / "lab", ["idle1", "idle2", "idle3", "idle4", "busy1"])
-        for d in (parent, lab.workdir):
-            d.chmod(0o755)
+        lab = netlab.Lab(td, lab_rollout_dir(td) / "lab", ["idle1", "idle2", "idle3", "idle4", "busy1"])
+        lab.workdir.chmod(0o755)
         ro = LabRollout(td, lab, donors=["idle1", "idle2", "idle3"], clients=["busy1"])
         ro.ansible("site.yml")
         st = ro.client_status("busy1")

@@ -5,17 +5,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from netpager_testkit import FakeMeminfo
-from netpager_testkit.ci import skip_or_fail
-from netpager_testkit.paths import target_dir
 
 GIB = 1 << 30
 # Clients the tests play; the lab's TLS-PSK file has a line for each, all
@@ -83,20 +79,3 @@ def start_donors(cluster, meminfo):
         return cluster.start_donors(n, **params)
 
     return start
-
-
-@pytest.fixture
-def netpager_token():
-    """Runs `netpager-token SECRET_FILE CLIENT`; skipped when not built."""
-    path = target_dir() / "netpager-token"
-    if not path.exists():
-        skip_or_fail(f"netpager-token not built: {path} missing (run `make build`)")
-
-    def run(secret_file, client: str) -> str:
-        p = subprocess.run([str(path), str(secret_file), client], capture_output=True,
-                           text=True, timeout=30, env={**os.environ, "RUST_BACKTRACE": "0"})
-        if p.returncode != 0:
-            raise AssertionError(f"netpager-token failed ({p.returncode}): {p.stderr}")
-        return p.stdout.strip()
-
-    return run

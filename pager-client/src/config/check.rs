@@ -39,6 +39,15 @@ impl DeviceConfig {
                 return bad("dns_server", e);
             }
         }
+        if let Some(e) = &self.discover_export {
+            // As the export of a donor spec (`HOST:PORT/EXPORT`) takes it.
+            if e.is_empty() || e.starts_with('@') || e.contains(['/', ',', ' ']) {
+                return bad(
+                    "discover_export",
+                    format!("{e:?} must be NAME[@SIZE], without '/', ',' or spaces"),
+                );
+            }
+        }
         if let Some(dev) = &self.device_id {
             if dev.is_empty()
                 || dev.len() > 64

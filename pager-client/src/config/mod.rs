@@ -368,6 +368,11 @@ pub struct DeviceConfig {
     /// the system resolver's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dns_server: Option<String>,
+    /// The export asked for on discovered donors (`NAME[@SIZE]`, default
+    /// the client id): a donor with `export-secret=` opens only
+    /// `CLIENT~TOKEN`, and an announcement cannot carry the token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub discover_export: Option<String>,
     /// A donor dead this long is forgotten once nothing depends on it
     /// (0: never).
     #[serde(default = "default_forget_after_ms")]
@@ -537,6 +542,7 @@ impl DeviceConfig {
             trust_network: Vec::new(),
             discover_domain: Vec::new(),
             dns_server: None,
+            discover_export: None,
             forget_after_ms: default_forget_after_ms(),
             grace_ms: default_grace_ms(),
             rebalance_rate: default_rebalance_rate(),

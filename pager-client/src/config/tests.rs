@@ -202,6 +202,7 @@ fn discovery_settings_round_trip_and_bad_ones_name_their_field() {
     c.trust_network = vec!["10.213.47.0/24".parse().unwrap()];
     c.discover_domain = vec!["lab.example.org".into()];
     c.dns_server = Some("10.0.0.53:5353".into());
+    c.discover_export = Some("busy1~00ff".into());
     c.save(&p).unwrap();
     assert_eq!(DeviceConfig::load(&p).unwrap(), c);
 
@@ -219,6 +220,10 @@ fn discovery_settings_round_trip_and_bad_ones_name_their_field() {
         e.contains("`dns_server`") && e.contains("ADDR or ADDR:PORT"),
         "{e}"
     );
+    let mut bad = c.clone();
+    bad.discover_export = Some("busy1/dev".into());
+    let e = bad.validate().unwrap_err().to_string();
+    assert!(e.contains("`discover_export`"), "{e}");
     let text = std::fs::read_to_string(&p)
         .unwrap()
         .replace("10.213.47.0/24", "10.213.47.5/24");

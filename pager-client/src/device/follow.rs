@@ -189,6 +189,7 @@ impl Inner {
             };
             let mut c = DonorConfig::from_spec(&a.spec(), key.as_deref());
             c.tls_username.clone_from(&user);
+            c.export.clone_from(&self.cfg.discover_export);
             match self.add_member(c, Joined::Discovered, false) {
                 Ok(d) => tracing::info!(
                     "discovered donor {} at {} ({why})",

@@ -90,6 +90,8 @@ pub struct DeviceOptions {
     /// DNS domains browsed for announced donors, and the server asked.
     pub discover_domain: Vec<String>,
     pub dns_server: Option<String>,
+    /// The export asked for on discovered donors (`CLIENT~TOKEN`).
+    pub discover_export: Option<String>,
     /// Pages the stride prefetcher reads ahead (0: off).
     pub prefetch_pages: Option<u32>,
 }
@@ -209,6 +211,7 @@ pub fn apply_options(
         c.trust_network.clone_from(&o.trust_network);
         c.discover_domain.clone_from(&o.discover_domain);
         c.dns_server.clone_from(&o.dns_server);
+        c.discover_export.clone_from(&o.discover_export);
     }
     if let Some(n) = o.prefetch_pages {
         c.prefetch_pages = n;
@@ -523,6 +526,18 @@ mod tests {
             e.starts_with("--data/--parity: only apply to --mode ec"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn discovered_donors_are_asked_for_the_export_given() {
+        let mut o = opts(ModeChoice::Mirror);
+        o.discover_domain = vec!["lab.test".into()];
+        o.discover_export = Some("busy1~00ff".into());
+        let c = build_config(&o, Path::new("/st")).unwrap();
+        assert_eq!(c.discover_export.as_deref(), Some("busy1~00ff"));
+        o.discover_export = Some("busy1,x".into());
+        let e = build_config(&o, Path::new("/st")).unwrap_err().to_string();
+        assert!(e.contains("discover_export"), "{e}");
     }
 
     #[test]

@@ -83,6 +83,10 @@ pub struct Args {
     /// resolver's).
     #[arg(long, value_name = "ADDR[:PORT]", requires = "discover_domain")]
     dns_server: Option<String>,
+    /// The export asked for on discovered donors (default the client id):
+    /// `CLIENT~TOKEN` where donors require export tokens (netpager-token).
+    #[arg(long, value_name = "NAME[@SIZE]", requires = "discovery")]
+    discover_export: Option<String>,
     /// Forget a donor dead this long (its pages already rebuilt
     /// elsewhere); 0 keeps it in the set for ever. Default 600.
     #[arg(long, value_parser = parse_secs_or_zero, value_name = "SECS")]
@@ -273,6 +277,7 @@ impl Args {
             trust_network: self.trust_network.clone(),
             discover_domain: self.discover_domain.clone(),
             dns_server: self.dns_server.clone(),
+            discover_export: self.discover_export.clone(),
             prefetch_pages: self.prefetch_pages,
         }
     }
