@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 from .bench import Report, arg_parser, disk_workdir, env_int, env_str, fio_json, fmt_row, nbdkit, require
+from .bench_anatomy import proc_cpu
 from .cleanup import Teardown, install_handlers
 from .donor import free_ports
 from .paths import server_plugin
@@ -56,12 +57,6 @@ def run_fio(work: Path, uri: str, size: str, rw: str, *extra) -> int:
     j = fio_json([f"--name={rw}", "--ioengine=nbd", f"--uri={uri}", f"--rw={rw}", "--bs=4k",
                   "--iodepth=32", "--numjobs=1", f"--size={size}", *extra], work)
     return round(j["read"]["iops"] + j["write"]["iops"])
-
-
-def proc_cpu(pid: int) -> float:
-    """utime + stime of a process, seconds."""
-    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # key: (label, unit, which way is better)
