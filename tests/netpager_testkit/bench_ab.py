@@ -232,13 +232,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     knobs = dataclasses.replace(Knobs.from_env(), rounds=env_int(PROG, "ROUNDS", 3))
     frontend = env_str("FRONTEND", "fuse-uring")
-    # A lab's client and donors are machines of their own: CLIENT_CPUS and
-    # DONOR_CPUS split this machine's CPUs between them (everything this
-    # run starts but the donors is the client's), where sharing them would
-    # make one side's CPU placement decide the latency.
-    client_cpus = env_str("CLIENT_CPUS", "")
-    if client_cpus:
-        os.sched_setaffinity(0, cpu_list(client_cpus))
     if args.base:
         sha, a_target = base_build(args.base)
         a_label = f"{args.base} ({sha[:12]})"
@@ -251,6 +244,14 @@ def main(argv: list[str] | None = None) -> int:
     for s in sides:
         p = subprocess.run([str(binaries(s.target)[0]), "--version"], capture_output=True, text=True)
         s.version = p.stdout.strip() if p.returncode == 0 else f"--version failed: {p.stderr.strip()}"
+    # A lab's client and donors are machines of their own: CLIENT_CPUS and
+    # DONOR_CPUS split this machine's CPUs between them (everything this
+    # run starts but the donors is the client's), where sharing them would
+    # make one side's CPU placement decide the latency. After the base
+    # build, which has every CPU.
+    client_cpus = env_str("CLIENT_CPUS", "")
+    if client_cpus:
+        os.sched_setaffinity(0, cpu_list(client_cpus))
     install_handlers()
     vals = {s.name: {key: [] for key in METRICS} for s in sides}
     with Teardown(PROG) as top:
