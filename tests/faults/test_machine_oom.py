@@ -37,6 +37,7 @@ from pathlib import Path
 import pytest
 
 from netpager_testkit.attach import Swap, swaps
+from netpager_testkit.cgroup import MemoryCgroup
 from netpager_testkit.client import URING_SWITCH
 from netpager_testkit.donor import free_ports, nbd_handshake
 from netpager_testkit.machine import loopback
@@ -61,15 +62,32 @@ def job_bytes() -> int:
     return min(2 * GIB, meminfo("MemAvailable") // 4 // (64 * MIB) * 64 * MIB)
 
 
+# Runs ARGV in the cgroup whose cgroup.procs is ARG1, an I/O flusher
+# (PR_SET_IO_FLUSHER, 57: kept across execve).
+AS_FLUSHER = ("import ctypes, os, sys; open(sys.argv[1], 'w').write(str(os.getpid())); "
+              "ctypes.CDLL(None).prctl(57, 1, 0, 0, 0) == 0 or sys.exit('PR_SET_IO_FLUSHER refused'); "
+              "os.execvp(sys.argv[2], sys.argv[2:])")
+
+
 class LockedDonor:
     """`nbdkit memory SIZE allocator=malloc,mlock=true` on loopback: a donor
-    whose memory is all allocated and locked when it starts."""
+    whose memory is all allocated and locked when it starts. The donors
+    stand for other machines, so the rest of their memory (request
+    buffers, stacks) must not wait on the swap they serve: each runs in
+    `cgroup`, a memory cgroup without swap, and is an I/O flusher, as the
+    serving process is. In the test VM a donor without either stopped
+    answering for the 30 s request timeout as the pressure began; the device
+    failed it, and parity on 3 donors, with no other donor for a stripe,
+    answered every write to a new extent with ENOSPC. (Not `nbdkit --swap`:
+    its mlockall locked a heap three times the export and whole 8 MiB
+    thread stacks, and the VM killed a donor for memory.)"""
 
-    def __init__(self, teardown, workdir: Path, name: str, size: str):
+    def __init__(self, teardown, workdir: Path, name: str, size: str, cgroup: MemoryCgroup):
         self.name, self.addr = name, loopback(2, net=1)
         self.port = free_ports(self.addr, 1)[0]
         self.status_addr = None
-        argv = ["nbdkit", "-f", "-i", self.addr, "--port", str(self.port), "memory", size,
+        argv = ["/usr/bin/python3", "-c", AS_FLUSHER, str(cgroup.procs_file),
+                "nbdkit", "-f", "-i", self.addr, "--port", str(self.port), "memory", size,
                 "allocator=malloc,mlock=true"]
         self.proc = OwnedProcess(argv, workdir / f"{name}.log", teardown, f"donor {name}")
         wait_for(lambda: nbd_handshake(f"nbd://{self.addr}:{self.port}") or not self.proc.alive(),
@@ -171,10 +189,13 @@ def test_parity_swap_holds_with_the_whole_machine_out_of_memory(root, teardown, 
     job_size = job_bytes()
     # The device holds the whole job (swap takes at most what does not fit
     # in the half of it the machine keeps). Parity on 3 donors keeps half
-    # the device on each; the parity log needs room for rewritten stripes
-    # until its cleaner frees the old ones: half as much again, plus 64 MiB.
+    # the device on each, and the parity log, bounded here to half the
+    # device's data, half as much again: 3/4 of the device, plus 64 MiB.
+    # The log's default bound is the device's size, which at worst needs
+    # the whole device on each donor, more than these exports hold.
     device_size = job_size
-    ds = [LockedDonor(teardown, tmp_path, f"d{i}", f"{(device_size * 3 // 4 + 64 * MIB) >> 20}M")
+    no_swap = MemoryCgroup(teardown, 1 << 50, swap_limit_bytes=0)
+    ds = [LockedDonor(teardown, tmp_path, f"d{i}", f"{(device_size * 3 // 4 + 64 * MIB) >> 20}M", no_swap)
           for i in range(3)]
     # The FUSE front end: its serving process is pagerctl serve, which
     # marks itself an I/O flusher (auto would pick kernel nbd where the
@@ -185,7 +206,7 @@ def test_parity_swap_holds_with_the_whole_machine_out_of_memory(root, teardown, 
     # than the default 5 s request timeout, and parity on 3 donors needs
     # all three.
     device = client.attach(ds, mode="parity", size=f"{device_size >> 20}M", swap=True, frontend=frontend,
-                           extra=["--request-timeout", "30"])
+                           extra=["--request-timeout", "30", "--parity-log", f"{device_size // 2 >> 20}M"])
     assert client.status()["io_flusher"], "the serving process is no I/O flusher"
     row = run_under_pressure(teardown, tmp_path, memhog, device, job_size, client.state_dir / "fuse")
     st = client.device_status()

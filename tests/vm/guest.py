@@ -30,6 +30,8 @@ SCRATCH = "/scratch"
 # bridges, qdiscs) the kernel loads on demand through modprobe.
 MODULES = ["nbd", "loop", "fuse", "ext4", "veth", "bridge", "sch_netem", "sch_tbf", "zram"]
 LINUX_REBOOT_CMD_POWER_OFF = 0x4321FEDC
+MCL_CURRENT, MCL_FUTURE = 1, 2
+LOG_COPY_S = 20
 
 
 def log(msg: str) -> None:
@@ -51,6 +53,12 @@ def mount(fstype: str, source: str, target: str, options: str | None = None) -> 
 def setup() -> None:
     # The kernel starts PID 1 with an environment of its own.
     os.environ.update(PATH="/usr/sbin:/usr/bin:/sbin:/bin", HOME="/root", LANG="C.UTF-8")
+    # Never swapped out: a test whose swap device fails (the whole-machine
+    # test) would otherwise kill PID 1 with SIGBUS on a read error, and the
+    # kernel's panic lost the run's every result.
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mlockall(MCL_CURRENT | MCL_FUTURE) != 0:
+        log(f"mlockall: errno {ctypes.get_errno()}")
     mount("proc", "proc", "/proc")
     mount("sysfs", "sys", "/sys")
     mount("devpts", "devpts", "/dev/pts", "gid=5,mode=620,ptmxmode=666")
@@ -70,6 +78,28 @@ def setup() -> None:
         run("mount", "--bind", f"{SCRATCH}/{d}", target)
     run("ip", "link", "set", "lo", "up")
     run("hostname", "netpager-vm")
+
+
+def follow_kernel_log() -> None:
+    """The kernel's log to the share as it comes (every level: the
+    console shows warnings only), so that a VM that hangs or panics still
+    leaves its hung tasks' stacks. A thread of PID 1, whose memory is
+    locked: a `dmesg --follow` stopped with the rest of a VM out of memory."""
+    def follow() -> None:
+        kmsg = os.open("/dev/kmsg", os.O_RDONLY)
+        with open(f"{OUT}/dmesg-live.log", "wb", buffering=0) as out:
+            while True:
+                try:
+                    rec = os.read(kmsg, 8192)
+                except BrokenPipeError:  # records overwritten before we read them
+                    continue
+                # "PRIO,SEQ,USEC,FLAGS;TEXT\n": the time in seconds, the text.
+                head, _, text = rec.partition(b";")
+                fields = head.split(b",")
+                usec = int(fields[2]) if len(fields) > 2 and fields[2].isdigit() else 0
+                out.write(b"[%6d.%06d] " % divmod(usec, 1000000) + text)
+
+    threading.Thread(target=follow, daemon=True).start()
 
 
 def pump(src, dests) -> None:
@@ -107,7 +137,16 @@ def run_tests(req: dict) -> int:
         deadline = time.monotonic() + float(req["timeout"])
         interrupted = False
         status = None
+        copied = time.monotonic()
         while status is None:
+            # The tests' logs to the share now and then, not only at the
+            # end: a test that hangs the VM still leaves what it logged.
+            if time.monotonic() - copied > LOG_COPY_S:
+                try:
+                    copy_texts("/tmp/pytest-vm", f"{OUT}/logs")
+                except OSError as e:  # a file went while it was copied
+                    log(f"copying the logs: {e}")
+                copied = time.monotonic()
             # PID 1: every orphan in the VM becomes ours to reap.
             pid, st = os.waitpid(-1, os.WNOHANG)
             if pid == proc.pid:
@@ -125,8 +164,12 @@ def run_tests(req: dict) -> int:
 
 def copy_texts(src: str, dest: str, limit: int = 4 << 20) -> None:
     """The logs and records under `src` (not the devices' images, sockets
-    or swap files) into `dest`."""
-    for top, _dirs, files in os.walk(src):
+    or swap files) into `dest`. Never into a mount point (a test's FUSE
+    mount): a stuck server there would hang PID 1."""
+    with open("/proc/self/mountinfo") as f:
+        mounts = {line.split()[4] for line in f}
+    for top, dirs, files in os.walk(src):
+        dirs[:] = [d for d in dirs if os.path.join(top, d) not in mounts]
         for name in files:
             path = os.path.join(top, name)
             if not name.endswith((".log", ".json", ".txt", ".toml", ".xml")) \
@@ -161,6 +204,7 @@ def main() -> None:
     rc, root = 1, None
     try:
         setup()
+        follow_kernel_log()
         with open(f"{OUT}/request.json") as f:
             req = json.load(f)
         root = req["root"]
