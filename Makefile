@@ -153,7 +153,7 @@ faults: build
 # KNOWN=1 (also the ops of bugs still open), EXCLUDE=kind,..., NO_SHRINK=1;
 # SCHEDULE='SETUP | OP; ...' replays one schedule. Each run prints its seed
 # and replay command, a failing one is shrunk; the table goes to
-# bench-results/nemesis/. `make test` runs a slice: two modes, about 2 minutes.
+# bench-results/nemesis/. `make test` runs a slice: one mode, about a minute and a half.
 nemesis: build
 	$(BENCH_PY).nemesis
 
