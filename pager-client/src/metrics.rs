@@ -318,6 +318,12 @@ pub fn exposition(s: &ClientStatus, fe: &FrontendInfo) -> Exposition {
         one(t.rebalance.paused.is_some()),
     );
     e.gauge(
+        "client_rebalance_busy",
+        "1 while the device serves requests, so the rebalancer moves at its busy rate.",
+        None,
+        one(t.rebalance.busy),
+    );
+    e.gauge(
         "client_donor_bound",
         "Load bound of each donor's frequency this epoch.",
         None,

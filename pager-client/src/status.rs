@@ -100,6 +100,13 @@ pub struct DonorReport {
 pub struct RebalanceReport {
     /// Bytes a second it may move (0: off).
     pub rate_bytes: u64,
+    /// Bytes a second it may move while the device serves requests.
+    #[serde(default)]
+    pub busy_rate_bytes: u64,
+    /// The device served requests during its last pass: the busy rate
+    /// applied.
+    #[serde(default)]
+    pub busy: bool,
     /// Bytes moved since the device opened.
     pub moved_bytes: u64,
     /// Members moved since the device opened.
@@ -511,11 +518,13 @@ pub fn render_table(s: &ClientStatus) -> String {
     w(
         &mut out,
         format!(
-            "rebalance {}: {} moved ({} members) at up to {}/s{}",
+            "rebalance {}: {} moved ({} members) at up to {}/s ({}/s while busy{}){}",
             progress(&r.pass),
             format_size(r.moved_bytes),
             r.moves,
             format_size(r.rate_bytes),
+            format_size(r.busy_rate_bytes.min(r.rate_bytes)),
+            if r.busy { ", busy now" } else { "" },
             r.paused
                 .as_ref()
                 .map(|p| format!(", paused: {p}"))

@@ -56,6 +56,7 @@ fn open_with(
         };
     }
     cfg.rebalance_rate = ByteSize(64 << 20);
+    cfg.rebalance_busy_rate = ByteSize(64 << 20);
     adjust(&mut cfg);
     Arc::new(Device::open(cfg, dir.path()).unwrap())
 }
@@ -315,6 +316,40 @@ fn mirror_loses_nothing_when_the_source_dies_mid_move() {
 
 /// Three donors filled evenly by the selector: over ten epochs the
 /// rebalancer, running and not paused, moves nothing.
+/// With a busy rate of 0 the rebalancer waits while a job keeps the
+/// device serving requests (status says why), and moves once it stops.
+#[test]
+fn a_busy_device_moves_at_its_busy_rate() {
+    let Some(mut ds) = netpager_test_support::pager_servers(3) else {
+        return;
+    };
+    let late = ds.pop().expect("one more");
+    let dir = tempfile::tempdir().unwrap();
+    let dev = open_with(&Mode::None, &ds.iter().collect::<Vec<_>>(), &dir, |c| {
+        c.rebalance_busy_rate = ByteSize(0);
+    });
+    let mut model = Model::new(SIZE);
+    model.fill(&dev, &mut Rng::new(71), 2 * EXTENT);
+    let job = HotJob::start(&dev, &model, 72);
+    dev.add_donor(donor_config("late", &late), Joined::Added)
+        .unwrap();
+    let s = wait_status(&dev, "the rebalancer waiting for the busy device", |s| {
+        let r = &s.totals.rebalance;
+        r.busy && r.paused.as_deref().is_some_and(|p| p.contains("busy"))
+    });
+    assert!(
+        render_table(&s).contains("(0 B/s while busy, busy now)"),
+        "{}",
+        render_table(&s)
+    );
+    job.finish(&mut model);
+    wait_status(&dev, "moves once the device is idle", |s| {
+        !s.totals.rebalance.busy && donor(s, "late").extents_held > 0
+    });
+    model.check_all(&dev, 256 << 10);
+    assert_eq!(dev.status().totals.lost, 0);
+}
+
 #[test]
 fn a_balanced_set_moves_nothing_for_ten_epochs() {
     let Some(ds) = netpager_test_support::pager_servers(3) else {
@@ -380,6 +415,7 @@ fn a_restart_mid_move_finds_every_member_where_its_data_is() {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = config(Mode::None, SIZE, EXTENT, &ds.iter().collect::<Vec<_>>());
     cfg.rebalance_rate = ByteSize(64 << 20);
+    cfg.rebalance_busy_rate = ByteSize(64 << 20);
     cfg.timeouts.request_ms = 20_000;
     let mut model = Model::new(SIZE);
     {

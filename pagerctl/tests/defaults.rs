@@ -357,6 +357,10 @@ fn pagerctl_page_states_the_defaults_the_code_has() {
             format!("{}M", cfg.rebalance_rate.0 >> 20),
         ),
         (
+            "--rebalance-busy-rate",
+            format!("{}M", cfg.rebalance_busy_rate.0 >> 20),
+        ),
+        (
             "--rebalance-hot-epochs",
             cfg.rebalance_hot_epochs.to_string(),
         ),

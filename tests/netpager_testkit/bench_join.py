@@ -134,10 +134,11 @@ class StatusSampler(threading.Thread):
             self.sample()
 
 
-def join_run(b, tag: str, bval: float | None, join_at: float | None, rate: str = "4M") -> dict:
+def join_run(b, tag: str, bval: float | None, join_at: float | None, rebalance=()) -> dict:
     """One job on 2 donors; with `join_at`, the third joins that many
     seconds after the job started. `bval` None: the device's default b;
-    `rate`: its --rebalance-rate."""
+    `rebalance`: pagerctl attach arguments for its rebalancer (none: the
+    defaults)."""
     limit = parse_size(b.knobs.limit)
     device = 4 * limit
     with Teardown(f"join {tag}") as td:
@@ -148,7 +149,7 @@ def join_run(b, tag: str, bval: float | None, join_at: float | None, rate: str =
         fallback = b.work / f"fallback-{tag}.img"
         td.add(f"fallback file {fallback}", lambda: fallback.unlink(missing_ok=True))
         extra = ["--epoch", str(b.join_epoch), "--fallback", fallback, "--fallback-size", str(device),
-                 "--rebalance-rate", rate]
+                 *rebalance]
         if bval is not None:
             extra += ["--b", str(bval)]
         dev = client.attach(donors[:2], mode="none", size=f"{device >> 20}M", extra=extra)

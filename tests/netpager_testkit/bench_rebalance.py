@@ -8,8 +8,9 @@ device and the rebalancer has extents to move to it. fio then reads 4 KiB
 pages at queue depth 1 (psync, direct) from the device's first quarter
 for REBAL_RUNTIME seconds: that quarter stays hot, so the rebalancer
 moves the cold rest, which is what it is for. The sides differ only in
-`--rebalance-rate`: "moving" runs at the default rate (REBAL_RATE), "idle"
-at 0; they alternate, each round in the other order, with the same
+`--rebalance-rate`: "moving" runs at the default rate (REBAL_RATE, and
+REBAL_BUSY_RATE while the device serves requests, which it does
+throughout here), "idle" at 0; they alternate, each round in the other order, with the same
 donors, sizes and timings. Reported: each side's read p50, p99 and p99.9
 (fio's clat percentiles), the MiB moved during the reads, and moving/idle.
 Target: p99 within 1.3x.
@@ -20,7 +21,9 @@ way through, swap with discard), with the rebalancer at REBAL_RATE and
 off, alternating: the job's seconds and their ratio. Target: within 1.05x.
 
 Knobs (environment): ROUNDS (2), REBAL_SIZE (256M), REBAL_RUNTIME (20 s),
-REBAL_RATE (4M), LIMIT (128M), REBAL_JOB (1; 0 leaves the swap job out).
+REBAL_RATE (4M), REBAL_BUSY_RATE (1M, the client's default
+--rebalance-busy-rate), LIMIT (128M), REBAL_JOB (1; 0 leaves the swap job
+out).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ def moved_bytes(client: PagerClient) -> int:
     return client.device_status()["totals"]["rebalance"].get("moved_bytes", 0)
 
 
-def rebalance_run(b, tag: str, rate: str, size: int, runtime: int) -> dict:
+def rebalance_run(b, tag: str, rate: list[str], size: int, runtime: int) -> dict:
     """One side: the reads' latency percentiles (us) and the bytes moved."""
     with Teardown(f"rebalance {tag}") as td:
         cluster = Cluster(td, b.work / tag, server_plugin())
@@ -55,7 +58,7 @@ def rebalance_run(b, tag: str, rate: str, size: int, runtime: int) -> dict:
                                       budgets=[f"{2 * size >> 20}M", f"{2 * size >> 20}M", f"{4 * size >> 20}M"])
         client = PagerClient(td, b.work / f"c-{tag}", client_id="bench")
         dev = client.attach(donors[:2], mode="none", size=f"{size >> 20}M",
-                            extra=["--epoch", "1", "--rebalance-rate", rate])
+                            extra=["--epoch", "1", *rate])
         fio_json(["--name=fill", f"--filename={dev}", "--rw=write", "--bs=1M", f"--size={size}", "--direct=1"],
                  b.work)
         run_pagerctl(["donor-add", "--state-dir", client.state_dir, donor_spec(donors[2])])
@@ -76,14 +79,19 @@ def bench_rebalance(b, out: Path) -> None:
     size = parse_size(env_str("REBAL_SIZE", "256M"))
     runtime = env_int(PROG, "REBAL_RUNTIME", 20)
     rate = env_str("REBAL_RATE", "4M")
-    b.report.knobs.update({"rebal_size": size, "rebal_runtime": runtime, "rebal_rate": rate})
+    busy = env_str("REBAL_BUSY_RATE", "1M")
+    b.report.knobs.update({"rebal_size": size, "rebal_runtime": runtime, "rebal_rate": rate,
+                           "rebal_busy_rate": busy})
+    sides = {"moving": ["--rebalance-rate", rate, "--rebalance-busy-rate", busy],
+             "idle": ["--rebalance-rate", "0"]}
     b.report.line(f"== rebalance: QD1 4 KiB reads of a {size >> 22} MiB hot quarter of a {size >> 20} MiB "
                   f"device (mode none) for {runtime} s, right after d3 joins d1 and d2; moving: "
-                  f"--rebalance-rate {rate}, idle: 0; {k.rounds} rounds, alternating")
+                  f"--rebalance-rate {rate} (--rebalance-busy-rate {busy}), idle: 0; {k.rounds} rounds, "
+                  "alternating")
     runs: dict[str, list[dict]] = {s: [] for s in SIDES}
     for rnd in range(1, k.rounds + 1):
         for side in SIDES if rnd % 2 else SIDES[::-1]:
-            r = rebalance_run(b, f"{side}-r{rnd}", rate if side == "moving" else "0", size, runtime)
+            r = rebalance_run(b, f"{side}-r{rnd}", sides[side], size, runtime)
             runs[side].append(r)
             print(f"round {rnd}: {side} {r}", file=sys.stderr, flush=True)
     w = [8, 26, 26, 26, 14]
@@ -97,18 +105,18 @@ def bench_rebalance(b, out: Path) -> None:
     b.report.line("(ratio: moving/idle, the median of the rounds' ratios; target: p99 within 1.3x)")
     b.report.results = {"runs": runs, "ratios": ratios}
     if env_int(PROG, "REBAL_JOB", 1):
-        b.report.results["job"] = swap_job_with_join(b, rate)
+        b.report.results["job"] = swap_job_with_join(b, sides)
 
 
-def swap_job_with_join(b, rate: str) -> dict:
-    """The join run's job with the rebalancer at `rate` and off."""
+def swap_job_with_join(b, sides: dict[str, list[str]]) -> dict:
+    """The join run's job with the rebalancer as on each side (its
+    pagerctl attach arguments)."""
     k = b.knobs
     b.join_epoch, b.join_discard = 1.0, True
     cal = join_run(b, "rebal-calibrate", None, None)
     if cal.get("oom_killed"):
         die(PROG, "the calibration run was OOM-killed: no time to join at")
     join_at = cal["seconds"] / 3
-    sides = {"moving": rate, "idle": "0"}
     secs: dict[str, list[float]] = {s: [] for s in sides}
     for rnd in range(1, k.rounds + 1):
         for side in SIDES if rnd % 2 else SIDES[::-1]:

@@ -5,8 +5,10 @@
 //! policy (`policy::rebalance`) plans; one member at a time under its
 //! unit's write lock, copy then switch, as drain does (`move_member_to`,
 //! journaled so a restart finds the member where its data is), within
-//! `rebalance_rate` bytes a second, paused while a rebuild, drain, move
-//! off the fallback or a silent donor needs the maintenance thread.
+//! `rebalance_rate` bytes a second (`rebalance_busy_rate` while the device
+//! served requests since the last pass, as md's resync slows to its
+//! minimum while the array has other I/O), paused while a rebuild, drain,
+//! move off the fallback or a silent donor needs the maintenance thread.
 //!
 //! Recency: the epoch of each home unit's last access, one relaxed load
 //! (and a store once an epoch) per unit a request touches.
@@ -15,7 +17,7 @@
 //! the maintenance thread, the request entry points (`touch`), the epoch
 //! thread (`next_epoch`) and status.
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, TryLockError};
 use std::time::Instant;
 
@@ -73,6 +75,9 @@ pub(crate) struct Moved {
     /// Each donor entry's share of the placed members and its target
     /// share, as of the last pass.
     pub shares: Vec<(f64, f64)>,
+    /// The device served requests since the pass before the last: the
+    /// busy rate applied.
+    pub busy: bool,
 }
 
 #[derive(Default)]
@@ -86,6 +91,8 @@ pub(crate) struct Rebalancer {
     pub(crate) recency: Recency,
     budget: Mutex<Budget>,
     moved: Mutex<Moved>,
+    /// The device's request count at the last pass: more now means busy.
+    requests_seen: AtomicU64,
 }
 
 impl Rebalancer {
@@ -94,6 +101,7 @@ impl Rebalancer {
             recency: Recency::new(layout.home_units()),
             budget: Mutex::new(Budget::default()),
             moved: Mutex::new(Moved::default()),
+            requests_seen: AtomicU64::new(0),
         }
     }
 
@@ -231,7 +239,17 @@ impl Inner {
 
     /// One pass of the rebalancer (maintenance thread).
     pub(crate) fn rebalance_pass(&self) {
-        let rate = self.cfg.rebalance_rate.0;
+        let requests = self.requests.load(Ordering::Relaxed);
+        let busy = self
+            .rebalancer
+            .requests_seen
+            .swap(requests, Ordering::Relaxed)
+            != requests;
+        let rate = rebalance::rate_now(
+            self.cfg.rebalance_rate.0,
+            self.cfg.rebalance_busy_rate.0,
+            busy,
+        );
         let (donors, cands) = self.rebalance_view();
         let mut p = RebalanceParams {
             now: self.rebalancer.recency.now(),
@@ -246,8 +264,10 @@ impl Inner {
                 .collect(),
             None => Vec::new(),
         };
-        let paused = if rate == 0 {
+        let paused = if self.cfg.rebalance_rate.0 == 0 {
             Some("off (rebalance rate 0)".to_string())
+        } else if rate == 0 {
+            Some("the device is busy (rebalance busy rate 0)".to_string())
         } else {
             self.rebalance_blocked()
         };
@@ -255,6 +275,7 @@ impl Inner {
         {
             let mut m = self.rebalancer.moved.lock_or_recover();
             m.shares = shares;
+            m.busy = busy;
             m.paused.clone_from(&paused);
         }
         if paused.is_some() || budget == 0 {

@@ -179,6 +179,8 @@ impl Inner {
         }
         let moved = self.rebalancer.moved();
         t.rebalance.rate_bytes = self.cfg.rebalance_rate.0;
+        t.rebalance.busy_rate_bytes = self.cfg.rebalance_busy_rate.0;
+        t.rebalance.busy = moved.busy;
         t.rebalance.moved_bytes = moved.bytes;
         t.rebalance.moves = moved.members;
         t.rebalance.paused = moved.paused;

@@ -101,6 +101,17 @@ pub const MIN_BAND: u64 = 2;
 /// Accessed in the last two epochs: hot.
 pub const DEFAULT_HOT_EPOCHS: u32 = 2;
 
+/// Bytes a second the rebalancer may move this pass: `rate` while the
+/// device is idle, at most `busy_rate` while it serves requests; `rate`
+/// 0 is off either way.
+pub fn rate_now(rate: u64, busy_rate: u64, busy: bool) -> u64 {
+    if busy {
+        busy_rate.min(rate)
+    } else {
+        rate
+    }
+}
+
 /// Each donor's target in members (`f̂_i · total`), the band in members,
 /// and the total; `None` when no donor has a frequency.
 pub fn targets(donors: &[DonorShare], p: &RebalanceParams) -> Option<(Vec<f64>, f64, u64)> {
@@ -384,5 +395,18 @@ mod tests {
         full[1].room = 0;
         full[2].may_take = false;
         assert!(plan(&full, &singles(&full, |_| 0), &params(10, 100)).is_empty());
+    }
+
+    #[test]
+    fn the_busy_rate_applies_while_the_device_serves_requests() {
+        assert_eq!(rate_now(4 << 20, 1 << 20, false), 4 << 20);
+        assert_eq!(rate_now(4 << 20, 1 << 20, true), 1 << 20);
+        // Never above the idle rate, and off stays off.
+        assert_eq!(rate_now(512 << 10, 1 << 20, true), 512 << 10);
+        assert_eq!(rate_now(0, 1 << 20, true), 0);
+        assert_eq!(rate_now(0, 1 << 20, false), 0);
+        // Busy rate 0: moves only while idle.
+        assert_eq!(rate_now(4 << 20, 0, true), 0);
+        assert_eq!(rate_now(4 << 20, 0, false), 4 << 20);
     }
 }

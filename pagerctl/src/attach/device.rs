@@ -79,6 +79,8 @@ pub struct DeviceOptions {
     pub grace: Option<Duration>,
     /// Bytes a second the rebalancer may move (0: off).
     pub rebalance_rate: Option<u64>,
+    /// Its rate while the device serves requests.
+    pub rebalance_busy_rate: Option<u64>,
     /// Epochs since its last access an extent stays hot to the rebalancer.
     pub rebalance_hot_epochs: Option<u32>,
     /// Add donors announced on the lab's network (verified with `psk`).
@@ -201,6 +203,9 @@ pub fn apply_options(
     }
     if let Some(r) = o.rebalance_rate {
         c.rebalance_rate = ByteSize(r);
+    }
+    if let Some(r) = o.rebalance_busy_rate {
+        c.rebalance_busy_rate = ByteSize(r);
     }
     if let Some(h) = o.rebalance_hot_epochs {
         c.rebalance_hot_epochs = h;

@@ -102,6 +102,11 @@ pub struct Args {
     /// idleness); 0 turns it off. Default 4M.
     #[arg(long, value_parser = netpager_util::parse_size, value_name = "SIZE")]
     rebalance_rate: Option<u64>,
+    /// The rebalancer's rate while the device serves requests (at most
+    /// --rebalance-rate); 0: it moves only while the device is idle.
+    /// Default 1M.
+    #[arg(long, value_parser = netpager_util::parse_size, value_name = "SIZE")]
+    rebalance_busy_rate: Option<u64>,
     /// Epochs an extent stays hot after an access: the rebalancer moves a
     /// hot extent only off a donor above its load bound. 0 lets it move
     /// any extent, in use or not. Default 2.
@@ -271,6 +276,7 @@ impl Args {
             forget_after: self.forget_after,
             grace: self.grace,
             rebalance_rate: self.rebalance_rate,
+            rebalance_busy_rate: self.rebalance_busy_rate,
             rebalance_hot_epochs: self.rebalance_hot_epochs,
             discover: self.discover,
             insecure: self.insecure,

@@ -157,7 +157,8 @@ class World:
             # Fast enough that members move within a slice's 30 s; the
             # workloads touch every extent each epoch, so none would be
             # cold enough to move: here every extent may, under the I/O.
-            args += ["--rebalance-rate", REBALANCE_RATE, "--rebalance-hot-epochs", "0"]
+            args += ["--rebalance-rate", REBALANCE_RATE, "--rebalance-busy-rate", REBALANCE_RATE,
+                     "--rebalance-hot-epochs", "0"]
         else:
             args += ["--rebalance-rate", "0"]
         return args
