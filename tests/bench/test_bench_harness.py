@@ -179,6 +179,28 @@ def test_bench_client_rebalance_tiny(root, tools, donor_plugin, memhog, tmp_path
     assert job["ratio"] > 0
 
 
+def test_bench_client_spread_tiny(root, tools, donor_plugin, tmp_path, monkeypatch):
+    """`make bench-client WHICH=spread`: redis swapping on 4 donors, the
+    rebalancer on and off, each donor's reads against its share."""
+    if not pagerctl().exists():
+        skip_or_fail(f"{pagerctl()} missing (make build)")
+    for k, v in {**TINY_CLIENT, **{k: TINY_APPS[k] for k in ("REDIS_KEYS", "REDIS_VALUE", "REDIS_GETS",
+                                                              "TIMEOUT")}}.items():
+        monkeypatch.setenv(k, v)
+    assert bench_client.main(["spread", "--out", str(tmp_path)]) == 0
+    r = written(tmp_path, "spread")["results"]
+    assert list(r["runs"]) == ["on", "off"]
+    for runs in r["runs"].values():
+        assert len(runs) == 1 and runs[0]["ops"] > 0
+        donors = runs[0]["donors"]
+        assert len(donors) == 4
+        # The job swapped: its reads came back from the donors, and they add up.
+        assert sum(x["reads"] for x in donors.values()) > 0
+        assert abs(sum(x["read_share"] for x in donors.values()) - 1) < 0.01
+        assert all(x["target"] > 0 for x in donors.values())
+    assert set(r["worst"]) == {"on", "off"}
+
+
 def test_bench_prefetch_tiny(root, donor_plugin, tmp_path, monkeypatch):
     for tool in ("nbdkit", "nbdfuse", "fusermount3", "sqlite3", "findmnt"):
         if shutil.which(tool) is None:

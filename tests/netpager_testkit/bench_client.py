@@ -57,6 +57,7 @@
   python3 -m netpager_testkit.bench_client join epochs     # live membership's (bench_join), only when named
   python3 -m netpager_testkit.bench_client discard          # swap with and without discard, only when named
   python3 -m netpager_testkit.bench_client anatomy          # the fault path's anatomy (bench_anatomy), only when named
+  python3 -m netpager_testkit.bench_client spread           # where redis's reads land among donors (bench_spread), only when named
   python3 -m netpager_testkit.bench_client donors modes    # some of them
   RUNTIME=10 ROUNDS=3 LIMIT=128M ... swap
   SWAP_MODE=none ... swap                  # the client in another mode
@@ -96,7 +97,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import bench_anatomy, bench_join, bench_rebalance
+from . import bench_anatomy, bench_join, bench_rebalance, bench_spread
 from .attach import FuseFile, LoopDevice, Swap, run
 from .bench import (Report, arg_parser, die, disk_workdir, env_int, env_str, fio_json, fmt_row, mean, nbdkit,
                     ratio, require)
@@ -760,9 +761,11 @@ RUN = {"donors": bench_donors, "modes": bench_modes, "swap": bench_swap, "latenc
        "depth": bench_depth, "restart": bench_restart}
 # Run only when named: live membership's (WHICH=join, WHICH=epochs, in
 # bench_join), the fault path's anatomy (WHICH=anatomy, bench_anatomy), the
-# rebalancer's cost (WHICH=rebalance, bench_rebalance) and swap with and
-# without discard (WHICH=discard).
-NAMED = {**bench_join.RUN, **bench_anatomy.RUN, **bench_rebalance.RUN, "discard": bench_discard}
+# rebalancer's cost (WHICH=rebalance, bench_rebalance), where a program's
+# reads land (WHICH=spread, bench_spread) and swap with and without
+# discard (WHICH=discard).
+NAMED = {**bench_join.RUN, **bench_anatomy.RUN, **bench_rebalance.RUN, **bench_spread.RUN,
+         "discard": bench_discard}
 
 
 def main(argv: list[str] | None = None) -> int:
