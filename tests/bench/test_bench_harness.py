@@ -267,6 +267,24 @@ def test_bench_apps_tiny(root, tools, donor_plugin, tmp_path, monkeypatch):
     assert any(line.startswith("parity+pf") for line in doc["table"])
 
 
+def test_bench_apps_shared_disk_tiny(root, tools, donor_plugin, tmp_path, monkeypatch):
+    """REGIME=shared: the sort reads its input from the swap file's disk,
+    in every run, and the input goes with the run. The swap file only:
+    the netpager set-ups are the other tests' (their input is the same)."""
+    if not pagerctl().exists():
+        skip_or_fail(f"{pagerctl()} missing (make build)")
+    for k, v in {**TINY_APPS, "REGIME": "shared", "SETUPS": "file"}.items():
+        monkeypatch.setenv(k, v)
+    assert bench_apps.main(["--out", str(tmp_path)]) == 0
+    res = written(tmp_path, "apps-shared")["results"]
+    assert list(res["runs"]) == ["sort"]
+    runs = res["runs"]["sort"]
+    done = [runs["100"]["full"][0], runs["50"]["file"][0]]
+    for r in done:
+        assert r["returncode"] == 0 and r["result"]["input"].endswith("sort-input.f64")
+    assert not Path(done[0]["result"]["input"]).exists()
+
+
 def test_bench_ab_tiny(root, tools, donor_plugin, memhog, tmp_path, monkeypatch):
     """`make bench-ab` with this tree's build on both sides (a base build
     takes minutes): A then B, each measured, its medians and ratios written."""

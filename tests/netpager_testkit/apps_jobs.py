@@ -4,7 +4,8 @@ is charged to its cgroup, so it loads only what it needs). Each writes a
 JSON result file that `bench_apps` reads and the tests check.
 
   apps_jobs.py graph VERTICES OUT     PageRank (python3-igraph) on a generated graph
-  apps_jobs.py sort MIB OUT           numpy sorts MIB of float64 in place
+  apps_jobs.py sort MIB OUT [INPUT]   numpy sorts MIB of float64 in place (read from INPUT if given)
+  apps_jobs.py sort-input MIB INPUT   writes the sort's array to INPUT (run once, outside the cgroup)
   apps_jobs.py redis KEYS VALUE GETS OUT   redis-server loaded past its limit, random GETs
 
 Each one checks its own answer (ranks sum to 1, the array is sorted and
@@ -47,15 +48,25 @@ def graph(vertices: int, out: str) -> None:
                 "rank_sum": total, "top": top})
 
 
-def sort(mib: int, out: str) -> None:
-    """float64 from a seeded generator sorted in place (numpy's introsort:
-    partitions sweep the array from both ends), then checked in chunks so
-    the check itself allocates little."""
+def sort_input(mib: int):
+    """The sort's array: float64 from a seeded generator."""
+    import numpy as np
+
+    return np.random.default_rng(27).random(mib * (1 << 20) // 8)
+
+
+def sort(mib: int, out: str, path: str | None = None) -> None:
+    """float64 from a seeded generator, or read from `path` (written by
+    sort-input), sorted in place (numpy's introsort: partitions sweep the
+    array from both ends), then checked in chunks so the check itself
+    allocates little."""
     import numpy as np
 
     n = mib * (1 << 20) // 8
     t0 = time.monotonic()
-    a = np.random.default_rng(27).random(n)
+    a = np.fromfile(path, dtype=np.float64, count=n) if path else sort_input(mib)
+    if len(a) != n:
+        raise SystemExit(f"sort: {path} holds {len(a)} values, not {n}")
     before = float(a.sum())
     t1 = time.monotonic()
     a.sort()
@@ -68,7 +79,7 @@ def sort(mib: int, out: str) -> None:
     after = float(a.sum())
     if abs(after - before) > 1e-6 * abs(before):
         raise SystemExit(f"sort: sum {after} after sorting, {before} before")
-    write(out, {"program": "sort", "elements": n, "generate_s": round(t1 - t0, 3),
+    write(out, {"program": "sort", "elements": n, "input": path, "generate_s": round(t1 - t0, 3),
                 "sort_s": round(t2 - t1, 3), "sum": after})
 
 
@@ -155,11 +166,13 @@ def main(argv: list[str]) -> None:
     if what == "graph":
         graph(int(args[0]), args[1])
     elif what == "sort":
-        sort(int(args[0]), args[1])
+        sort(int(args[0]), args[1], args[2] if len(args) > 2 else None)
+    elif what == "sort-input":
+        sort_input(int(args[0])).tofile(args[1])
     elif what == "redis":
         redis(int(args[0]), int(args[1]), int(args[2]), args[3])
     else:
-        raise SystemExit(f"apps_jobs: unknown program {what} (graph, sort, redis)")
+        raise SystemExit(f"apps_jobs: unknown program {what} (graph, sort, sort-input, redis)")
 
 
 

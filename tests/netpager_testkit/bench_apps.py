@@ -23,6 +23,11 @@ each emulated disk reached through the same loop path as netpager):
                path over that same disk with no filter (disk-path)
   ssd          an SSD-class disk (500 MB/s; the path's own latency)
   hdd          an HDD-class disk (8 ms per request, 150 MB/s)
+  shared       a shared disk: the sort reads its array from a file on the
+               disk its swap file is on (written once, its page cache
+               dropped before each run), so that its swap-outs and its
+               own input meet on one disk; netpager's donors are not on
+               it. Programs: the sort only, unless PROGRAMS says otherwise
 
 Programs: redis (redis-server loaded with REDIS_KEYS values of REDIS_VALUE
 bytes, then REDIS_GETS random GETs from redis-benchmark: ops/s, p50, p99),
@@ -52,6 +57,7 @@ zswap setting, cgroup, donor and client it sets up is undone on every exit.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -77,9 +83,13 @@ JOBS = Path(__file__).with_name("apps_jobs.py")
 SETUPS = ["none", "parity", "parity+pf", "file", "zram", "zswap+parity", "zswap+file"]
 # REGIME: the set-ups each compares by default.
 REGIMES = {"loopback": SETUPS, "disk": ["none", "parity", "file", "disk-path"],
-           "ssd": ["none", "parity", "ssd"], "hdd": ["none", "parity", "hdd"]}
+           "ssd": ["none", "parity", "ssd"], "hdd": ["none", "parity", "hdd"],
+           "shared": ["none", "parity", "file"]}
 DISK_SETUPS = ["disk-path", "ssd", "hdd"]
 PROGRAMS = ["redis", "graph", "sort"]
+# The programs a REGIME runs by default, where not all of them: only the
+# sort reads an input from the disk.
+REGIME_PROGRAMS = {"shared": ["sort"]}
 ZSWAP = Path("/sys/module/zswap/parameters")
 # The unlimited (100%) run's cgroup limit: more than the machine has.
 UNLIMITED = 1 << 50
@@ -110,7 +120,7 @@ class Knobs:
         k = cls(rounds=env_int(PROG, "ROUNDS", 1), regime=regime,
                 fractions=[int(f) for f in env_str("FRACTIONS", "75 50").split()],
                 setups=env_str("SETUPS", " ".join(REGIMES[regime])).split(),
-                programs=env_str("PROGRAMS", " ".join(PROGRAMS)).split(),
+                programs=env_str("PROGRAMS", " ".join(REGIME_PROGRAMS.get(regime, PROGRAMS))).split(),
                 redis_keys=env_int(PROG, "REDIS_KEYS", 150000),
                 redis_value=env_int(PROG, "REDIS_VALUE", 1024),
                 redis_gets=env_int(PROG, "REDIS_GETS", 60000),
@@ -135,7 +145,33 @@ class Knobs:
 def job_argv(k: Knobs, program: str, out: Path) -> list[str]:
     size = {"redis": [k.redis_keys, k.redis_value, k.redis_gets],
             "graph": [k.graph_vertices], "sort": [k.sort_mib]}[program]
-    return ["/usr/bin/python3", str(JOBS), program, *map(str, size), str(out)]
+    src = input_file(k, out.parent, program)
+    return ["/usr/bin/python3", str(JOBS), program, *map(str, size), str(out), *([str(src)] if src else [])]
+
+
+def input_file(k: Knobs, work: Path, program: str) -> Path | None:
+    """The file `program` reads its input from (REGIME shared's sort), if any."""
+    return work / "sort-input.f64" if k.regime == "shared" and program == "sort" else None
+
+
+def write_input(td: Teardown, k: Knobs, work: Path) -> None:
+    """REGIME shared: the sort's input, written once on the work directory's disk."""
+    src = input_file(k, work, "sort")
+    if src is None or "sort" not in k.programs:
+        return
+    td.add(f"file {src}", lambda: src.unlink(missing_ok=True))
+    subprocess.run(["/usr/bin/python3", str(JOBS), "sort-input", str(k.sort_mib), str(src)], check=True)
+    with open(src, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def drop_cache(path: Path) -> None:
+    """Out of the page cache, so that the job reads it from the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def higher_is_better(program: str) -> bool:
@@ -262,6 +298,9 @@ def run_program(td: Teardown, k: Knobs, work: Path, program: str, limit: int, wa
     log.unlink(missing_ok=True)
     with Teardown(f"{program} job") as jt:
         cg = MemoryCgroup(jt, limit)
+        src = input_file(k, work, program)
+        if src:
+            drop_cache(src)
         wrapper = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cg.procs_file)]
         client = watch.get("client")
         before = client.status()["status"]["requests"] if client else None
@@ -468,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
                          link_rate="1G", fio_size="64M", swap_modes=[], swap_settings=[],
                          modes=[], frontends=[], restarts=0, restart_every=0)
         cb = ClientBench("apps", ck, work)
+        write_input(top, k, cb.work)
         with Teardown("latency") as td:
             lat = qd1_latency(cb, td, k)
             td.close_or_raise()
