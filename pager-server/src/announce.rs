@@ -251,7 +251,10 @@ mod tests {
         assert_eq!(dns_lease(86400, None), Ok(86400));
         assert_eq!(dns_lease(60, Some(120)), Ok(120));
         let e = dns_lease(60, Some(119)).unwrap_err();
-        assert!(e.contains("dns-lease=119") && e.contains("dns-ttl=60"), "{e}");
+        assert!(
+            e.contains("dns-lease=119") && e.contains("dns-ttl=60"),
+            "{e}"
+        );
     }
 
     #[test]

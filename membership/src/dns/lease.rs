@@ -184,7 +184,10 @@ mod tests {
             (&[("lease", "60")][..], "no seq="),
             (&[("seq", "x"), ("lease", "60")][..], "seq=\"x\""),
             (&[("seq", "-1"), ("lease", "60")][..], "seq=\"-1\""),
-            (&[("seq", "1"), ("lease", "garbage")][..], "lease=\"garbage\""),
+            (
+                &[("seq", "1"), ("lease", "garbage")][..],
+                "lease=\"garbage\"",
+            ),
             (&[("seq", "1"), ("lease", "0")][..], "lease=\"0\""),
             (&[("seq", "1"), ("lease", "")][..], "lease=\"\""),
             // Far in the future: no record outlives a day unwatched.
@@ -195,7 +198,10 @@ mod tests {
             assert!(e.contains(needle), "{pairs:?}: {e}");
         }
         assert_eq!(
-            parse(&txt_of(&[("seq", "18446744073709551615"), ("lease", "86400")])),
+            parse(&txt_of(&[
+                ("seq", "18446744073709551615"),
+                ("lease", "86400")
+            ])),
             Ok(Some(Lease {
                 seq: u64::MAX,
                 secs: MAX_LEASE

@@ -378,7 +378,8 @@ impl DomainBrowser {
         if a.nbd.port() != port {
             return Err(format!("SRV port {port} but TXT nbd={}", a.nbd.port()));
         }
-        let lease = lease::parse(&map).map_err(|e| format!("announcement {:?}: {e}", inst.to_string()))?;
+        let lease =
+            lease::parse(&map).map_err(|e| format!("announcement {:?}: {e}", inst.to_string()))?;
         let resolved = Resolved {
             a,
             lease,
@@ -633,6 +634,15 @@ pub fn local_address_towards(server: SocketAddr) -> std::io::Result<IpAddr> {
     Ok(s.local_addr()?.ip())
 }
 
+/// Records as "NAME TYPE CLASS TTL" lines, for tests to compare.
+#[cfg(test)]
+pub(crate) fn record_lines(records: &[Record]) -> Vec<String> {
+    records
+        .iter()
+        .map(|r| format!("{} {} {} {}", r.name, r.rtype, r.class, r.ttl))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -674,13 +684,8 @@ mod tests {
         };
         let m = Message::decode(&p.update(true, 42, 5).unwrap().encode()).unwrap();
         assert_eq!(m.flags >> 11, OPCODE_UPDATE);
-        let lines: Vec<String> = m
-            .authority
-            .iter()
-            .map(|r| format!("{} {} {} {}", r.name, r.rtype, r.class, r.ttl))
-            .collect();
         assert_eq!(
-            lines,
+            record_lines(&m.authority),
             [
                 "_netpager._tcp.lab.test 12 254 0",
                 "rack2-d-1._netpager._tcp.lab.test 255 255 0",

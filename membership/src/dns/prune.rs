@@ -22,9 +22,8 @@ const RCODE_NXRRSET: u16 = 8;
 /// from `zone`; `None` when its names are not the ones a donor publishes
 /// (a forged PTR pointing elsewhere in the zone) or it has no lease.
 pub fn removal(zone: &Name, r: &Resolved, id: u16) -> Option<Message> {
-    if r.lease.is_none() {
-        return None;
-    }
+    // Records without a lease (Ansible's) are never removed.
+    r.lease?;
     let (service, own_instance, own_host) = donor_names(zone, &r.a.node_id).ok()?;
     let label = r.instance.labels().first()?;
     let instance = service.child(std::str::from_utf8(label).ok()?).ok()?;
@@ -97,7 +96,10 @@ impl Pruner {
         let browsed = match b.browse() {
             Ok(x) => x,
             Err(e) => {
-                let msg = format!("announce=dns: cannot browse {} to remove expired records: {e}", p.zone);
+                let msg = format!(
+                    "announce=dns: cannot browse {} to remove expired records: {e}",
+                    p.zone
+                );
                 if self.said.as_deref() != Some(msg.as_str()) {
                     out.push(msg.clone());
                     self.said = Some(msg);
@@ -177,24 +179,17 @@ mod tests {
         );
         let m = Message::decode(&removal(&zone, &r, 7).unwrap().encode()).unwrap();
         assert_eq!(m.flags >> 11, OPCODE_UPDATE);
-        let pre: Vec<String> = m
-            .answers
-            .iter()
-            .map(|x| format!("{} {} {} {}", x.name, x.rtype, x.class, x.ttl))
-            .collect();
-        assert_eq!(pre, ["rack-d1._netpager._tcp.lab.test 16 1 0"]);
-        assert_eq!(m.answers[0].data, r.txt[0].data);
-        let upd: Vec<String> = m
-            .authority
-            .iter()
-            .map(|x| format!("{} {} {}", x.name, x.rtype, x.class))
-            .collect();
         assert_eq!(
-            upd,
+            super::super::record_lines(&m.answers),
+            ["rack-d1._netpager._tcp.lab.test 16 1 0"]
+        );
+        assert_eq!(m.answers[0].data, r.txt[0].data);
+        assert_eq!(
+            super::super::record_lines(&m.authority),
             [
-                "_netpager._tcp.lab.test 12 254",
-                "rack-d1._netpager._tcp.lab.test 255 255",
-                "rack-d1-netpager.lab.test 255 255",
+                "_netpager._tcp.lab.test 12 254 0",
+                "rack-d1._netpager._tcp.lab.test 255 255 0",
+                "rack-d1-netpager.lab.test 255 255 0",
             ]
         );
     }
@@ -202,30 +197,36 @@ mod tests {
     #[test]
     fn hostile_records_remove_nothing_outside_a_donors_names() {
         let zone = Name::parse("lab.test").unwrap();
+        let inst = "d1._netpager._tcp.lab.test";
+        let host = "d1-netpager.lab.test";
+        let gone = |r: &Resolved| removal(&zone, r, 1).is_none();
         // No lease (Ansible's records): never removed.
-        let r = resolved("d1", "d1._netpager._tcp.lab.test", "d1-netpager.lab.test", None);
-        assert!(removal(&zone, &r, 1).is_none());
+        assert!(gone(&resolved("d1", inst, host, None)));
         // A PTR pointing outside the service: nothing removed.
-        let r = resolved("d1", "www.lab.test", "d1-netpager.lab.test", LEASE);
-        assert!(removal(&zone, &r, 1).is_none());
-        let r = resolved("d1", "d1._netpager._tcp.other.test", "d1-netpager.lab.test", LEASE);
-        assert!(removal(&zone, &r, 1).is_none());
+        assert!(gone(&resolved("d1", "www.lab.test", host, LEASE)));
+        assert!(gone(&resolved(
+            "d1",
+            "d1._netpager._tcp.other.test",
+            host,
+            LEASE
+        )));
         // A target that is someone else's name (the name server): the
         // instance goes, the target's records stay.
-        let r = resolved("d1", "d1._netpager._tcp.lab.test", "ns.lab.test", LEASE);
-        let m = removal(&zone, &r, 1).unwrap();
+        let m = removal(&zone, &resolved("d1", inst, "ns.lab.test", LEASE), 1).unwrap();
         assert_eq!(m.authority.len(), 2);
-        assert!(m.authority.iter().all(|x| x.name.to_string() != "ns.lab.test"));
+        assert!(m
+            .authority
+            .iter()
+            .all(|x| x.name.to_string() != "ns.lab.test"));
         // TXT records read under another name (a CNAME followed): nothing.
-        let mut r = resolved("d1", "d1._netpager._tcp.lab.test", "d1-netpager.lab.test", LEASE);
+        let mut r = resolved("d1", inst, host, LEASE);
         r.txt[0].name = Name::parse("elsewhere.lab.test").unwrap();
-        assert!(removal(&zone, &r, 1).is_none());
+        assert!(gone(&r));
         r.txt.clear();
-        assert!(removal(&zone, &r, 1).is_none());
+        assert!(gone(&r));
         // An instance named for another node than its TXT says: the
         // instance and PTR go (they are under the service), no target.
-        let r = resolved("d2", "d1._netpager._tcp.lab.test", "d1-netpager.lab.test", LEASE);
-        let m = removal(&zone, &r, 1).unwrap();
+        let m = removal(&zone, &resolved("d2", inst, host, LEASE), 1).unwrap();
         assert_eq!(m.authority.len(), 2);
     }
 }

@@ -109,7 +109,10 @@ pub fn verdict(checked: &[Checked], found: Option<&Found>, needed: usize, mode: 
         lines.extend(f.notes());
         let given = match checked.len() {
             0 => "none given (--donor, --donors-file)".to_string(),
-            n => format!("{} of the {n} given", checked.iter().filter(|c| c.problem.is_none()).count()),
+            n => format!(
+                "{} of the {n} given",
+                checked.iter().filter(|c| c.problem.is_none()).count()
+            ),
         };
         format!(
             "mode {mode} places each unit on {on}, and {usable} can take pages now: {given}; {}",
@@ -228,8 +231,16 @@ mod tests {
                     t.starts_with("mode mirror places each unit on 2 distinct donors, and 1 can take pages now: none given (--donor, --donors-file); 1 donor found through DNS domain lab.test (d1 at 127.0.0.5:10809)"),
                     "{t}"
                 );
-                assert!(t.contains("\n  found forged at 127.0.0.9:10809, not admitted: status not verified"), "{t}");
-                assert!(t.contains("\n  found d3, not used: domain lab.test: expired"), "{t}");
+                assert!(
+                    t.contains(
+                        "\n  found forged at 127.0.0.9:10809, not admitted: status not verified"
+                    ),
+                    "{t}"
+                );
+                assert!(
+                    t.contains("\n  found d3, not used: domain lab.test: expired"),
+                    "{t}"
+                );
                 assert!(t.contains("\n  discovery: domain lab.test: d4"), "{t}");
             }
             v => panic!("{v:?}"),
@@ -244,14 +255,23 @@ mod tests {
         f.admitted[0].problem = Some(Problem::NoRoom("d1 is draining".into()));
         match verdict(&[c("g1", None)], Some(&f), 2, "mirror") {
             Verdict::TooFew(t) => {
-                assert!(t.contains("and 1 can take pages now: 1 of the 1 given; 1 donor found"), "{t}");
-                assert!(t.contains("\n  donor d1 (127.0.0.5:10809): d1 is draining"), "{t}");
+                assert!(
+                    t.contains("and 1 can take pages now: 1 of the 1 given; 1 donor found"),
+                    "{t}"
+                );
+                assert!(
+                    t.contains("\n  donor d1 (127.0.0.5:10809): d1 is draining"),
+                    "{t}"
+                );
             }
             v => panic!("{v:?}"),
         }
         f.admitted.clear();
         match verdict(&[], Some(&f), 1, "none") {
-            Verdict::TooFew(t) => assert!(t.contains("no donor found and admitted through DNS domain lab.test"), "{t}"),
+            Verdict::TooFew(t) => assert!(
+                t.contains("no donor found and admitted through DNS domain lab.test"),
+                "{t}"
+            ),
             v => panic!("{v:?}"),
         }
     }

@@ -366,17 +366,28 @@ fn discovered(cfg: &DeviceConfig, adm: &Admission, given: &[DonorConfig]) -> che
     if cfg.discover {
         through.push("multicast DNS".into());
     }
-    through.extend(cfg.discover_domain.iter().map(|d| format!("DNS domain {d}")));
+    through.extend(
+        cfg.discover_domain
+            .iter()
+            .map(|d| format!("DNS domain {d}")),
+    );
     let mut found = check::Found {
         through,
         errors: adm.source_errors(),
-        expired: adm.expired().into_iter().map(|e| (e.a.node_id, e.why)).collect(),
+        expired: adm
+            .expired()
+            .into_iter()
+            .map(|e| (e.a.node_id, e.why))
+            .collect(),
         ..check::Found::default()
     };
     let mut configs = Vec::new();
     for (d, verdict) in adm.verdicts() {
         let nbd = d.nbd.to_string();
-        if given.iter().any(|g| g.name == d.node_id || g.address == nbd) {
+        if given
+            .iter()
+            .any(|g| g.name == d.node_id || g.address == nbd)
+        {
             continue;
         }
         match verdict {
