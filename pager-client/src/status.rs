@@ -313,6 +313,9 @@ pub struct ClientStatus {
     /// Announced donors not in the set, by node id, and why.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub not_admitted: std::collections::BTreeMap<String, String>,
+    /// Announced donors whose records are past their lease (not used).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub expired: std::collections::BTreeMap<String, String>,
     /// Why this serving process stopped serving: a newer session of the
     /// device owns its exports (the donors said so).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -730,6 +733,9 @@ pub fn render_table(s: &ClientStatus) -> String {
     }
     for (node, why) in &s.not_admitted {
         w(&mut out, format!("  announced {node}, not used: {why}"));
+    }
+    for (node, why) in &s.expired {
+        w(&mut out, format!("  announced {node}, {why}"));
     }
     for l in &s.left {
         w(

@@ -31,6 +31,26 @@ pub struct DnsSettings {
     zone: Name,
     key: tsig::Key,
     ttl: u32,
+    lease: u32,
+    prune: bool,
+}
+
+/// The lease a donor publishing every `ttl` seconds puts in its records:
+/// `lease` given, or 4 x `ttl` (a reader re-reads the records about every
+/// TTL and may read the same publication twice; a caching resolver between
+/// adds up to one TTL more); at least 2 x `ttl`.
+pub fn dns_lease(ttl: u32, lease: Option<u32>) -> Result<u32, String> {
+    let min = ttl.saturating_mul(2);
+    match lease {
+        None => Ok(ttl
+            .saturating_mul(4)
+            .min(netpager_membership::dns::lease::MAX_LEASE)
+            .max(min.min(netpager_membership::dns::lease::MAX_LEASE))),
+        Some(l) if l >= min => Ok(l),
+        Some(l) => Err(format!(
+            "dns-lease={l}: at least twice dns-ttl={ttl} (the records are published again every dns-ttl; a lease shorter than two of those expires live donors)"
+        )),
+    }
 }
 
 impl DnsSettings {
@@ -56,6 +76,8 @@ impl DnsSettings {
             zone: Name::parse(zone).map_err(|e| format!("dns-zone=: {e}"))?,
             key: tsig::Key::from_file(key).map_err(|e| format!("dns-key=: {e}"))?,
             ttl: cfg.dns_ttl,
+            lease: dns_lease(cfg.dns_ttl, cfg.dns_lease)?,
+            prune: cfg.dns_prune,
         }))
     }
 
@@ -85,6 +107,8 @@ impl DnsSettings {
             nbd_port,
             status_port: status.port(),
             timeout: DNS_TIMEOUT,
+            lease: self.lease,
+            prune: self.prune,
         };
         let what = format!("{node_id} at {addr} in {}", self.zone);
         let (publisher, first) = Publisher::start(p, log);
@@ -218,6 +242,19 @@ mod tests {
         assert!(nbd_port(&BTreeSet::from([10810]), &[10810])
             .unwrap_err()
             .contains("no TCP port"));
+    }
+
+    #[test]
+    fn the_lease_is_a_few_publications_and_never_shorter_than_two() {
+        assert_eq!(dns_lease(60, None), Ok(240));
+        assert_eq!(dns_lease(1, None), Ok(4));
+        assert_eq!(dns_lease(86400, None), Ok(86400));
+        assert_eq!(dns_lease(60, Some(120)), Ok(120));
+        let e = dns_lease(60, Some(119)).unwrap_err();
+        assert!(
+            e.contains("dns-lease=119") && e.contains("dns-ttl=60"),
+            "{e}"
+        );
     }
 
     #[test]

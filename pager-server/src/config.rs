@@ -119,6 +119,10 @@ pub struct Config {
     pub dns_zone: Option<String>,
     pub dns_key: Option<PathBuf>,
     pub dns_ttl: u32,
+    /// `announce=dns`: the lease in the TXT record (default 4 x `dns_ttl`),
+    /// and whether the donor removes other donors' expired records.
+    pub dns_lease: Option<u32>,
+    pub dns_prune: bool,
     /// How pages are kept: compressed (lz4, zstd) or raw (off).
     pub compress: Compress,
 }
@@ -159,6 +163,8 @@ impl Default for Config {
             dns_zone: None,
             dns_key: None,
             dns_ttl: 60,
+            dns_lease: None,
+            dns_prune: true,
             compress: Compress::Lz4,
         }
     }
@@ -194,6 +200,11 @@ dns-key=FILE         announce=dns: the TSIG key (BIND key file, hmac-sha256).
 dns-server=ADDR[:PORT]  announce=dns: the server taking updates (default: resolv.conf's).
 dns-ttl=SECS         announce=dns: the records' TTL, and how often they are
                      published again (default 60).
+dns-lease=SECS       announce=dns: readers take the records for a dead donor's
+                     once not published again for this long (default 4 x dns-ttl,
+                     at least 2 x dns-ttl).
+dns-prune=BOOL       announce=dns: remove other donors' records past their lease
+                     (default true).
 compress=lz4|zstd|off  Keep pages compressed in size classes, or raw (default lz4).";
 
 impl Config {
@@ -282,6 +293,17 @@ impl Config {
                     Ok(t) if (1..=86400).contains(&t) => t,
                     _ => return Err(bad(key, value, "must be 1 to 86400 seconds")),
                 }
+            }
+            "dns-lease" => {
+                self.dns_lease = match value.parse::<u32>() {
+                    Ok(t) if (1..=netpager_membership::dns::lease::MAX_LEASE).contains(&t) => {
+                        Some(t)
+                    }
+                    _ => return Err(bad(key, value, "must be 1 to 86400 seconds")),
+                }
+            }
+            "dns-prune" => {
+                self.dns_prune = parse_bool(value).map_err(|why| bad(key, value, why))?
             }
             "compress" => {
                 self.compress = Compress::parse(value)
@@ -560,6 +582,8 @@ mod tests {
             ("dns-zone", "lab.example"),
             ("dns-key", "/etc/netpager/dns.key"),
             ("dns-ttl", "30"),
+            ("dns-lease", "90"),
+            ("dns-prune", "false"),
             ("compress", "zstd"),
         ] {
             c.set(k, v).unwrap();
@@ -588,6 +612,8 @@ mod tests {
         assert_eq!(c.dns_zone.as_deref(), Some("lab.example"));
         assert_eq!(c.dns_key, Some(PathBuf::from("/etc/netpager/dns.key")));
         assert_eq!(c.dns_ttl, 30);
+        assert_eq!(c.dns_lease, Some(90));
+        assert!(!c.dns_prune);
         c.set("announce", "dns").unwrap();
         assert_eq!(c.announce, Announce::Dns);
         assert_eq!(c.compress, Compress::Zstd);
@@ -622,6 +648,9 @@ mod tests {
             ("dns-zone", "a..b", "empty label"),
             ("dns-key", "", "file path"),
             ("dns-ttl", "0", "1 to 86400"),
+            ("dns-lease", "86401", "1 to 86400"),
+            ("dns-lease", "soon", "1 to 86400"),
+            ("dns-prune", "maybe", "true/false"),
             ("compress", "gzip", "lz4, zstd or off"),
         ];
         for (k, v, why) in cases {

@@ -69,6 +69,9 @@ class DnsLab(Lab):
             "netpager_dns_zonefile": str(self.zonefile),
             "netpager_dns_zonefile_reload": ["sh", "-c", f"echo reload >> {self.reloaded}"],
         }
+        if publish == "zonefile":
+            # The fragment holds the zone's SOA, its serial raised with the records.
+            common["netpager_dns_zonefile_soa"] = f"ns.{ZONE}. admin.{ZONE}. 60 60 600 60"
         if dns is not None:
             common["netpager_dns_server"] = dns.server
             common["netpager_dns_key_controller_file"] = str(dns.key_file)
@@ -187,20 +190,25 @@ def test_publish_zonefile_renders_a_fragment_bind_serves():
         lab.ansible("site.yml")
         assert lab.reloaded.read_text() == "reload\n"
         # A zone that $INCLUDEs it, as the lab's admin writes it.
-        dns = DnsServer(td, lab.root / "served", zone=ZONE, include=lab.zonefile)
+        dns = DnsServer(td, lab.root / "served", zone=ZONE, include=lab.zonefile, soa=False)
         checkzone(dns.zone_file)
         lab.assert_published(dns)
         lab.assert_donors_hold_no_key()
         lab.assert_admitted(dns)
+        serial = int(dns.records(ZONE, "SOA")[0].split()[2])
+        assert f"; serial {serial} of " in lab.zonefile.read_text()
 
-        # Unchanged, so no reload.
+        # Unchanged, so no reload, and the serial stays.
         again = lab.ansible("site.yml").stdout
         assert all(r["changed"] == 0 for r in recap(again).values()), again
         assert lab.reloaded.read_text() == "reload\n"
+        assert f"; serial {serial} of " in lab.zonefile.read_text()
 
         lab.ansible("undeploy.yml")
-        # No donor left, and the including zone still loads.
-        assert [line for line in lab.zonefile.read_text().splitlines() if not line.startswith(";")] == []
+        # No donor left, the serial raised, and the including zone still loads.
+        left = [line for line in lab.zonefile.read_text().splitlines() if line and not line.startswith(";")]
+        assert len(left) == 1 and " IN SOA " in left[0], left
+        assert int(left[0].split()[6]) > serial, left
         assert lab.reloaded.read_text() == "reload\nreload\n"
         checkzone(dns.zone_file)
         assert lab.leftovers_but(dns) == {}

@@ -4,7 +4,11 @@ a real BIND on loopback (netpager_testkit.dns): a donor started with
 removes them when it stops; `pagerctl discover --domain` and a device
 attached with `--discover-domain` find it and admit it only once its signed
 status verifies, never a record forged to point at a host with another key.
-A flood of bogus records costs the device's epochs nothing (issue 34)."""
+A flood of bogus records costs the device's epochs nothing (issue 34). A
+client with no donors file attaches through the DNS alone, `--wait-donors`
+counting the donors it found and admitted; a killed donor's records expire
+by their lease (`seq=`/`lease=` in the TXT, judged on the reader's own
+clock) and another donor removes them from the zone."""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import socket
 import statistics
 
 from netpager_testkit import wait_for
-from netpager_testkit.client import run_pagerctl
+from netpager_testkit.client import pagerctl_status, run_pagerctl
 from netpager_testkit.dns import DnsServer
 
 ZONE = "lab.test"
@@ -31,6 +35,22 @@ def discover(dns: DnsServer, *args: str) -> tuple[dict, str]:
     p = run_pagerctl(["discover", "--json", "--for", "5", "--timeout", "3", "--domain", ZONE,
              "--dns-server", dns.server, *args])
     return {r["node_id"]: r for r in json.loads(p.stdout)}, p.stderr
+
+
+def write_every_byte(device: str, size: int) -> None:
+    """The whole device written (each MiB its own bytes), flushed, dropped
+    from the page cache and read back."""
+    chunks = [secrets.token_bytes(1 << 20) for _ in range(size >> 20)]
+    fd = os.open(device, os.O_RDWR)
+    try:
+        for i, c in enumerate(chunks):
+            os.pwrite(fd, c, i << 20)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        for i, c in enumerate(chunks):
+            assert os.pread(fd, 1 << 20, i << 20) == c, f"mismatch in MiB {i}"
+    finally:
+        os.close(fd)
 
 
 def write_and_read_back(device: str) -> None:
@@ -207,5 +227,95 @@ def test_a_dns_server_that_does_not_answer_delays_no_io_and_shows_in_status(tear
                   60, "the DNS server's silence in status")
     assert f"domain {ZONE}: DNS server {server}: no answer" in st["discovery_error"], st["discovery_error"]
     write_and_read_back(client.device)
-    text = run_pagerctl(["status", "--state-dir", client.state_dir]).stdout
+    text = pagerctl_status(client.state_dir).stdout
     assert f"discovery: browsing _netpager._tcp on domain {ZONE}; domain {ZONE}: DNS server" in text, text
+
+
+def test_a_client_with_no_donors_file_attaches_mirror_through_the_dns_alone(teardown, tmp_path, cluster,
+                                                                          client):
+    """No --donor, no donors file: `--wait-donors` counts the donors found in
+    the domain and admitted (their signed status verified), as the device's
+    epochs admit them. With one donor published, mode mirror (2) fails at
+    the end of its wait naming what it found and what it refused; with two
+    it attaches, the device opening with both (what swap's check reads), and
+    every byte written reads back."""
+    dns = DnsServer(teardown, tmp_path)
+    key = tmp_path / "lab.psk"
+    key.write_text(f"lab:{secrets.token_hex(32)}\n")
+    common = {"budget": "64M", "mlock": False, "poll_ms": 100, "busy_load": 1000}
+    (d1,) = cluster.start_donors(1, tls_psk=key, psk=key, **common, **dns_params(dns))
+    # A record pointing at a port where nothing listens: found, refused.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    dns.update(dns.forge("ghost", "127.0.0.1", dead, dead))
+    inst = f"d1.{SERVICE}."
+    wait_for(lambda: inst in dns.records(SERVICE, "PTR"), 30, "d1's PTR record")
+    discovery = ["--discover-domain", ZONE, "--dns-server", dns.server, "--psk", str(key), "--epoch", "0.2"]
+    base = ["attach", "--state-dir", client.state_dir, "--client-id", client.client_id, "--size", "16M",
+            "--mode", "mirror", *discovery]
+    p = run_pagerctl([*base, "--wait-donors", "3"], check=False)
+    if p.returncode == 0:
+        run_pagerctl(["detach", "--state-dir", client.state_dir])
+        raise AssertionError(f"mirror attached with one donor: {p.stdout}{p.stderr}")
+    assert ("mode mirror places each unit on 2 distinct donors, and 1 can take pages now: none given "
+            f"(--donor, --donors-file); 1 donor found through DNS domain {ZONE} (d1 at {d1.addr}:{d1.port})"
+            in p.stderr), p.stderr
+    assert f"found ghost at 127.0.0.1:{dead}, not admitted: " in p.stderr, p.stderr
+    assert "nothing was attached after waiting 3 s" in p.stderr, p.stderr
+    assert client.attach_json() is None and not (client.state_dir / "device.toml").exists()
+
+    (d2,) = cluster.start_donors(1, tls_psk=key, psk=key, **common, **dns_params(dns))
+    client.attach([], mode="mirror", size="16M", extra=[*discovery, "--wait-donors", "60"])
+    # status.json is written as the device opened: both donors were in it.
+    st = client.device_status()
+    assert sorted(d["name"] for d in st["donors"]) == ["d1", "d2"], st["donors"]
+    assert all(d["joined"] == "discovered" for d in st["donors"]), st["donors"]
+    assert "ghost" in st.get("not_admitted", {}), st
+    write_every_byte(client.device, 16 << 20)
+    wait_for(lambda: all(d["extents_held"] > 0 for d in client.device_status()["donors"]), 30,
+             "both donors to hold extents")
+
+
+def dig_all(dns: DnsServer, name: str) -> list[str]:
+    """Every record at `name` (PTR, SRV, TXT, A), as dig lists them."""
+    return [r for t in ("PTR", "SRV", "TXT", "A") for r in dns.records(name, t)]
+
+
+def test_a_killed_donors_records_expire_for_clients_and_another_donor_removes_them(
+        teardown, tmp_path, cluster, client):
+    """d1 is killed (SIGKILL: no clean stop) while a device uses it: its
+    records stop being published again, the device shows them expired once
+    their counter stood still for the lease, and a donor that publishes in
+    the zone removes them (a conditional update, with the zone's key).
+    d2 prunes nothing (dns-prune=false) so that the client's view is
+    checked first; d3, started then, removes d1's records."""
+    dns = DnsServer(teardown, tmp_path)
+    common = {"budget": "64M", "mlock": False, "poll_ms": 100, "busy_load": 1000}
+    lease = {**dns_params(dns, ttl=1), "dns_lease": 6, "dns_prune": "false"}
+    d1, d2 = cluster.start_donors(2, **common, **lease)
+    client.attach([], mode="none", size="32M",
+                  extra=["--discover-domain", ZONE, "--dns-server", dns.server, "--epoch", "0.2"])
+    wait_for(lambda: sorted(d["name"] for d in client.device_status().get("donors", [])) == ["d1", "d2"],
+             60, "d1 and d2 to join through the DNS")
+    txt = dns.records(f"d1.{SERVICE}", "TXT")
+    assert len(txt) == 1 and '"lease=6"' in txt[0] and '"seq=' in txt[0], txt
+    d1.kill9()
+    st = client.wait_status(lambda s: "d1" in s.get("expired", {}), 60, "d1's records to show expired")
+    assert "past its lease of 6 s" in st["expired"]["d1"], st["expired"]
+    assert "d2" not in st.get("expired", {}), st["expired"]
+    text = pagerctl_status(client.state_dir).stdout
+    assert "announced d1, domain lab.test: expired: " in text, text
+    # d1's records are still in the zone: nobody has removed them yet.
+    assert dig_all(dns, f"d1.{SERVICE}"), "d1's records went without a pruning donor"
+
+    (d3,) = cluster.start_donors(1, **common, **dns_params(dns, ttl=1), dns_lease=6)
+    wait_for(lambda: not dig_all(dns, f"d1.{SERVICE}") and not dns.records(f"d1-netpager.{ZONE}", "A"),
+             60, "d1's records to be removed from the zone")
+    ptrs = sorted(dns.records(SERVICE, "PTR"))
+    assert ptrs == [f"d2.{SERVICE}.", f"d3.{SERVICE}."], ptrs
+    assert dns.records(f"d2-netpager.{ZONE}", "A") == [d2.addr]
+    assert "removed donor d1's records" in d3.log_path.read_text(), d3.log_tail()
+    # Gone from the zone, gone from the device's list of expired records;
+    # the live donors' records never expired.
+    client.wait_status(lambda s: not s.get("expired"), 30, "d1 to leave the expired records")

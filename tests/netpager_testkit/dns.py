@@ -7,7 +7,8 @@ foreground by pid with its configuration, zone, journal and log in the
 test's directory; stopped on teardown. Nothing of the machine's (its
 /etc/bind, its resolver, port 53) is used.
 
-`include` names a file the zone $INCLUDEs.
+`include` names a file the zone $INCLUDEs (with `soa=False` it holds the
+zone's SOA).
 `records(name, type)` asks it (dig), `update(lines)` changes the zone as an
 admin or an attacker holding the key would (nsupdate)."""
 
@@ -35,7 +36,7 @@ def missing_tools() -> list[str]:
 
 class DnsServer:
     def __init__(self, teardown: Teardown, workdir, zone: str = "lab.test", addr: str = ADDR,
-                 wrap=lambda argv: argv, include: Path | None = None):
+                 wrap=lambda argv: argv, include: Path | None = None, soa: bool = True):
         missing = missing_tools()
         if missing:
             skip_or_fail(f"no {', '.join(missing)} (Debian's bind9 and bind9-dnsutils: make deps)")
@@ -53,8 +54,10 @@ class DnsServer:
         self.zone_file = self.dir / f"{zone}.zone"
         self.zone_file.write_text(
             f"$ORIGIN {zone}.\n$TTL 60\n"
-            f"@ IN SOA ns.{zone}. admin.{zone}. 1 60 60 600 60\n"
-            f"@ IN NS ns.{zone}.\nns IN A {addr}\n"
+            # soa=False: the included fragment holds the zone's SOA
+            # (ansible's netpager_dns_zonefile_soa).
+            + (f"@ IN SOA ns.{zone}. admin.{zone}. 1 60 60 600 60\n" if soa else "")
+            + f"@ IN NS ns.{zone}.\nns IN A {addr}\n"
             # Records written elsewhere, as an admin's zone includes a
             # fragment (ansible's netpager_dns_publish zonefile).
             + (f"$INCLUDE {include}\n" if include else ""))

@@ -10,13 +10,13 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use netpager_util::LockExt;
 
-use super::Announced;
+use super::{Announced, Expired, Round};
 
 /// Whether an announced donor may join, and why (`admit`'s answer).
 pub type Verdict = Result<&'static str, String>;
@@ -124,37 +124,47 @@ struct State {
     verdicts: Verdicts,
     /// What the sources said went wrong in their last round.
     errors: Vec<String>,
+    /// Records past their lease in the last round: never checked.
+    expired: Vec<Expired>,
 }
 
 /// Checks announced donors on its own thread until dropped.
 pub struct Admission {
     state: Arc<Mutex<State>>,
+    /// Rounds completed (sources asked, due donors checked), and its signal.
+    rounds: Arc<(Mutex<u64>, Condvar)>,
     stop: Option<mpsc::Sender<()>>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl Admission {
     /// Every `period`, asks `sources` what is announced (and what went
-    /// wrong finding out) and runs `check` on each donor that is due.
-    pub fn start<S, C>(mut sources: S, check: C, period: Duration) -> std::io::Result<Admission>
+    /// wrong finding out, what is expired) and runs `check` on each donor
+    /// that is due.
+    pub fn start<S, R, C>(mut sources: S, check: C, period: Duration) -> std::io::Result<Admission>
     where
-        S: FnMut() -> (Vec<Announced>, Vec<String>) + Send + 'static,
+        S: FnMut() -> R + Send + 'static,
+        R: Into<Round>,
         C: Fn(&Announced) -> Verdict + Send + Sync + 'static,
     {
         let state = Arc::new(Mutex::new(State::default()));
+        let rounds = Arc::new((Mutex::new(0u64), Condvar::new()));
         let (stop, stopped) = mpsc::channel::<()>();
-        let st = Arc::clone(&state);
+        let (st, done) = (Arc::clone(&state), Arc::clone(&rounds));
         let thread = std::thread::Builder::new()
             .name("admission".into())
             .spawn(move || loop {
-                let (announced, errors) = sources();
+                let round: Round = sources().into();
                 let due = {
                     let mut s = st.lock_or_recover();
-                    s.verdicts.retain(&announced);
-                    s.errors = errors;
-                    s.verdicts.due(&announced, Instant::now())
+                    s.verdicts.retain(&round.announced);
+                    s.errors = round.errors;
+                    s.expired = round.expired;
+                    s.verdicts.due(&round.announced, Instant::now())
                 };
                 run_checks(&due, &check, &st, &stopped);
+                *done.0.lock_or_recover() += 1;
+                done.1.notify_all();
                 match stopped.recv_timeout(period) {
                     Err(mpsc::RecvTimeoutError::Timeout) => {}
                     _ => break,
@@ -162,6 +172,7 @@ impl Admission {
             })?;
         Ok(Admission {
             state,
+            rounds,
             stop: Some(stop),
             thread: Some(thread),
         })
@@ -184,6 +195,36 @@ impl Admission {
     /// not answer), empty when nothing did.
     pub fn source_errors(&self) -> Vec<String> {
         self.state.lock_or_recover().errors.clone()
+    }
+
+    /// Donors whose records were past their lease in the last round.
+    pub fn expired(&self) -> Vec<Expired> {
+        self.state.lock_or_recover().expired.clone()
+    }
+
+    /// Rounds completed so far: the sources asked and the donors due
+    /// then checked.
+    pub fn rounds(&self) -> u64 {
+        *self.rounds.0.lock_or_recover()
+    }
+
+    /// Waits until more than `seen` rounds have completed, at most
+    /// `timeout`; the rounds completed then.
+    pub fn wait_round(&self, seen: u64, timeout: Duration) -> u64 {
+        let deadline = Instant::now() + timeout;
+        let (lock, cv) = &*self.rounds;
+        let mut n = lock.lock_or_recover();
+        while *n <= seen {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            n = match cv.wait_timeout(n, left) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+        }
+        *n
     }
 }
 
@@ -324,6 +365,9 @@ mod tests {
         wait("the sources' first round", &|| {
             !adm.source_errors().is_empty()
         });
+        // A round ends once its checks are done: none has yet.
+        assert_eq!(adm.rounds(), 0);
+        assert_eq!(adm.wait_round(0, Duration::from_millis(1)), 0);
         // Checks are stuck, and the verdicts can still be read.
         assert!(adm.verdicts().is_empty());
         *gate.0.lock_or_recover() = true;
@@ -331,6 +375,7 @@ mod tests {
         wait("every donor checked", &|| {
             adm.verdicts().len() == flood.len()
         });
+        assert!(adm.wait_round(0, Duration::from_secs(60)) >= 1);
         assert!(adm
             .verdicts()
             .iter()

@@ -233,29 +233,74 @@ impl Sources {
     /// One round: every source's donors, one per node id (multicast DNS's
     /// first, then the domains' in order), and what went wrong.
     pub fn announced(&mut self) -> (Vec<Announced>, Vec<String>) {
+        let r = self.round();
+        (r.announced, r.errors)
+    }
+
+    /// One round, with the records past their lease (`dns::lease`).
+    pub fn round(&mut self) -> Round {
         let mut found: Vec<Announced> = self
             .mdns
             .as_ref()
             .map(Browser::announced)
             .unwrap_or_default();
-        let mut errors = Vec::new();
+        let (mut errors, mut expired) = (Vec::new(), Vec::new());
         for d in &mut self.domains {
             match d.browse() {
-                Ok((more, errs)) => {
-                    for a in more {
+                Ok(b) => {
+                    for a in b.found {
                         if !found.iter().any(|f| f.node_id == a.node_id) {
                             found.push(a);
                         }
                     }
+                    expired.extend(b.expired.into_iter().map(|(r, why)| Expired {
+                        a: r.a,
+                        why: format!("domain {}: {why}", d.domain),
+                    }));
                     errors.extend(
-                        errs.into_iter()
+                        b.errors
+                            .into_iter()
                             .map(|e| format!("domain {}: {e}", d.domain)),
                     );
                 }
                 Err(e) => errors.push(format!("domain {}: {e}", d.domain)),
             }
         }
-        (found, errors)
+        // A node announced afresh elsewhere (another domain, mDNS) is not expired.
+        expired.retain(|e| !found.iter().any(|f| f.node_id == e.a.node_id));
+        Round {
+            announced: found,
+            expired,
+            errors,
+        }
+    }
+}
+
+/// A donor whose records are past their lease: not used, shown as expired.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Expired {
+    pub a: Announced,
+    pub why: String,
+}
+
+/// What the sources say in one round.
+#[derive(Debug, Clone, Default)]
+pub struct Round {
+    /// The donors announced now.
+    pub announced: Vec<Announced>,
+    /// Records still there but past their lease.
+    pub expired: Vec<Expired>,
+    /// What went wrong finding out.
+    pub errors: Vec<String>,
+}
+
+impl From<(Vec<Announced>, Vec<String>)> for Round {
+    fn from((announced, errors): (Vec<Announced>, Vec<String>)) -> Round {
+        Round {
+            announced,
+            expired: Vec::new(),
+            errors,
+        }
     }
 }
 

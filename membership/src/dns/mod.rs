@@ -10,6 +10,8 @@
 //! messages are ours ([`wire`], [`tsig`]): a small codec over UDP, and TCP
 //! when an answer does not fit.
 
+pub mod lease;
+pub mod prune;
 pub mod tsig;
 pub mod wire;
 
@@ -227,10 +229,32 @@ fn rcode_name(r: u16) -> String {
     }
 }
 
+/// An instance as resolved: the donor it announces, its lease, and what
+/// a conditional removal needs (its TXT records as read, its SRV target).
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    pub a: Announced,
+    pub lease: Option<lease::Lease>,
+    pub instance: Name,
+    pub txt: Vec<Record>,
+    pub target: Name,
+}
+
 /// What one instance resolved to, and until when that holds.
 struct Cached {
-    found: Result<Announced, String>,
+    found: Result<Resolved, String>,
     until: Instant,
+}
+
+/// One round of browsing a domain.
+#[derive(Debug, Default)]
+pub struct Browsed {
+    /// The donors announced now, their records within their lease.
+    pub found: Vec<Announced>,
+    /// Records past their lease, and why (`lease::Judgement::why`).
+    pub expired: Vec<(Resolved, String)>,
+    /// What could not be read: an instance's records.
+    pub errors: Vec<String>,
 }
 
 /// Browses `_netpager._tcp.DOMAIN` on a DNS server: the PTR records each
@@ -241,6 +265,7 @@ pub struct DomainBrowser {
     server: Option<SocketAddr>,
     timeout: Duration,
     cache: HashMap<String, Cached>,
+    freshness: lease::Freshness,
 }
 
 impl DomainBrowser {
@@ -255,12 +280,14 @@ impl DomainBrowser {
             server,
             timeout,
             cache: HashMap::new(),
+            freshness: lease::Freshness::default(),
         })
     }
 
-    /// One round: the donors announced now, and what could not be read
-    /// (an instance's records; the whole round when the server fails).
-    pub fn browse(&mut self) -> Result<(Vec<Announced>, Vec<String>), DnsError> {
+    /// One round: the donors announced now, those whose records are past
+    /// their lease, and what could not be read (an instance's records; the
+    /// whole round fails when the server does).
+    pub fn browse(&mut self) -> Result<Browsed, DnsError> {
         let server = server_or_resolver(self.server)?;
         let service = Name::parse(&format!("{SERVICE}.{}", self.domain))?;
         let (ptrs, _) = query(server, &service, TYPE_PTR, self.timeout)?;
@@ -275,26 +302,33 @@ impl DomainBrowser {
             .collect();
         let names: Vec<String> = instances.iter().map(Name::to_string).collect();
         self.cache.retain(|k, _| names.contains(k));
-        let (mut found, mut errors) = (Vec::new(), Vec::new());
+        self.freshness.retain(&names);
+        let mut out = Browsed::default();
         for (inst, key) in instances.iter().zip(&names) {
             if self.cache.get(key).is_none_or(|c| now >= c.until) {
                 let (res, ttl) = match self.resolve(server, inst) {
-                    Ok((a, ttl)) => (Ok(a), ttl),
+                    Ok((r, ttl)) => (Ok(r), ttl),
                     Err(e) => (Err(e), 0),
                 };
+                if let Ok(r) = &res {
+                    self.freshness.observe(key, r.lease, now);
+                }
                 let until = now + Duration::from_secs(ttl.into()).clamp(MIN_CACHE, MAX_CACHE);
                 self.cache.insert(key.clone(), Cached { found: res, until });
             }
             match &self.cache[key].found {
-                Ok(a) => found.push(a.clone()),
-                Err(e) => errors.push(format!("{key}: {e}")),
+                Ok(r) => match self.freshness.judge(key, r.lease, now).why() {
+                    None => out.found.push(r.a.clone()),
+                    Some(why) => out.expired.push((r.clone(), why)),
+                },
+                Err(e) => out.errors.push(format!("{key}: {e}")),
             }
         }
-        Ok((found, errors))
+        Ok(out)
     }
 
     /// An instance's announcement and the shortest TTL of its records.
-    fn resolve(&self, server: SocketAddr, inst: &Name) -> Result<(Announced, u32), String> {
+    fn resolve(&self, server: SocketAddr, inst: &Name) -> Result<(Resolved, u32), String> {
         let e = |e: DnsError| e.to_string();
         let (srv, answer) = query(server, inst, TYPE_SRV, self.timeout).map_err(e)?;
         let Some((target, port, srv_ttl)) = srv.iter().find_map(|r| match &r.data {
@@ -344,7 +378,16 @@ impl DomainBrowser {
         if a.nbd.port() != port {
             return Err(format!("SRV port {port} but TXT nbd={}", a.nbd.port()));
         }
-        Ok((a, ttl))
+        let lease =
+            lease::parse(&map).map_err(|e| format!("announcement {:?}: {e}", inst.to_string()))?;
+        let resolved = Resolved {
+            a,
+            lease,
+            instance: inst.clone(),
+            txt,
+            target,
+        };
+        Ok((resolved, ttl))
     }
 }
 
@@ -361,21 +404,32 @@ pub struct Publication {
     pub nbd_port: u16,
     pub status_port: u16,
     pub timeout: Duration,
+    /// The lease in the TXT record (`lease::Lease`): seconds within which
+    /// readers must see the record published again (at least twice `ttl`).
+    pub lease: u32,
+    /// Remove other donors' records in the zone once past their lease
+    /// (`prune`).
+    pub prune: bool,
+}
+
+/// The names a donor with node id `node` publishes under in `zone`: the
+/// service, its instance, its SRV target.
+pub fn donor_names(zone: &Name, node: &str) -> Result<(Name, Name, Name), wire::WireError> {
+    let service = Name::parse(&format!("{SERVICE}.{zone}"))?;
+    let instance = service.child(&node_label(node))?;
+    let host = zone.child(&format!("{}-netpager", node_label(node)))?;
+    Ok((service, instance, host))
 }
 
 impl Publication {
     fn names(&self) -> Result<(Name, Name, Name), wire::WireError> {
-        let service = Name::parse(&format!("{SERVICE}.{}", self.zone))?;
-        let instance = service.child(&node_label(&self.node_id))?;
-        let host = self
-            .zone
-            .child(&format!("{}-netpager", node_label(&self.node_id)))?;
-        Ok((service, instance, host))
+        donor_names(&self.zone, &self.node_id)
     }
 
     /// The update that replaces what the donor published before with its
-    /// records now (`add`), or removes them (`!add`).
-    pub fn update(&self, add: bool, id: u16) -> Result<Message, wire::WireError> {
+    /// records now (`add`, with refresh counter `seq`), or removes them
+    /// (`!add`).
+    pub fn update(&self, add: bool, seq: u64, id: u16) -> Result<Message, wire::WireError> {
         let (service, instance, host) = self.names()?;
         let rec = |name: &Name, rtype, class, ttl, data| Record {
             name: name.clone(),
@@ -397,8 +451,13 @@ impl Publication {
             rec(&host, TYPE_ANY, CLASS_ANY, 0, RData::Raw(Vec::new())),
         ];
         if add {
+            let leased = lease::Lease {
+                seq,
+                secs: self.lease,
+            };
             let txt = txt_record(&self.node_id, self.nbd_port, self.status_port)
                 .into_iter()
+                .chain(lease::txt(leased))
                 .map(|(k, v)| format!("{k}={v}").into_bytes())
                 .collect();
             let address = match self.addr {
@@ -442,26 +501,35 @@ impl Publication {
         })
     }
 
-    /// Sends the update signed with the key and checks the server took it
-    /// and signed its answer.
-    pub fn send(&self, add: bool) -> Result<(), DnsError> {
-        let id = message_id();
-        let m = self.update(add, id)?;
+    /// Sends the update (with refresh counter `seq`) signed with the key
+    /// and checks the server took it and signed its answer.
+    pub fn send(&self, add: bool, seq: u64) -> Result<(), DnsError> {
+        let m = self.update(add, seq, message_id())?;
+        match self.send_signed(&m)? {
+            0 => Ok(()),
+            r => Err(DnsError::Server {
+                server: self.server,
+                why: format!("update of {}: {}", self.zone, rcode_name(r)),
+            }),
+        }
+    }
+
+    /// Sends update `m` signed with the key; the answer's rcode, once its
+    /// signature verifies (an error answer may come unsigned: its rcode).
+    pub(crate) fn send_signed(&self, m: &Message) -> Result<u16, DnsError> {
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
-        let (bytes, mac) = self.key.sign(&m, now);
-        let (raw, answer) = exchange(self.server, &bytes, id, self.timeout, false)?;
+        let (bytes, mac) = self.key.sign(m, now);
+        let (raw, answer) = exchange(self.server, &bytes, m.id, self.timeout, false)?;
         let server = self.server;
         if answer.rcode() != 0 {
-            return Err(DnsError::Server {
-                server,
-                why: format!("update of {}: {}", self.zone, rcode_name(answer.rcode())),
-            });
+            return Ok(answer.rcode());
         }
         self.key
             .verify(&raw, &answer, &mac)
-            .map_err(|why| DnsError::Server { server, why })
+            .map_err(|why| DnsError::Server { server, why })?;
+        Ok(0)
     }
 }
 
@@ -475,12 +543,17 @@ pub struct Publisher {
 
 impl Publisher {
     /// Publishes now (an error is returned, and retried by the thread) and
-    /// every `ttl` seconds after. `log` says what happened.
+    /// every `ttl` seconds after, each time with a new refresh counter;
+    /// with `prune`, then removes other donors' records past their lease.
+    /// `log` says what happened.
     pub fn start(
         p: Publication,
         log: impl Fn(&str) + Send + 'static,
     ) -> (Publisher, Result<(), DnsError>) {
-        let first = p.send(true);
+        // Random, so that a restarted donor's counter differs from the
+        // one its records were last seen with.
+        let mut seq = u64::from((u32::from(message_id()) << 16) | u32::from(message_id()));
+        let first = p.send(true, seq);
         let (stop, stopped) = mpsc::channel::<()>();
         let q = p.clone();
         let mut failing = first.is_err();
@@ -488,8 +561,10 @@ impl Publisher {
             .name("dns-publish".into())
             .spawn(move || {
                 let every = Duration::from_secs(q.ttl.max(1).into());
+                let mut pruner = q.prune.then(|| prune::Pruner::new(&q));
                 while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(every) {
-                    match q.send(true) {
+                    seq = seq.wrapping_add(1);
+                    match q.send(true, seq) {
                         Ok(()) if failing => {
                             failing = false;
                             log(&format!(
@@ -503,6 +578,11 @@ impl Publisher {
                                 log(&format!("announce=dns: {e}; trying again every {every:?}"));
                             }
                             failing = true;
+                        }
+                    }
+                    if let Some(pr) = pruner.as_mut() {
+                        for line in pr.round(&q) {
+                            log(&line);
                         }
                     }
                 }
@@ -521,7 +601,7 @@ impl Publisher {
     /// Removes the records (at a clean stop).
     pub fn withdraw(mut self) -> Result<(), DnsError> {
         self.stop_thread();
-        self.publication.send(false)
+        self.publication.send(false, 0)
     }
 
     fn stop_thread(&mut self) {
@@ -536,7 +616,7 @@ impl Drop for Publisher {
     fn drop(&mut self) {
         if self.thread.is_some() {
             self.stop_thread();
-            let _ = self.publication.send(false);
+            let _ = self.publication.send(false, 0);
         }
     }
 }
@@ -552,6 +632,15 @@ pub fn local_address_towards(server: SocketAddr) -> std::io::Result<IpAddr> {
     let s = UdpSocket::bind(local)?;
     s.connect(server)?;
     Ok(s.local_addr()?.ip())
+}
+
+/// Records as "NAME TYPE CLASS TTL" lines, for tests to compare.
+#[cfg(test)]
+pub(crate) fn record_lines(records: &[Record]) -> Vec<String> {
+    records
+        .iter()
+        .map(|r| format!("{} {} {} {}", r.name, r.rtype, r.class, r.ttl))
+        .collect()
 }
 
 #[cfg(test)]
@@ -590,16 +679,13 @@ mod tests {
             nbd_port: 10809,
             status_port: 10810,
             timeout: Duration::from_secs(1),
+            lease: 120,
+            prune: true,
         };
-        let m = Message::decode(&p.update(true, 5).unwrap().encode()).unwrap();
+        let m = Message::decode(&p.update(true, 42, 5).unwrap().encode()).unwrap();
         assert_eq!(m.flags >> 11, OPCODE_UPDATE);
-        let lines: Vec<String> = m
-            .authority
-            .iter()
-            .map(|r| format!("{} {} {} {}", r.name, r.rtype, r.class, r.ttl))
-            .collect();
         assert_eq!(
-            lines,
+            record_lines(&m.authority),
             [
                 "_netpager._tcp.lab.test 12 254 0",
                 "rack2-d-1._netpager._tcp.lab.test 255 255 0",
@@ -614,6 +700,7 @@ mod tests {
             panic!("{:?}", m.authority[5])
         };
         assert!(t.contains(&b"node=rack2.d_1".to_vec()) && t.contains(&b"nbd=10809".to_vec()));
-        assert_eq!(p.update(false, 6).unwrap().authority.len(), 3);
+        assert!(t.contains(&b"seq=42".to_vec()) && t.contains(&b"lease=120".to_vec()));
+        assert_eq!(p.update(false, 0, 6).unwrap().authority.len(), 3);
     }
 }

@@ -52,18 +52,7 @@ impl Key {
 
     /// The first `key` clause of a BIND key file.
     pub fn parse(text: &str) -> Result<Key, String> {
-        let text: String = text
-            .lines()
-            .map(|l| {
-                l.split("//")
-                    .next()
-                    .unwrap_or("")
-                    .split('#')
-                    .next()
-                    .unwrap_or("")
-            })
-            .collect::<Vec<_>>()
-            .join("\n");
+        let text = strip_comments(text);
         let after = |word: &str, from: usize| -> Option<(usize, String)> {
             let i = text[from..].find(word)? + from + word.len();
             let rest = text[i..].trim_start();
@@ -215,6 +204,35 @@ fn parse_tsig(d: &[u8]) -> Option<Tsig> {
     })
 }
 
+/// A key file's text without its comments (`//` and `#` to the end of
+/// the line), but for what is inside quotes: a base64 secret may hold
+/// `//` (one key in about a hundred did, and was refused as not base64).
+fn strip_comments(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for line in text.lines() {
+        let mut quoted = false;
+        let mut end = line.len();
+        let mut chars = line.char_indices().peekable();
+        while let Some((i, c)) = chars.next() {
+            match c {
+                '"' => quoted = !quoted,
+                '#' if !quoted => {
+                    end = i;
+                    break;
+                }
+                '/' if !quoted && chars.peek().is_some_and(|&(_, n)| n == '/') => {
+                    end = i;
+                    break;
+                }
+                _ => {}
+            }
+        }
+        out.push_str(&line[..end]);
+        out.push('\n');
+    }
+    out
+}
+
 /// Standard base64 with padding, whitespace ignored.
 fn base64(s: &str) -> Option<Vec<u8>> {
     let val = |c: u8| -> Option<u32> {
@@ -263,6 +281,13 @@ mod tests {
         assert_eq!(base64("YWJj").unwrap(), b"abc");
         assert_eq!(base64("YWI=").unwrap(), b"ab");
         assert_eq!(base64("YQ==").unwrap(), b"a");
+        // A secret holding "//" is no comment; comments outside quotes are.
+        let k = Key::parse(
+            "# made by tsig-keygen\nkey \"k\" { // the lab's\n algorithm hmac-sha256; # sha256\n secret \"ab//cd//+/8=\"; // secret\n};\n",
+        )
+        .unwrap();
+        assert_eq!(k.secret, base64("ab//cd//+/8=").unwrap());
+        assert_eq!(k.secret.len(), 8);
         for (text, needle) in [
             ("", "no key"),
             ("key \"k\" { secret \"YQ==\"; };", "no algorithm"),

@@ -36,9 +36,11 @@ fn spec_of(c: &DonorConfig) -> DonorSpec {
 }
 
 /// Starts browsing (`discover`, `discover_domain`) and checking announced
-/// donors on a thread of its own, as `admit` says: the lab key's signed
-/// status, or a trusted network.
-pub(crate) fn start_admission(cfg: &DeviceConfig) -> Result<Admission, String> {
+/// donors on a thread of its own, every `period`, as `admit` says: the lab
+/// key's signed status, or a trusted network. The device's epochs read its
+/// verdicts; `pagerctl attach` counts the donors it admits before the
+/// device exists (`--wait-donors`).
+pub fn start_admission(cfg: &DeviceConfig, period: Duration) -> Result<Admission, String> {
     let timeout = Duration::from_millis(cfg.timeouts.connect_ms);
     let server = cfg
         .dns_server
@@ -60,15 +62,62 @@ pub(crate) fn start_admission(cfg: &DeviceConfig) -> Result<Admission, String> {
             .map_err(|e| format!("lab key: {e}"))?;
         discovery::check(&netpager_proto::StatusClient { timeout, key }, a, &trust)
     };
-    Admission::start(
-        move || sources.announced(),
-        check,
-        Duration::from_millis(cfg.policy.epoch_ms),
-    )
-    .map_err(|e| format!("discovery: cannot start its thread: {e}"))
+    Admission::start(move || sources.round(), check, period)
+        .map_err(|e| format!("discovery: cannot start its thread: {e}"))
+}
+
+/// The lab key's (first) user: TLS to a discovered donor as the one its
+/// status is signed for.
+fn lab_key_user(cfg: &DeviceConfig) -> Option<String> {
+    cfg.lab_key().as_deref().and_then(|f| {
+        netpager_proto::LabKey::from_psk_file(f, None)
+            .ok()
+            .map(|k| k.username().to_string())
+    })
+}
+
+/// The configuration an admitted announced donor joins device `cfg` with:
+/// its announced address and status endpoint, the lab key, TLS as the
+/// key's user, the export `discover_export` names.
+pub fn discovered_config(cfg: &DeviceConfig, a: &Announced) -> DonorConfig {
+    let key = cfg.lab_key();
+    let mut c = DonorConfig::from_spec(&a.spec(), key.as_deref());
+    c.tls_username = lab_key_user(cfg);
+    c.export.clone_from(&cfg.discover_export);
+    c
 }
 
 impl Inner {
+    /// At open: when the configured donors cannot place a unit and
+    /// discovery may bring more (a client with no donors file), waits for
+    /// discovery's first round, bounded, so that the open's epoch adds the
+    /// donors it admitted: the device serves with them from its first
+    /// request, and attach's swap step finds them in status.json.
+    pub(crate) fn await_discovery_at_open(&self) {
+        let Some(admission) = &self.admission else {
+            return;
+        };
+        let needed = crate::probe::donors_needed(&self.cfg);
+        let usable = self
+            .members
+            .iter()
+            .filter(|d| !d.is_failed() && !d.is_retired() && !d.is_leaving())
+            .count();
+        if usable >= needed {
+            return;
+        }
+        // A round: the domain's queries and the checks, each bounded by
+        // the connect timeout; far above a healthy lab's round.
+        let bound = Duration::from_millis(self.cfg.timeouts.connect_ms)
+            .saturating_mul(4)
+            .max(Duration::from_secs(5));
+        if admission.wait_round(0, bound) == 0 {
+            tracing::warn!(
+                "discovery: no round finished within {bound:?} of the open; discovered donors join at a later epoch"
+            );
+        }
+    }
+
     /// Epoch: applies the donors file (when configured) to the set. A file
     /// that does not parse changes nothing; a change that cannot be made
     /// yet (a removal the mode refuses) is tried again next epoch.
@@ -144,14 +193,6 @@ impl Inner {
         let Some(admission) = &self.admission else {
             return;
         };
-        let key = self.cfg.lab_key();
-        // TLS to a discovered donor as the lab key's (first) user, the one
-        // its status is signed for.
-        let user = key.as_deref().and_then(|f| {
-            netpager_proto::LabKey::from_psk_file(f, None)
-                .ok()
-                .map(|k| k.username().to_string())
-        });
         let removed: Vec<String> = self
             .map
             .donor_entries()
@@ -187,9 +228,7 @@ impl Inner {
                     continue;
                 }
             };
-            let mut c = DonorConfig::from_spec(&a.spec(), key.as_deref());
-            c.tls_username.clone_from(&user);
-            c.export.clone_from(&self.cfg.discover_export);
+            let c = discovered_config(&self.cfg, &a);
             match self.add_member(c, Joined::Discovered, false) {
                 Ok(d) => tracing::info!(
                     "discovered donor {} at {} ({why})",
@@ -203,7 +242,18 @@ impl Inner {
             }
         }
         let errors = admission.source_errors();
+        let expired: BTreeMap<String, String> = admission
+            .expired()
+            .into_iter()
+            .map(|e| (e.a.node_id, e.why))
+            .collect();
         let mut book = self.members.book();
+        for (node, why) in &expired {
+            if !book.expired.contains_key(node) {
+                tracing::warn!("announced donor {node} not used: {why}");
+            }
+        }
+        book.expired = expired;
         for (node, why) in &verdicts {
             if book.not_admitted.get(node) != Some(why) {
                 tracing::warn!("announced donor {node} not used: {why}");

@@ -81,6 +81,8 @@ pub(crate) struct Book {
     pub left: Vec<LeftDonor>,
     /// Announced donors not in the set, by node id, and why not.
     pub not_admitted: BTreeMap<String, String>,
+    /// Announced donors whose records are past their lease, by node id.
+    pub expired: BTreeMap<String, String>,
     /// Why discovery is not running, if it was asked for and is not.
     pub discovery_error: Option<String>,
 }

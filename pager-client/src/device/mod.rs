@@ -25,6 +25,7 @@ pub mod control;
 mod donor;
 mod epoch;
 mod follow;
+pub use follow::{discovered_config, start_admission};
 mod io;
 mod label;
 mod lost;
@@ -260,7 +261,7 @@ impl Device {
         let backend = Backend::open(&cfg, layout, &map)?;
         let mut book = membership::Book::default();
         let admission = if cfg.discover || !cfg.discover_domain.is_empty() {
-            match follow::start_admission(&cfg) {
+            match follow::start_admission(&cfg, Duration::from_millis(cfg.policy.epoch_ms)) {
                 Ok(a) => Some(a),
                 Err(e) => {
                     tracing::error!("discovery: {e}; only the configured donors are used");
@@ -341,6 +342,7 @@ impl Device {
             let why = d.health().refused.clone().unwrap_or_default();
             inner.fail_donor_gone(d, &format!("refused at open: {why}"));
         }
+        inner.await_discovery_at_open();
         inner.run_epoch(Duration::from_millis(inner.cfg.policy.epoch_ms));
         inner.mark_failed_donors();
         // A donor that restarted serves again at once, as a new donor:

@@ -316,6 +316,7 @@ impl Inner {
             discover_domain: self.cfg.discover_domain.clone(),
             discovery_error: book.discovery_error.clone(),
             not_admitted: book.not_admitted.clone(),
+            expired: book.expired.clone(),
             totals: t,
             requests: self.stats.reports(),
             stages: self.stats.stages.reports(),

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use netpager_membership::discovery::Network;
+use netpager_membership::discovery::{Admission, Network};
 use pager_client::config::{DeviceConfig, DonorConfig};
 use pager_client::probe;
 use pagerctl::attach::check::{self, Checked, Verdict};
@@ -364,19 +364,75 @@ fn check_donors(cfg: &DeviceConfig, donors: &[DonorConfig]) -> Vec<Checked> {
     })
 }
 
+/// What discovery found and admitted now (the admission the device's
+/// epochs use), each admitted donor checked as a given one is; donors
+/// given already (by name or address) are not counted twice.
+fn discovered(cfg: &DeviceConfig, adm: &Admission, given: &[DonorConfig]) -> check::Found {
+    let mut through: Vec<String> = Vec::new();
+    if cfg.discover {
+        through.push("multicast DNS".into());
+    }
+    through.extend(
+        cfg.discover_domain
+            .iter()
+            .map(|d| format!("DNS domain {d}")),
+    );
+    let mut found = check::Found {
+        through,
+        errors: adm.source_errors(),
+        expired: adm
+            .expired()
+            .into_iter()
+            .map(|e| (e.a.node_id, e.why))
+            .collect(),
+        ..check::Found::default()
+    };
+    let mut configs = Vec::new();
+    for (d, verdict) in adm.verdicts() {
+        let nbd = d.nbd.to_string();
+        if given
+            .iter()
+            .any(|g| g.name == d.node_id || g.address == nbd)
+        {
+            continue;
+        }
+        match verdict {
+            Ok(_) => configs.push(pager_client::device::discovered_config(cfg, &d)),
+            Err(why) => found.refused.push((d.node_id.clone(), nbd, why)),
+        }
+    }
+    found.admitted = check_donors(cfg, &configs);
+    found
+}
+
 /// Before the device is created: enough donors take pages for the mode to
 /// place a unit, or attach waits (--wait-donors), goes on degraded
 /// (--allow-degraded, never with --swap) or fails naming each donor's
-/// problem. `existing`: the state directory of a device that exists (its
-/// map's journal names members that joined later).
+/// problem. With discovery the donors it finds and admits count too (a
+/// client with no donors file). `existing`: the state directory of a
+/// device that exists (its map's journal names members that joined later).
 fn require_donors(a: &Args, cfg: &DeviceConfig, existing: Option<&Path>) -> Result<()> {
     let donors = probe::starting_donors(cfg, existing).map_err(anyhow::Error::msg)?;
     let needed = probe::donors_needed(cfg);
     let deadline = a.wait_donors.map(|w| Instant::now() + w);
+    let discovering = cfg.discover || !cfg.discover_domain.is_empty();
+    // Its rounds pace the wait: one a second.
+    let admission = discovering
+        .then(|| pager_client::device::start_admission(cfg, Duration::from_secs(1)))
+        .transpose()
+        .map_err(anyhow::Error::msg)?;
+    let round_bound = Duration::from_millis(cfg.timeouts.connect_ms)
+        .saturating_mul(4)
+        .max(Duration::from_secs(5));
+    let mut rounds = 0;
     let mut progress = super::Progress::default();
     loop {
         let checked = check_donors(cfg, &donors);
-        let why = match check::verdict(&checked, needed, cfg.mode.word()) {
+        let found = admission.as_ref().map(|adm| {
+            rounds = adm.wait_round(rounds, round_bound);
+            discovered(cfg, adm, &donors)
+        });
+        let why = match check::verdict(&checked, found.as_ref(), needed, cfg.mode.word()) {
             Verdict::Enough { warnings } => {
                 progress.done();
                 for w in warnings {
@@ -387,11 +443,18 @@ fn require_donors(a: &Args, cfg: &DeviceConfig, existing: Option<&Path>) -> Resu
             Verdict::TooFew(why) => why,
         };
         if deadline.is_some_and(|d| Instant::now() < d) {
-            let usable = checked.iter().filter(|c| c.problem.is_none()).count();
+            let admitted = found.as_ref().map_or(&[][..], |f| &f.admitted[..]);
+            let usable = checked
+                .iter()
+                .chain(admitted)
+                .filter(|c| c.problem.is_none())
+                .count();
             progress.show(format!(
                 "waiting for donors (--wait-donors): {usable} of {needed} needed take pages"
             ));
-            std::thread::sleep(Duration::from_secs(1));
+            if admission.is_none() {
+                std::thread::sleep(Duration::from_secs(1));
+            }
             continue;
         }
         progress.done();
@@ -402,9 +465,9 @@ fn require_donors(a: &Args, cfg: &DeviceConfig, existing: Option<&Path>) -> Resu
         if a.swap {
             bail!("{why}\nswap is not turned on for a device that cannot place a unit{waited}; fix the donors above, or attach with --wait-donors SECS to wait for them");
         }
-        // Donors found by discovery join later: they are not checked here.
-        if a.allow_degraded || cfg.discover || !cfg.discover_domain.is_empty() {
-            tracing::warn!("{why}\nattaching anyway (--allow-degraded, --discover or --discover-domain): writes to extents not placed yet fail until donors can take them");
+        // Without --wait-donors, donors discovery finds later join then.
+        if a.allow_degraded || (discovering && a.wait_donors.is_none()) {
+            tracing::warn!("{why}\nattaching anyway (--allow-degraded, or discovery without --wait-donors): writes to extents not placed yet fail until donors can take them");
             return Ok(());
         }
         bail!("{why}\nnothing was attached{waited}; fix the donors above, or attach with --wait-donors SECS to wait for them, or --allow-degraded to attach anyway");

@@ -56,18 +56,19 @@ pub fn run(args: Args) -> Result<()> {
     let mut sources = Sources::start(args.domain.is_empty(), &args.domain, server, client.timeout)
         .map_err(anyhow::Error::msg)?;
     let start = Instant::now();
-    let (mut seen, mut errors) = sources.announced();
+    let mut round = sources.round();
     while start.elapsed() < args.listen
         && (args.expect.is_empty()
             || !args
                 .expect
                 .iter()
-                .all(|n| seen.iter().any(|a| &a.node_id == n)))
+                .all(|n| round.announced.iter().any(|a| &a.node_id == n)))
     {
         std::thread::sleep(Duration::from_millis(100));
-        (seen, errors) = sources.announced();
+        round = sources.round();
     }
     drop(sources);
+    let (seen, errors) = (round.announced, round.errors);
     for e in &errors {
         eprintln!("pagerctl discover: {e}");
     }
@@ -75,13 +76,18 @@ pub fn run(args: Args) -> Result<()> {
         networks: args.trust_network.clone(),
         insecure: args.insecure,
     };
-    let rows: Vec<Row> = seen
+    let mut rows: Vec<Row> = seen
         .into_iter()
         .map(|a| Row {
             usable: discovery::check(&client, &a, &trust),
             a,
         })
         .collect();
+    // Records past their lease (watched for one lease: --for longer than it).
+    rows.extend(round.expired.into_iter().map(|e| Row {
+        a: e.a,
+        usable: Err(e.why),
+    }));
     if args.json {
         let v: Vec<_> = rows
             .iter()
