@@ -184,8 +184,10 @@ def test_bench_client_spread_tiny(root, tools, donor_plugin, tmp_path, monkeypat
     rebalancer on and off, each donor's reads against its share."""
     if not pagerctl().exists():
         skip_or_fail(f"{pagerctl()} missing (make build)")
-    for k, v in {**TINY_CLIENT, **{k: TINY_APPS[k] for k in ("REDIS_KEYS", "REDIS_VALUE", "REDIS_GETS",
-                                                              "TIMEOUT")}}.items():
+    # Values of 1 KiB: at half its peak, most are on the donors, and the
+    # GETs must read them back.
+    for k, v in {**TINY_CLIENT, "REDIS_KEYS": "20000", "REDIS_VALUE": "1024", "REDIS_GETS": "5000",
+                 "TIMEOUT": "300"}.items():
         monkeypatch.setenv(k, v)
     assert bench_client.main(["spread", "--out", str(tmp_path)]) == 0
     r = written(tmp_path, "spread")["results"]
@@ -283,6 +285,18 @@ def test_bench_apps_shared_disk_tiny(root, tools, donor_plugin, tmp_path, monkey
     for r in done:
         assert r["returncode"] == 0 and r["result"]["input"].endswith("sort-input.f64")
     assert not Path(done[0]["result"]["input"]).exists()
+
+
+def test_bench_apps_lab_links_tiny(root, tools, donor_plugin, tmp_path, monkeypatch):
+    """REGIME=lab: the sort swapping to donors on the lab's hosts behind a
+    1 Gbit/s link (the lab's own teardown is tests/lab's)."""
+    if not pagerctl().exists():
+        skip_or_fail(f"{pagerctl()} missing (make build)")
+    for k, v in {**TINY_APPS, "REGIME": "lab", "SETUPS": "none@1g", "PROGRAMS": "sort"}.items():
+        monkeypatch.setenv(k, v)
+    assert bench_apps.main(["--out", str(tmp_path)]) == 0
+    (r,) = written(tmp_path, "apps-lab")["results"]["runs"]["sort"]["50"]["none@1g"]
+    assert r["returncode"] == 0 and r["reads"] > 0
 
 
 def test_bench_ab_tiny(root, tools, donor_plugin, memhog, tmp_path, monkeypatch):

@@ -23,6 +23,11 @@ each emulated disk reached through the same loop path as netpager):
                path over that same disk with no filter (disk-path)
   ssd          an SSD-class disk (500 MB/s; the path's own latency)
   hdd          an HDD-class disk (8 ms per request, 150 MB/s)
+  lab          netpager with its donors on the lab's hosts (network
+               namespaces, tests/lab/netlab.py) behind 10 Gbit/s and
+               1 Gbit/s links (tbf on both ends: none@10g, parity@10g,
+               none@1g, parity@1g), beside netpager on loopback and the
+               swap file (netpager_testkit.lab_links)
   shared       a shared disk: the sort reads its array from a file on the
                disk its swap file is on (written once, its page cache
                dropped before each run), so that its swap-outs and its
@@ -76,6 +81,7 @@ from .cgroup import MemoryCgroup
 from .cleanup import Teardown, install_handlers
 from .paths import pagerctl, server_plugin
 from .disks import emulated_disk
+from .lab_links import LINKS, LabLinks
 from .procs import OwnedProcess
 
 PROG = "bench-apps"
@@ -84,8 +90,10 @@ SETUPS = ["none", "parity", "parity+pf", "file", "zram", "zswap+parity", "zswap+
 # REGIME: the set-ups each compares by default.
 REGIMES = {"loopback": SETUPS, "disk": ["none", "parity", "file", "disk-path"],
            "ssd": ["none", "parity", "ssd"], "hdd": ["none", "parity", "hdd"],
-           "shared": ["none", "parity", "file"]}
+           "shared": ["none", "parity", "file"],
+           "lab": ["none", "none@10g", "parity@10g", "none@1g", "parity@1g", "file"]}
 DISK_SETUPS = ["disk-path", "ssd", "hdd"]
+LAB_SETUPS = [f"{m}@{link}" for link in LINKS for m in ("none", "parity")]
 PROGRAMS = ["redis", "graph", "sort"]
 # The programs a REGIME runs by default, where not all of them: only the
 # sort reads an input from the disk.
@@ -131,8 +139,8 @@ class Knobs:
                 timeout=env_int(PROG, "TIMEOUT", 600),
                 runtime=env_int(PROG, "RUNTIME", 5))
         for s in k.setups:
-            if s not in SETUPS + DISK_SETUPS:
-                die(PROG, f"unknown set-up {s} in SETUPS ({', '.join(SETUPS + DISK_SETUPS)})")
+            if s not in SETUPS + DISK_SETUPS + LAB_SETUPS:
+                die(PROG, f"unknown set-up {s} in SETUPS ({', '.join(SETUPS + DISK_SETUPS + LAB_SETUPS)})")
         for p in k.programs:
             if p not in PROGRAMS:
                 die(PROG, f"unknown program {p} in PROGRAMS ({', '.join(PROGRAMS)})")
@@ -220,19 +228,21 @@ class Setups:
     """Each method sets up a swap set-up under `td` and returns what the
     sampler watches: the swap device, and where node memory goes."""
 
-    def __init__(self, cb: ClientBench, k: Knobs):
+    def __init__(self, cb: ClientBench, k: Knobs, top: Teardown):
         self.t = SwapTargets(cb)
         self.cb = cb
         self.k = k
+        self.lab = LabLinks(top, cb.work)
 
     def make(self, td: Teardown, setup: str) -> dict:
         front, _, back = setup.rpartition("+") if setup.startswith("zswap+") else ("", "", setup)
         if front:
             Zswap(td, self.k.zswap_pool)
+        back, _, link = back.partition("@")
         if back in ("none", "parity", "parity+pf"):
             mode = back.split("+")[0]
             pf = self.k.prefetch_pages if back.endswith("+pf") else 0
-            donors = self.cb.donors(td, 3, None, "swap")
+            donors = self.lab.donors(td, 3, link, "swap") if link else self.cb.donors(td, 3, None, "swap")
             state = self.cb.work / "client"
             shutil.rmtree(state, ignore_errors=True)
             client = PagerClient(td, state, client_id="apps")
@@ -512,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
             lat = qd1_latency(cb, td, k)
             td.close_or_raise()
         ra = kernel_readahead()
-        setups = Setups(cb, k)
+        setups = Setups(cb, k, top)
         runs: dict = {p: {"100": {"full": []}, "peak": 0,
                           **{str(f): {s: [] for s in k.setups} for f in k.fractions}}
                       for p in k.programs}

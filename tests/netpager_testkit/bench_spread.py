@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import time
 
 from .bench import die, env_int, fmt_row
 from .client import PagerClient
@@ -41,6 +42,7 @@ def spread_run(b, apps, k, tag: str, extra: list[str], limit: int) -> dict:
         client = b.attach(td, tag, donors, "none", "1G", "fuse-uring", swap=True, extra=extra)
         before = donor_reads(client)
         r = apps.run_program(td, k, b.work, "redis", limit, {"device": client.device, "client": client})
+        time.sleep(1.2)  # status.json is rewritten each second
         after = donor_reads(client)
         td.close_or_raise()
     if "failed" in r:
