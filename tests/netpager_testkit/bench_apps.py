@@ -64,7 +64,8 @@ from .attach import Swap, swaps
 from .bench import Report, arg_parser, die, disk_workdir, env_int, env_str, fio_json, fmt_row, require
 from .bench_client import Bench as ClientBench
 from .bench_client import Knobs as ClientKnobs
-from .bench_client import SwapTargets, mode_args
+from .bench_client import mode_args
+from .bench_swap import SwapTargets
 from .client import PagerClient
 from .cgroup import MemoryCgroup
 from .cleanup import Teardown, install_handlers
