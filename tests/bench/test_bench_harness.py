@@ -140,6 +140,44 @@ def test_bench_client_tiny(root, tools, donor_plugin, memhog, tmp_path, monkeypa
     assert restart["jobs"] >= 1
 
 
+def held_ratio(m: dict) -> float:
+    """Bytes written over bytes held, of DonorMemory figures."""
+    return m["logical"] / m["stored"]
+
+
+def test_bench_client_swap_compress_tiny(root, tools, donor_plugin, memhog, tmp_path, monkeypatch):
+    """COMPRESS: the swap job's client set-up once per donor compress=
+    setting, alternating, with what the donors held; COMPRESSIBLE makes
+    memhog's pages three quarters zeros, which lz4 keeps small. The
+    client alone (SWAP_TARGETS=""): test_bench_client_tiny runs the rest."""
+    for path in (pagerctl(), client_plugin(), target_dir() / "examples" / "fuse-memory"):
+        if not path.exists():
+            skip_or_fail(f"{path} missing (make build)")
+    for k, v in {**TINY_CLIENT, "COMPRESS": "off lz4", "COMPRESSIBLE": "75", "SWAP_TARGETS": ""}.items():
+        monkeypatch.setenv(k, v)
+    assert bench_client.main(["swap", "--out", str(tmp_path)]) == 0
+    doc = written(tmp_path, "swap")
+    assert (doc["knobs"]["compress"], doc["knobs"]["compressible"]) == (["off", "lz4"], 75)
+    assert doc["knobs"]["swap_targets"] == []
+    r = doc["results"]
+    client = "client:fuse-uring@0+parity/loopback"
+    assert list(r["seconds"]) == [f"{client}@off", f"{client}@lz4"]
+    for c in ("off", "lz4"):
+        (held,) = r["seconds"][f"{client}@{c}"]["donors"]
+        # The donors ran with the setting, by their own status.
+        assert held["compress"] == [c]
+        assert held["peak"]["stored"] > 0 and held["peak"]["logical"] > 0
+        assert min(held["end"].values()) >= 0
+    both = r["compress"][client]
+    assert both["off"]["time_ratio"] == 1.0 and both["lz4"]["time_ratio"] > 0
+    # off keeps pages raw (a status reads its two figures a write apart:
+    # 1%); lz4 keeps a page three quarters zeros in far less.
+    assert held_ratio(both["off"]["peak"]) <= 1.01
+    assert held_ratio(both["lz4"]["peak"]) > 1.5
+    assert both["lz4"]["peak_ratio"] < 1.0
+    assert any(line.strip().startswith("lz4 / off: ") and "(target <= 1.05x)" in line for line in doc["table"])
+
+
 def test_bench_client_discard_tiny(root, tools, donor_plugin, memhog, tmp_path, monkeypatch):
     """`make bench-client WHICH=discard`: the swap job with and without discard."""
     for path in (pagerctl(), client_plugin()):

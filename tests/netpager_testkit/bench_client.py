@@ -28,6 +28,19 @@
      memory is in a lab; "loopback" runs all of them at loopback speed,
      which shows whether bandwidth binds at all. Targets: client on
      fuse-uring <= 1.0x nbdkit memory and <= 1.0x the swap file.
+     COMPRESS="off lz4" (pager-server's compress=, off|lz4|zstd; unset:
+     the plugin's default, one run each as without it) runs every client
+     set-up once per setting, alternating within each round (A B A B),
+     its donors started with that setting: each setting's seconds and
+     mean, its ratio to the first (target: lz4 / off <= 1.05x), and what
+     the donors held, summed over them from their status (used_bytes, the
+     bytes really held, against logical_bytes, the bytes written), at the
+     job's end (read before the teardown) and at peak (sampled every
+     0.5 s). memhog's pages are pseudo-random, which no compressor
+     shrinks: COMPRESSIBLE=PCT (0-90) leaves the last PCT% of every page
+     zero (memhog --compressible), so that lz4 has something to keep small.
+     SWAP_TARGETS ("proxy memory floor zram file") names the targets run
+     beside the client ("": the client alone).
   4. latency: QD1 4 KiB random reads and writes (fio, psync, direct=1)
      through the client's loop device (mode none, one donor, each front
      end) against fio's nbd engine straight to that donor over TCP,
@@ -62,6 +75,8 @@
   SWAP_MODE=none ... swap                  # the client in another mode
   SWAP_MODES="parity ec" ... swap          # modes side by side
   SWAP_SETTINGS=links ... swap
+  COMPRESS="off lz4" COMPRESSIBLE=60 ... swap   # the donors' compression side by side
+  SWAP_TARGETS="" ... swap                 # the client alone
   FRONTENDS="fuse-uring@0 fuse-uring@50" ... latency   # FRONTEND@US: --spin-us US
   MODES=parity ... modes                   # none and parity only
   FIO_ROUNDS=3 ... modes                   # best of 3 fio runs each
@@ -74,7 +89,10 @@ SWAP_MODE (parity) / SWAP_MODES, SWAP_SETTINGS ("links loopback"), MODES
 ("mirror parity parity-nolog disk ec"), FRONTENDS ("fuse-uring fuse nbd";
 fuse-held: fuse attached --restartable, the others --no-restartable), DEPTH_QDS ("1 4 16 64"),
 DEPTH_MODES ("none parity ec"), RESTARTS (20), RESTART_EVERY (2 s), SETTLE
-(10 s, discard's wait after the job).
+(10 s, discard's wait after the job), COMPRESS (unset; "off lz4": swap's
+client set-ups with their donors at each compress= setting), COMPRESSIBLE
+(0, % of each page of swap's job that is zeros), SWAP_TARGETS ("proxy
+memory floor zram file", swap's targets beside the client).
 
 Each benchmark writes OUTDIR/NAME.txt and OUTDIR/NAME.json (--out, default
 bench-results/client). The work directory (client state, the disk mode's
@@ -159,12 +177,13 @@ class Bench:
         self.report = Report(name, asdict(knobs))
 
     # ------------------------------------------------------------ set-up
-    def donors(self, td: Teardown, n: int, rate: str | None, tag: str) -> list[Donor]:
+    def donors(self, td: Teardown, n: int, rate: str | None, tag: str, compress: str | None = None) -> list[Donor]:
         """n pager-server donors on 127.0.0.2.., each behind a `rate` bits/s
-        link (None: loopback speed)."""
+        link (None: loopback speed), with compress=`compress` (None: the
+        plugin's default)."""
         filters = {"filters": ["rate"], "filter_params": {"rate": rate}} if rate else {}
         cluster = Cluster(td, self.work / tag, server_plugin())
-        return cluster.start_donors(n, size="2G", budgets="2G", **filters)
+        return cluster.start_donors(n, size="2G", budgets="2G", compress=compress, **filters)
 
     def attach(self, td: Teardown, tag: str, donors, mode: str, size: str, frontend: str,
                swap: bool = False, width: int | None = None, client_id: str = "bench",

@@ -1,18 +1,22 @@
 """The swap benchmark of `make bench-client` (3. in bench_client's doc, its
 --help): the swap job (memhog in a memory cgroup) through each swap target,
-alternating round by round. Its targets (`SwapTargets`) and one run of the
-job (`swap_once`) serve bench_apps, bench_ab and bench_client's depth too.
+alternating round by round; with COMPRESS, each client set-up once per
+donor compress= setting, side by side with what the donors held. Its
+targets (`SwapTargets`) and one run of the job (`swap_once`) serve
+bench_apps, bench_ab and bench_client's depth too.
 """
 
 from __future__ import annotations
 
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import machine
 from .attach import FuseFile, LoopDevice, Swap, run
-from .bench import die, fmt_row, mean, nbdkit, ratio
+from .bench import (DonorMemory, compress_settings, die, env_int, env_str, fmt_row, held_cell, mean, mean_held,
+                    nbdkit, ratio)
 from .cgroup import run_job_in_cgroup
 from .cleanup import Teardown
 from .client import URING_SWITCH
@@ -25,6 +29,9 @@ if TYPE_CHECKING:
     from .bench_client import Bench, Knobs
 
 PROG = "bench-client"
+# What the client's swap is compared with (SWAP_TARGETS): per link setting,
+# then local.
+REFERENCES = ["proxy", "memory", "floor", "zram", "file"]
 
 
 def swap_donors(mode: str) -> int:
@@ -57,8 +64,8 @@ class SwapTargets:
     def __init__(self, b: Bench):
         self.b = b
 
-    def client(self, td: Teardown, rate, frontend: str, mode: str) -> str:
-        donors = self.b.donors(td, swap_donors(mode), rate, "swap")
+    def client(self, td: Teardown, donors: list[Donor], frontend: str, mode: str) -> str:
+        """The client in `mode` on `donors` (swap_donors(mode) of them)."""
         return self.b.attach(td, "swap", donors, mode, "1G", frontend, swap=True, width=3).device
 
     def memory(self, td: Teardown, rate, *_) -> str:
@@ -129,74 +136,164 @@ class SwapTargets:
         return str(f)
 
 
+def parse_run(name: str) -> tuple[str, str, str, str, str]:
+    """A run's name as bench_swap names them,
+    KIND[:FRONTEND+MODE][/SETTING[@COMPRESS]] (client:fuse-uring+parity/links,
+    client:fuse-uring+parity/loopback@lz4): (kind, frontend, mode, setting,
+    compress), "" where absent."""
+    target, _, rest = name.partition("/")
+    setting, _, compress = rest.partition("@")
+    kind, _, spec = target.partition(":")
+    frontend, _, mode = spec.partition("+")
+    return kind, frontend, mode, setting, compress
+
+
 def swap_label(run_name: str, k: Knobs) -> str:
-    target, _, setting = run_name.partition("/")
-    if target.startswith("client:"):
-        frontend, _, mode = target.removeprefix("client:").partition("+")
+    kind, frontend, mode, setting, compress = parse_run(run_name)
+    if kind == "client":
         label = f"client, {mode}, {swap_donors(mode)} donors, {frontend}"
     else:
         label = {"proxy": "one nbdkit memory via a local proxy", "memory": "one nbdkit memory",
                  "floor": "FUSE from memory + loop (the floor)", "zram": "zram",
-                 "file": "swap file on local disk"}[target]
+                 "file": "swap file on local disk"}[kind]
     if setting == "links":
-        return f"{label}, {k.link_rate} links"
-    return f"{label}, loopback" if setting else label
+        label = f"{label}, {k.link_rate} links"
+    elif setting:
+        label = f"{label}, loopback"
+    return f"{label}, compress={compress}" if compress else label
 
 
 def swap_once(b: Bench, targets: SwapTargets, name: str) -> float:
-    """The swap job's seconds through one target, named as bench_swap names
-    them: KIND[:FRONTEND+MODE][/SETTING] (client:fuse-uring+parity/links)."""
+    """The swap job's seconds through one target (named as parse_run reads)."""
+    return swap_run(b, targets, name)[0]
+
+
+def swap_run(b: Bench, targets: SwapTargets, name: str, compressible: int = 0) -> tuple[float, dict | None]:
+    """The swap job's seconds through one target, and for a client run with
+    a compress setting (@COMPRESS: its donors started with it) what its
+    donors held (DonorMemory.summary: at the job's end, read before the
+    teardown, and at peak). `compressible`: memhog's --compressible."""
     k = b.knobs
     limit = parse_size(k.limit)
-    target, _, setting = name.partition("/")
-    kind, _, spec = target.partition(":")
-    frontend, _, mode = spec.partition("+")
+    kind, frontend, mode, setting, compress = parse_run(name)
+    rate = k.link_rate if setting == "links" else None
+    hog = [job("memhog"), 3 * limit, "--passes", "1", *(["--compressible", compressible] if compressible else [])]
     with Teardown(f"swap {name}") as td:
-        device = getattr(targets, kind)(td, k.link_rate if setting == "links" else None, frontend, mode)
-        r = run_job_in_cgroup(td, [job("memhog"), 3 * limit, "--passes", "1"], limit,
-                              b.work / f"memhog-{kind}.log", swap_devices=[device])
+        if kind == "client":
+            donors = b.donors(td, swap_donors(mode), rate, "swap", compress=compress or None)
+            device = targets.client(td, donors, frontend, mode)
+        else:
+            donors, device = [], getattr(targets, kind)(td, rate, frontend, mode)
+        meter = DonorMemory(donors) if compress else None
+        with meter or nullcontext():
+            r = run_job_in_cgroup(td, hog, limit, b.work / f"memhog-{kind}.log", swap_devices=[device])
+        held = meter.summary() if meter else None
         td.close_or_raise()
     if r.returncode != 0 or r.timed_out:
         die(PROG, f"memhog through {name} failed: {r.describe()}")
-    return round(r.seconds, 1)
+    return round(r.seconds, 1), held
 
 
 def bench_swap(b: Bench) -> None:
     k = b.knobs
     limit = parse_size(k.limit)
     touch = 3 * limit
+    compress = compress_settings(PROG)
+    compressible = env_int(PROG, "COMPRESSIBLE", 0)
+    if not 0 <= compressible <= 90:
+        die(PROG, f"COMPRESSIBLE={compressible}: a percentage from 0 to 90")
+    if compress:
+        b.report.knobs["compress"] = compress
+    if compressible:
+        b.report.knobs["compressible"] = compressible
+    refs = env_str("SWAP_TARGETS", " ".join(REFERENCES)).split()
+    for r in refs:
+        if r not in REFERENCES:
+            die(PROG, f"unknown target {r} in SWAP_TARGETS ({', '.join(REFERENCES)})")
+    if refs != REFERENCES:
+        b.report.knobs["swap_targets"] = refs
     b.report.line(f"== 3. Swap: memhog touching {touch >> 20} MiB in a {k.limit} memory cgroup "
                   f"(1 verify pass), {k.rounds} rounds")
+    if compress or compressible:
+        b.report.line(f"(memhog's pages {compressible}% zeros; client set-ups with their donors at compress="
+                      f"{', '.join(compress) or 'the default'}, alternating)")
     b.report.line(f"(swap file {b.work / 'swapfile'})")
+    at = [f"@{c}" for c in compress] or [""]
     runs = []
     for setting in k.swap_settings:
-        runs += [f"client:{f}+{m}/{setting}" for m in k.swap_modes for f in k.frontends]
-        runs += [f"proxy/{setting}", f"memory/{setting}"]
-    runs += ["floor", "zram", "file"]
+        runs += [f"client:{f}+{m}/{setting}{c}" for m in k.swap_modes for f in k.frontends for c in at]
+        runs += [f"{r}/{setting}" for r in ("proxy", "memory") if r in refs]
+    runs += [r for r in ("floor", "zram", "file") if r in refs]
     targets = SwapTargets(b)
     t: dict[str, list[float]] = {name: [] for name in runs}
+    held: dict[str, list[dict]] = {name: [] for name in runs if "@" in name.partition("/")[2]}
     for rnd in range(1, k.rounds + 1):
         for name in runs:
-            t[name].append(swap_once(b, targets, name))
-            print(f"round {rnd}: {name} {t[name][-1]}s", file=sys.stderr, flush=True)
-    w = [52, 24, 10, 16]
+            seconds, h = swap_run(b, targets, name, compressible)
+            t[name].append(seconds)
+            note = ""
+            if h:
+                held[name].append(h)
+                note = f", donors ({'/'.join(h['compress'])}) hold {held_cell(h['end'])} at its end, " \
+                       f"{held_cell(h['peak'])} at peak"
+            print(f"round {rnd}: {name} {seconds}s{note}", file=sys.stderr, flush=True)
+    w = [max([52, *(len(swap_label(n, k)) for n in runs)]), 24, 10, 16]
     b.report.line(fmt_row(w, ["target", "seconds per round", "mean", "vs nbdkit memory"], first_left=2))
     for name in runs:
-        setting = name.partition("/")[2] or "loopback"
+        setting = parse_run(name)[3] or "loopback"
         # Local targets compare with the loopback nbdkit memory if it ran.
-        base = t.get(f"memory/{setting}") or t[f"memory/{k.swap_settings[-1]}"]
-        b.report.line(fmt_row(w, [swap_label(name, k), " ".join(map(str, t[name])),
-                                  f"{mean(t[name]):.1f}", ratio(mean(t[name]), mean(base))], first_left=2))
+        base = t.get(f"memory/{setting}") or t.get(f"memory/{k.swap_settings[-1]}")
+        b.report.line(fmt_row(w, [swap_label(name, k), " ".join(map(str, t[name])), f"{mean(t[name]):.1f}",
+                                  ratio(mean(t[name]), mean(base)) if base else "-"], first_left=2))
     for setting in k.swap_settings:
         for m in k.swap_modes:
             for f in k.frontends:
-                c = mean(t[f"client:{f}+{m}/{setting}"])
-                b.report.line(f"client ({m}) on {f} vs the swap file, {setting}: {ratio(c, mean(t['file']))}")
-                parity = t.get(f"client:{f}+parity/{setting}")
-                if m == "ec" and parity:
-                    b.report.line(f"client on {f}, ec 4+2 vs parity, {setting}: "
-                                  f"{ratio(c, mean(parity))} (target <= 1.1x)")
+                for c in at:
+                    on = f", compress={c[1:]}" if c else ""
+                    secs = mean(t[f"client:{f}+{m}/{setting}{c}"])
+                    if "file" in t:
+                        b.report.line(f"client ({m}) on {f} vs the swap file, {setting}{on}: "
+                                      f"{ratio(secs, mean(t['file']))}")
+                    parity = t.get(f"client:{f}+parity/{setting}{c}")
+                    if m == "ec" and parity:
+                        b.report.line(f"client on {f}, ec 4+2 vs parity, {setting}{on}: "
+                                      f"{ratio(secs, mean(parity))} (target <= 1.1x)")
     b.report.line("(targets: client on fuse-uring <= 1.0x one nbdkit memory and <= 1.0x the swap file)")
-    b.report.line()
     b.report.results = {"touch_bytes": touch, "limit_bytes": limit,
-                        "seconds": {name: {"label": swap_label(name, k), "rounds": t[name]} for name in runs}}
+                        "seconds": {name: {"label": swap_label(name, k), "rounds": t[name],
+                                           **({"donors": held[name]} if name in held else {})} for name in runs}}
+    if compress:
+        b.report.results["compress"] = compress_lines(b, t, held, compress)
+    b.report.line()
+
+
+def compress_lines(b: Bench, t: dict, held: dict, compress: list[str]) -> dict:
+    """Each client set-up's time and donor memory with each compress setting
+    against the first: table lines, and the numbers for the JSON."""
+    k, first = b.knobs, compress[0]
+    b.report.line(f"donors' compression: each client set-up's time and its donors' memory, held/written "
+                  f"(ratio), mean of the rounds, at the job's end and at peak, against compress={first}:")
+    out = {}
+    for setting in k.swap_settings:
+        for m in k.swap_modes:
+            for f in k.frontends:
+                setup = f"client:{f}+{m}/{setting}"
+                secs = {c: mean(t[f"{setup}@{c}"]) for c in compress}
+                end = {c: mean_held([h["end"] for h in held[f"{setup}@{c}"]]) for c in compress}
+                peak = {c: mean_held([h["peak"] for h in held[f"{setup}@{c}"]]) for c in compress}
+                b.report.line(f"  client ({m}) on {f}, {setting}:")
+                for c in compress:
+                    b.report.line(f"    {c}: {secs[c]:.1f} s, donors {held_cell(end[c])} at the end, "
+                                  f"{held_cell(peak[c])} at peak")
+                for c in compress[1:]:
+                    b.report.line(f"    {c} / {first}: {ratio(secs[c], secs[first])} (target <= 1.05x); "
+                                  f"donor memory at the end {ratio(end[c]['stored'], end[first]['stored'])}, "
+                                  f"at peak {ratio(peak[c]['stored'], peak[first]['stored'])}")
+                out[setup] = {c: {"seconds": round(secs[c], 2), "end": end[c], "peak": peak[c],
+                                  "time_ratio": round(secs[c] / secs[first], 3),
+                                  "end_ratio": round(end[c]["stored"] / end[first]["stored"], 3)
+                                  if end[first]["stored"] else None,
+                                  "peak_ratio": round(peak[c]["stored"] / peak[first]["stored"], 3)
+                                  if peak[first]["stored"] else None}
+                              for c in compress}
+    return out
