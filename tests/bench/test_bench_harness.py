@@ -283,6 +283,35 @@ def test_bench_apps_tiny(root, tools, donor_plugin, tmp_path, monkeypatch):
     assert any(line.startswith("parity+pf") for line in doc["table"])
 
 
+def test_bench_apps_compress_tiny(root, tools, donor_plugin, tmp_path, monkeypatch):
+    """COMPRESS: each netpager set-up once per donor compress= setting,
+    with the donors' memory at peak beside, on redis (its values half
+    random, half one byte: they compress)."""
+    if not pagerctl().exists():
+        skip_or_fail(f"{pagerctl()} missing (make build)")
+    for tool in ("redis-server", "redis-benchmark"):
+        if shutil.which(tool) is None:
+            skip_or_fail(f"{tool} not installed (make deps)")
+    for k, v in {**TINY_APPS, "PROGRAMS": "redis", "SETUPS": "parity", "COMPRESS": "off lz4"}.items():
+        monkeypatch.setenv(k, v)
+    assert bench_apps.main(["--out", str(tmp_path)]) == 0
+    doc = written(tmp_path, "apps")
+    res = doc["results"]
+    assert doc["knobs"]["compress"] == ["off", "lz4"]
+    runs = res["runs"]["redis"]["50"]
+    assert list(runs) == ["parity@off", "parity@lz4"]
+    for c in ("off", "lz4"):
+        (r,) = runs[f"parity@{c}"]
+        assert "failed" not in r, r
+        assert r["donor_held"]["compress"] == [c]
+        assert r["donor_held"]["peak"]["stored"] > 0 and r["donor_held"]["peak"]["logical"] > 0
+    both = res["compress"]["redis"]["50"]["parity"]
+    assert held_ratio(both["off"]["peak"]) <= 1.01 < held_ratio(both["lz4"]["peak"])
+    assert both["lz4"]["time_ratio"] > 0 and both["lz4"]["memory_ratio"] < 1.0
+    assert any(line.strip().startswith("parity at 50%: lz4 / off: time ") for line in doc["table"])
+    assert "- parity at 50%: lz4 / off: time " in (tmp_path / "apps.md").read_text()
+
+
 def test_bench_ab_tiny(root, tools, donor_plugin, memhog, tmp_path, monkeypatch):
     """`make bench-ab` with this tree's build on both sides (a base build
     takes minutes): A then B, each measured, its medians and ratios written."""
