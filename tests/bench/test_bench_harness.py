@@ -140,6 +140,44 @@ def test_bench_client_tiny(root, tools, donor_plugin, memhog, tmp_path, monkeypa
     assert restart["jobs"] >= 1
 
 
+def held_ratio(m: dict) -> float:
+    """Bytes written over bytes held, of DonorMemory figures."""
+    return m["logical"] / m["stored"]
+
+
+def test_bench_client_swap_compress_tiny(root, tools, donor_plugin, memhog, tmp_path, monkeypatch):
+    """COMPRESS: the swap job's client set-up once per donor compress=
+    setting, alternating, with what the donors held; COMPRESSIBLE makes
+    memhog's pages three quarters zeros, which lz4 keeps small. The
+    client alone (SWAP_TARGETS=""): test_bench_client_tiny runs the rest."""
+    for path in (pagerctl(), client_plugin(), target_dir() / "examples" / "fuse-memory"):
+        if not path.exists():
+            skip_or_fail(f"{path} missing (make build)")
+    for k, v in {**TINY_CLIENT, "COMPRESS": "off lz4", "COMPRESSIBLE": "75", "SWAP_TARGETS": ""}.items():
+        monkeypatch.setenv(k, v)
+    assert bench_client.main(["swap", "--out", str(tmp_path)]) == 0
+    doc = written(tmp_path, "swap")
+    assert (doc["knobs"]["compress"], doc["knobs"]["compressible"]) == (["off", "lz4"], 75)
+    assert doc["knobs"]["swap_targets"] == []
+    r = doc["results"]
+    client = "client:fuse-uring@0+parity/loopback"
+    assert list(r["seconds"]) == [f"{client}@off", f"{client}@lz4"]
+    for c in ("off", "lz4"):
+        (held,) = r["seconds"][f"{client}@{c}"]["donors"]
+        # The donors ran with the setting, by their own status.
+        assert held["compress"] == [c]
+        assert held["peak"]["stored"] > 0 and held["peak"]["logical"] > 0
+        assert min(held["end"].values()) >= 0
+    both = r["compress"][client]
+    assert both["off"]["time_ratio"] == 1.0 and both["lz4"]["time_ratio"] > 0
+    # off keeps pages raw (a status reads its two figures a write apart:
+    # 1%); lz4 keeps a page three quarters zeros in far less.
+    assert held_ratio(both["off"]["peak"]) <= 1.01
+    assert held_ratio(both["lz4"]["peak"]) > 1.5
+    assert both["lz4"]["peak_ratio"] < 1.0
+    assert any(line.strip().startswith("lz4 / off: ") and "(target <= 1.05x)" in line for line in doc["table"])
+
+
 def test_bench_client_discard_tiny(root, tools, donor_plugin, memhog, tmp_path, monkeypatch):
     """`make bench-client WHICH=discard`: the swap job with and without discard."""
     for path in (pagerctl(), client_plugin()):
@@ -292,11 +330,40 @@ def test_bench_apps_lab_links_tiny(root, tools, donor_plugin, tmp_path, monkeypa
     1 Gbit/s link (the lab's own teardown is tests/lab's)."""
     if not pagerctl().exists():
         skip_or_fail(f"{pagerctl()} missing (make build)")
-    for k, v in {**TINY_APPS, "REGIME": "lab", "SETUPS": "none@1g", "PROGRAMS": "sort"}.items():
+    for k, v in {**TINY_APPS, "REGIME": "lab", "SETUPS": "none/1g", "PROGRAMS": "sort"}.items():
         monkeypatch.setenv(k, v)
     assert bench_apps.main(["--out", str(tmp_path)]) == 0
-    (r,) = written(tmp_path, "apps-lab")["results"]["runs"]["sort"]["50"]["none@1g"]
+    (r,) = written(tmp_path, "apps-lab")["results"]["runs"]["sort"]["50"]["none/1g"]
     assert r["returncode"] == 0 and r["reads"] > 0
+
+
+def test_bench_apps_compress_tiny(root, tools, donor_plugin, tmp_path, monkeypatch):
+    """COMPRESS: each netpager set-up once per donor compress= setting,
+    with the donors' memory at peak beside, on redis (its values half
+    random, half one byte: they compress)."""
+    if not pagerctl().exists():
+        skip_or_fail(f"{pagerctl()} missing (make build)")
+    for tool in ("redis-server", "redis-benchmark"):
+        if shutil.which(tool) is None:
+            skip_or_fail(f"{tool} not installed (make deps)")
+    for k, v in {**TINY_APPS, "PROGRAMS": "redis", "SETUPS": "parity", "COMPRESS": "off lz4"}.items():
+        monkeypatch.setenv(k, v)
+    assert bench_apps.main(["--out", str(tmp_path)]) == 0
+    doc = written(tmp_path, "apps")
+    res = doc["results"]
+    assert doc["knobs"]["compress"] == ["off", "lz4"]
+    runs = res["runs"]["redis"]["50"]
+    assert list(runs) == ["parity@off", "parity@lz4"]
+    for c in ("off", "lz4"):
+        (r,) = runs[f"parity@{c}"]
+        assert "failed" not in r, r
+        assert r["donor_held"]["compress"] == [c]
+        assert r["donor_held"]["peak"]["stored"] > 0 and r["donor_held"]["peak"]["logical"] > 0
+    both = res["compress"]["redis"]["50"]["parity"]
+    assert held_ratio(both["off"]["peak"]) <= 1.01 < held_ratio(both["lz4"]["peak"])
+    assert both["lz4"]["time_ratio"] > 0 and both["lz4"]["memory_ratio"] < 1.0
+    assert any(line.strip().startswith("parity at 50%: lz4 / off: time ") for line in doc["table"])
+    assert "- parity at 50%: lz4 / off: time " in (tmp_path / "apps.md").read_text()
 
 
 def test_bench_ab_tiny(root, tools, donor_plugin, memhog, tmp_path, monkeypatch):

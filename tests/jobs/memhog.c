@@ -18,6 +18,10 @@
  * --flip PAGE flips one bit of PAGE after the first pass, so a test can show
  * that the verifier catches a damaged page.
  *
+ * --compressible PCT (0-90, default 0) leaves the last PCT% of every page's
+ * words zero (checked as well), so that a compressor keeps a page in about
+ * (100 - PCT)% of its size; the pattern fills the rest as above.
+ *
  * Exit 0 with a one-line summary; exit 1 naming the first bad page, offset
  * and word; exit 2 on bad usage or when the memory cannot be mapped.
  */
@@ -40,6 +44,19 @@ static uint64_t page_key(uint64_t seed, uint64_t page, uint8_t gen)
 	return splitmix64(seed ^ splitmix64(page * 256 + gen));
 }
 
+/* The first `fill` words of a page carry the pattern, the rest are zeros
+ * (--compressible): the index of the first wrong word, or words. */
+static size_t check_page(const uint64_t *p, size_t words, size_t fill, uint64_t key)
+{
+	size_t bad = check_words(p, fill, key);
+	if (bad != fill)
+		return bad;
+	for (size_t j = fill; j < words; j++)
+		if (p[j] != 0)
+			return j;
+	return words;
+}
+
 static double now_s(void)
 {
 	struct timespec ts;
@@ -50,12 +67,13 @@ static double now_s(void)
 static void usage(void)
 {
 	fprintf(stderr,
-		"usage: memhog SIZE [--passes N] [--until F] [--seed S] [--flip P]\n"
+		"usage: memhog SIZE [--passes N] [--until F] [--seed S] [--flip P] [--compressible PCT]\n"
 		"  SIZE   bytes to touch, with optional K/M/G suffix (binary)\n"
 		"  --passes N  shuffled verify+rewrite rounds (default 2)\n"
 		"  --until F   more rounds until file F exists (at least N)\n"
 		"  --seed S    pattern seed (default 1)\n"
-		"  --flip P    flip one bit of page P after writing (proves the check)\n");
+		"  --flip P    flip one bit of page P after writing (proves the check)\n"
+		"  --compressible PCT  the last PCT%% (0-90) of every page zero\n");
 	exit(2);
 }
 
@@ -69,7 +87,7 @@ static uint64_t next_random(void)
 
 int main(int argc, char **argv)
 {
-	uint64_t size = 0, passes = 2;
+	uint64_t size = 0, passes = 2, compressible = 0;
 	struct job_options opt = JOB_OPTIONS_DEFAULT;
 	int have_size = 0;
 
@@ -78,6 +96,9 @@ int main(int argc, char **argv)
 			continue;
 		if (strcmp(argv[i], "--passes") == 0 && i + 1 < argc) {
 			if (parse_size(argv[++i], &passes))
+				usage();
+		} else if (strcmp(argv[i], "--compressible") == 0 && i + 1 < argc) {
+			if (parse_size(argv[++i], &compressible) || compressible > 90)
 				usage();
 		} else if (!have_size && parse_size(argv[i], &size) == 0) {
 			have_size = 1;
@@ -90,6 +111,8 @@ int main(int argc, char **argv)
 
 	const size_t page_size = (size_t)sysconf(_SC_PAGESIZE);
 	const size_t words = page_size / sizeof(uint64_t);
+	/* Words of the pattern; the rest of a page stays zero (mmap's). */
+	const size_t fill = words - words * compressible / 100;
 	const uint64_t pages = (size + page_size - 1) / page_size;
 	if (opt.flip != UINT64_MAX && opt.flip >= pages) {
 		fprintf(stderr, "memhog: --flip %" PRIu64 " is past the last page %" PRIu64 "\n",
@@ -116,7 +139,7 @@ int main(int argc, char **argv)
 	uint64_t touched = 0;
 
 	for (uint64_t i = 0; i < pages; i++)
-		fill_words((uint64_t *)(base + i * page_size), words, page_key(opt.seed, i, 0));
+		fill_words((uint64_t *)(base + i * page_size), fill, page_key(opt.seed, i, 0));
 	touched += pages;
 	if (opt.flip < pages)
 		base[opt.flip * page_size + 100] ^= 0x10;
@@ -140,14 +163,14 @@ int main(int argc, char **argv)
 			uint64_t i = order[k];
 			const uint64_t *p = (const uint64_t *)(base + i * page_size);
 			uint64_t key = page_key(opt.seed, i, gen[i]);
-			size_t bad = check_words(p, words, key);
+			size_t bad = check_page(p, words, fill, key);
 			if (bad != words) {
 				fprintf(stderr,
 					"memhog: FAILED verify round %" PRIu64 ": bad page %" PRIu64
 					" (offset 0x%" PRIx64 ") word %zu: expected 0x%016" PRIx64
 					" got 0x%016" PRIx64 " (generation %u)\n",
 					round + 1, i, i * page_size + bad * sizeof(uint64_t), bad,
-					splitmix64(key + bad), p[bad], gen[i]);
+					bad < fill ? splitmix64(key + bad) : 0, p[bad], gen[i]);
 				return 1;
 			}
 		}
@@ -158,7 +181,7 @@ int main(int argc, char **argv)
 		fflush(stdout);
 		for (uint64_t i = round % 3; i < pages; i += 3) {
 			gen[i]++;
-			fill_words((uint64_t *)(base + i * page_size), words, page_key(opt.seed, i, gen[i]));
+			fill_words((uint64_t *)(base + i * page_size), fill, page_key(opt.seed, i, gen[i]));
 		}
 		touched += (pages + 2) / 3;
 	}

@@ -1,6 +1,7 @@
 """What the benchmarks (bench_client, bench_server) share: their knobs from
-the environment, a work directory on a real disk, nbdkit and fio runs, and
-the results they write (a table as text and the numbers as JSON).
+the environment, a work directory on a real disk, nbdkit and fio runs, what
+a job's donors hold (`DonorMemory`), and the results they write (a table as
+text and the numbers as JSON).
 
 Results go to OUTDIR/NAME.txt (the table as printed) and OUTDIR/NAME.json:
 {"bench": NAME, "knobs": {...}, "results": {...}, "table": [lines]}.
@@ -15,11 +16,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from .cleanup import Teardown
 from .paths import repo_root
 from .procs import OwnedProcess, tail, wait_for
+from .status import StatusError
 
 # File systems that live in memory: a write-through disk or a swap file on
 # one measures RAM, not a disk (and swapon refuses tmpfs files).
@@ -50,6 +53,23 @@ def env_int(prog: str, name: str, default: int) -> int:
         return int(text)
     except ValueError:
         die(prog, f"{name}={text!r} is not a whole number")
+
+
+# pager-server's compress= settings.
+COMPRESS_SETTINGS = ("off", "lz4", "zstd")
+
+
+def compress_settings(prog: str) -> list[str]:
+    """COMPRESS: the donors' compress= settings to run side by side, the
+    first the base of the ratios ("off lz4"); empty when unset (the
+    plugin's default, as without the knob)."""
+    settings = env_str("COMPRESS", "").split()
+    for c in settings:
+        if c not in COMPRESS_SETTINGS:
+            die(prog, f"unknown setting {c} in COMPRESS ({', '.join(COMPRESS_SETTINGS)})")
+    if len(set(settings)) != len(settings):
+        die(prog, f"COMPRESS names a setting twice: {' '.join(settings)}")
+    return settings
 
 
 def require(prog: str, tools: list[str], files: list[Path], root: bool) -> None:
@@ -133,6 +153,62 @@ def fmt_row(widths: list[int], cells, first_left: int = 1) -> str:
     """Cells padded to `widths`, the first `first_left` left-aligned."""
     return " ".join(f"{str(c):<{w}}" if i < first_left else f"{str(c):>{w}}"
                     for i, (c, w) in enumerate(zip(cells, widths)))
+
+
+class DonorMemory:
+    """What a job's donors hold, summed over them from their status: the
+    bytes really held (`used_bytes`, what the budget counts: slab pages,
+    compressed or raw) and the pages' logical bytes (as written). `read()`
+    is now; as a context manager it samples every `interval` seconds while
+    the job runs and keeps the peaks (each its own: the two may peak at
+    different samples)."""
+
+    def __init__(self, donors, interval: float = 0.5):
+        self.donors = list(donors)
+        self.interval = interval
+        self.peak = {"stored": 0, "logical": 0}
+        # The setting each donor reports running with.
+        self.compress = sorted({d.status().compress for d in self.donors})
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def read(self) -> dict:
+        statuses = [d.status() for d in self.donors]
+        now = {"stored": sum(s.used_bytes for s in statuses), "logical": sum(s.logical_bytes for s in statuses)}
+        for key, v in now.items():
+            self.peak[key] = max(self.peak[key], v)
+        return now
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.read()
+            except (OSError, StatusError):
+                pass  # a donor slow to answer: the next sample reads it
+
+    def __enter__(self) -> "DonorMemory":
+        self._thread = threading.Thread(target=self._sample, name="donor-memory", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict:
+        """Now (read at once: at the job's end) and the peaks, with the
+        donors' compress= setting."""
+        return {"compress": self.compress, "end": self.read(), "peak": dict(self.peak)}
+
+
+def held_cell(m: dict) -> str:
+    """"STORED/LOGICAL MiB (RATIOx)": bytes held against bytes written."""
+    return f"{m['stored'] / (1 << 20):.0f}/{m['logical'] / (1 << 20):.0f} MiB ({ratio(m['logical'], m['stored'])})"
+
+
+def mean_held(ms: list[dict]) -> dict:
+    """The mean of DonorMemory figures over rounds."""
+    return {key: round(mean([m[key] for m in ms])) for key in ("stored", "logical")}
 
 
 class Report:

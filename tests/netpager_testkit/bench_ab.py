@@ -53,7 +53,8 @@ from pathlib import Path
 
 from .bench import arg_parser, die, disk_workdir, env_int, env_str, fmt_row, require
 from .bench_anatomy import machine_cpu
-from .bench_client import Bench, Knobs, SwapTargets, client_latency, depth_run, swap_once
+from .bench_client import Bench, Knobs, client_latency, depth_run
+from .bench_swap import SwapTargets, swap_once
 from .cleanup import Teardown, install_handlers
 from .demo import parse_size
 from .client import client_plugin

@@ -25,8 +25,8 @@ each emulated disk reached through the same loop path as netpager):
   hdd          an HDD-class disk (8 ms per request, 150 MB/s)
   lab          netpager with its donors on the lab's hosts (network
                namespaces, tests/lab/netlab.py) behind 10 Gbit/s and
-               1 Gbit/s links (tbf on both ends: none@10g, parity@10g,
-               none@1g, parity@1g), beside netpager on loopback and the
+               1 Gbit/s links (tbf on both ends: none/10g, parity/10g,
+               none/1g, parity/1g), beside netpager on loopback and the
                swap file (netpager_testkit.lab_links)
   shared       a shared disk: the sort reads its array from a file on the
                disk its swap file is on (written once, its page cache
@@ -51,7 +51,20 @@ measured in the same run. Knobs (environment): ROUNDS (1), FRACTIONS
 ("75 50"), SETUPS (all of the above), PROGRAMS ("redis graph sort"),
 REDIS_KEYS (150000), REDIS_VALUE (1024), REDIS_GETS (60000),
 GRAPH_VERTICES (400000), SORT_MIB (192), ZSWAP_POOL (1, percent of RAM),
-PREFETCH_PAGES (32), TIMEOUT (600 s per run), RUNTIME (5 s per latency run).
+PREFETCH_PAGES (32), TIMEOUT (600 s per run), RUNTIME (5 s per latency run),
+COMPRESS (unset: the donors at pager-server's default compress=).
+
+COMPRESS="off lz4" (off|lz4|zstd) runs each netpager set-up (none, parity,
+parity+pf, zswap+parity) once per setting, alternating, its 3 donors
+started with that compress=, named SETUP@SETTING (parity@off, parity@lz4)
+in the tables and the JSON; the other set-ups run once as before. Beside
+each, the donors' memory by their own status, sampled every 0.2 s while
+the program runs (its peak: used_bytes, the bytes held, against
+logical_bytes, the bytes written), and per program and fraction a line
+with each setting against the first: the time ratio (for redis, of its
+GETs per second inverted; target lz4 / off <= 1.05x) and the ratio of the
+donors' memory at peak. (The JSON has the donors' own figures, at peak
+and at the job's end, for every netpager run: `donor_held`.)
 
 Writes OUTDIR/apps.txt, apps.md, apps.json and apps-PROGRAM.png (--out,
 with REGIME other than loopback apps-REGIME.txt and so on;
@@ -68,14 +81,17 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .attach import Swap, swaps
-from .bench import Report, arg_parser, die, disk_workdir, env_int, env_str, fio_json, fmt_row, require
+from .bench import (DonorMemory, Report, arg_parser, compress_settings, die, disk_workdir, env_int, env_str,
+                    fio_json, fmt_row, held_cell, ratio, require)
 from .bench_client import Bench as ClientBench
 from .bench_client import Knobs as ClientKnobs
-from .bench_client import SwapTargets, mode_args
+from .bench_client import mode_args
+from .bench_swap import SwapTargets
 from .client import PagerClient
 from .cgroup import MemoryCgroup
 from .cleanup import Teardown, install_handlers
@@ -87,13 +103,15 @@ from .procs import OwnedProcess
 PROG = "bench-apps"
 JOBS = Path(__file__).with_name("apps_jobs.py")
 SETUPS = ["none", "parity", "parity+pf", "file", "zram", "zswap+parity", "zswap+file"]
+# The set-ups with netpager donors behind them (zswap+parity too).
+NETPAGER = ["none", "parity", "parity+pf"]
 # REGIME: the set-ups each compares by default.
 REGIMES = {"loopback": SETUPS, "disk": ["none", "parity", "file", "disk-path"],
            "ssd": ["none", "parity", "ssd"], "hdd": ["none", "parity", "hdd"],
            "shared": ["none", "parity", "file"],
-           "lab": ["none", "none@10g", "parity@10g", "none@1g", "parity@1g", "file"]}
+           "lab": ["none", "none/10g", "parity/10g", "none/1g", "parity/1g", "file"]}
 DISK_SETUPS = ["disk-path", "ssd", "hdd"]
-LAB_SETUPS = [f"{m}@{link}" for link in LINKS for m in ("none", "parity")]
+LAB_SETUPS = [f"{m}/{link}" for link in LINKS for m in ("none", "parity")]
 PROGRAMS = ["redis", "graph", "sort"]
 # The programs a REGIME runs by default, where not all of them: only the
 # sort reads an input from the disk.
@@ -119,6 +137,7 @@ class Knobs:
     prefetch_pages: int
     timeout: int
     runtime: int
+    compress: list[str]
 
     @classmethod
     def from_env(cls) -> "Knobs":
@@ -137,7 +156,8 @@ class Knobs:
                 zswap_pool=env_int(PROG, "ZSWAP_POOL", 1),
                 prefetch_pages=env_int(PROG, "PREFETCH_PAGES", 32),
                 timeout=env_int(PROG, "TIMEOUT", 600),
-                runtime=env_int(PROG, "RUNTIME", 5))
+                runtime=env_int(PROG, "RUNTIME", 5),
+                compress=compress_settings(PROG))
         for s in k.setups:
             if s not in SETUPS + DISK_SETUPS + LAB_SETUPS:
                 die(PROG, f"unknown set-up {s} in SETUPS ({', '.join(SETUPS + DISK_SETUPS + LAB_SETUPS)})")
@@ -148,6 +168,16 @@ class Knobs:
             if not 0 < f < 100:
                 die(PROG, f"FRACTIONS: {f} is not a percentage between 0 and 100")
         return k
+
+
+def setup_names(k: Knobs) -> list[str]:
+    """SETUPS as run and reported: with COMPRESS, each netpager set-up once
+    per setting, side by side (parity@off, parity@lz4)."""
+    names = []
+    for s in k.setups:
+        netpager = s.removeprefix("zswap+").partition("/")[0] in NETPAGER
+        names += [f"{s}@{c}" for c in k.compress] if netpager and k.compress else [s]
+    return names
 
 
 def job_argv(k: Knobs, program: str, out: Path) -> list[str]:
@@ -235,21 +265,23 @@ class Setups:
         self.lab = LabLinks(top, cb.work)
 
     def make(self, td: Teardown, setup: str) -> dict:
+        setup, _, compress = setup.partition("@")
         front, _, back = setup.rpartition("+") if setup.startswith("zswap+") else ("", "", setup)
         if front:
             Zswap(td, self.k.zswap_pool)
-        back, _, link = back.partition("@")
+        back, _, link = back.partition("/")
         if back in ("none", "parity", "parity+pf"):
             mode = back.split("+")[0]
             pf = self.k.prefetch_pages if back.endswith("+pf") else 0
-            donors = self.lab.donors(td, 3, link, "swap") if link else self.cb.donors(td, 3, None, "swap")
+            donors = (self.lab.donors(td, 3, link, "swap", compress=compress or None) if link else
+                      self.cb.donors(td, 3, None, "swap", compress=compress or None))
             state = self.cb.work / "client"
             shutil.rmtree(state, ignore_errors=True)
             client = PagerClient(td, state, client_id="apps")
             extra = mode_args(mode, state / "unused", 3) + ["--prefetch-pages", str(pf)]
             client.attach(donors, mode=mode, size="1G", swap=True, extra=extra,
                           frontend="fuse-uring")
-            return {"device": client.device, "client": client}
+            return {"device": client.device, "client": client, "donors": donors}
         if back == "file":
             return {"device": self.t.file(td)}
         if back in DISK_SETUPS:
@@ -315,10 +347,13 @@ def run_program(td: Teardown, k: Knobs, work: Path, program: str, limit: int, wa
         client = watch.get("client")
         before = client.status()["status"]["requests"] if client else None
         sampler = Sampler(cg, watch)
+        # What the donors hold by their own status, sampled beside.
+        meter = DonorMemory(watch["donors"], interval=0.2) if "donors" in watch else None
         t0 = time.monotonic()
         proc = OwnedProcess(wrapper + job_argv(k, program, out), log, jt, f"job {program}")
         sampler.start()
-        rc = proc.wait(k.timeout)
+        with meter or nullcontext():
+            rc = proc.wait(k.timeout)
         seconds = time.monotonic() - t0
         if rc is None:
             proc.kill9()
@@ -334,6 +369,8 @@ def run_program(td: Teardown, k: Knobs, work: Path, program: str, limit: int, wa
             r["failed"] = ("timed out" if rc is None else
                            "OOM-killed" if r["oom_kills"] else f"exit {rc}")
             r["log"] = log.read_text()[-1500:]
+        if meter:
+            r["donor_held"] = meter.summary()
         if client:
             st = client.status()["status"]
             r["donor_bytes"] = max(sampler.peak["donors"], sum(d["used_bytes"] for d in st["donors"]))
@@ -377,6 +414,12 @@ def mib(n: int) -> str:
     return f"{n / (1 << 20):.0f}"
 
 
+def donor_peak(r: dict) -> int:
+    """The donors' memory at peak, by their own status (DonorMemory); 0
+    for a set-up without donors."""
+    return r["donor_held"]["peak"]["stored"] if "donor_held" in r else 0
+
+
 def result_cell(program: str, r: dict) -> str:
     if "failed" in r:
         return r["failed"]
@@ -386,16 +429,17 @@ def result_cell(program: str, r: dict) -> str:
     return f"{r['seconds']:.1f} s"
 
 
-def tables(k: Knobs, lat: dict, ra: dict, runs: dict) -> tuple[list[str], list[str], dict]:
-    """The text table, the Markdown table and the summary, from every run."""
-    text, md, summary = [], [], {}
+def tables(k: Knobs, lat: dict, ra: dict, runs: dict) -> tuple[list[str], list[str], dict, dict]:
+    """The text table, the Markdown table, the summary and, with COMPRESS,
+    the settings side by side (compress_lines), from every run."""
+    text, md, summary, compared = [], [], {}, {}
     text.append(f"QD1 4 KiB random read: local disk {lat['disk_us']} us, donor over loopback "
                 f"{lat['donor_us']} us; vm.page-cluster {ra['page_cluster']}, "
                 f"VMA readahead {ra['vma_ra_enabled']}")
     md += [f"QD1 4 KiB random read: local disk **{lat['disk_us']} us**, donor over loopback "
            f"**{lat['donor_us']} us**; vm.page-cluster {ra['page_cluster']}, VMA readahead "
            f"{ra['vma_ra_enabled']}.", ""]
-    w = [14, 8, 40, 8, 8, 8, 8, 8]
+    w = [max([14, *map(len, setup_names(k))]), 8, 40, 8, 8, 8, 8, 8]
     head = ["set-up", "local", "result (best round)", "vs 100%", "swap", "node", "donors", "read KiB"]
     for program in k.programs:
         full = runs[program]["100"]["full"]
@@ -420,7 +464,7 @@ def tables(k: Knobs, lat: dict, ra: dict, runs: dict) -> tuple[list[str], list[s
         full_score = score(program, base["result"], base["seconds"])
         for frac in k.fractions:
             summary[program][str(frac)] = {}
-            for setup in k.setups:
+            for setup in setup_names(k):
                 rs = runs[program][str(frac)][setup]
                 good = [r for r in rs if "failed" not in r]
                 if good:
@@ -429,22 +473,64 @@ def tables(k: Knobs, lat: dict, ra: dict, runs: dict) -> tuple[list[str], list[s
                     summary[program][str(frac)][setup] = round(rel, 3)
                     cells = [setup, f"{frac}%", result_cell(program, r), f"{rel:.2f}",
                              mib(r["swap_bytes"]), mib(r["node_bytes"]),
-                             mib(r.get("donor_bytes", 0)), str(r.get("read_kib", "-"))]
+                             mib(donor_peak(r)), str(r.get("read_kib", "-"))]
                 else:
                     summary[program][str(frac)][setup] = None
                     cells = [setup, f"{frac}%", f"FAILED: {rs[0]['failed']}", "-",
                              mib(rs[0]["swap_bytes"]), mib(rs[0]["node_bytes"]),
-                             mib(rs[0].get("donor_bytes", 0)), "-"]
+                             mib(donor_peak(rs[0])), "-"]
                 text.append(fmt_row(w, cells, first_left=3))
                 md.append("| " + " | ".join(cells) + " |")
         md.append("")
+        if k.compress:
+            lines, compared[program] = compress_lines(k, program, runs[program])
+            text += [f"   {line}" for line in lines]
+            md += [f"- {line}" for line in lines] + [""]
     text.append("")
     text.append("(vs 100%: performance against the program all in memory, 1.00 = as fast; "
                 "node: memory the set-up took from this machine (zram or zswap pool, the "
-                "netpager client's resident memory); donors: donor memory used; read KiB: mean "
-                "read request reaching the netpager client)")
+                "netpager client's resident memory); donors: donor memory used at peak (the "
+                "donors' used bytes by their status); read KiB: mean read request reaching the "
+                "netpager client)")
     md.append(text[-1])
-    return text, md, summary
+    return text, md, summary, compared
+
+
+def compress_lines(k: Knobs, program: str, runs: dict) -> tuple[list[str], dict]:
+    """Per fraction and netpager set-up, each COMPRESS setting against the
+    first (best rounds): the time ratio (the inverse of performance: for
+    redis, of GETs per second) and what the donors held at peak, by their
+    status (bytes held / bytes written). The lines, and the numbers."""
+    first, lines, out = k.compress[0], [], {}
+    for frac in k.fractions:
+        out[str(frac)] = {}
+        for setup in k.setups:
+            if setup.removeprefix("zswap+") not in NETPAGER:
+                continue
+            got = {}
+            for c in k.compress:
+                good = [r for r in runs[str(frac)][f"{setup}@{c}"] if "failed" not in r]
+                if good:
+                    r = best(program, good)
+                    got[c] = {"score": score(program, r["result"], r["seconds"]), "peak": r["donor_held"]["peak"]}
+            if first not in got:
+                continue
+            cells = []
+            for c in k.compress[1:]:
+                if c not in got:
+                    cells.append(f"{c} failed")
+                    continue
+                a, b = got[c], got[first]
+                # Time: seconds, or 1/ops for redis.
+                t = a["score"] / b["score"] if not higher_is_better(program) else b["score"] / a["score"]
+                a["time_ratio"] = round(t, 3)
+                a["memory_ratio"] = round(a["peak"]["stored"] / b["peak"]["stored"], 3) if b["peak"]["stored"] else None
+                cells.append(f"{c} / {first}: time {t:.2f}x (target <= 1.05x), donor memory at peak "
+                             f"{ratio(a['peak']['stored'], b['peak']['stored'])}")
+            held = ", ".join(f"{c} {held_cell(g['peak'])}" for c, g in got.items())
+            lines.append(f"{setup} at {frac}%: {'; '.join(cells)} (donors held/written at peak: {held})")
+            out[str(frac)][setup] = got
+    return lines, out
 
 
 def best(program: str, rs: list[dict]) -> dict:
@@ -464,7 +550,7 @@ def plot(outdir: Path, k: Knobs, summary: dict, name: str) -> list[Path]:
     for program in k.programs:
         fig, ax = plt.subplots(figsize=(6, 4))
         xs = [100] + k.fractions
-        for setup in k.setups:
+        for setup in setup_names(k):
             ys = [1.0] + [summary[program].get(str(f), {}).get(setup) for f in k.fractions]
             pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=setup)
@@ -524,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
         ra = kernel_readahead()
         setups = Setups(cb, k, top)
         runs: dict = {p: {"100": {"full": []}, "peak": 0,
-                          **{str(f): {s: [] for s in k.setups} for f in k.fractions}}
+                          **{str(f): {s: [] for s in setup_names(k)} for f in k.fractions}}
                       for p in k.programs}
         for rnd in range(1, k.rounds + 1):
             for program in k.programs:
@@ -540,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
                 peak = runs[program]["peak"]
                 for frac in k.fractions:
                     limit = peak * frac // 100
-                    for setup in k.setups:
+                    for setup in setup_names(k):
                         with Teardown(f"{program} {frac}% {setup}") as td:
                             watch = setups.make(td, setup)
                             r = run_program(td, k, cb.work, program, limit, watch)
@@ -550,10 +636,11 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"round {rnd}: {program} {frac}% {setup}: {result_cell(program, r)}, "
                               f"swap {mib(r['swap_bytes'])} MiB", file=sys.stderr, flush=True)
         top.close_or_raise()
-    text, md, summary = tables(k, lat, ra, runs)
+    text, md, summary, compared = tables(k, lat, ra, runs)
     for line in text:
         report.line(line)
-    report.results = {"latency_us": lat, "readahead": ra, "relative": summary, "runs": runs}
+    report.results = {"latency_us": lat, "readahead": ra, "relative": summary, "runs": runs,
+                      **({"compress": compared} if k.compress else {})}
     report.write(args.out)
     (args.out / f"{name}.md").write_text("\n".join(md) + "\n")
     for p in plot(args.out, k, summary, name):

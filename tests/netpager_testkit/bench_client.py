@@ -28,6 +28,19 @@
      memory is in a lab; "loopback" runs all of them at loopback speed,
      which shows whether bandwidth binds at all. Targets: client on
      fuse-uring <= 1.0x nbdkit memory and <= 1.0x the swap file.
+     COMPRESS="off lz4" (pager-server's compress=, off|lz4|zstd; unset:
+     the plugin's default, one run each as without it) runs every client
+     set-up once per setting, alternating within each round (A B A B),
+     its donors started with that setting: each setting's seconds and
+     mean, its ratio to the first (target: lz4 / off <= 1.05x), and what
+     the donors held, summed over them from their status (used_bytes, the
+     bytes really held, against logical_bytes, the bytes written), at the
+     job's end (read before the teardown) and at peak (sampled every
+     0.5 s). memhog's pages are pseudo-random, which no compressor
+     shrinks: COMPRESSIBLE=PCT (0-90) leaves the last PCT% of every page
+     zero (memhog --compressible), so that lz4 has something to keep small.
+     SWAP_TARGETS ("proxy memory floor zram file") names the targets run
+     beside the client ("": the client alone).
   4. latency: QD1 4 KiB random reads and writes (fio, psync, direct=1)
      through the client's loop device (mode none, one donor, each front
      end) against fio's nbd engine straight to that donor over TCP,
@@ -63,6 +76,8 @@
   SWAP_MODE=none ... swap                  # the client in another mode
   SWAP_MODES="parity ec" ... swap          # modes side by side
   SWAP_SETTINGS=links ... swap
+  COMPRESS="off lz4" COMPRESSIBLE=60 ... swap   # the donors' compression side by side
+  SWAP_TARGETS="" ... swap                 # the client alone
   FRONTENDS="fuse-uring@0 fuse-uring@50" ... latency   # FRONTEND@US: --spin-us US
   MODES=parity ... modes                   # none and parity only
   FIO_ROUNDS=3 ... modes                   # best of 3 fio runs each
@@ -75,7 +90,10 @@ SWAP_MODE (parity) / SWAP_MODES, SWAP_SETTINGS ("links loopback"), MODES
 ("mirror parity parity-nolog disk ec"), FRONTENDS ("fuse-uring fuse nbd";
 fuse-held: fuse attached --restartable, the others --no-restartable), DEPTH_QDS ("1 4 16 64"),
 DEPTH_MODES ("none parity ec"), RESTARTS (20), RESTART_EVERY (2 s), SETTLE
-(10 s, discard's wait after the job).
+(10 s, discard's wait after the job), COMPRESS (unset; "off lz4": swap's
+client set-ups with their donors at each compress= setting), COMPRESSIBLE
+(0, % of each page of swap's job that is zeros), SWAP_TARGETS ("proxy
+memory floor zram file", swap's targets beside the client).
 
 Each benchmark writes OUTDIR/NAME.txt and OUTDIR/NAME.json (--out, default
 bench-results/client). The work directory (client state, the disk mode's
@@ -98,17 +116,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import bench_anatomy, bench_join, bench_rebalance, bench_spread
-from .attach import FuseFile, LoopDevice, Swap, run
-from .bench import (Report, arg_parser, die, disk_workdir, env_int, env_str, fio_json, fmt_row, mean, nbdkit,
-                    ratio, require)
+from .bench import Report, arg_parser, die, disk_workdir, env_int, env_str, fio_json, fmt_row, mean, ratio, require
+from .bench_swap import SwapTargets, bench_swap, swap_donors
 from .cgroup import run_job_in_cgroup
 from .cleanup import Teardown, install_handlers
-from .client import URING_SWITCH, Job, PagerClient, client_plugin
+from .client import Job, PagerClient, client_plugin
 from .demo import parse_size
-from . import machine
 from .donor import Cluster, Donor
 from .paths import job, pagerctl, server_plugin, target_dir
-from .procs import OwnedProcess, tail, wait_for
+from .procs import wait_for
 
 PROG = "bench-client"
 
@@ -162,12 +178,13 @@ class Bench:
         self.report = Report(name, asdict(knobs))
 
     # ------------------------------------------------------------ set-up
-    def donors(self, td: Teardown, n: int, rate: str | None, tag: str) -> list[Donor]:
+    def donors(self, td: Teardown, n: int, rate: str | None, tag: str, compress: str | None = None) -> list[Donor]:
         """n pager-server donors on 127.0.0.2.., each behind a `rate` bits/s
-        link (None: loopback speed)."""
+        link (None: loopback speed), with compress=`compress` (None: the
+        plugin's default)."""
         filters = {"filters": ["rate"], "filter_params": {"rate": rate}} if rate else {}
         cluster = Cluster(td, self.work / tag, server_plugin())
-        return cluster.start_donors(n, size="2G", budgets="2G", **filters)
+        return cluster.start_donors(n, size="2G", budgets="2G", compress=compress, **filters)
 
     def attach(self, td: Teardown, tag: str, donors, mode: str, size: str, frontend: str,
                swap: bool = False, width: int | None = None, client_id: str = "bench",
@@ -331,182 +348,6 @@ def bench_modes(b: Bench) -> None:
     b.report.line()
     b.report.results = {"columns": ["randread_iops", "randwrite_iops", "read_MBps", "write_MBps"],
                         "modes": {m: {"donors": mode_donors(m), "fio": r[m], "memory": mem[m]} for m in modes}}
-
-
-# -------------------------------------------------------------- 3. swap
-def swap_donors(mode: str) -> int:
-    """Donors the swap job's client uses (ec 4+2 needs 6)."""
-    return 6 if mode == "ec" else 3
-
-
-def loop_swap(td: Teardown, path: Path) -> str:
-    """What pagerctl does over its FUSE file: a loop device with direct I/O
-    and the same queue depth, swap on it."""
-    loop = LoopDevice(td, path, direct_io=True)
-    q = Path("/sys/block") / Path(loop.device).name / "queue" / "nr_requests"
-    depth = q.read_text().strip()
-    q.write_text("16")
-    td.add(f"{q} back to {depth}", lambda: q.write_text(depth))
-    Swap(td, loop.device, priority=32767)
-    return loop.device
-
-
-def memory_server(b: Bench, td: Teardown, rate: str | None) -> Donor:
-    """One `nbdkit memory` over TCP on a loopback address of its own, as a
-    remote memory server would be."""
-    filters = {"filters": ["rate"], "filter_params": {"rate": rate}} if rate else {}
-    return Donor(td, b.work, "mem", machine.loopback(9, net=1), "memory", {"size": "1G"}, **filters).start()
-
-
-class SwapTargets:
-    """Each target sets up a swap area, its undo in `td`, and returns its device."""
-
-    def __init__(self, b: Bench):
-        self.b = b
-
-    def client(self, td: Teardown, rate, frontend: str, mode: str) -> str:
-        donors = self.b.donors(td, swap_donors(mode), rate, "swap")
-        return self.b.attach(td, "swap", donors, mode, "1G", frontend, swap=True, width=3).device
-
-    def memory(self, td: Teardown, rate, *_) -> str:
-        mem = memory_server(self.b, td, rate)
-        return loop_swap(td, FuseFile(td, self.b.work, mem.uri()).path)
-
-    def proxy(self, td: Teardown, rate, *_) -> str:
-        """The same nbdkit memory reached the way the client reaches its donors:
-        through a local nbdkit on a unix socket (its nbd plugin) that relays
-        each request over TCP. Against `memory`, this prices the extra hop
-        alone; against the client, what the client does besides."""
-        mem = memory_server(self.b, td, rate)
-        sock = self.b.work / "proxy.sock"
-        sock.unlink(missing_ok=True)
-        nbdkit(td, self.b.work, "proxy", ["-U", sock, "nbd", f"hostname={mem.addr}", f"port={mem.port}"])
-        return loop_swap(td, FuseFile(td, self.b.work, f"nbd+unix:///?socket={sock}").path)
-
-    def floor(self, td: Teardown, *_) -> str:
-        """The floor of the client's path: the same FUSE front end, loop device
-        and queue depth, answering from its own memory with no donor behind
-        it (examples/fuse-memory.rs). A loop device over a tmpfs file is no
-        floor to swap on: loop charges the file's pages to the swapping job's
-        cgroup, which then swaps them to the same loop device, and swap-in
-        deadlocks."""
-        return loop_swap(td, self.floor_file(td))
-
-    def floor_file(self, td: Teardown) -> Path:
-        """examples/fuse-memory mounted in the work directory; its file."""
-        if URING_SWITCH.exists():
-            # On, as pagerctl attach turns it on for the client (and detach back);
-            # no other test run flips it meanwhile.
-            machine.URING_SWITCH.hold(td)
-            was = URING_SWITCH.read_text().strip()
-            td.add(f"{URING_SWITCH} back to {was}", lambda: URING_SWITCH.write_text(was))
-            URING_SWITCH.write_text("Y")
-        mnt = self.b.work / "floor"
-        mnt.mkdir(exist_ok=True)
-        proc = OwnedProcess([target_dir() / "examples" / "fuse-memory", mnt, "1024", "fuse-uring"],
-                            self.b.work / "floor.log", td, "fuse-memory")
-        td.add(f"fuse-memory mount {mnt}", lambda: (run(["umount", mnt]), proc.wait(30)))
-
-        def ready():
-            if not proc.alive():
-                raise RuntimeError(f"fuse-memory exited: {tail(proc.log_path)}")
-            return (mnt / "device").exists()
-
-        wait_for(ready, 30, f"fuse-memory (log {proc.log_path})")
-        return mnt / "device"
-
-    def floor_device(self, td: Teardown) -> str:
-        """The floor as a block device (no swap on it): the FUSE front end
-        from memory under a loop device with direct I/O, as pagerctl attach
-        sets one up."""
-        return LoopDevice(td, self.floor_file(td), direct_io=True).device
-
-    def zram(self, td: Teardown, *_) -> str:
-        dev = run(["zramctl", "--find", "--size", "1G"]).strip()
-        td.add(f"zram {dev}", lambda: run(["zramctl", "--reset", dev]))
-        Swap(td, dev, priority=32767)
-        return dev
-
-    def file(self, td: Teardown, *_) -> str:
-        f = self.b.work / "swapfile"
-        run(["fallocate", "-l", "1G", f])
-        f.chmod(0o600)
-        td.add(f"swap file {f}", lambda: f.unlink(missing_ok=True))
-        Swap(td, str(f), priority=32767)
-        return str(f)
-
-
-def swap_label(run_name: str, k: Knobs) -> str:
-    target, _, setting = run_name.partition("/")
-    if target.startswith("client:"):
-        frontend, _, mode = target.removeprefix("client:").partition("+")
-        label = f"client, {mode}, {swap_donors(mode)} donors, {frontend}"
-    else:
-        label = {"proxy": "one nbdkit memory via a local proxy", "memory": "one nbdkit memory",
-                 "floor": "FUSE from memory + loop (the floor)", "zram": "zram",
-                 "file": "swap file on local disk"}[target]
-    if setting == "links":
-        return f"{label}, {k.link_rate} links"
-    return f"{label}, loopback" if setting else label
-
-
-def swap_once(b: Bench, targets: SwapTargets, name: str) -> float:
-    """The swap job's seconds through one target, named as bench_swap names
-    them: KIND[:FRONTEND+MODE][/SETTING] (client:fuse-uring+parity/links)."""
-    k = b.knobs
-    limit = parse_size(k.limit)
-    target, _, setting = name.partition("/")
-    kind, _, spec = target.partition(":")
-    frontend, _, mode = spec.partition("+")
-    with Teardown(f"swap {name}") as td:
-        device = getattr(targets, kind)(td, k.link_rate if setting == "links" else None, frontend, mode)
-        r = run_job_in_cgroup(td, [job("memhog"), 3 * limit, "--passes", "1"], limit,
-                              b.work / f"memhog-{kind}.log", swap_devices=[device])
-        td.close_or_raise()
-    if r.returncode != 0 or r.timed_out:
-        die(PROG, f"memhog through {name} failed: {r.describe()}")
-    return round(r.seconds, 1)
-
-
-def bench_swap(b: Bench) -> None:
-    k = b.knobs
-    limit = parse_size(k.limit)
-    touch = 3 * limit
-    b.report.line(f"== 3. Swap: memhog touching {touch >> 20} MiB in a {k.limit} memory cgroup "
-                  f"(1 verify pass), {k.rounds} rounds")
-    b.report.line(f"(swap file {b.work / 'swapfile'})")
-    runs = []
-    for setting in k.swap_settings:
-        runs += [f"client:{f}+{m}/{setting}" for m in k.swap_modes for f in k.frontends]
-        runs += [f"proxy/{setting}", f"memory/{setting}"]
-    runs += ["floor", "zram", "file"]
-    targets = SwapTargets(b)
-    t: dict[str, list[float]] = {name: [] for name in runs}
-    for rnd in range(1, k.rounds + 1):
-        for name in runs:
-            t[name].append(swap_once(b, targets, name))
-            print(f"round {rnd}: {name} {t[name][-1]}s", file=sys.stderr, flush=True)
-    w = [52, 24, 10, 16]
-    b.report.line(fmt_row(w, ["target", "seconds per round", "mean", "vs nbdkit memory"], first_left=2))
-    for name in runs:
-        setting = name.partition("/")[2] or "loopback"
-        # Local targets compare with the loopback nbdkit memory if it ran.
-        base = t.get(f"memory/{setting}") or t[f"memory/{k.swap_settings[-1]}"]
-        b.report.line(fmt_row(w, [swap_label(name, k), " ".join(map(str, t[name])),
-                                  f"{mean(t[name]):.1f}", ratio(mean(t[name]), mean(base))], first_left=2))
-    for setting in k.swap_settings:
-        for m in k.swap_modes:
-            for f in k.frontends:
-                c = mean(t[f"client:{f}+{m}/{setting}"])
-                b.report.line(f"client ({m}) on {f} vs the swap file, {setting}: {ratio(c, mean(t['file']))}")
-                parity = t.get(f"client:{f}+parity/{setting}")
-                if m == "ec" and parity:
-                    b.report.line(f"client on {f}, ec 4+2 vs parity, {setting}: "
-                                  f"{ratio(c, mean(parity))} (target <= 1.1x)")
-    b.report.line("(targets: client on fuse-uring <= 1.0x one nbdkit memory and <= 1.0x the swap file)")
-    b.report.line()
-    b.report.results = {"touch_bytes": touch, "limit_bytes": limit,
-                        "seconds": {name: {"label": swap_label(name, k), "rounds": t[name]} for name in runs}}
 
 
 # ---------------------------------------------------------- 4. latency

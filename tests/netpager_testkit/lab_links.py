@@ -33,9 +33,10 @@ class LabLinks:
         self.td, self.workdir = td, workdir
         self.lab: netlab.Lab | None = None
 
-    def donors(self, td: Teardown, n: int, link: str, tag: str) -> list[Donor]:
-        """n donors on lab hosts, each behind a `link` (LINKS) link; they
-        and the links' filters are undone by `td`."""
+    def donors(self, td: Teardown, n: int, link: str, tag: str, compress: str | None = None) -> list[Donor]:
+        """n donors on lab hosts, each behind a `link` (LINKS) link, with
+        compress=`compress` (None: the plugin's default); they and the
+        links' filters are undone by `td`."""
         if link not in LINKS or n > len(HOSTS):
             raise ValueError(f"{n} donors behind {link}: at most {len(HOSTS)}, links {', '.join(LINKS)}")
         if self.lab is None:
@@ -47,6 +48,6 @@ class LabLinks:
             netlab.SlowLink(td, self.lab, name, rate=str(rate), burst=str(burst), latency="50ms")
             d = netlab.LabDonor(self.lab[name], td, self.workdir / tag, server_plugin(),
                                 # The lab's subnet reaches nothing else: no key.
-                                {"size": "2G", "budget": "2G", "insecure": "true"})
+                                {"size": "2G", "budget": "2G", "insecure": "true", "compress": compress})
             out.append(d.start())
         return out

@@ -32,6 +32,16 @@ def test_memhog_verifies_and_catches_a_flipped_bit(memhog):
     assert "bad page 1234 (offset 0x4d2060) word 12:" in bad.stderr, bad.stderr
 
 
+def test_memhog_compressible_pages_verify(memhog):
+    """--compressible PCT: the last PCT% of every page zero, checked too."""
+    ok = subprocess.run([memhog, "8M", "--passes", "1", "--compressible", "75"], capture_output=True, text=True)
+    assert ok.returncode == 0 and "memhog: OK pages=2048 " in ok.stdout, ok.stderr
+    bad = subprocess.run([memhog, "8M", "--compressible", "75", "--flip", "1234"], capture_output=True, text=True)
+    assert bad.returncode == 1
+    assert "bad page 1234 (offset 0x4d2060) word 12:" in bad.stderr, bad.stderr
+    assert subprocess.run([memhog, "8M", "--compressible", "91"], capture_output=True).returncode == 2
+
+
 def test_blkhog_verifies_and_catches_a_flipped_bit(blkhog, tmp_path):
     disk = tmp_path / "disk.img"
     disk.write_bytes(b"\0" * (4 * MIB))
