@@ -102,12 +102,15 @@ class LabRollout:
     """The lab's inventory and ansible-playbook runs against it. With `dns`
     (a DnsServer: `dns_lab`) donors publish themselves in its zone
     (`netpager_discovery: dns`) and each client's donors file names only the
-    donors on its own subnet: the others it finds through the DNS."""
+    donors on its own subnet: the others it finds through the DNS. The
+    clients of `no_file` have an empty donors file: they find every donor
+    through the DNS."""
 
     def __init__(self, td: Teardown, lab: netlab.Lab, bin_src: Path | None = None, install: str = "build",
-                 donors: list[str] = DONORS, clients: list[str] = CLIENTS, dns=None):
+                 donors: list[str] = DONORS, clients: list[str] = CLIENTS, dns=None, no_file=()):
         self.lab = lab
         self.dns = dns
+        self.no_file = set(no_file)
         # The inventory's groups; a test may change them and write_inventory.
         self.donors, self.clients, self.retired = list(donors), list(clients), []
         self.root = lab.workdir
@@ -202,7 +205,10 @@ class LabRollout:
         write_inventory_files(self.inv, inventory, common)
 
     def file_donors(self, client: str) -> list[str]:
-        """The donors a client's donors file names with `dns`: its own subnet's."""
+        """The donors a client's donors file names with `dns`: its own subnet's
+        (none for a client of `no_file`)."""
+        if client in self.no_file:
+            return []
         return [d for d in self.donors if self.lab[d].subnet == self.lab[client].subnet]
 
     def dns_vars(self) -> dict:

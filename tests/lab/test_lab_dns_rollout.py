@@ -2,9 +2,10 @@
 the lab's two subnets (idle3 alone behind the router, which forwards no
 multicast) and BIND on host ns serving the lab's zone. With
 `netpager_discovery: dns` every donor publishes itself there (its TSIG key
-from the rollout); each client's donors file names only the donors of its
-own subnet, and its device browses the zone with its own export token for
-the donors it finds (`--discover-export`). busy1 takes idle3 into its set
+from the rollout); busy1's donors file names only the donors of its own
+subnet, busy2's is empty (`netpager_client_donors: []`: it attaches through
+the DNS alone), and each device browses the zone with its own export token
+for the donors it finds (`--discover-export`). busy1 takes idle3 into its set
 through the DNS and keeps a job's pages on it: every page comes back
 intact. undeploy.yml stops the donors cleanly, and their records go."""
 
@@ -18,6 +19,10 @@ from netpager_testkit.procs import tail
 from test_lab_rollout import hold_pages_on
 
 
+# The client with an empty donors file.
+NO_FILE = "busy2"
+
+
 def joined(ro: LabRollout, client: str) -> dict:
     """{donor: how it joined} of the client's device."""
     return {d["name"]: d["joined"] for d in ro.client_status(client)["status"]["donors"]}
@@ -28,7 +33,7 @@ def test_site_yml_on_two_subnets_finds_the_far_donor_through_dns_and_keeps_every
     try:
         lab, dns = dns_lab(td, lab_rollout_dir(td) / "lab")
         lab.workdir.chmod(0o755)
-        ro = LabRollout(td, lab, dns=dns)
+        ro = LabRollout(td, lab, dns=dns, no_file=[NO_FILE])
         out = ro.ansible("site.yml").stdout
         assert all(r["failed"] == 0 and r["unreachable"] == 0 for r in recap(out).values()), out
         service = f"_netpager._tcp.{dns.zone}"
@@ -39,8 +44,9 @@ def test_site_yml_on_two_subnets_finds_the_far_donor_through_dns_and_keeps_every
             assert lab[c].subnet != lab[far].subnet and lab[c].subnet == lab[DNS_HOST].subnet
             # Not in its donors file: only the DNS can bring it in.
             donors_file = (ro.host_dir(c) / "var" / f"client-{c}" / "donors").read_text()
-            assert lab[far].addr not in donors_file and "name=idle1" in donors_file, donors_file
-            want = {d: ("discovered" if d == far else "file") for d in DONORS}
+            assert lab[far].addr not in donors_file, donors_file
+            assert ("name=idle1" in donors_file) == (c != NO_FILE), donors_file
+            want = {d: ("discovered" if d == far or c == NO_FILE else "file") for d in DONORS}
             wait_for(lambda c=c: joined(ro, c) == want, 60, f"{c} to take {far} in through the DNS")
 
         # A job in a small memory cgroup parks most of its pages in busy1's

@@ -130,6 +130,15 @@ def nbdkit(td: Teardown, workdir: Path, name: str, args: list[str], timeout: flo
     return proc
 
 
+def drop_cached(path: Path) -> None:
+    """Drops the page cache of one file (not the machine's: it is shared)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def fio_json(args: list[str], workdir: Path) -> dict:
     """fio ARGS --output-format=json in `workdir` (fio leaves state files
     there); the first job of its report. fio's nbd engine prints a line of

@@ -86,8 +86,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .attach import Swap, swaps
-from .bench import (DonorMemory, Report, arg_parser, compress_settings, die, disk_workdir, env_int, env_str,
-                    fio_json, fmt_row, held_cell, ratio, require)
+from .bench import (DonorMemory, Report, arg_parser, compress_settings, die, disk_workdir, drop_cached, env_int,
+                    env_str, fio_json, fmt_row, held_cell, ratio, require)
 from .bench_client import Bench as ClientBench
 from .bench_client import Knobs as ClientKnobs
 from .bench_client import mode_args
@@ -201,15 +201,6 @@ def write_input(td: Teardown, k: Knobs, work: Path) -> None:
     subprocess.run(["/usr/bin/python3", str(JOBS), "sort-input", str(k.sort_mib), str(src)], check=True)
     with open(src, "rb") as f:
         os.fsync(f.fileno())
-
-
-def drop_cache(path: Path) -> None:
-    """Out of the page cache, so that the job reads it from the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def higher_is_better(program: str) -> bool:
@@ -342,7 +333,7 @@ def run_program(td: Teardown, k: Knobs, work: Path, program: str, limit: int, wa
         cg = MemoryCgroup(jt, limit)
         src = input_file(k, work, program)
         if src:
-            drop_cache(src)
+            drop_cached(src)  # the job reads it from the disk
         wrapper = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cg.procs_file)]
         client = watch.get("client")
         before = client.status()["status"]["requests"] if client else None

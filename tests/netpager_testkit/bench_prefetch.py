@@ -50,14 +50,13 @@ stopped by pid and every mount unmounted, on every exit.
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .bench import Report, arg_parser, die, disk_workdir, env_int, env_str, ratio, require
+from .bench import Report, arg_parser, die, disk_workdir, drop_cached, env_int, env_str, ratio, require
 from .cleanup import Teardown, install_handlers
 from .donor import Cluster
 from .paths import server_plugin
@@ -249,15 +248,6 @@ def plot(results: dict, k: Knobs, cols: list[str], path: Path) -> None:
 
 
 # ---------------------------------------------------------- 2. app
-def drop_cached(path: Path) -> None:
-    """Drops the page cache of one file (not the machine's: it is shared)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 class App:
     """The scattered database on its slow disk, and each way of scanning it."""
 
