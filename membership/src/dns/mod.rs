@@ -338,19 +338,8 @@ impl DomainBrowser {
             return Err("no SRV record".into());
         };
         let (txt, _) = query(server, inst, TYPE_TXT, self.timeout).map_err(e)?;
-        let mut map = HashMap::new();
-        let mut ttl = srv_ttl;
-        for r in &txt {
-            ttl = ttl.min(r.ttl);
-            if let RData::Txt(strings) = &r.data {
-                for s in strings {
-                    let s = String::from_utf8_lossy(s);
-                    let (k, v) = s.split_once('=').unwrap_or((&s, ""));
-                    map.entry(k.to_ascii_lowercase())
-                        .or_insert_with(|| v.to_string());
-                }
-            }
-        }
+        let map = txt_map(&txt);
+        let ttl = txt.iter().fold(srv_ttl, |t, r| t.min(r.ttl));
         // The server may have sent the target's addresses along.
         let addr_of = |rs: &[Record]| -> Vec<IpAddr> {
             rs.iter()
@@ -389,6 +378,23 @@ impl DomainBrowser {
         };
         Ok((resolved, ttl))
     }
+}
+
+/// The `key=value` strings of TXT records as a map: keys are
+/// case-insensitive and the first of a key wins (RFC 6763 §6.4, §6.5).
+pub fn txt_map(records: &[Record]) -> HashMap<String, String> {
+    let mut map = HashMap::new();
+    for r in records {
+        if let RData::Txt(strings) = &r.data {
+            for s in strings {
+                let s = String::from_utf8_lossy(s);
+                let (k, v) = s.split_once('=').unwrap_or((&s, ""));
+                map.entry(k.to_ascii_lowercase())
+                    .or_insert_with(|| v.to_string());
+            }
+        }
+    }
+    map
 }
 
 /// Where and how a donor publishes itself (`announce=dns`).
