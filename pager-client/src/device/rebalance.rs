@@ -75,8 +75,8 @@ pub(crate) struct Moved {
     /// Each donor entry's share of the placed members and its target
     /// share, as of the last pass.
     pub shares: Vec<(f64, f64)>,
-    /// The device served requests since the pass before the last: the
-    /// busy rate applied.
+    /// The device served requests between the last two passes: the last
+    /// one ran at the busy rate.
     pub busy: bool,
 }
 
