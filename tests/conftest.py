@@ -8,15 +8,20 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 
 import pytest
 
 from netpager_testkit import Cluster, Teardown, install_handlers, job, pb2, server_plugin
 from netpager_testkit.ci import skip_or_fail
 from netpager_testkit.paths import target_dir
-from netpager_testkit.procs import tail
+from netpager_testkit.procs import rescue_stuck, tail
 
 _TEARDOWN_KEY = pytest.StashKey[Teardown]()
+# How long past its timeout a test may stay stuck before its processes are
+# killed to free it (rescue_stuck).
+RESCUE_AFTER_S = 60
+_RESCUED_KEY = pytest.StashKey[bool]()
 
 
 def pytest_sessionstart(session):
@@ -27,9 +32,38 @@ def pytest_sessionstart(session):
 
 
 @pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """pytest-timeout's SIGALRM only raises once the main thread is back in
+    Python; a test blocked in C would hang the whole run (and CI with it).
+    Past its timeout, the rescue frees it."""
+    marker = item.get_closest_marker("timeout")
+    timeout = marker.args[0] if marker and marker.args else item.config.getoption("timeout", None)
+    rescue = None
+
+    def rescue_item():
+        item.stash[_RESCUED_KEY] = True
+        rescue_stuck(item.nodeid)
+
+    if timeout:
+        rescue = threading.Timer(float(timeout) + RESCUE_AFTER_S, rescue_item)
+        rescue.daemon = True
+        rescue.start()
+    yield
+    if rescue:
+        rescue.cancel()
+
+
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
+    if item.stash.get(_RESCUED_KEY, False) and not report.failed:
+        # The C call the timeout could not interrupt may return normally once
+        # its processes are gone, and the timeout's exception is then lost.
+        item.stash[_RESCUED_KEY] = False  # the phase it was stuck in, only
+        report.outcome = "failed"
+        report.longrepr = (f"stuck past its timeout in {call.when}: its processes were "
+                           "killed to free it (stacks above)")
     td = item.stash.get(_TEARDOWN_KEY, None)
     if report.failed and td is not None and td.logs:
         text = []

@@ -267,7 +267,7 @@ class Donor:
         self.proc.kill9()
 
     def sigstop(self) -> None:
-        self.proc.signal(signal.SIGSTOP)
+        self.proc.sigstop()
 
     def sigcont(self) -> None:
         self.proc.signal(signal.SIGCONT)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
+import weakref
 from pathlib import Path
 
 from .cleanup import Teardown
@@ -27,6 +29,10 @@ def proc_start_time(pid: int) -> int | None:
     # The command name is in parentheses and may itself contain spaces.
     fields = stat[stat.rindex(")") + 2:].split()
     return int(fields[19])
+
+
+# Every OwnedProcess still referenced, for the stuck-test rescue (rescue_stuck).
+_owned: "weakref.WeakSet[OwnedProcess]" = weakref.WeakSet()
 
 
 def tail(path, lines: int = 40) -> str:
@@ -59,6 +65,7 @@ class OwnedProcess:
         self.start_time = proc_start_time(self.pid)
         teardown.add_log(self.log_path)
         teardown.add(f"process {name} pid {self.pid}", self.stop)
+        _owned.add(self)
 
     def owned(self) -> bool:
         """True while the pid is still the process we started."""
@@ -73,6 +80,25 @@ class OwnedProcess:
         """Sends `sig` if the pid is still ours; a gone process is not an error."""
         if self.owned():
             os.kill(self.pid, sig)
+
+    def sigstop(self, timeout: float = 10.0) -> None:
+        """SIGSTOP, returning once every thread is stopped: kill() returns
+        before the threads reach their stop, and a thread still running may
+        answer one more request, which a test of a hung process must not see."""
+        self.signal(signal.SIGSTOP)
+
+        def all_stopped() -> bool:
+            states = []
+            for task in Path(f"/proc/{self.pid}/task").iterdir():
+                try:
+                    stat = (task / "stat").read_text()
+                except OSError:
+                    continue  # a thread that just ended
+                states.append(stat[stat.rindex(")") + 2])
+            return bool(states) and all(s in "Tt" for s in states)
+
+        wait_for(all_stopped, timeout, f"{self.name} pid {self.pid} to stop on SIGSTOP",
+                 interval=0.01)
 
     def wait(self, timeout: float) -> int | None:
         try:
@@ -147,3 +173,25 @@ def has_cap_sys_resource() -> bool:
         if line.startswith("CapEff:"):
             return bool(int(line.split()[1], 16) >> 24 & 1)
     return False
+
+
+def rescue_stuck(what: str) -> None:
+    """For a test that its timeout could not interrupt (its main thread is
+    blocked in C, say libnbd waiting on a stopped donor, where SIGALRM's
+    Python handler never runs): prints every thread's stack, then SIGKILLs
+    every process the harness owns, so sockets and FUSE mounts they serve
+    close, the blocked call returns an error and the timeout, then the
+    teardown, run as usual."""
+    import faulthandler
+
+    print(f"\nnetpager: {what} is stuck past its timeout; stacks, then its "
+          "processes are killed", file=sys.__stderr__, flush=True)
+    faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
+    for proc in list(_owned):
+        for pid in proc.session_pids() if proc.owned() else []:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.signal(signal.SIGCONT)
+        proc.signal(signal.SIGKILL)

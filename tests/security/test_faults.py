@@ -90,6 +90,8 @@ def test_hung_donor_holds_requests_and_loses_nothing(start_donors, keys):
         h.pwrite(pattern("after", 0, PAGE), 0)
         assert h.pread(PAGE, 0) == pattern("after", 0, PAGE)
     finally:
+        # shutdown waits for the held read: never while the donor is stopped.
+        d.sigcont()
         h.shutdown()
     assert d.status().state_reason
 
@@ -117,6 +119,11 @@ def test_paused_donor_holds_requests_and_keeps_status(start_donors, tmp_path):
         assert h.pread(2 * PAGE, 0) == pattern("paused", 0, 2 * PAGE)
         assert d.status().writes == 2
     finally:
+        # shutdown waits for the held write: never while the donor is paused.
+        try:
+            ctl.sendall(b"r")
+        except OSError:
+            pass  # never connected, or the donor is gone
         ctl.close()
         h.shutdown()
 
