@@ -7,7 +7,7 @@ CARGO ?= cargo
 # end-to-end test has TEST_TIMEOUT seconds (pytest-timeout; SIGALRM, so its
 # teardown still runs), each `cargo test` CARGO_TEST_TIMEOUT (cargo names a
 # test that runs over 60 s).
-TEST_TIMEOUT ?= 900
+TEST_TIMEOUT ?= 600
 CARGO_TEST_TIMEOUT ?= 1200
 PYTEST := /usr/bin/python3 -m pytest -ra --durations=30 -p timeout --timeout=$(TEST_TIMEOUT) --timeout-method=signal
 CARGO_TEST := timeout --kill-after=30 $(CARGO_TEST_TIMEOUT) $(CARGO) test
@@ -16,7 +16,7 @@ BENCH_PY := PYTHONPATH=$(CURDIR)/tests /usr/bin/python3 -m netpager_testkit
 # Which client benchmarks `make bench-client` runs (donors modes swap latency depth: all).
 WHICH ?=
 # Seconds per fuzz target: short inside `make test`, long in `make fuzz`.
-FUZZ_SHORT_SECONDS ?= 15
+FUZZ_SHORT_SECONDS ?= 5
 FUZZ_SECONDS ?= 300
 # Debian's python3 binds python3-libnbd; a newer python3 may come first on PATH.
 export PATH := /usr/sbin:/usr/bin:/sbin:/bin:$(PATH)
