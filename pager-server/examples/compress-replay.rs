@@ -64,6 +64,8 @@ struct Best {
     write_cpu: Duration,
     read_cpu: Duration,
     codec_cpu: Option<(Duration, Duration)>,
+    /// The recompressor's pass and the reads after it (lz4 only).
+    cold_cpu: Option<(Duration, Duration)>,
 }
 
 impl Best {
@@ -75,6 +77,7 @@ impl Best {
                 .codec_cost
                 .as_ref()
                 .map(|c| (c.compress_cpu, c.decompress_cpu)),
+            cold_cpu: r.cold.as_ref().map(|c| (c.recompress_cpu, c.read_cpu)),
             last: r,
         }
     }
@@ -87,6 +90,10 @@ impl Best {
             codec_cpu: self
                 .codec_cpu
                 .zip(next.codec_cpu)
+                .map(|(a, b)| (a.0.min(b.0), a.1.min(b.1))),
+            cold_cpu: self
+                .cold_cpu
+                .zip(next.cold_cpu)
                 .map(|(a, b)| (a.0.min(b.0), a.1.min(b.1))),
             last: next.last,
         }
@@ -155,6 +162,15 @@ fn main() -> Result<()> {
                     "read_mb_per_cpu_s": read,
                     "compress_mb_per_cpu_s": comp,
                     "decompress_mb_per_cpu_s": decomp,
+                    "cold": r.cold.as_ref().zip(b.cold_cpu).map(|(c, (pass, read))| json!({
+                        "pages": c.pages,
+                        "stored_bytes": c.stored_bytes,
+                        "mapped_bytes": c.mapped_bytes,
+                        "ratio": ratio(bytes, c.stored_bytes),
+                        "ratio_mapped": ratio(bytes, c.mapped_bytes),
+                        "recompress_mb_per_cpu_s": mb_per_cpu_s(bytes, pass),
+                        "read_mb_per_cpu_s": mb_per_cpu_s(bytes, read),
+                    })),
                 });
                 (r.codec.word().to_string(), doc)
             })
@@ -212,10 +228,29 @@ fn main() -> Result<()> {
                 cell(decomp, 0),
             ])
         );
+        if let (Some(c), Some((pass, read))) = (&r.cold, b.cold_cpu) {
+            println!(
+                "{}",
+                row(&[
+                    "cold".to_string(),
+                    mib(r.logical_bytes),
+                    mib(c.stored_bytes),
+                    mib(c.mapped_bytes),
+                    cell(ratio(bytes, c.stored_bytes), 2),
+                    cell(ratio(bytes, c.mapped_bytes), 2),
+                    cell(mb_per_cpu_s(bytes, pass), 0),
+                    cell(mb_per_cpu_s(bytes, read), 0),
+                    "-".into(),
+                    "-".into(),
+                ])
+            );
+        }
     }
     println!(
         "(ratio: the dump's bytes, zero pages included, over the bytes held; MB per CPU-second \
-         of the dump through the store (write, read) and of the codec alone (comp, decomp))"
+         of the dump through the store (write, read) and of the codec alone (comp, decomp); \
+         cold: lz4's pages once the recompressor (recompress=zstd) packed them all again, \
+         its pass in the write column)"
     );
     Ok(())
 }

@@ -125,6 +125,11 @@ pub struct Config {
     pub dns_prune: bool,
     /// How pages are kept: compressed (lz4, zstd) or raw (off).
     pub compress: Compress,
+    /// `recompress=zstd|off`: cold pages packed again with zstd (`None`:
+    /// on with compress=lz4; see [`Config::recompress_on`]).
+    pub recompress: Option<bool>,
+    /// How long a page goes untouched before it is cold.
+    pub recompress_idle: Duration,
 }
 
 /// How a donor announces itself (`announce=`).
@@ -166,6 +171,8 @@ impl Default for Config {
             dns_lease: None,
             dns_prune: true,
             compress: Compress::Lz4,
+            recompress: None,
+            recompress_idle: Duration::from_secs(30),
         }
     }
 }
@@ -205,7 +212,10 @@ dns-lease=SECS       announce=dns: readers take the records for a dead donor's
                      at least 2 x dns-ttl).
 dns-prune=BOOL       announce=dns: remove other donors' records past their lease
                      (default true).
-compress=lz4|zstd|off  Keep pages compressed in size classes, or raw (default lz4).";
+compress=lz4|zstd|off  Keep pages compressed in size classes, or raw (default lz4).
+recompress=zstd|off  compress=lz4: pack pages again with zstd once cold, while
+                     the donor is not busy (default zstd).
+recompress-idle=SECS  A page is cold once untouched this long (default 30).";
 
 impl Config {
     /// Applies one `key=value` parameter.
@@ -309,6 +319,22 @@ impl Config {
                 self.compress = Compress::parse(value)
                     .ok_or_else(|| bad(key, value, "expected lz4, zstd or off"))?
             }
+            "recompress" => {
+                self.recompress = match value {
+                    "zstd" => Some(true),
+                    "off" => Some(false),
+                    _ => return Err(bad(key, value, "expected zstd or off")),
+                }
+            }
+            "recompress-idle" => {
+                let secs: u64 = value
+                    .parse()
+                    .map_err(|_| bad(key, value, "expected a whole number of seconds"))?;
+                if secs > 86_400 {
+                    return Err(bad(key, value, "must be 0 to 86400 seconds"));
+                }
+                self.recompress_idle = Duration::from_secs(secs);
+            }
             _ => {
                 return Err(ConfigError::UnknownKey {
                     key: key.to_string(),
@@ -316,6 +342,26 @@ impl Config {
             }
         }
         Ok(())
+    }
+}
+
+impl Config {
+    /// Whether cold pages are packed again with zstd: by default with
+    /// compress=lz4 only (zstd pages gain nothing, raw ones are meant raw).
+    pub fn recompress_on(&self) -> Result<bool, String> {
+        match (self.recompress, self.compress) {
+            (Some(true), Compress::Lz4) | (None, Compress::Lz4) => Ok(true),
+            (Some(true), c) => Err(format!(
+                "recompress=zstd needs compress=lz4 (compress={} {})",
+                c.word(),
+                if c == Compress::Zstd {
+                    "packs every page with zstd already"
+                } else {
+                    "keeps pages raw"
+                }
+            )),
+            _ => Ok(false),
+        }
     }
 }
 
@@ -535,218 +581,4 @@ pub fn whole_pages(bytes: u64) -> u64 {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sizes_follow_nbdkit_syntax() {
-        assert_eq!(parse_size("4096"), Ok(4096));
-        assert_eq!(parse_size("1K"), Ok(1024));
-        assert_eq!(parse_size("64m"), Ok(64 << 20));
-        assert_eq!(parse_size("1G"), Ok(1 << 30));
-        assert_eq!(parse_size("2s"), Ok(1024));
-        assert_eq!(parse_size("7b"), Ok(7));
-        assert_eq!(
-            parse_size("8E"),
-            Err("size \"8E\" overflows 2^63-1 bytes".into())
-        );
-        assert_eq!(parse_size("1MiB"), Ok(1 << 20));
-        assert!(parse_size("").is_err());
-        assert!(parse_size("-1").unwrap_err().contains("negative"));
-        assert!(parse_size("1x").unwrap_err().contains("\"x\""));
-        assert!(parse_size("G").is_err());
-    }
-
-    #[test]
-    fn every_parameter_is_parsed() {
-        let mut c = Config::default();
-        for (k, v) in [
-            ("size", "64M"),
-            ("budget", "512M"),
-            ("reserve", "10%"),
-            ("mlock", "off"),
-            ("status", "127.0.0.2:10900"),
-            ("metrics", "127.0.0.2:10901"),
-            ("node-id", "d1"),
-            ("age-x", "8"),
-            ("u-star", "0.25"),
-            ("window", "2.5"),
-            ("busy-load", "0.8"),
-            ("poll-ms", "50"),
-            ("meminfo", "/tmp/fake"),
-            ("psk", "/etc/netpager/lab.psk"),
-            ("export-secret", "/etc/netpager/export.secret"),
-            ("insecure", "yes"),
-            ("announce", "on"),
-            ("dns-server", "127.0.0.1:5353"),
-            ("dns-zone", "lab.example"),
-            ("dns-key", "/etc/netpager/dns.key"),
-            ("dns-ttl", "30"),
-            ("dns-lease", "90"),
-            ("dns-prune", "false"),
-            ("compress", "zstd"),
-        ] {
-            c.set(k, v).unwrap();
-        }
-        assert_eq!(c.size, 64 << 20);
-        assert_eq!(c.budget, Amount::Bytes(512 << 20));
-        assert_eq!(c.reserve, Amount::PercentOfMemTotal(10.0));
-        assert!(!c.mlock);
-        assert_eq!(c.status.as_deref(), Some("127.0.0.2:10900"));
-        assert_eq!(c.metrics.as_deref(), Some("127.0.0.2:10901"));
-        assert_eq!(c.node_id.as_deref(), Some("d1"));
-        assert_eq!(c.age_x, 8);
-        assert_eq!(c.u_star, 0.25);
-        assert_eq!(c.window, Duration::from_millis(2500));
-        assert_eq!(c.busy_load, 0.8);
-        assert_eq!(c.poll, Duration::from_millis(50));
-        assert_eq!(c.meminfo, PathBuf::from("/tmp/fake"));
-        assert_eq!(c.psk, Some(PathBuf::from("/etc/netpager/lab.psk")));
-        assert_eq!(
-            c.export_secret,
-            Some(PathBuf::from("/etc/netpager/export.secret"))
-        );
-        assert!(c.insecure);
-        assert_eq!(c.announce, Announce::Mdns);
-        assert_eq!(c.dns_server.as_deref(), Some("127.0.0.1:5353"));
-        assert_eq!(c.dns_zone.as_deref(), Some("lab.example"));
-        assert_eq!(c.dns_key, Some(PathBuf::from("/etc/netpager/dns.key")));
-        assert_eq!(c.dns_ttl, 30);
-        assert_eq!(c.dns_lease, Some(90));
-        assert!(!c.dns_prune);
-        c.set("announce", "dns").unwrap();
-        assert_eq!(c.announce, Announce::Dns);
-        assert_eq!(c.compress, Compress::Zstd);
-    }
-
-    #[test]
-    fn bad_parameters_name_key_and_reason() {
-        let mut c = Config::default();
-        let cases = [
-            ("size", "0", "at least 1 byte"),
-            ("size", "12X", "unknown unit"),
-            ("budget", "150%", "at most 100"),
-            ("budget", "x%", "N% with N a number"),
-            ("reserve", "-5M", "negative"),
-            ("mlock", "maybe", "true/false"),
-            ("status", "10900", "HOST:PORT"),
-            ("status", "127.0.0.1:http", "not a number"),
-            ("status", ":80", "no host"),
-            ("metrics", "9100", "HOST:PORT"),
-            ("node-id", "a b", "spaces"),
-            ("age-x", "0", "between 1"),
-            ("u-star", "1.5", "between 0 and 1"),
-            ("u-star", "NaN", "between"),
-            ("window", "0", "between"),
-            ("poll-ms", "5", "between 10"),
-            ("meminfo", "", "file path"),
-            ("psk", "", "file path"),
-            ("export-secret", "", "file path"),
-            ("insecure", "sometimes", "true/false"),
-            ("announce", "loudly", "true/false"),
-            ("dns-server", "dns.lab", "ADDR or ADDR:PORT"),
-            ("dns-zone", "a..b", "empty label"),
-            ("dns-key", "", "file path"),
-            ("dns-ttl", "0", "1 to 86400"),
-            ("dns-lease", "86401", "1 to 86400"),
-            ("dns-lease", "soon", "1 to 86400"),
-            ("dns-prune", "maybe", "true/false"),
-            ("compress", "gzip", "lz4, zstd or off"),
-        ];
-        for (k, v, why) in cases {
-            let e = c.set(k, v).unwrap_err();
-            let msg = e.to_string();
-            assert!(msg.contains(k) && msg.contains(why), "{k}={v}: {msg}");
-        }
-        assert_eq!(
-            c,
-            Config::default(),
-            "a refused value must not change the config"
-        );
-        assert_eq!(
-            c.set("sise", "1G"),
-            Err(ConfigError::UnknownKey { key: "sise".into() })
-        );
-    }
-
-    #[test]
-    fn amounts_resolve_against_mem_total() {
-        assert_eq!(Amount::PercentOfMemTotal(50.0).resolve(1 << 30), 1 << 29);
-        assert_eq!(Amount::Bytes(4096).resolve(1 << 30), 4096);
-        assert_eq!(whole_pages(4096 * 3 + 100), 3);
-    }
-
-    #[test]
-    fn export_names_and_sizes() {
-        let spec = |n: &str| parse_export_name(n).unwrap();
-        assert_eq!(
-            spec(""),
-            ExportSpec {
-                name: "default".into(),
-                size: None
-            }
-        );
-        assert_eq!(
-            spec("client-a@4G"),
-            ExportSpec {
-                name: "client-a".into(),
-                size: Some(4 << 30)
-            }
-        );
-        assert_eq!(
-            spec("@1M"),
-            ExportSpec {
-                name: "default".into(),
-                size: Some(1 << 20)
-            }
-        );
-        assert_eq!(
-            spec("node_7.swap"),
-            ExportSpec {
-                name: "node_7.swap".into(),
-                size: None
-            }
-        );
-        let why = |n: &str| parse_export_name(n).unwrap_err().to_string();
-        assert_eq!(spec("a/dev-1@1M").name, "a/dev-1");
-        assert_eq!(spec("/d1").name, "default/d1");
-        assert!(why("a/").contains("device must start"));
-        assert!(why("a/b/c").contains("'/' not allowed in the device"));
-        assert!(why("a:b").contains("':' not allowed in the name"));
-        assert!(why("-a").contains("start with a letter"));
-        assert!(why(&"a".repeat(65)).contains("at most 64"));
-        assert!(why("a@").contains("size after '@'"));
-        assert!(why("a@0").contains("at least 1 byte"));
-        assert!(why("a@1G@2G").contains("size after '@'"));
-        assert!(why("é").contains("not allowed"));
-    }
-
-    #[test]
-    fn sessions_ride_on_device_exports() {
-        let req = |n: &str| parse_requested(n).unwrap();
-        let round = |session, conn| Some(crate::session::Round { session, conn });
-        assert_eq!(
-            req("c1/d9:42@64M"),
-            Requested {
-                spec: ExportSpec {
-                    name: "c1/d9".into(),
-                    size: Some(64 << 20)
-                },
-                session: round(42, 0)
-            }
-        );
-        assert_eq!(req("c1/d9:42.7@64M").session, round(42, 7));
-        assert_eq!(req("c1/d9").session, None);
-        assert_eq!(req("c1@1M").spec.name, "c1");
-        let why = |n: &str| parse_requested(n).unwrap_err().to_string();
-        assert!(why("c1/d9:x@1M").contains("session after ':' must be SESSION"));
-        assert!(why("c1/d9:-1").contains("numbers"));
-        assert!(why("c1/d9:4.x").contains("SESSION.CONN"));
-        // A session belongs to a device's export; the error quotes what was asked.
-        let e = why("c1:3");
-        assert!(
-            e.contains("\"c1:3\"") && e.contains("':' not allowed"),
-            "{e}"
-        );
-    }
-}
+mod tests;

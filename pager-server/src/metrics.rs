@@ -74,6 +74,20 @@ pub fn exposition(s: &DonorStatus, service: &[(Op, HistogramSnapshot)]) -> Expos
         Some(BaseUnit::Ratio),
         ratio(s.logical_bytes, s.used_bytes, vec![]),
     );
+    if !s.recompress.is_empty() {
+        e.counter(
+            "donor_recompressed_pages",
+            "Pages packed again with zstd once cold (recompress=zstd), since start.",
+            None,
+            one(s.recompressed_pages),
+        );
+        e.counter(
+            "donor_recompress_saved",
+            "Bytes the recompressor saved when it packed those pages, since start.",
+            b,
+            one(s.recompress_saved_bytes),
+        );
+    }
     e.gauge(
         "donor_capacity",
         "Bytes of pages the donor can still take at the ratio it offers (clients' G_i).",
@@ -230,11 +244,16 @@ mod tests {
             reads: 3,
             bytes_written: 4096,
             enospc: 2,
+            recompress: "zstd".into(),
+            recompressed_pages: 5,
+            recompress_saved_bytes: 7000,
             ..Default::default()
         };
         let h = AtomicHistogram::new();
         h.observe(Duration::from_micros(30));
         let text = exposition(&s, &[(Op::Read, h.snapshot())]).prometheus_text();
+        let off = exposition(&DonorStatus::default(), &[]).prometheus_text();
+        assert!(!off.contains("recompress"), "no recompressor, no series");
         for want in [
             "netpager_donor_info{node=\"d1\"} 1\n",
             "netpager_donor_state{state=\"idle\"} 0\n",
@@ -252,6 +271,8 @@ mod tests {
             "netpager_donor_reads_total 3\n",
             "netpager_donor_written_bytes_total 4096\n",
             "netpager_donor_enospc_refusals_total 2\n",
+            "netpager_donor_recompressed_pages_total 5\n",
+            "netpager_donor_recompress_saved_bytes_total 7000\n",
             "netpager_donor_service_seconds_bucket{le=\"0.00004\",op=\"read\"} 1\n",
             "netpager_donor_service_seconds_count{op=\"read\"} 1\n",
         ] {

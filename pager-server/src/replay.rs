@@ -73,6 +73,22 @@ pub struct Replay {
     pub read_cpu: Duration,
     /// The codec alone on the same pages (`None` with `compress=off`).
     pub codec_cost: Option<CodecCost>,
+    /// With `compress=lz4`: the same pages once the recompressor packed
+    /// every one of them again with zstd (`recompress=zstd`, all cold).
+    pub cold: Option<Cold>,
+}
+
+/// The pages of a replay after the recompressor's pass over all of them,
+/// every byte read back and compared again.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Cold {
+    /// Pages it packed again (those zstd holds in a smaller class).
+    pub pages: u64,
+    pub stored_bytes: u64,
+    pub mapped_bytes: u64,
+    /// This thread's CPU time in the pass, and in reading every page back.
+    pub recompress_cpu: Duration,
+    pub read_cpu: Duration,
 }
 
 /// What the codec alone costs on a dump's pages, with no store around it:
@@ -157,17 +173,64 @@ pub fn replay(dump: &[u8], codec: Compress, batch: usize) -> Result<Replay, Repl
     // donor's reply buffers are reused, never fresh), and so a page the
     // store failed to write does not read back as zeros by chance.
     let mut back = vec![0xA5u8; dump.len()];
-    let t0 = thread_cpu()?;
-    for (i, chunk) in back.chunks_mut(request).enumerate() {
-        let at = i * request;
-        let len = chunk.len();
-        export
-            .read(chunk, at as u64, 0)
-            .map_err(fail("read", at, len))?;
-    }
-    let read_cpu = thread_cpu()?.saturating_sub(t0);
+    let read_back = |back: &mut [u8]| -> Result<Duration, ReplayError> {
+        back.fill(0xA5);
+        let t0 = thread_cpu()?;
+        for (i, chunk) in back.chunks_mut(request).enumerate() {
+            let at = i * request;
+            let len = chunk.len();
+            export
+                .read(chunk, at as u64, 0)
+                .map_err(fail("read", at, len))?;
+        }
+        let cpu = thread_cpu()?.saturating_sub(t0);
+        compare(dump, back, codec)?;
+        Ok(cpu)
+    };
+    let read_cpu = read_back(&mut back)?;
+    let zero_pages = dump
+        .chunks(PAGE_SIZE)
+        .filter(|p| p.iter().all(|&b| b == 0))
+        .count() as u64;
+    let (logical_bytes, stored_bytes, mapped_bytes) = (
+        pool.logical_bytes(),
+        pool.stored_bytes(),
+        pool.mapped_bytes(),
+    );
+    let cold = match codec {
+        Compress::Lz4 => {
+            let t0 = thread_cpu()?;
+            let pass = pool.recompress(u32::MAX, u64::MAX);
+            let recompress_cpu = thread_cpu()?.saturating_sub(t0);
+            Some(Cold {
+                pages: pass.pages,
+                stored_bytes: pool.stored_bytes(),
+                mapped_bytes: pool.mapped_bytes(),
+                recompress_cpu,
+                read_cpu: read_back(&mut back)?,
+            })
+        }
+        _ => None,
+    };
+    Ok(Replay {
+        codec,
+        pages,
+        zero_pages,
+        logical_bytes,
+        stored_bytes,
+        mapped_bytes,
+        write_cpu,
+        read_cpu,
+        codec_cost: match codec {
+            Compress::Off => None,
+            _ => Some(codec_cost(dump, codec)?),
+        },
+        cold,
+    })
+}
 
-    let mut zero_pages = 0;
+/// Every page read back is the page written.
+fn compare(dump: &[u8], back: &[u8], codec: Compress) -> Result<(), ReplayError> {
     for (page, (want, got)) in dump
         .chunks(PAGE_SIZE)
         .zip(back.chunks(PAGE_SIZE))
@@ -180,22 +243,8 @@ pub fn replay(dump: &[u8], codec: Compress, batch: usize) -> Result<Replay, Repl
                 byte,
             });
         }
-        zero_pages += u64::from(want.iter().all(|&b| b == 0));
     }
-    Ok(Replay {
-        codec,
-        pages,
-        zero_pages,
-        logical_bytes: pool.logical_bytes(),
-        stored_bytes: pool.stored_bytes(),
-        mapped_bytes: pool.mapped_bytes(),
-        write_cpu,
-        read_cpu,
-        codec_cost: match codec {
-            Compress::Off => None,
-            _ => Some(codec_cost(dump, codec)?),
-        },
-    })
+    Ok(())
 }
 
 /// See [`CodecCost`].
@@ -296,6 +345,20 @@ mod tests {
             assert_eq!(cost.decompressed_bytes, 80 * PAGE, "{codec:?}");
         }
         assert_eq!(off.codec_cost, None);
+        // The recompressor's pass (lz4 only) read back every byte again and
+        // holds the pages in no more than lz4 did, in what zstd takes.
+        let lz4 = replay(&dump, Compress::Lz4, 16).unwrap();
+        let zstd = replay(&dump, Compress::Zstd, 16).unwrap();
+        let cold = lz4.cold.expect("lz4 is recompressed");
+        assert!(cold.pages > 0);
+        assert!(cold.stored_bytes <= lz4.stored_bytes);
+        assert!(
+            cold.stored_bytes <= zstd.stored_bytes + PAGE,
+            "{} cold against {} zstd",
+            cold.stored_bytes,
+            zstd.stored_bytes
+        );
+        assert_eq!(zstd.cold, None);
     }
 
     #[test]

@@ -10,8 +10,8 @@
 //! once, then objects one by one; on any refusal everything taken is
 //! given back and nothing has changed), then *commits*: new entries
 //! replace old ones, which are freed. A page whose new form fits where
-//! it already is (raw over raw, an object of the same class) is rewritten
-//! in place, so an overwrite needs no memory beyond what it frees.
+//! it already is (raw over raw, an object of the same class and codec) is
+//! rewritten in place, so an overwrite needs no memory beyond what it frees.
 
 use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -26,6 +26,10 @@ use super::table::{mix, Entry, PageMap, GROUP_PAGES};
 use super::zs::AllocError;
 use super::{Backing, StoreError, PAGE, SHARDS};
 use crate::config::PAGE_SIZE;
+
+mod recompress;
+
+pub use recompress::Recompressed;
 
 fn shard_of(page: u64) -> usize {
     (mix(page / GROUP_PAGES) as usize) & (SHARDS - 1)
@@ -129,7 +133,7 @@ impl<'a> Freer<'a> {
                     .give(p);
                 self.raw += 1;
             }
-            Entry::Packed(h) => {
+            Entry::Packed(h) | Entry::Cold(h) => {
                 // A class lock comes before the slabs' lock.
                 self.alloc = None;
                 self.back.zs.free(h);
@@ -237,7 +241,7 @@ impl Export {
     fn weight(&self, e: &Entry) -> u64 {
         match e {
             Entry::Raw(_) => PAGE,
-            Entry::Packed(h) => self.back.zs.class_size(*h) as u64,
+            Entry::Packed(h) | Entry::Cold(h) => self.back.zs.class_size(*h) as u64,
             Entry::Same(_) => 0,
         }
     }
@@ -307,6 +311,11 @@ impl Export {
                 .zs
                 .read(*h, |o| codec::decompress(self.back.codec, o, out))
                 .map_err(|e| self.corrupt(page, e))?,
+            Some(Entry::Cold(h)) => self
+                .back
+                .zs
+                .read(*h, |o| codec::decompress(Compress::Zstd, o, out))
+                .map_err(|e| self.corrupt(page, e))?,
         }
         Ok(())
     }
@@ -334,10 +343,10 @@ impl Export {
                 match e {
                     Entry::Raw(data) => buf[in_buf].copy_from_slice(&data[in_page]),
                     Entry::Same(w) => codec::fill_same(&mut buf[in_buf], *w, in_page.start),
-                    Entry::Packed(_) if in_page.len() == PAGE_SIZE => {
+                    Entry::Packed(_) | Entry::Cold(_) if in_page.len() == PAGE_SIZE => {
                         self.load(Some(e), q, &mut buf[in_buf])?
                     }
-                    Entry::Packed(_) => {
+                    Entry::Packed(_) | Entry::Cold(_) => {
                         self.load(Some(e), q, &mut tmp)?;
                         buf[in_buf].copy_from_slice(&tmp[in_page]);
                     }
@@ -749,6 +758,12 @@ impl Export {
     #[cfg(test)]
     pub(super) fn shards_for_tests(&self) -> &[RwLock<PageMap>] {
         &self.shards
+    }
+
+    #[cfg(test)]
+    pub(super) fn is_cold_for_tests(&self, page: u64) -> bool {
+        let map = self.read_shard(page);
+        matches!(map.get(page), Some((Entry::Cold(_), _)))
     }
 
     #[cfg(test)]

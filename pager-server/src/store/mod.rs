@@ -29,13 +29,13 @@ pub mod zs;
 
 use std::collections::{BTreeMap, BinaryHeap};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
-use netpager_util::RwLockExt;
+use netpager_util::{LockExt, RwLockExt};
 
 pub use budget::Budget;
 pub use codec::Compress;
-pub use export::Export;
+pub use export::{Export, Recompressed};
 
 use crate::config::{ExportSpec, PAGE_SIZE};
 use crate::slab::Slabs;
@@ -145,6 +145,9 @@ pub struct Pool {
     back: Arc<Backing>,
     exports: RwLock<BTreeMap<String, Arc<Export>>>,
     max_exports: usize,
+    /// The shard the recompressor goes on from, and what it did so far.
+    recompress_at: Mutex<usize>,
+    recompressed: Mutex<Recompressed>,
 }
 
 impl Pool {
@@ -167,6 +170,8 @@ impl Pool {
             }),
             exports: RwLock::new(BTreeMap::new()),
             max_exports,
+            recompress_at: Mutex::new(0),
+            recompressed: Mutex::new(Recompressed::default()),
         }
     }
 
@@ -207,6 +212,38 @@ impl Pool {
     /// slab pages given back (their slabs unmapped once empty).
     pub fn compact(&self) -> u64 {
         self.back.zs.compact()
+    }
+
+    /// One pass of the recompressor (`store/export/recompress.rs`): packs
+    /// again with zstd the pages last touched before tick `before`, shard
+    /// by shard of every export from where the last pass stopped, looking
+    /// at no more than `limit` pages. Each pass visits each shard at most
+    /// once; a pass the budget refuses stops there.
+    pub fn recompress(&self, before: u32, limit: u64) -> Recompressed {
+        // Only lz4's pages gain: zstd packed them already, `off` keeps
+        // them raw on purpose.
+        if self.back.codec != Compress::Lz4 {
+            return Recompressed::default();
+        }
+        let exports: Vec<Arc<Export>> = self.exports.read_or_recover().values().cloned().collect();
+        let mut at = self.recompress_at.lock_or_recover();
+        let mut pass = Recompressed::default();
+        for _ in 0..SHARDS {
+            for e in &exports {
+                pass.add(e.recompress_shard(*at, before, limit - pass.examined));
+            }
+            if pass.examined == limit || pass.refused {
+                break;
+            }
+            *at = (*at + 1) % SHARDS;
+        }
+        self.recompressed.lock_or_recover().add(pass);
+        pass
+    }
+
+    /// What the recompressor did since the donor started.
+    pub fn recompressed(&self) -> Recompressed {
+        *self.recompressed.lock_or_recover()
     }
 
     /// The store of `spec.name`, created on first use with `spec.size` or

@@ -41,8 +41,10 @@ impl Hasher for PageHasher {
 pub enum Entry {
     /// The page as written, in a slab page of its own.
     Raw(Page),
-    /// Compressed, in a size class.
+    /// Compressed by the donor's codec, in a size class.
     Packed(Handle),
+    /// Compressed again by zstd once cold (`recompress=`), in a size class.
+    Cold(Handle),
     /// One 8-byte word repeated over the page (never zero: a zero page is
     /// no entry at all).
     Same(u64),
@@ -54,6 +56,9 @@ struct Group {
     /// Tick of each page's last read or write (relaxed: a coarse hint).
     stamps: [AtomicU32; GROUP_PAGES as usize],
     live: u32,
+    /// A bit per page the recompressor tried and could not shrink, as it
+    /// is now: any change of the page clears it, so it is tried again.
+    kept: u16,
 }
 
 /// The pages of one shard, by group: one hash lookup finds a page's group
@@ -73,10 +78,20 @@ impl PageMap {
         g.data[i].as_ref().map(|d| (d, &g.stamps[i]))
     }
 
+    /// The entry to change (which clears its [`Self::keep_as_is`]).
     pub fn get_mut(&mut self, page: u64) -> Option<(&mut Entry, &mut u32)> {
         let g = self.0.get_mut(&(page / GROUP_PAGES))?;
         let i = slot(page);
+        g.kept &= !(1 << i);
         g.data[i].as_mut().map(|d| (d, g.stamps[i].get_mut()))
+    }
+
+    /// Marks `page` as tried by the recompressor, which then leaves it be
+    /// until it changes.
+    pub fn keep_as_is(&mut self, page: u64) {
+        if let Some(g) = self.0.get_mut(&(page / GROUP_PAGES)) {
+            g.kept |= 1 << slot(page);
+        }
     }
 
     pub fn contains(&self, page: u64) -> bool {
@@ -99,6 +114,7 @@ impl PageMap {
                 data: [const { None }; GROUP_PAGES as usize],
                 stamps: [const { AtomicU32::new(0) }; GROUP_PAGES as usize],
                 live: 0,
+                kept: 0,
             },
         );
         true
@@ -132,6 +148,7 @@ impl PageMap {
             .expect("the group was reserved");
         let i = slot(page);
         debug_assert!(g.data[i].is_none(), "page {page} is stored already");
+        g.kept &= !(1 << i);
         g.data[i] = Some(e);
         g.live += 1;
         *g.stamps[i].get_mut() = stamp;
@@ -150,8 +167,25 @@ impl PageMap {
     pub fn take(&mut self, page: u64) -> Option<Entry> {
         let g = self.0.get_mut(&(page / GROUP_PAGES))?;
         let data = g.data[slot(page)].take()?;
+        g.kept &= !(1 << slot(page));
         g.live -= 1;
         Some(data)
+    }
+
+    /// Pages whose entry `want` picks, whose stamp is before `before` and
+    /// that the recompressor has not kept as they are, in no particular
+    /// order.
+    pub fn pages_before(&self, before: u32, want: impl Fn(&Entry) -> bool) -> Vec<u64> {
+        let mut out = Vec::new();
+        for (key, g) in &self.0 {
+            for (i, (d, s)) in g.data.iter().zip(&g.stamps).enumerate() {
+                let kept = g.kept & (1 << i) != 0;
+                if !kept && d.as_ref().is_some_and(&want) && s.load(Relaxed) < before {
+                    out.push(key * GROUP_PAGES + i as u64);
+                }
+            }
+        }
+        out
     }
 
     /// Every entry held, with its stamp.

@@ -106,6 +106,12 @@ enum Op {
         len: u64,
     },
     Compact,
+    /// A recompressor's pass over pages untouched for `age` ops, looking
+    /// at no more than `limit`.
+    Recompress {
+        age: u32,
+        limit: u64,
+    },
 }
 
 fn range() -> impl Strategy<Value = (u64, u64)> {
@@ -127,6 +133,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => range().prop_map(|(off, len)| Op::Discard { off, len }),
         2 => range().prop_map(|(off, len)| Op::Read { off, len }),
         1 => Just(Op::Compact),
+        1 => (0..8u32, 1..200u64).prop_map(|(age, limit)| Op::Recompress { age, limit }),
     ]
 }
 
@@ -137,7 +144,7 @@ fn census(e: &Export) -> (u64, u64, u64, u64) {
         for (entry, _) in shard.read_or_recover().entries() {
             match entry {
                 Entry::Raw(_) => raw += 1,
-                Entry::Packed(_) => packed += 1,
+                Entry::Packed(_) | Entry::Cold(_) => packed += 1,
                 Entry::Same(_) => same += 1,
             }
             bytes += e.weight_for_tests(entry);
@@ -198,6 +205,18 @@ fn run_model(codec: Compress, limit: u64, ops: &[Op]) {
             }
             Op::Compact => {
                 p.compact();
+            }
+            Op::Recompress { age, limit } => {
+                let before = (i as u32).saturating_sub(age) + 1;
+                let done = p.recompress(before, limit);
+                assert!(done.examined <= limit);
+                if codec != Compress::Lz4 {
+                    assert_eq!(
+                        done,
+                        Recompressed::default(),
+                        "only lz4's pages are repacked"
+                    );
+                }
             }
         }
         check_accounting(&p, &e);
@@ -413,4 +432,161 @@ fn the_xth_oldest_counts_bytes_held() {
         Some(20),
         "fewer bytes than x pages: the youngest"
     );
+}
+
+#[test]
+fn cold_pages_are_repacked_smaller_and_read_back() {
+    let p = Pool::with_slabs(400, 8, Compress::Lz4, Slabs::with_slab_pages(4));
+    let e = p.open(&spec("a"), PAGES * PAGE).unwrap();
+    let mut model = vec![0u8; (PAGES * PAGE) as usize];
+    let kinds = [Kind::Compressible, Kind::Random, Kind::Mixed, Kind::Same];
+    for page in 0..PAGES {
+        let at = (page * PAGE) as usize;
+        fill(
+            kinds[page as usize % 4],
+            page,
+            &mut model[at..at + PAGE_SIZE],
+            page * PAGE,
+        );
+        // Pages 0..48 written at tick 1, the rest at tick 10.
+        let tick = if page < PAGES / 2 { 1 } else { 10 };
+        e.write(&model[at..at + PAGE_SIZE], page * PAGE, tick)
+            .unwrap();
+    }
+    let before = e.stored_bytes();
+    // Only pages last touched before tick 5: the first half.
+    let first = p.recompress(5, u64::MAX);
+    assert!(first.pages > 0 && first.saved_bytes > 0, "{first:?}");
+    assert!(
+        first.examined <= PAGES / 2 - PAGES / 8,
+        "repeated words are not looked at"
+    );
+    assert_eq!(e.stored_bytes(), before - first.saved_bytes);
+    check_accounting(&p, &e);
+    let cold: Vec<u64> = (0..PAGES).filter(|&q| e.is_cold_for_tests(q)).collect();
+    assert!(
+        !cold.is_empty() && cold.iter().all(|&q| q < PAGES / 2),
+        "{cold:?}"
+    );
+    // A second pass finds nothing more to gain.
+    let again = p.recompress(5, u64::MAX);
+    assert_eq!(again.pages, 0, "{again:?}");
+    // Every byte reads back, whole pages and pieces across cold pages.
+    let mut all = vec![0xA5; model.len()];
+    e.read(&mut all, 0, 20).unwrap();
+    assert!(all == model);
+    let mut piece = vec![0xA5; 3 * PAGE_SIZE];
+    e.read(&mut piece, PAGE + 100, 20).unwrap();
+    assert!(piece[..] == model[PAGE_SIZE + 100..4 * PAGE_SIZE + 100]);
+    // Rewritten in part, a cold page is lz4 again and holds the patch.
+    let patch = vec![b'z'; 1000];
+    e.write(&patch, cold[0] * PAGE + 50, 21).unwrap();
+    let at = (cold[0] * PAGE) as usize + 50;
+    model[at..at + 1000].copy_from_slice(&patch);
+    // Trimmed in part and whole.
+    e.discard(cold[1] * PAGE + 7, 300).unwrap();
+    let at = (cold[1] * PAGE) as usize + 7;
+    model[at..at + 300].fill(0);
+    e.discard(cold[2] * PAGE, PAGE).unwrap();
+    let at = (cold[2] * PAGE) as usize;
+    model[at..at + PAGE_SIZE].fill(0);
+    e.read(&mut all, 0, 22).unwrap();
+    assert!(all == model);
+    check_accounting(&p, &e);
+    e.discard(0, PAGES * PAGE).unwrap();
+    assert_eq!(p.budget().used_pages(), 0);
+    assert_eq!(p.recompressed().pages, first.pages);
+}
+
+#[test]
+fn the_recompressor_racing_writers_loses_nothing() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let p = Arc::new(Pool::with_slabs(
+        2000,
+        8,
+        Compress::Lz4,
+        Slabs::with_slab_pages(4),
+    ));
+    let e = p.open(&spec("a"), PAGES * PAGE).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let passes = Arc::new(AtomicU64::new(0));
+    let recompressor = {
+        let (p, stop, passes) = (Arc::clone(&p), Arc::clone(&stop), Arc::clone(&passes));
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                p.recompress(u32::MAX, 16);
+                passes.fetch_add(1, Ordering::Relaxed);
+            }
+        })
+    };
+    // Two writers, each on its own pages, each checking its own model;
+    // they start once the recompressor runs, and it runs until they end.
+    let writers: Vec<_> = (0..2u64)
+        .map(|w| {
+            let (e, passes) = (Arc::clone(&e), Arc::clone(&passes));
+            std::thread::spawn(move || {
+                while passes.load(Ordering::Relaxed) == 0 {
+                    std::thread::yield_now();
+                }
+                let mine = w * PAGES / 2..(w + 1) * PAGES / 2;
+                let mut model = vec![0u8; (PAGES / 2 * PAGE) as usize];
+                let mut r = xorshift(w + 7);
+                for i in 0..3000u64 {
+                    let page = mine.start + r() % (PAGES / 2);
+                    let off = r() % PAGE;
+                    let len = (1 + r() % (2 * PAGE)).min((mine.end - page) * PAGE - off);
+                    let at = ((page - mine.start) * PAGE + off) as usize;
+                    let slice = &mut model[at..at + len as usize];
+                    match i % 5 {
+                        4 => {
+                            e.discard(page * PAGE + off, len).unwrap();
+                            slice.fill(0);
+                        }
+                        k => {
+                            let kind = [Kind::Compressible, Kind::Mixed, Kind::Random, Kind::Same]
+                                [k as usize];
+                            fill(kind, r(), slice, page * PAGE + off);
+                            e.write(slice, page * PAGE + off, 0).unwrap();
+                        }
+                    }
+                    if i % 50 == 0 {
+                        let mut got = vec![0xA5; model.len()];
+                        e.read(&mut got, mine.start * PAGE, 0).unwrap();
+                        assert!(got == model, "writer {w}: bytes differ after op {i}");
+                    }
+                }
+                let mut got = vec![0xA5; model.len()];
+                e.read(&mut got, mine.start * PAGE, 0).unwrap();
+                assert!(got == model, "writer {w}: bytes differ at the end");
+            })
+        })
+        .collect();
+    for w in writers {
+        w.join().unwrap();
+    }
+    stop.store(true, Ordering::Relaxed);
+    recompressor.join().unwrap();
+    check_accounting(&p, &e);
+}
+
+#[test]
+fn pages_zstd_cannot_shrink_are_tried_once_until_they_change() {
+    let p = Pool::with_slabs(400, 8, Compress::Lz4, Slabs::with_slab_pages(4));
+    let e = p.open(&spec("a"), PAGES * PAGE).unwrap();
+    let mut noise = vec![0u8; (16 * PAGE) as usize];
+    fill(Kind::Random, 3, &mut noise, 0);
+    e.write(&noise, 0, 1).unwrap();
+    let first = p.recompress(u32::MAX, u64::MAX);
+    assert_eq!((first.examined, first.pages), (16, 0), "{first:?}");
+    let again = p.recompress(u32::MAX, u64::MAX);
+    assert_eq!(
+        again.examined, 0,
+        "noise is not compressed once a pass: {again:?}"
+    );
+    // Rewritten (with noise again), a page is tried again; so is one
+    // written in part.
+    e.write(&noise[..PAGE_SIZE], 5 * PAGE, 2).unwrap();
+    e.write(&noise[..100], 9 * PAGE + 10, 2).unwrap();
+    let after = p.recompress(u32::MAX, u64::MAX);
+    assert_eq!(after.examined, 2, "{after:?}");
 }

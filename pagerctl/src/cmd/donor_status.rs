@@ -79,6 +79,19 @@ fn render(addr: &str, s: &DonorStatus) -> String {
             ),
         ),
         (
+            "recompress",
+            if s.recompress.is_empty() {
+                "off".to_string()
+            } else {
+                format!(
+                    "{} once cold: {} pages repacked, {} saved",
+                    s.recompress,
+                    s.recompressed_pages,
+                    format_size(s.recompress_saved_bytes)
+                )
+            },
+        ),
+        (
             "capacity",
             format!(
                 "{} at {:.2}x (raw {})",
