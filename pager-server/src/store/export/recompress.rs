@@ -84,12 +84,13 @@ impl Export {
                 Entry::Packed(h) => Some(*h),
                 _ => None,
             };
-            let limit = class.map_or(zs.max_packed(), |h| zs.class_size(h) - 1);
+            // At least a class smaller, or packed at all when raw.
+            let room = class.map_or(zs.max_packed(), |h| zs.class_size(h) - 1);
             // A corrupt object is left for a read to report.
             let packed = self
                 .load(Some(&*e), page, &mut page_buf)
                 .ok()
-                .and_then(|()| codec::compress(Compress::Zstd, &page_buf, &mut out, limit))
+                .and_then(|()| codec::compress(Compress::Zstd, &page_buf, &mut out, room))
                 .filter(|&n| !class.is_some_and(|h| zs.same_class(h, n)));
             let Some(n) = packed else {
                 map.keep_as_is(page);
