@@ -300,7 +300,6 @@ impl Donor {
 
     /// A new look at the node (the watch thread, every poll).
     pub fn observe(&self, mem: MemInfo, load1: f64, at: Instant) {
-        self.pool.compact();
         let state = {
             let mut w = self.lock_watch();
             w.last = Observation { mem, load1 };
@@ -312,6 +311,9 @@ impl Donor {
         if self.settings.recompress && state != DonorState::Busy {
             self.recompress(at);
         }
+        // After the pass: the classes its pages left are emptied into
+        // fewer zspages.
+        self.pool.compact();
     }
 
     /// One pass of the recompressor: at most [`RECOMPRESS_RATE`] bytes of
