@@ -15,8 +15,8 @@ CARGO_TEST := timeout --kill-after=30 $(CARGO_TEST_TIMEOUT) $(CARGO) test
 BENCH_PY := PYTHONPATH=$(CURDIR)/tests /usr/bin/python3 -m netpager_testkit
 # Which client benchmarks `make bench-client` runs (donors modes swap latency depth: all).
 WHICH ?=
-# Seconds per fuzz target: short inside `make test`, long in `make fuzz`.
-FUZZ_SHORT_SECONDS ?= 5
+# Seconds per fuzz target in `make fuzz` (nightly; `cargo test` replays the
+# kept inputs, fuzz/regressions/, without it).
 FUZZ_SECONDS ?= 300
 # Debian's python3 binds python3-libnbd; a newer python3 may come first on PATH.
 export PATH := /usr/sbin:/usr/bin:/sbin:/bin:$(PATH)
@@ -70,7 +70,6 @@ lab-demo: build
 
 test: build
 	$(CARGO_TEST) --release --workspace
-	bash scripts/fuzz.sh $(FUZZ_SHORT_SECONDS)
 	$(PYTEST) tests
 
 test-unit: build
@@ -92,7 +91,7 @@ test-ansible: build
 	$(PYTEST) tests/ansible
 
 test-security: build
-	bash scripts/fuzz.sh $(FUZZ_SHORT_SECONDS)
+	$(CARGO_TEST) --release -p hints -p netpager-proto -p netpager-membership --test fuzz_regressions
 	$(PYTEST) tests/security
 
 test-monitoring: build

@@ -40,12 +40,6 @@ if [ "$(printf '%s\n%s\n' "$need" "$have" | sort -V | head -n1)" != "$need" ]; t
   echo "deps: $(cargo --version) with rustc $have is older than Rust $need, the workspace's rust-version (Cargo.toml); install Rust $need or newer (rustup update stable)" >&2
   exit 1
 fi
-# cargo fuzz (crates.io) for the short fuzz run in `make test`; it needs the
-# nightly toolchain, which rustup installs beside stable on our machines.
-if ! cargo fuzz --version >/dev/null 2>&1; then
-  echo "deps: installing cargo-fuzz"
-  cargo install --locked cargo-fuzz
-fi
 # cargo-deb (crates.io) for `make deb`.
 if ! cargo deb --version >/dev/null 2>&1; then
   echo "deps: installing cargo-deb"

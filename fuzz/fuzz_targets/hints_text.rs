@@ -1,22 +1,5 @@
-//! The text hint parser must turn any input into records or a located
-//! error, never a panic, a hang or unbounded memory.
+//! Fuzzes what fuzz/checks/hints_text.rs checks of one input.
 #![no_main]
-use libfuzzer_sys::fuzz_target;
+include!("../checks/hints_text.rs");
 
-/// References read per input at most: a valid header may promise many
-/// passes, and the fuzzer wants to explore parsing, not loop.
-const MAX_REFERENCES: usize = 10_000;
-
-fuzz_target!(|data: &[u8]| {
-    let mut input = b"netpager-hints 1\n".to_vec();
-    input.extend_from_slice(data);
-    for raw in [data.to_vec(), input] {
-        if let Ok(reader) = hints::HintReader::from_reader(std::io::Cursor::new(raw), "fuzz") {
-            for r in reader.references().take(MAX_REFERENCES) {
-                if r.is_err() {
-                    break;
-                }
-            }
-        }
-    }
-});
+libfuzzer_sys::fuzz_target!(|data: &[u8]| check(data));
