@@ -22,10 +22,6 @@ use crate::store::{Pool, StoreError, TICK_MS};
 
 /// Exports one donor serves at most (each costs its shard table).
 pub const MAX_EXPORTS: usize = 1024;
-/// Bytes of cold pages the recompressor looks at a second: zstd takes
-/// about 2.5 ms of CPU a MiB of real pages (pager-server(1)), so this is
-/// about 4% of one CPU, and a GiB of cold pages is repacked in a minute.
-pub const RECOMPRESS_RATE: u64 = 16 << 20;
 
 /// Where the donor's messages go (nbdkit's log in the plugin).
 #[derive(Clone, Copy)]
@@ -56,6 +52,7 @@ pub struct Settings {
     /// Cold pages packed again with zstd, and when a page is cold.
     pub recompress: bool,
     pub recompress_idle: Duration,
+    pub recompress_rate: u64,
 }
 
 impl Settings {
@@ -79,6 +76,7 @@ impl Settings {
             // config_complete has refused a recompress= compress= cannot take.
             recompress: cfg.recompress_on() == Ok(true),
             recompress_idle: cfg.recompress_idle,
+            recompress_rate: cfg.recompress_rate,
         }
     }
 
@@ -316,14 +314,14 @@ impl Donor {
         self.pool.compact();
     }
 
-    /// One pass of the recompressor: at most [`RECOMPRESS_RATE`] bytes of
+    /// One pass of the recompressor: at most `recompress-rate` bytes of
     /// cold pages a second of the poll interval.
     fn recompress(&self, at: Instant) {
         let idle = (self.settings.recompress_idle.as_millis() as u64).div_ceil(TICK_MS);
         let Some(before) = u64::from(self.tick(at)).checked_sub(idle) else {
             return; // no page can be that old yet
         };
-        let limit = (RECOMPRESS_RATE * self.settings.poll.as_millis() as u64 / 1000)
+        let limit = (self.settings.recompress_rate * self.settings.poll.as_millis() as u64 / 1000)
             .div_ceil(PAGE_SIZE as u64)
             .max(1);
         self.pool.recompress(before as u32 + 1, limit);

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -82,18 +83,28 @@ def test_bench_server_tiny(tools, donor_plugin, tmp_path, monkeypatch):
     assert any(line.startswith("randread       pager-server") for line in doc["table"])
 
 
-def test_bench_server_compress_tiny(tools, donor_plugin, tmp_path, monkeypatch):
-    for k, v in {"ROUNDS": "1", "RUNTIME": "1", "SIZE": "16M", "COMPRESS": "off lz4"}.items():
+def test_bench_server_compress_tiny(tools, donor_plugin, tmp_path, monkeypatch, capsys):
+    # Pages of log lines, which zstd packs smaller than lz4: the cold
+    # setting's reads meet repacked pages.
+    pages = tmp_path / "text.pages"
+    lines = b"".join(b"%08d netpager donor extent epoch level=%d\n" % (i, i % 7) for i in range(80_000))
+    pages.write_bytes(lines[:(len(lines) // 4096) * 4096])
+    for k, v in {"ROUNDS": "1", "RUNTIME": "1", "PAGES": str(pages), "COMPRESS": "off cold"}.items():
         monkeypatch.setenv(k, v)
     assert bench_server.main(["--out", str(tmp_path)]) == 0
+    repacked = re.search(r"cold: (\d+) pages repacked", capsys.readouterr().err)
+    assert repacked and int(repacked[1]) > 0
     doc = written(tmp_path, "server")
-    assert doc["knobs"]["compress"] == ["off", "lz4"]
+    assert doc["knobs"]["compress"] == ["off", "cold"] and doc["knobs"]["pages"] == str(pages)
     res = doc["results"]["compress"]
     assert list(res) == list(bench_server.COMPRESS_METRICS)
-    assert all(len(m["rounds"][c]) == 1 for m in res.values() for c in ("off", "lz4"))
+    assert all(len(m["rounds"][c]) == 1 for m in res.values() for c in ("off", "cold"))
     # CPU seconds come in clock ticks: a tiny run may read 0.
-    assert all(min(m["rounds"][c]) > 0 for k, m in res.items() for c in ("off", "lz4") if not k.startswith("cpu"))
+    assert all(min(m["rounds"][c]) > 0 for k, m in res.items() for c in ("off", "cold") if not k.startswith("cpu"))
     assert any(line.startswith("QD1 4K randread mean") and "x)" in line for line in doc["table"])
+    monkeypatch.setenv("COMPRESS", "off lz5")
+    with pytest.raises(SystemExit, match="unknown lz5"):
+        bench_server.main(["--out", str(tmp_path)])
 
 
 def test_bench_client_tiny(root, tools, donor_plugin, memhog, tmp_path, monkeypatch):

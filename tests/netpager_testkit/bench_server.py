@@ -13,12 +13,19 @@ median of the per-round ratios pager-server / nbdkit-memory.
   python3 -m netpager_testkit.bench_server     # 3 rounds of 10 s per test, 2G export (make bench-server)
   ROUNDS=5 RUNTIME=20 SIZE=4G python3 -m netpager_testkit.bench_server
 
-COMPRESS="off lz4 zstd" (make bench-server COMPRESS=...) runs the donor's
-compression side by side instead, one pager-server per setting in turn,
-on data that compresses as swapped pages do (fio's
+COMPRESS="off lz4 zstd cold" (make bench-server COMPRESS=...) runs the
+donor's compression side by side instead, one pager-server per setting in
+turn, on data that compresses as swapped pages do (fio's
 buffer_compress_percentage, COMPRESSIBLE=60): QD1 4 KiB randread and
 randwrite latency (mean, and p99), QD32 IOPS, and the donor's CPU seconds
-per GiB written and read, each setting's ratio to the first.
+per GiB written and read, each setting's ratio to the first. `lz4` runs
+without the recompressor (lz4 alone); `cold` is lz4 with every page
+repacked by the recompressor (recompress-idle=0) before the reads, as a
+swap-in of a page left alone for recompress-idle meets it; its writes run
+beside the recompressor repacking at full rate. fio's compressible data is
+random bytes and zeros, which zstd packs no smaller than lz4; PAGES=FILE
+(a dump of real pages kept by `make bench-compress KEEP=1`) fills the
+export with those pages instead (nbdcopy), and the export is their size.
 
 Writes OUTDIR/server.txt and OUTDIR/server.json (--out, default
 bench-results/server). Binaries: NETPAGER_TARGET_DIR/libpager_server.so
@@ -31,6 +38,7 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+from subprocess import run
 from pathlib import Path
 
 from .bench import Report, arg_parser, disk_workdir, env_int, env_str, fio_json, fmt_row, nbdkit, require
@@ -38,6 +46,8 @@ from .bench_anatomy import proc_cpu
 from .cleanup import Teardown, install_handlers
 from .donor import free_ports
 from .paths import server_plugin
+from .procs import wait_for
+from .status import StatusClient
 
 PROG = "bench-server"
 SERVERS = ("pager", "memory", "null")
@@ -70,20 +80,51 @@ COMPRESS_METRICS = {"qd1_read_us": ("QD1 4K randread mean", "us", "lower"),
                     "cpu_per_gib_read": ("donor CPU per GiB read", "s", "lower")}
 
 
-def compress_round(work: Path, setting: str, size: str, runtime: int, pct: int) -> dict[str, float]:
-    """One pager-server with compress=`setting`: its metrics above."""
+# The donor's parameters for each COMPRESS word. The recompressor waits
+# while its donor is busy: the cold donor never is, whatever the machine's
+# load.
+COMPRESS_PARAMS = {"off": ["compress=off"], "lz4": ["compress=lz4", "recompress=off"],
+                   "zstd": ["compress=zstd"],
+                   "cold": ["compress=lz4", "recompress-idle=0", "recompress-rate=1G", "busy-load=1000"]}
+
+
+def wait_repacked(status: StatusClient, what: str) -> int:
+    """Waits until the recompressor stops repacking (the same count over
+    3 s: at recompress-rate=1G it looks at every page of an export of a
+    few GiB well within that); returns the count."""
+    seen = []
+
+    def settled():
+        seen.append(status.query().recompressed_pages)
+        return len(seen) > 6 and seen[-1] == seen[-7]
+    wait_for(settled, 600, f"{what}: the recompressor to repack every page", interval=0.5)
+    return seen[-1]
+
+
+def compress_round(work: Path, setting: str, size: str, runtime: int, pct: int,
+                   pages: Path | None) -> dict[str, float]:
+    """One pager-server with the COMPRESS word `setting`: its metrics above."""
     data = [f"--buffer_compress_percentage={pct}", "--refill_buffers", "--buffer_compress_chunk=4k"]
     timed = ["--time_based", f"--runtime={runtime}", *data]
     out = {}
     with Teardown(f"{PROG} compress={setting}") as td:
-        port = free_ports("127.0.0.1", 1)[0]
+        port, sport = free_ports("127.0.0.1", 2)
         proc = nbdkit(td, work, f"pager-{setting}", ["-p", str(port), "-i", "127.0.0.1", str(server_plugin()),
-                                                      f"size={size}", "budget=100%", f"compress={setting}"])
+                                                      f"size={size}", "budget=100%", f"status=127.0.0.1:{sport}",
+                                                      *COMPRESS_PARAMS[setting]])
         uri = f"nbd://127.0.0.1:{port}/"
         fio = ["--ioengine=nbd", f"--uri={uri}", "--bs=4k", "--numjobs=1", f"--size={size}"]
         cpu = proc_cpu(proc.pid)
-        fill = fio_json(["--name=fill", *fio, "--rw=write", "--bs=1M", "--iodepth=4", *data], work)
-        out["cpu_per_gib_written"] = (proc_cpu(proc.pid) - cpu) / (fill["write"]["io_bytes"] / 2**30)
+        if pages:
+            run(["nbdcopy", str(pages), uri], check=True, timeout=600)
+            filled = pages.stat().st_size
+        else:
+            fill = fio_json(["--name=fill", *fio, "--rw=write", "--bs=1M", "--iodepth=4", *data], work)
+            filled = fill["write"]["io_bytes"]
+        out["cpu_per_gib_written"] = (proc_cpu(proc.pid) - cpu) / (filled / 2**30)
+        if setting == "cold":
+            n = wait_repacked(StatusClient("127.0.0.1", sport), f"{PROG} {setting}")
+            print(f"{PROG}: cold: {n} pages repacked before the reads", file=sys.stderr, flush=True)
         cpu = proc_cpu(proc.pid)
         seq = fio_json(["--name=read", *fio, "--rw=read", "--bs=1M", "--iodepth=4"], work)
         out["cpu_per_gib_read"] = (proc_cpu(proc.pid) - cpu) / (seq["read"]["io_bytes"] / 2**30)
@@ -99,8 +140,13 @@ def compress_round(work: Path, setting: str, size: str, runtime: int, pct: int) 
 
 def compress_main(args, settings: list[str], rounds: int, runtime: int, size: str) -> int:
     pct = env_int(PROG, "COMPRESSIBLE", 60)
+    pages = Path(env_str("PAGES", "")) if env_str("PAGES", "") else None
+    if pages:
+        if not pages.is_file() or pages.stat().st_size % 4096:
+            raise SystemExit(f"{PROG}: PAGES={pages}: not a file of whole 4 KiB pages")
+        size = str(pages.stat().st_size)
     report = Report("server", {"rounds": rounds, "runtime": runtime, "size": size, "compress": settings,
-                               "compressible": pct})
+                               "compressible": pct, "pages": str(pages) if pages else None})
     vals = {c: {k: [] for k in COMPRESS_METRICS} for c in settings}
     with Teardown(PROG) as top:
         work = disk_workdir(top, "np-bench-server-")
@@ -108,15 +154,17 @@ def compress_main(args, settings: list[str], rounds: int, runtime: int, size: st
             # Each round in another order, so no setting always runs first.
             order = settings[rnd - 1:] + settings[:rnd - 1]
             for c in order:
-                r = compress_round(work, c, size, runtime, pct)
+                r = compress_round(work, c, size, runtime, pct, pages)
                 for k, v in r.items():
                     vals[c][k].append(v)
                 print(f"round {rnd}: compress={c} {r}", file=sys.stderr, flush=True)
         top.close_or_raise()
     base = settings[0]
+    data = f"filled with {pages.name}, writes {pct}% compressible (fio)" if pages else \
+        f"data {pct}% compressible (fio)"
     report.line(f"== the donor's compression side by side: {rounds} rounds (each in another order), export "
-                f"{size}, data {pct}% compressible (fio), {os.cpu_count()} CPUs; medians, and each setting "
-                f"against compress={base}")
+                f"{size}, {data}, {os.cpu_count()} CPUs; medians, and each setting against "
+                f"compress={base}")
     w = [28, 5] + [16] * len(settings)
     report.line(fmt_row(w, ["metric", "unit", *[f"compress={c}" for c in settings]], first_left=2))
     results = {}
@@ -141,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     require(PROG, ["nbdkit", "fio", "findmnt"], [server_plugin()], root=False)
     install_handlers()
     settings = env_str("COMPRESS", "").split()
+    bad = [c for c in settings if c not in COMPRESS_PARAMS]
+    if bad:
+        raise SystemExit(f"{PROG}: COMPRESS={' '.join(settings)}: unknown {', '.join(bad)} "
+                         f"(words: {', '.join(COMPRESS_PARAMS)})")
     if settings:
         return compress_main(args, settings, rounds, runtime, size)
     report = Report("server", {"rounds": rounds, "runtime": runtime, "size": size})

@@ -37,7 +37,7 @@ from .status import LabKey, StatusClient, StatusError, state_word
 PAGER_PARAMS = ("size", "budget", "reserve", "mlock", "status", "node-id", "age-x",
                 "u-star", "window", "busy-load", "poll-ms", "meminfo", "psk",
                 "export-secret", "insecure", "metrics", "announce", "compress", "recompress",
-                "recompress-idle", "dns-zone",
+                "recompress-idle", "recompress-rate", "dns-zone",
                 "dns-key", "dns-server", "dns-ttl", "dns-lease", "dns-prune")
 
 

@@ -49,6 +49,7 @@ fn every_parameter_is_parsed() {
         ("compress", "zstd"),
         ("recompress", "off"),
         ("recompress-idle", "5"),
+        ("recompress-rate", "64M"),
     ] {
         c.set(k, v).unwrap();
     }
@@ -83,6 +84,7 @@ fn every_parameter_is_parsed() {
     assert_eq!(c.compress, Compress::Zstd);
     assert_eq!(c.recompress, Some(false));
     assert_eq!(c.recompress_idle, Duration::from_secs(5));
+    assert_eq!(c.recompress_rate, 64 << 20);
 }
 
 #[test]
@@ -145,6 +147,8 @@ fn bad_parameters_name_key_and_reason() {
         ("recompress", "lz4", "zstd or off"),
         ("recompress-idle", "soon", "whole number"),
         ("recompress-idle", "86401", "0 to 86400"),
+        ("recompress-rate", "0", "4K to 1T"),
+        ("recompress-rate", "fast", "not a size"),
     ];
     for (k, v, why) in cases {
         let e = c.set(k, v).unwrap_err();
