@@ -9,6 +9,7 @@ started it.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import subprocess
@@ -181,9 +182,7 @@ def rescue_stuck(what: str) -> None:
     Python handler never runs): prints every thread's stack, then SIGKILLs
     every process the harness owns, so sockets and FUSE mounts they serve
     close, the blocked call returns an error and the timeout, then the
-    teardown, run as usual."""
-    import faulthandler
-
+    teardown, run as usual (conftest.py fails the test)."""
     print(f"\nnetpager: {what} is stuck past its timeout; stacks, then its "
           "processes are killed", file=sys.__stderr__, flush=True)
     faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
