@@ -481,8 +481,7 @@ fn log_state(log: Logger, from: Option<DonorState>, to: &Assessment) {
     (log.debug)(&msg);
 }
 
-/// Budget figures in words, for the start-up log line.
-/// How the donor's status and log name the recompressor's setting.
+/// How the start-up log line names the recompressor's setting.
 fn recompress_word(s: &Settings) -> String {
     if s.recompress {
         format!(" (zstd once untouched {} s)", s.recompress_idle.as_secs())
@@ -491,6 +490,7 @@ fn recompress_word(s: &Settings) -> String {
     }
 }
 
+/// Budget figures in words, for the start-up log line.
 pub fn describe(s: &Settings) -> String {
     format!(
         "node {}: budget {}, reserve {}, default export size {}, mlock {}, compress {}{}, status {}",
