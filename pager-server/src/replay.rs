@@ -202,8 +202,10 @@ pub fn replay(dump: &[u8], codec: Compress, batch: usize) -> Result<Replay, Repl
             let t0 = thread_cpu()?;
             let pass = pool.recompress(u32::MAX, u64::MAX);
             // As the donor's watch thread does after each pass: the
-            // classes the pages left are emptied into fewer zspages.
+            // classes the pages left are emptied into fewer zspages, and
+            // slabs left part used are emptied (one a call) and unmapped.
             pool.compact();
+            while pool.evacuate(u64::MAX) > 0 {}
             let recompress_cpu = thread_cpu()?.saturating_sub(t0);
             Some(Cold {
                 pages: pass.pages,

@@ -13,8 +13,12 @@
 //! New pages come from the slab with the lowest id that has a free page,
 //! then the spare, then a new slab: live pages crowd into the oldest slabs
 //! and the youngest ones drain, so trims free whole slabs sooner. A slab is
-//! mapped only when every page of every mapped slab is in use, so the
-//! mapped slabs never exceed the pages in use rounded up to a slab, plus
+//! mapped only when every page of every mapped slab is in use. Pages freed
+//! here and there (trims, compaction, pages repacked smaller) still leave
+//! slabs part used: the donor's watch thread then empties the highest slab
+//! whose pages fit in the free pages below it, moving them there
+//! ([`Alloc::evacuee`], [`Alloc::take_below`]), and it is unmapped. So the
+//! mapped slabs come back to the pages in use rounded up to a slab, plus
 //! the spare.
 
 use std::collections::BTreeSet;
@@ -127,6 +131,53 @@ impl Alloc<'_> {
         Ok(page)
     }
 
+    /// The slab worth emptying, if any: the highest mapped one (not the
+    /// spare) whose pages in use all fit in the free pages of the slabs
+    /// below it, so that moving them there ([`Self::take_below`]) unmaps
+    /// it. Pages freed here and there (a trim, a compaction, pages packed
+    /// smaller) leave slabs part used; this gives their memory back.
+    pub fn evacuee(&self) -> Option<u32> {
+        let inner = &*self.inner;
+        let used = |id: u32| inner.slabs[id as usize].as_ref().map_or(0, |s| s.in_use());
+        let top = (0..inner.slabs.len() as u32)
+            .rev()
+            .find(|&id| inner.slabs[id as usize].is_some() && Some(id) != inner.spare)?;
+        let free_below: usize = inner
+            .partial
+            .range(..top)
+            .map(|&id| usize::from(self.slab_pages) - used(id))
+            .sum();
+        (used(top) > 0 && used(top) <= free_below).then_some(top)
+    }
+
+    /// A free page of the lowest part-used slab below `id`, to move a page
+    /// of slab `id` into; `None` when those are full. Never maps a slab nor
+    /// takes the spare.
+    pub fn take_below(&mut self, id: u32) -> Option<Page> {
+        let inner = &mut *self.inner;
+        let low = *inner.partial.range(..id).next()?;
+        let slab = inner.slabs[low as usize]
+            .as_mut()
+            .expect("partial ids name mapped slabs");
+        let (page, _) = slab.take().expect("a partial slab has a free page");
+        if slab.is_full() {
+            inner.partial.remove(&low);
+        }
+        Some(page)
+    }
+
+    /// Moves `page` (of slab `slab`) to a free page of a lower slab
+    /// ([`Self::take_below`]): copies its bytes, gives the old page back
+    /// and leaves the new one in its place; false when there is none.
+    pub fn move_below(&mut self, page: &mut Page, slab: u32) -> bool {
+        let Some(mut to) = self.take_below(slab) else {
+            return false;
+        };
+        to.copy_from_slice(&page[..]);
+        self.give(std::mem::replace(page, to));
+        true
+    }
+
     /// Takes back a page; unmaps its slab when that was its last page in
     /// use and a spare is already kept.
     pub fn give(&mut self, page: Page) {
@@ -215,6 +266,44 @@ mod tests {
             })
             .collect();
         assert_eq!(ids, [0, 2, 3]);
+        for p in pages {
+            a.give(p);
+        }
+    }
+
+    #[test]
+    fn the_top_slab_is_emptied_into_the_free_pages_below() {
+        let s = Slabs::with_slab_pages(4);
+        let mut a = s.lock();
+        let mut pages: Vec<Page> = (0..12).map(|_| a.take().unwrap().0).collect();
+        assert_eq!(a.evacuee(), None, "every slab full: nowhere to move");
+        // Slab 2 keeps 3 pages; slabs 0 and 1 free 2 and 1: they fit.
+        a.give(pages.remove(8));
+        assert_eq!(a.evacuee(), None, "3 pages in use above 0 free pages below");
+        a.give(pages.remove(5));
+        a.give(pages.remove(1));
+        a.give(pages.remove(0));
+        assert_eq!(a.evacuee(), Some(2));
+        for (i, p) in pages.iter_mut().enumerate() {
+            p.fill(i as u8 + 1);
+        }
+        // Moving slab 2's pages takes slab 0's free pages first, then 1's.
+        let mut below = Vec::new();
+        for page in pages.iter_mut().filter(|p| p.slab() == 2) {
+            let mut p = a.take_below(2).expect("room below");
+            below.push(p.slab());
+            p.copy_from_slice(&page[..]);
+            a.give(std::mem::replace(page, p));
+        }
+        assert_eq!(below, [0, 0, 1]);
+        assert!(a.take_below(2).is_none(), "slabs 0 and 1 are full again");
+        assert_eq!(a.evacuee(), None);
+        for (i, p) in pages.iter().enumerate() {
+            assert!(p.iter().all(|b| *b == i as u8 + 1), "page {i} moved whole");
+        }
+        drop(a);
+        assert_eq!(mapped(&s), 3, "slab 2 is empty: the spare");
+        let mut a = s.lock();
         for p in pages {
             a.give(p);
         }

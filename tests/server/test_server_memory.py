@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 
+from netpager_testkit import wait_for
 from netpager_testkit.nbdio import connect, pattern
 
 MIB = 1 << 20
@@ -86,3 +87,24 @@ def test_rss_does_not_creep_over_rounds_of_clients(start_donor):
     assert last <= first + 8 * MIB, (
         f"RSS crept from {first / MIB:.1f} MiB (max of rounds 1-10) to "
         f"{last / MIB:.1f} MiB (max of rounds {rounds - 9}-{rounds})")
+
+
+def test_slabs_left_part_used_are_given_back(start_donor):
+    """Three pages of four trimmed all over the export leave every 2 MiB
+    slab a quarter used: the donor moves the pages left into fewer slabs
+    and unmaps the rest, without losing a byte."""
+    donor = start_donor(budget="512M", size="1G")
+    chunk = pattern("scatter", 0, 64 * MIB)
+    with connect(donor.uri("scatter@64M")) as h:
+        for off in range(0, 64 * MIB, 4 * MIB):
+            h.pwrite(chunk[off:off + 4 * MIB], off)
+        full = rss(donor.pid)
+        for page in range(64 * MIB // 4096):
+            if page % 4:
+                h.trim(4096, page * 4096)
+        assert donor.status().used_bytes == 16 * MIB
+        wait_for(lambda: rss(donor.pid) <= full - 40 * MIB, 60,
+                 f"the donor's RSS to fall 40 MiB below {full / MIB:.0f} MiB, 16 MiB of 64 kept")
+        kept = b"".join(chunk[p * 4096:(p + 1) * 4096] if p % 4 == 0 else bytes(4096)
+                        for p in range(64 * MIB // 4096))
+        assert h.pread(64 * MIB, 0) == kept

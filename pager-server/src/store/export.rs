@@ -27,6 +27,7 @@ use super::zs::AllocError;
 use super::{Backing, StoreError, PAGE, SHARDS};
 use crate::config::PAGE_SIZE;
 
+mod evacuate;
 mod recompress;
 
 pub use recompress::Recompressed;

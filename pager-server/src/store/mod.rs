@@ -241,6 +241,23 @@ impl Pool {
         pass
     }
 
+    /// Empties the slab worth emptying, if any ([`Slabs`]' `evacuee`):
+    /// moves up to `limit` of its pages, zspages' and raw, into the free
+    /// pages of lower slabs; it is unmapped once its last page is out.
+    /// Returns the pages moved. For the donor's watch thread, after a
+    /// compaction: pages freed here and there keep their slabs mapped.
+    pub fn evacuate(&self, limit: u64) -> u64 {
+        let Some(slab) = self.back.slabs.lock().evacuee() else {
+            return 0;
+        };
+        let mut moved = self.back.zs.evacuate(slab, limit);
+        let exports: Vec<Arc<Export>> = self.exports.read_or_recover().values().cloned().collect();
+        for e in exports {
+            moved += e.evacuate(slab, limit - moved);
+        }
+        moved
+    }
+
     /// What the recompressor did since the donor started.
     pub fn recompressed(&self) -> Recompressed {
         *self.recompressed.lock_or_recover()

@@ -188,6 +188,18 @@ impl PageMap {
         out
     }
 
+    /// Every raw page held, to move its bytes to another slab page (what
+    /// the page holds, its stamp and its kept mark stay as they are).
+    pub fn raw_pages_mut(&mut self) -> impl Iterator<Item = &mut Page> + '_ {
+        self.0
+            .values_mut()
+            .flat_map(|g| g.data.iter_mut())
+            .filter_map(|d| match d {
+                Some(Entry::Raw(p)) => Some(p),
+                _ => None,
+            })
+    }
+
     /// Every entry held, with its stamp.
     pub fn entries(&self) -> impl Iterator<Item = (&Entry, u32)> + '_ {
         self.0.values().flat_map(|g| {

@@ -112,6 +112,10 @@ enum Op {
         age: u32,
         limit: u64,
     },
+    /// Moves up to `limit` pages out of the slab worth emptying.
+    Evacuate {
+        limit: u64,
+    },
 }
 
 fn range() -> impl Strategy<Value = (u64, u64)> {
@@ -134,6 +138,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => range().prop_map(|(off, len)| Op::Read { off, len }),
         1 => Just(Op::Compact),
         1 => (0..8u32, 1..200u64).prop_map(|(age, limit)| Op::Recompress { age, limit }),
+        1 => (1..20u64).prop_map(|limit| Op::Evacuate { limit }),
     ]
 }
 
@@ -217,6 +222,11 @@ fn run_model(codec: Compress, limit: u64, ops: &[Op]) {
                         "only lz4's pages are repacked"
                     );
                 }
+            }
+            Op::Evacuate { limit } => {
+                let mapped = p.mapped_bytes();
+                assert!(p.evacuate(limit) <= limit);
+                assert!(p.mapped_bytes() <= mapped, "evacuating never maps a slab");
             }
         }
         check_accounting(&p, &e);
@@ -499,7 +509,7 @@ fn cold_pages_are_repacked_smaller_and_read_back() {
 }
 
 #[test]
-fn the_recompressor_racing_writers_loses_nothing() {
+fn the_recompressor_and_the_evacuator_racing_writers_lose_nothing() {
     use std::sync::atomic::{AtomicBool, Ordering};
     let p = Arc::new(Pool::with_slabs(
         2000,
@@ -515,6 +525,8 @@ fn the_recompressor_racing_writers_loses_nothing() {
         std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) {
                 p.recompress(u32::MAX, 16);
+                p.compact();
+                p.evacuate(8);
                 passes.fetch_add(1, Ordering::Relaxed);
             }
         })
@@ -589,4 +601,65 @@ fn pages_zstd_cannot_shrink_are_tried_once_until_they_change() {
     e.write(&noise[..100], 9 * PAGE + 10, 2).unwrap();
     let after = p.recompress(u32::MAX, u64::MAX);
     assert_eq!(after.examined, 2, "{after:?}");
+}
+
+#[test]
+fn slabs_left_part_used_are_emptied_and_unmapped() {
+    // Slabs of 8 pages; raw and packed pages in 3 exports.
+    let p = Pool::with_slabs(400, 8, Compress::Lz4, Slabs::with_slab_pages(8));
+    let exports: Vec<_> = ["a", "b", "c"]
+        .map(|n| p.open(&spec(n), PAGES * PAGE).unwrap())
+        .into();
+    let mut models = vec![vec![0u8; (PAGES * PAGE) as usize]; 3];
+    for (k, (e, model)) in exports.iter().zip(&mut models).enumerate() {
+        for page in 0..PAGES / 2 + 6 {
+            let at = (page * PAGE) as usize;
+            let kind = if page % 4 == 0 {
+                Kind::Random
+            } else {
+                Kind::Compressible
+            };
+            fill(
+                kind,
+                page + 100 * k as u64,
+                &mut model[at..at + PAGE_SIZE],
+                page * PAGE,
+            );
+            e.write(&model[at..at + PAGE_SIZE], page * PAGE, 1).unwrap();
+        }
+    }
+    // Three pages of four trimmed, all over the slabs.
+    for (e, model) in exports.iter().zip(&mut models) {
+        for page in (0..PAGES / 2 + 6).filter(|q| q % 4 != 1) {
+            e.discard(page * PAGE, PAGE).unwrap();
+            let at = (page * PAGE) as usize;
+            model[at..at + PAGE_SIZE].fill(0);
+        }
+    }
+    p.compact();
+    let before = p.mapped_bytes();
+    let mut moved = 0;
+    for _ in 0..100 {
+        match p.evacuate(5) {
+            0 => break,
+            n => moved += n,
+        }
+    }
+    assert!(moved > 0);
+    let after = p.mapped_bytes();
+    let used = p.budget().used_pages() * PAGE;
+    let slab = 8 * PAGE;
+    assert!(after < before, "{after} mapped after, {before} before");
+    // What is used, rounded up to a slab, the spare, and one slab whose
+    // pages do not fit in the free pages below it.
+    assert!(
+        after <= used.div_ceil(slab) * slab + 2 * slab,
+        "{after} mapped for {used} used"
+    );
+    for (e, model) in exports.iter().zip(&models) {
+        let mut all = vec![0xA5; model.len()];
+        e.read(&mut all, 0, 2).unwrap();
+        assert!(all == *model, "{}: bytes differ after the moves", e.name());
+        check_accounting(&p, e);
+    }
 }

@@ -460,6 +460,30 @@ impl ZsPool {
         freed
     }
 
+    /// Moves the zspages' pages that lie in slab `slab` into free pages of
+    /// lower slabs ([`crate::slab::Alloc::move_below`]), under each class's
+    /// lock in turn (a reader of the class waits for one page's copy);
+    /// returns the pages moved, at most `limit`. Objects keep their
+    /// offsets in their chain, so no slot changes.
+    pub fn evacuate(&self, slab: u32, limit: u64) -> u64 {
+        let mut moved = 0;
+        for class in self.classes.iter() {
+            let mut c = class.write_or_recover();
+            for z in c.zspages.iter_mut().flatten() {
+                for page in z.pages.iter_mut().filter(|p| p.slab() == slab) {
+                    if moved == limit {
+                        return moved;
+                    }
+                    if !self.slabs.lock().move_below(page, slab) {
+                        return moved;
+                    }
+                    moved += 1;
+                }
+            }
+        }
+        moved
+    }
+
     /// Pages compaction would free now, without moving anything.
     pub fn compactable_pages(&self) -> u64 {
         self.classes
