@@ -410,6 +410,33 @@ fn refused_member_moves_while_another_is_lost(mode: Mode, width: usize) {
     assert_eq!(s.totals.lost, 0, "{}", render_table(&s));
 }
 
+/// A degraded write (extent 0's data member lost) whose parity member's
+/// donor drains, with a spare donor to move to: the parity member moves
+/// with its own bytes and takes the write there. It gave the application
+/// ENOSPC (the nemesis, parity, seeds 11300009 and 11300017).
+#[test]
+fn parity_member_refused_on_a_degraded_write_moves_with_the_write() {
+    let Some((dev, mut model, mut ds, x, y, _state)) =
+        half_written_group(Mode::Parity { width: 3 }, 3, true)
+    else {
+        return;
+    };
+    // Group 0's third donor holds its parity; the fourth holds nothing.
+    let held: Vec<u64> = dev.status().donors.iter().map(|d| d.extents_held).collect();
+    let p = (0..ds.len())
+        .find(|&i| i != x && i != y && held[i] > 0)
+        .expect("the group's parity donor");
+    ds[x].kill9();
+    let status = ds[p].status.clone().expect("status endpoint");
+    netpager_proto::set_draining(&status, true, Duration::from_secs(2)).unwrap();
+    // Random bytes into extent 0's second half, where no donor holds a
+    // page yet: the parity member needs new ones.
+    model.write_random(&dev, &mut Rng::new(50), EXTENT / 2, 4096);
+    assert_eq!(extents_failing(&dev, &model), 0);
+    let s = dev.status();
+    assert_eq!(s.totals.lost, 0, "{}", render_table(&s));
+}
+
 #[test]
 fn ec_member_refused_with_no_room_anywhere_is_dropped_not_left_stale() {
     refused_member_with_no_room_anywhere(Mode::Ec { data: 4, parity: 2 }, 6, 2);

@@ -482,14 +482,17 @@ impl Inner {
                         })?;
                         xor_into(acc, scratch);
                     }
-                    match self.exec1(pm.loc, in_off, Op::Write(acc)) {
+                    let res = self.exec1(pm.loc, in_off, Op::Write(acc));
+                    drop(bufs); // the move takes its own
+                    match res {
                         Ok(()) => return Ok(()),
-                        Err(IoFail::NoSpace(r)) => {
-                            return Err(DeviceError::NoSpace {
-                                extent: e,
-                                reason: r,
-                            })
-                        }
+                        // Refused for room (its donor full or draining),
+                        // nothing changed: the parity member moves with
+                        // its own bytes and the write goes again. It gave
+                        // the application ENOSPC while other donors had
+                        // room (the nemesis, parity, seeds 11300009 and
+                        // 11300017: a drain while a data member was lost).
+                        Err(IoFail::NoSpace(_)) => self.move_member(g, guard, pp, MoveWhy::Full)?,
                         Err(IoFail::Failed(_)) => continue,
                     }
                 }
