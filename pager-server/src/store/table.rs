@@ -200,6 +200,13 @@ impl PageMap {
             })
     }
 
+    /// Whether a raw page held lies in slab `slab`: evacuation looks under
+    /// the shard's read lock before it takes the write lock.
+    pub fn has_raw_in(&self, slab: u32) -> bool {
+        self.entries()
+            .any(|(e, _)| matches!(e, Entry::Raw(p) if p.slab() == slab))
+    }
+
     /// Every entry held, with its stamp.
     pub fn entries(&self) -> impl Iterator<Item = (&Entry, u32)> + '_ {
         self.0.values().flat_map(|g| {

@@ -464,10 +464,15 @@ impl ZsPool {
     /// lower slabs ([`crate::slab::Alloc::move_below`]), under each class's
     /// lock in turn (a reader of the class waits for one page's copy);
     /// returns the pages moved, at most `limit`. Objects keep their
-    /// offsets in their chain, so no slot changes.
+    /// offsets in their chain, so no slot changes. A class with no page
+    /// there is only read.
     pub fn evacuate(&self, slab: u32, limit: u64) -> u64 {
         let mut moved = 0;
         for class in self.classes.iter() {
+            let there = |z: &ZsPage| z.pages.iter().any(|p| p.slab() == slab);
+            if !class.read_or_recover().zspages.iter().flatten().any(there) {
+                continue;
+            }
             let mut c = class.write_or_recover();
             for z in c.zspages.iter_mut().flatten() {
                 for page in z.pages.iter_mut().filter(|p| p.slab() == slab) {

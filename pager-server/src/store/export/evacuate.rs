@@ -1,5 +1,6 @@
 //! Raw pages moved out of a slab being emptied ([`crate::slab::Alloc::evacuee`]),
-//! each under its shard's write lock, so a request never sees it half-copied.
+//! each under its shard's write lock, so a request never sees it half-copied;
+//! a shard with none there is only read.
 
 use netpager_util::RwLockExt;
 
@@ -11,6 +12,9 @@ impl Export {
     pub(in crate::store) fn evacuate(&self, slab: u32, limit: u64) -> u64 {
         let mut moved = 0;
         for shard in self.shards.iter() {
+            if !shard.read_or_recover().has_raw_in(slab) {
+                continue;
+            }
             let mut map = shard.write_or_recover();
             for page in map.raw_pages_mut().filter(|p| p.slab() == slab) {
                 if moved == limit {
