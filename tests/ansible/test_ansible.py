@@ -269,6 +269,11 @@ class Lab:
             "netpager_client_metrics_port": self.client_mport,
             "netpager_prefetchd_metrics_port": self.pf_mport,
             "netpager_client_mode": "mirror",
+            # A TLS donor stops only once its clients send, and an idle
+            # client's next request is its heartbeat, each epoch
+            # (pager-server(1) BUGS): 1 s epochs keep a rolling update's
+            # restarts short.
+            "netpager_client_extra_args": ["--epoch", "1"],
             "netpager_client_swap_priority": SWAP_PRIORITY,
             "netpager_start_timeout": 60,
             "netpager_donor_drain_timeout": 300,

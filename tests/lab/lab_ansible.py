@@ -198,6 +198,11 @@ class LabRollout:
             "netpager_donor_u_star": u_star,
             "netpager_client_size": f"{CLIENT_SIZE_MIB}M",
             "netpager_client_mode": "mirror",
+            # A TLS donor stops only once its clients send, and an idle
+            # client's next request is its heartbeat, each epoch
+            # (pager-server(1) BUGS): 1 s epochs keep a rolling update's
+            # restarts short.
+            "netpager_client_extra_args": ["--epoch", "1"],
             "netpager_start_timeout": 60,
             "netpager_donor_drain_timeout": 300,
             **(self.dns_vars() if self.dns else {}),
