@@ -13,6 +13,7 @@ import pytest
 from netpager_testkit.client import MIB, donor_spec, job_limit, pagerctl_status, run_memhog, run_pagerctl
 from netpager_testkit.procs import has_cap_sys_resource, wait_for
 from netpager_testkit import swaps
+from netpager_testkit.attach import drain_swap_slot_caches, swap_slot_caches
 
 LIMIT = job_limit(64 * MIB)
 
@@ -89,15 +90,28 @@ def test_donors_give_memory_back_when_a_swap_job_exits(teardown, donors, client,
     written = sum(d.status().bytes_written for d in ds)
     assert written >= job.swap_peak, written
 
+    at_exit = used() - before
+    if swap_slot_caches():
+        # In the test VM's 6.1 the caches kept 128-192 slots (2 CPUs), and
+        # the donors 18-24 MiB for the 13-18 parity groups around them, until
+        # something drained them (pagerctl(1), --no-discard).
+        drain_swap_slot_caches(tmp_path)
+
     # What swap still holds (swap cache the kernel has not reclaimed yet)
     # may stay; the rest of the job's pages and their parity must go.
-    def given_back():
-        held, swapped = used() - before, swaps().get(device, 0)
-        return (held, swapped) if held <= 2 * swapped + job.swap_peak // 8 else None
+    last = {}
 
-    at_exit = used() - before
-    wait_for(given_back, 180, f"the donors to give back the job's {job.swap_peak >> 20} MiB of swap "
-                             f"(at its exit they held {at_exit >> 20} MiB more than before it)", interval=0.5)
+    def given_back():
+        last.update(held=used() - before, swapped=swaps().get(device, 0))
+        return last["held"] <= 2 * last["swapped"] + job.swap_peak // 8
+
+    try:
+        wait_for(given_back, 180, f"the donors to give back the job's {job.swap_peak >> 20} MiB of swap "
+                                 f"(at its exit they held {at_exit >> 20} MiB more than before it)",
+                 interval=0.5)
+    except TimeoutError as e:
+        raise AssertionError(f"{e}: they still hold {last['held'] >> 10} KiB more, swap "
+                             f"{last['swapped'] >> 10} KiB; {client.device_status()['totals']}") from None
     st = client.device_status()
     assert st["totals"]["lost"] == 0, st["totals"]
 
