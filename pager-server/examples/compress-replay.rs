@@ -64,8 +64,9 @@ struct Best {
     write_cpu: Duration,
     read_cpu: Duration,
     codec_cpu: Option<(Duration, Duration)>,
-    /// The recompressor's pass and the reads after it (lz4 only).
-    cold_cpu: Option<(Duration, Duration)>,
+    /// The recompressor's pass and the reads after it, a pair for each of
+    /// its codecs (lz4 only).
+    cold_cpu: Vec<(Duration, Duration)>,
 }
 
 impl Best {
@@ -77,7 +78,11 @@ impl Best {
                 .codec_cost
                 .as_ref()
                 .map(|c| (c.compress_cpu, c.decompress_cpu)),
-            cold_cpu: r.cold.as_ref().map(|c| (c.recompress_cpu, c.read_cpu)),
+            cold_cpu: r
+                .cold
+                .iter()
+                .map(|c| (c.recompress_cpu, c.read_cpu))
+                .collect(),
             last: r,
         }
     }
@@ -93,8 +98,10 @@ impl Best {
                 .map(|(a, b)| (a.0.min(b.0), a.1.min(b.1))),
             cold_cpu: self
                 .cold_cpu
-                .zip(next.cold_cpu)
-                .map(|(a, b)| (a.0.min(b.0), a.1.min(b.1))),
+                .iter()
+                .zip(&next.cold_cpu)
+                .map(|(a, b)| (a.0.min(b.0), a.1.min(b.1)))
+                .collect(),
             last: next.last,
         }
     }
@@ -162,15 +169,18 @@ fn main() -> Result<()> {
                     "read_mb_per_cpu_s": read,
                     "compress_mb_per_cpu_s": comp,
                     "decompress_mb_per_cpu_s": decomp,
-                    "cold": r.cold.as_ref().zip(b.cold_cpu).map(|(c, (pass, read))| json!({
-                        "pages": c.pages,
-                        "stored_bytes": c.stored_bytes,
-                        "mapped_bytes": c.mapped_bytes,
-                        "ratio": ratio(bytes, c.stored_bytes),
-                        "ratio_mapped": ratio(bytes, c.mapped_bytes),
-                        "recompress_mb_per_cpu_s": mb_per_cpu_s(bytes, pass),
-                        "read_mb_per_cpu_s": mb_per_cpu_s(bytes, read),
-                    })),
+                    "cold": r.cold.iter().zip(&b.cold_cpu).map(|(c, &(pass, read))| (
+                        c.codec.word().to_string(),
+                        json!({
+                            "pages": c.pages,
+                            "stored_bytes": c.stored_bytes,
+                            "mapped_bytes": c.mapped_bytes,
+                            "ratio": ratio(bytes, c.stored_bytes),
+                            "ratio_mapped": ratio(bytes, c.mapped_bytes),
+                            "recompress_mb_per_cpu_s": mb_per_cpu_s(bytes, pass),
+                            "read_mb_per_cpu_s": mb_per_cpu_s(bytes, read),
+                        }),
+                    )).collect::<serde_json::Map<_, _>>(),
                 });
                 (r.codec.word().to_string(), doc)
             })
@@ -228,11 +238,11 @@ fn main() -> Result<()> {
                 cell(decomp, 0),
             ])
         );
-        if let (Some(c), Some((pass, read))) = (&r.cold, b.cold_cpu) {
+        for (c, &(pass, read)) in r.cold.iter().zip(&b.cold_cpu) {
             println!(
                 "{}",
                 row(&[
-                    "cold".to_string(),
+                    format!("-> {}", c.codec.word()),
                     mib(r.logical_bytes),
                     mib(c.stored_bytes),
                     mib(c.mapped_bytes),
@@ -249,15 +259,15 @@ fn main() -> Result<()> {
     println!(
         "(ratio: the dump's bytes, zero pages included, over the bytes held; MB per CPU-second \
          of the dump through the store (write, read) and of the codec alone (comp, decomp); \
-         cold: lz4's pages once the recompressor (recompress=zstd) packed them all again, \
-         its pass in the write column)"
+         -> zstd, -> lz4hc: lz4's pages once the recompressor (recompress=zstd, lz4hc) packed \
+         them all again, its pass in the write column)"
     );
     Ok(())
 }
 
 /// A table row: the codec's name left-aligned, the numbers right-aligned.
 fn row(cells: &[String; 10]) -> String {
-    let mut line = format!("{:<6}", cells[0]);
+    let mut line = format!("{:<9}", cells[0]);
     for c in &cells[1..] {
         line.push_str(&format!(" {c:>12}"));
     }

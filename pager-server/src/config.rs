@@ -49,6 +49,39 @@ pub enum Compress {
     Zstd,
 }
 
+/// The recompressor's codec with compress=lz4 when none is given.
+pub const DEFAULT_RECOMPRESS: Recompress = Recompress::Zstd;
+
+/// What the recompressor packs cold pages with (`recompress=`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Recompress {
+    Off,
+    /// Zstandard level 1: the densest (on real pages 1.0-1.7x fewer bytes
+    /// than LZ4's), 3-5x LZ4's CPU to read back (pager-server(1)).
+    Zstd,
+    /// LZ4's high-compression mode (liblz4): LZ4 blocks, so read back as
+    /// fast as any LZ4 page, denser than plain LZ4 by what its slower
+    /// search for matches finds.
+    Lz4hc,
+}
+
+impl Recompress {
+    pub const ALL: [Recompress; 3] = [Recompress::Off, Recompress::Zstd, Recompress::Lz4hc];
+
+    /// The word of `recompress=` and of status.
+    pub fn word(self) -> &'static str {
+        match self {
+            Recompress::Off => "off",
+            Recompress::Zstd => "zstd",
+            Recompress::Lz4hc => "lz4hc",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Recompress> {
+        Recompress::ALL.into_iter().find(|c| c.word() == s)
+    }
+}
+
 impl Compress {
     pub const ALL: [Compress; 3] = [Compress::Off, Compress::Lz4, Compress::Zstd];
 
@@ -125,9 +158,9 @@ pub struct Config {
     pub dns_prune: bool,
     /// How pages are kept: compressed (lz4, zstd) or raw (off).
     pub compress: Compress,
-    /// `recompress=zstd|off`: cold pages packed again with zstd (`None`:
-    /// on with compress=lz4; see [`Config::recompress_on`]).
-    pub recompress: Option<bool>,
+    /// `recompress=`: what cold pages are packed again with (`None`: the
+    /// default with compress=lz4; see [`Config::recompressor`]).
+    pub recompress: Option<Recompress>,
     /// How long a page goes untouched before it is cold.
     pub recompress_idle: Duration,
     /// Bytes of cold pages the recompressor looks at a second. By default
@@ -218,7 +251,7 @@ dns-lease=SECS       announce=dns: readers take the records for a dead donor's
 dns-prune=BOOL       announce=dns: remove other donors' records past their lease
                      (default true).
 compress=lz4|zstd|off  Keep pages compressed in size classes, or raw (default lz4).
-recompress=zstd|off  compress=lz4: pack pages again with zstd once cold, while
+recompress=zstd|lz4hc|off  compress=lz4: pack pages again once cold, while
                      the donor is not busy (default zstd).
 recompress-idle=SECS  A page is cold once untouched this long (default 30).
 recompress-rate=SIZE  Cold pages looked at a second (default 16M: about 4%
@@ -327,11 +360,10 @@ impl Config {
                     .ok_or_else(|| bad(key, value, "expected lz4, zstd or off"))?
             }
             "recompress" => {
-                self.recompress = match value {
-                    "zstd" => Some(true),
-                    "off" => Some(false),
-                    _ => return Err(bad(key, value, "expected zstd or off")),
-                }
+                self.recompress = Some(
+                    Recompress::parse(value)
+                        .ok_or_else(|| bad(key, value, "expected zstd, lz4hc or off"))?,
+                )
             }
             "recompress-idle" => {
                 let secs: u64 = value
@@ -364,13 +396,16 @@ impl Config {
 }
 
 impl Config {
-    /// Whether cold pages are packed again with zstd: by default with
-    /// compress=lz4 only (zstd pages gain nothing, raw ones are meant raw).
-    pub fn recompress_on(&self) -> Result<bool, String> {
+    /// What cold pages are packed again with: by default with compress=lz4
+    /// only (zstd pages gain nothing, raw ones are meant raw).
+    pub fn recompressor(&self) -> Result<Recompress, String> {
         match (self.recompress, self.compress) {
-            (Some(true), Compress::Lz4) | (None, Compress::Lz4) => Ok(true),
-            (Some(true), c) => Err(format!(
-                "recompress=zstd needs compress=lz4 (compress={} {})",
+            (None, Compress::Lz4) => Ok(DEFAULT_RECOMPRESS),
+            (None, _) => Ok(Recompress::Off),
+            (Some(r), Compress::Lz4) | (Some(r @ Recompress::Off), _) => Ok(r),
+            (Some(r), c) => Err(format!(
+                "recompress={} needs compress=lz4 (compress={} {})",
+                r.word(),
                 c.word(),
                 if c == Compress::Zstd {
                     "packs every page with zstd already"
@@ -378,7 +413,6 @@ impl Config {
                     "keeps pages raw"
                 }
             )),
-            _ => Ok(false),
         }
     }
 }

@@ -14,7 +14,7 @@ use netpager_proto::v1::{reply, request, Reply, Request};
 use netpager_proto::{DonorState, DonorStatus, ExportUsage};
 use netpager_util::{format_size, LockExt};
 
-use crate::config::{whole_pages, Compress, Config, PAGE_SIZE};
+use crate::config::{whole_pages, Compress, Config, Recompress, PAGE_SIZE};
 use crate::memwatch::{read_loadavg, read_meminfo, MemInfo};
 use crate::ratio::{self, RecentRatio};
 use crate::state::{Assessment, Observation, Policy, StateMachine, UtilWindow};
@@ -52,8 +52,9 @@ pub struct Settings {
     pub meminfo: PathBuf,
     pub ncpu: usize,
     pub compress: Compress,
-    /// Cold pages packed again with zstd, and when a page is cold.
-    pub recompress: bool,
+    /// What cold pages are packed again with (off: left as they are), and
+    /// when a page is cold.
+    pub recompress: Recompress,
     pub recompress_idle: Duration,
     pub recompress_rate: u64,
 }
@@ -77,7 +78,7 @@ impl Settings {
             ncpu: ncpu.max(1),
             compress: cfg.compress,
             // config_complete has refused a recompress= compress= cannot take.
-            recompress: cfg.recompress_on() == Ok(true),
+            recompress: cfg.recompressor().unwrap_or(Recompress::Off),
             recompress_idle: cfg.recompress_idle,
             recompress_rate: cfg.recompress_rate,
         }
@@ -309,7 +310,7 @@ impl Donor {
             w.assessment.state
         };
         // The node's owner needs its CPU back while it is busy.
-        if self.settings.recompress && state != DonorState::Busy {
+        if self.settings.recompress != Recompress::Off && state != DonorState::Busy {
             self.recompress(at);
         }
         // After the pass: the classes its pages left are emptied into
@@ -335,7 +336,8 @@ impl Donor {
         let limit = (self.settings.recompress_rate * self.settings.poll.as_millis() as u64 / 1000)
             .div_ceil(PAGE_SIZE as u64)
             .max(1);
-        self.pool.recompress(before as u32 + 1, limit);
+        self.pool
+            .recompress(self.settings.recompress, before as u32 + 1, limit);
     }
 
     /// Advances the utilisation window (and tidies) without a new look at
@@ -442,7 +444,11 @@ impl Donor {
             capacity_bytes: (free_bytes as f64 * offered_ratio) as u64,
             offered_ratio,
             compress: self.settings.compress.word().into(),
-            recompress: if self.settings.recompress { "zstd" } else { "" }.into(),
+            recompress: match self.settings.recompress {
+                Recompress::Off => "",
+                r => r.word(),
+            }
+            .into(),
             recompressed_pages: recompressed.pages,
             recompress_saved_bytes: recompressed.saved_bytes,
         }
@@ -494,10 +500,13 @@ fn log_state(log: Logger, from: Option<DonorState>, to: &Assessment) {
 
 /// How the start-up log line names the recompressor's setting.
 fn recompress_word(s: &Settings) -> String {
-    if s.recompress {
-        format!(" (zstd once untouched {} s)", s.recompress_idle.as_secs())
-    } else {
-        String::new()
+    match s.recompress {
+        Recompress::Off => String::new(),
+        r => format!(
+            " ({} once untouched {} s)",
+            r.word(),
+            s.recompress_idle.as_secs()
+        ),
     }
 }
 

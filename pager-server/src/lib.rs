@@ -274,7 +274,7 @@ impl Server for PagerServer {
             None => hostname()?,
         };
         let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
-        cfg.recompress_on().map_err(einval)?;
+        cfg.recompressor().map_err(einval)?;
         let settings = Settings::resolve(&cfg, mem, &host, ncpu);
         settings.check_budget(&mem).map_err(einval)?;
         check_mlock(&settings)?;

@@ -77,7 +77,7 @@ pub fn exposition(s: &DonorStatus, service: &[(Op, HistogramSnapshot)]) -> Expos
     if !s.recompress.is_empty() {
         e.counter(
             "donor_recompressed_pages",
-            "Pages packed again with zstd once cold (recompress=zstd), since start.",
+            "Pages packed again once cold (recompress=zstd or lz4hc), since start.",
             None,
             one(s.recompressed_pages),
         );

@@ -1,5 +1,6 @@
 //! Every `unsafe` of the crate: nbdkit's logging functions, the client's
-//! address, memory locking, malloc's mmap threshold, a thread's CPU clock, the slabs donated pages live in ([`Slab`],
+//! address, memory locking, malloc's mmap threshold, a thread's CPU clock,
+//! liblz4's high-compression mode, the slabs donated pages live in ([`Slab`],
 //! [`Page`]), and the plugin registration struct.
 //!
 //! Registration: the `nbdkit` crate 0.3 describes `struct nbdkit_plugin`
@@ -12,6 +13,7 @@
 //! the larger size. nbdkit copies `min(_struct_size, its own size)` bytes,
 //! so older servers simply ignore the tail.
 
+use std::cell::RefCell;
 use std::ffi::CString;
 use std::io;
 use std::mem::{offset_of, size_of};
@@ -20,6 +22,9 @@ use std::ops::{Deref, DerefMut};
 use std::os::raw::{c_char, c_int, c_void};
 use std::ptr::NonNull;
 
+// Builds and links liblz4, whose HC functions below its bindings lack.
+use lz4_sys as _;
+
 use crate::access::Peer;
 use crate::config::PAGE_SIZE;
 
@@ -27,6 +32,17 @@ extern "C" {
     fn nbdkit_debug(fmt: *const c_char, ...);
     fn nbdkit_error(fmt: *const c_char, ...);
     fn nbdkit_peer_name(addr: *mut libc::sockaddr, addrlen: *mut libc::socklen_t) -> c_int;
+    // lz4hc.h: a state the caller keeps, reset cheaply for each call.
+    fn LZ4_sizeofStateHC() -> c_int;
+    fn LZ4_initStreamHC(state: *mut c_void, size: usize) -> *mut c_void;
+    fn LZ4_compress_HC_extStateHC_fastReset(
+        state: *mut c_void,
+        src: *const c_char,
+        dst: *mut c_char,
+        src_size: c_int,
+        dst_capacity: c_int,
+        level: c_int,
+    ) -> c_int;
 }
 
 fn c_message(msg: &str) -> CString {
@@ -93,6 +109,51 @@ pub fn memlock_limit() -> io::Result<Option<u64>> {
         return Err(io::Error::last_os_error());
     }
     Ok((lim.rlim_cur != libc::RLIM_INFINITY).then_some(lim.rlim_cur))
+}
+
+// One LZ4-HC state per thread, made on first use: it is 256 KiB, which
+// `LZ4_compress_HC` would allocate and clear for every page.
+thread_local! {
+    static LZ4HC_STATE: RefCell<Option<Box<[u64]>>> = const { RefCell::new(None) };
+}
+
+/// Compresses `src` into `dst` with LZ4's high-compression mode at
+/// `level`: an LZ4 block, which `lz4_flex::block::decompress_into` reads.
+/// `None` when it does not fit in `dst`.
+pub fn lz4hc_compress(src: &[u8], dst: &mut [u8], level: i32) -> Option<usize> {
+    let src_len = c_int::try_from(src.len()).ok()?;
+    let dst_len = c_int::try_from(dst.len()).ok()?;
+    LZ4HC_STATE.with(|cell| {
+        let mut slot = cell.borrow_mut();
+        if slot.is_none() {
+            // SAFETY: no arguments; returns the size of LZ4_streamHC_t.
+            let size = usize::try_from(unsafe { LZ4_sizeofStateHC() }).ok()?;
+            // u64s: the struct holds pointers and sizes, 8-byte aligned.
+            let mut state = vec![0u64; size.div_ceil(8)].into_boxed_slice();
+            // SAFETY: `state` is at least `size` bytes, aligned for the
+            // struct, and lives past the call.
+            let made = unsafe { LZ4_initStreamHC(state.as_mut_ptr().cast(), size) };
+            if made.is_null() {
+                return None;
+            }
+            *slot = Some(state);
+        }
+        let state = slot.as_mut()?;
+        // SAFETY: the state was initialised by LZ4_initStreamHC and is this
+        // thread's alone; `src` and `dst` are valid for their lengths during
+        // the call, and liblz4 writes at most `dst_len` bytes to `dst`.
+        let n = unsafe {
+            LZ4_compress_HC_extStateHC_fastReset(
+                state.as_mut_ptr().cast(),
+                src.as_ptr().cast(),
+                dst.as_mut_ptr().cast(),
+                src_len,
+                dst_len,
+                level,
+            )
+        };
+        usize::try_from(n).ok().filter(|&n| n > 0)
+    })
 }
 
 /// This thread's CPU time so far (CLOCK_THREAD_CPUTIME_ID: exact to the

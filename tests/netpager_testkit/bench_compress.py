@@ -74,6 +74,8 @@ from .procs import OwnedProcess, wait_for
 PROG = "bench-compress"
 PAGE = 4096
 CODECS = ["off", "lz4", "zstd"]
+# The recompressor's codecs, each replayed over lz4's pages.
+COLD = ["zstd", "lz4hc"]
 ZRAM_CONTROL = Path("/sys/class/zram-control")
 # mm_stat's fields, in the kernel's order (Documentation/admin-guide/blockdev/zram.rst).
 MM_STAT = ["orig_data_size", "compr_data_size", "mem_used_total", "mem_limit", "mem_used_max",
@@ -353,27 +355,28 @@ def tables(k: Knobs, rows: dict) -> list[str]:
     alg = {r["record"].get("zram_algorithm", "?") for r in rows.values()}
     text = [f"== Bytes swapped / bytes held (zero pages included; zram {', '.join(sorted(alg))}; "
             f"store: stored, and mapped in brackets)"]
-    w = [8, 9, 7, 8, 15, 15, 15, 15, 11, 11, 11]
-    text.append(fmt_row(w, ["program", "pages", "zero", "zram", "off", "lz4", "zstd", "lz4 cold",
-                            "lz4/zram", "zstd/zram", "cold/zram"]))
+    cold_heads = [f"->{c}" for c in COLD]
+    w = [8, 9, 7, 8] + [15] * (len(CODECS) + len(COLD)) + [11] * (2 + len(COLD))
+    text.append(fmt_row(w, ["program", "pages", "zero", "zram", *CODECS, *cold_heads,
+                            "lz4/zram", "zstd/zram", *(f"{h}/zram" for h in cold_heads)]))
     for program, r in rows.items():
         rec, rep = r["record"], r["replay"]
         zr = zram_ratio(rec)
         zram_bytes = rec["mm_stat"]["mem_used_total"]
         cells = [program, str(rep["pages"]), str(rep["zero_pages"]), cell(zr)]
-        cold = rep["codecs"]["lz4"]["cold"]
-        for x in [rep["codecs"][c] for c in CODECS] + [cold]:
+        cold = [rep["codecs"]["lz4"]["cold"][c] for c in COLD]
+        for x in [rep["codecs"][c] for c in CODECS] + cold:
             cells.append(f"{cell(x['ratio'])} ({cell(x['ratio_mapped'])})")
-        for x in (rep["codecs"]["lz4"], rep["codecs"]["zstd"], cold):
+        for x in [rep["codecs"]["lz4"], rep["codecs"]["zstd"]] + cold:
             cells.append(cell(x["stored_bytes"] / zram_bytes if zram_bytes else None))
         text.append(fmt_row(w, cells))
     text.append("")
     text.append(f"== MB of pages per CPU-second (least of {k.rounds} rounds, {k.batch} pages a "
                 f"request): through the store, write / read; the codec alone, compress / "
                 f"decompress")
-    w2 = [8, 15, 15, 15, 15, 15, 15]
+    w2 = [8] + [15] * (5 + len(COLD))
     text.append(fmt_row(w2, ["program", "off store", "lz4 store", "lz4 codec", "zstd store",
-                             "zstd codec", "lz4 cold"]))
+                             "zstd codec", *cold_heads]))
 
     def pair(x: dict, a: str, b: str) -> str:
         return f"{cell(x[a], '{:.0f}')} / {cell(x[b], '{:.0f}')}"
@@ -385,15 +388,17 @@ def tables(k: Knobs, rows: dict) -> list[str]:
             cells.append(pair(x, "write_mb_per_cpu_s", "read_mb_per_cpu_s"))
             if c != "off":
                 cells.append(pair(x, "compress_mb_per_cpu_s", "decompress_mb_per_cpu_s"))
-        cells.append(pair(r["replay"]["codecs"]["lz4"]["cold"], "recompress_mb_per_cpu_s",
-                          "read_mb_per_cpu_s"))
+        for c in COLD:
+            cells.append(pair(r["replay"]["codecs"]["lz4"]["cold"][c], "recompress_mb_per_cpu_s",
+                              "read_mb_per_cpu_s"))
         text.append(fmt_row(w2, cells))
     text.append("")
     text.append("(zram: orig_data_size / mem_used_total; off, lz4, zstd: pager-server's store, "
                 "dump bytes / stored bytes (/ mapped bytes: slabs mapped, spare included); "
-                "lz4 cold: lz4's pages once the recompressor (recompress=zstd, the default) "
+                "->zstd, ->lz4hc: lz4's pages once the recompressor (recompress=zstd, lz4hc) "
                 "packed them again, its pass / the reads after it in the CPU table; "
-                "lz4/zram, zstd/zram, cold/zram: the store's bytes held over zram's, the target "
+                "lz4/zram, zstd/zram, ->zstd/zram, ->lz4hc/zram: the store's bytes held over "
+                "zram's, the target "
                 "at most 1.10; MB/s through the store count its fresh slabs' page faults, which "
                 "on a VM whose balloon reports free memory cost a host fault and vary from run to "
                 "run: the codec alone is its cost)")

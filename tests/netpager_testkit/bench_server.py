@@ -13,16 +13,17 @@ median of the per-round ratios pager-server / nbdkit-memory.
   python3 -m netpager_testkit.bench_server     # 3 rounds of 10 s per test, 2G export (make bench-server)
   ROUNDS=5 RUNTIME=20 SIZE=4G python3 -m netpager_testkit.bench_server
 
-COMPRESS="off lz4 zstd cold" (make bench-server COMPRESS=...) runs the
+COMPRESS="off lz4 zstd cold cold-hc" (make bench-server COMPRESS=...) runs the
 donor's compression side by side instead, one pager-server per setting in
 turn, on data that compresses as swapped pages do (fio's
 buffer_compress_percentage, COMPRESSIBLE=60): QD1 4 KiB randread and
 randwrite latency (mean, and p99), QD32 IOPS, and the donor's CPU seconds
 per GiB written and read, each setting's ratio to the first. `lz4` runs
 without the recompressor (lz4 alone); `cold` is lz4 with every page
-repacked by the recompressor (recompress-idle=0) before the reads, as a
-swap-in of a page left alone for recompress-idle meets it; its writes run
-beside the recompressor repacking at full rate. fio's compressible data is
+repacked by the recompressor (recompress=zstd, recompress-idle=0) before
+the reads, as a swap-in of a page left alone for recompress-idle meets it,
+`cold-hc` the same with recompress=lz4hc; their writes run beside the
+recompressor repacking at full rate. fio's compressible data is
 random bytes and zeros, which zstd packs no smaller than lz4; PAGES=FILE
 (a dump of real pages kept by `make bench-compress KEEP=1`) fills the
 export with those pages instead (nbdcopy), and the export is their size.
@@ -85,7 +86,9 @@ COMPRESS_METRICS = {"qd1_read_us": ("QD1 4K randread mean", "us", "lower"),
 # load.
 COMPRESS_PARAMS = {"off": ["compress=off"], "lz4": ["compress=lz4", "recompress=off"],
                    "zstd": ["compress=zstd"],
-                   "cold": ["compress=lz4", "recompress-idle=0", "recompress-rate=1G", "busy-load=1000"]}
+                   **{word: ["compress=lz4", f"recompress={codec}", "recompress-idle=0", "recompress-rate=1G",
+                             "busy-load=1000"]
+                      for word, codec in (("cold", "zstd"), ("cold-hc", "lz4hc"))}}
 
 
 def wait_repacked(status: StatusClient, what: str) -> int:
@@ -122,7 +125,7 @@ def compress_round(work: Path, setting: str, size: str, runtime: int, pct: int,
             fill = fio_json(["--name=fill", *fio, "--rw=write", "--bs=1M", "--iodepth=4", *data], work)
             filled = fill["write"]["io_bytes"]
         out["cpu_per_gib_written"] = (proc_cpu(proc.pid) - cpu) / (filled / 2**30)
-        if setting == "cold":
+        if setting.startswith("cold"):
             n = wait_repacked(StatusClient("127.0.0.1", sport), f"{PROG} {setting}")
             print(f"{PROG}: cold: {n} pages repacked before the reads", file=sys.stderr, flush=True)
         cpu = proc_cpu(proc.pid)

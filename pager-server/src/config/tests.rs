@@ -82,7 +82,7 @@ fn every_parameter_is_parsed() {
     c.set("announce", "dns").unwrap();
     assert_eq!(c.announce, Announce::Dns);
     assert_eq!(c.compress, Compress::Zstd);
-    assert_eq!(c.recompress, Some(false));
+    assert_eq!(c.recompress, Some(Recompress::Off));
     assert_eq!(c.recompress_idle, Duration::from_secs(5));
     assert_eq!(c.recompress_rate, 64 << 20);
 }
@@ -95,20 +95,26 @@ fn recompress_is_on_with_lz4_only() {
         if let Some(r) = recompress {
             c.set("recompress", r).unwrap();
         }
-        c.recompress_on()
+        c.recompressor()
     };
-    assert_eq!(with("lz4", None), Ok(true));
-    assert_eq!(with("lz4", Some("off")), Ok(false));
-    assert_eq!(with("zstd", None), Ok(false));
-    assert_eq!(with("off", None), Ok(false));
-    assert_eq!(with("off", Some("off")), Ok(false));
+    assert_eq!(with("lz4", None), Ok(DEFAULT_RECOMPRESS));
+    assert_ne!(DEFAULT_RECOMPRESS, Recompress::Off);
+    assert_eq!(with("lz4", Some("off")), Ok(Recompress::Off));
+    assert_eq!(with("lz4", Some("zstd")), Ok(Recompress::Zstd));
+    assert_eq!(with("lz4", Some("lz4hc")), Ok(Recompress::Lz4hc));
+    assert_eq!(with("zstd", None), Ok(Recompress::Off));
+    assert_eq!(with("off", None), Ok(Recompress::Off));
+    assert_eq!(with("off", Some("off")), Ok(Recompress::Off));
     let e = with("zstd", Some("zstd")).unwrap_err();
     assert!(
         e.contains("needs compress=lz4") && e.contains("already"),
         "{e}"
     );
-    let e = with("off", Some("zstd")).unwrap_err();
-    assert!(e.contains("keeps pages raw"), "{e}");
+    let e = with("off", Some("lz4hc")).unwrap_err();
+    assert!(
+        e.contains("recompress=lz4hc") && e.contains("keeps pages raw"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -144,7 +150,7 @@ fn bad_parameters_name_key_and_reason() {
         ("dns-lease", "soon", "1 to 86400"),
         ("dns-prune", "maybe", "true/false"),
         ("compress", "gzip", "lz4, zstd or off"),
-        ("recompress", "lz4", "zstd or off"),
+        ("recompress", "lz4", "zstd, lz4hc or off"),
         ("recompress-idle", "soon", "whole number"),
         ("recompress-idle", "86401", "0 to 86400"),
         ("recompress-rate", "0", "4K to 1T"),

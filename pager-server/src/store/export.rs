@@ -761,10 +761,11 @@ impl Export {
         &self.shards
     }
 
+    /// The bytes `page` takes as it is kept (`None`: not held).
     #[cfg(test)]
-    pub(super) fn is_cold_for_tests(&self, page: u64) -> bool {
+    pub(super) fn page_weight_for_tests(&self, page: u64) -> Option<u64> {
         let map = self.read_shard(page);
-        matches!(map.get(page), Some((Entry::Cold(_), _)))
+        map.get(page).map(|(e, _)| self.weight(e))
     }
 
     #[cfg(test)]

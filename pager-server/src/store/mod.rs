@@ -34,7 +34,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use netpager_util::{LockExt, RwLockExt};
 
 pub use budget::Budget;
-pub use codec::Compress;
+pub use codec::{Compress, Recompress};
 pub use export::{Export, Recompressed};
 
 use crate::config::{ExportSpec, PAGE_SIZE};
@@ -215,14 +215,14 @@ impl Pool {
     }
 
     /// One pass of the recompressor (`store/export/recompress.rs`): packs
-    /// again with zstd the pages last touched before tick `before`, shard
-    /// by shard of every export from where the last pass stopped, looking
-    /// at no more than `limit` pages. Each pass visits each shard at most
-    /// once; a pass the budget refuses stops there.
-    pub fn recompress(&self, before: u32, limit: u64) -> Recompressed {
+    /// again with `cold` the pages last touched before tick `before`,
+    /// shard by shard of every export from where the last pass stopped,
+    /// looking at no more than `limit` pages. Each pass visits each shard
+    /// at most once; a pass the budget refuses stops there.
+    pub fn recompress(&self, cold: Recompress, before: u32, limit: u64) -> Recompressed {
         // Only lz4's pages gain: zstd packed them already, `off` keeps
         // them raw on purpose.
-        if self.back.codec != Compress::Lz4 {
+        if self.back.codec != Compress::Lz4 || cold == Recompress::Off {
             return Recompressed::default();
         }
         let exports: Vec<Arc<Export>> = self.exports.read_or_recover().values().cloned().collect();
@@ -230,7 +230,7 @@ impl Pool {
         let mut pass = Recompressed::default();
         for _ in 0..SHARDS {
             for e in &exports {
-                pass.add(e.recompress_shard(*at, before, limit - pass.examined));
+                pass.add(e.recompress_shard(cold, *at, before, limit - pass.examined));
             }
             if pass.examined == limit || pass.refused {
                 break;

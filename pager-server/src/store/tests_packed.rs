@@ -106,11 +106,13 @@ enum Op {
         len: u64,
     },
     Compact,
-    /// A recompressor's pass over pages untouched for `age` ops, looking
-    /// at no more than `limit`.
+    /// A recompressor's pass with `cold` over pages untouched for `age`
+    /// ops, looking at no more than `limit` (both codecs in one store:
+    /// each leaves the other's pages alone).
     Recompress {
         age: u32,
         limit: u64,
+        cold: Recompress,
     },
     /// Moves up to `limit` pages out of the slab worth emptying.
     Evacuate {
@@ -137,7 +139,8 @@ fn op() -> impl Strategy<Value = Op> {
         2 => range().prop_map(|(off, len)| Op::Discard { off, len }),
         2 => range().prop_map(|(off, len)| Op::Read { off, len }),
         1 => Just(Op::Compact),
-        1 => (0..8u32, 1..200u64).prop_map(|(age, limit)| Op::Recompress { age, limit }),
+        1 => (0..8u32, 1..200u64, prop_oneof![Just(Recompress::Zstd), Just(Recompress::Lz4hc)])
+            .prop_map(|(age, limit, cold)| Op::Recompress { age, limit, cold }),
         1 => (1..20u64).prop_map(|limit| Op::Evacuate { limit }),
     ]
 }
@@ -211,9 +214,9 @@ fn run_model(codec: Compress, limit: u64, ops: &[Op]) {
             Op::Compact => {
                 p.compact();
             }
-            Op::Recompress { age, limit } => {
+            Op::Recompress { age, limit, cold } => {
                 let before = (i as u32).saturating_sub(age) + 1;
-                let done = p.recompress(before, limit);
+                let done = p.recompress(cold, before, limit);
                 assert!(done.examined <= limit);
                 if codec != Compress::Lz4 {
                     assert_eq!(
@@ -446,6 +449,12 @@ fn the_xth_oldest_counts_bytes_held() {
 
 #[test]
 fn cold_pages_are_repacked_smaller_and_read_back() {
+    for cold in [Recompress::Zstd, Recompress::Lz4hc] {
+        repack_and_read_back(cold);
+    }
+}
+
+fn repack_and_read_back(codec: Recompress) {
     let p = Pool::with_slabs(400, 8, Compress::Lz4, Slabs::with_slab_pages(4));
     let e = p.open(&spec("a"), PAGES * PAGE).unwrap();
     let mut model = vec![0u8; (PAGES * PAGE) as usize];
@@ -464,22 +473,29 @@ fn cold_pages_are_repacked_smaller_and_read_back() {
             .unwrap();
     }
     let before = e.stored_bytes();
+    let weights: Vec<Option<u64>> = (0..PAGES).map(|q| e.page_weight_for_tests(q)).collect();
     // Only pages last touched before tick 5: the first half.
-    let first = p.recompress(5, u64::MAX);
-    assert!(first.pages > 0 && first.saved_bytes > 0, "{first:?}");
+    let first = p.recompress(codec, 5, u64::MAX);
+    assert!(
+        first.pages > 0 && first.saved_bytes > 0,
+        "{codec:?}: {first:?}"
+    );
     assert!(
         first.examined <= PAGES / 2 - PAGES / 8,
         "repeated words are not looked at"
     );
     assert_eq!(e.stored_bytes(), before - first.saved_bytes);
     check_accounting(&p, &e);
-    let cold: Vec<u64> = (0..PAGES).filter(|&q| e.is_cold_for_tests(q)).collect();
+    let cold: Vec<u64> = (0..PAGES)
+        .filter(|&q| e.page_weight_for_tests(q) < weights[q as usize])
+        .collect();
+    assert_eq!(cold.len() as u64, first.pages, "{codec:?}");
     assert!(
         !cold.is_empty() && cold.iter().all(|&q| q < PAGES / 2),
         "{cold:?}"
     );
     // A second pass finds nothing more to gain.
-    let again = p.recompress(5, u64::MAX);
+    let again = p.recompress(codec, 5, u64::MAX);
     assert_eq!(again.pages, 0, "{again:?}");
     // Every byte reads back, whole pages and pieces across cold pages.
     let mut all = vec![0xA5; model.len()];
@@ -524,7 +540,8 @@ fn the_recompressor_and_the_evacuator_racing_writers_lose_nothing() {
         let (p, stop, passes) = (Arc::clone(&p), Arc::clone(&stop), Arc::clone(&passes));
         std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) {
-                p.recompress(u32::MAX, 16);
+                p.recompress(Recompress::Lz4hc, u32::MAX, 16);
+                p.recompress(Recompress::Zstd, u32::MAX, 16);
                 p.compact();
                 p.evacuate(8);
                 passes.fetch_add(1, Ordering::Relaxed);
@@ -582,15 +599,21 @@ fn the_recompressor_and_the_evacuator_racing_writers_lose_nothing() {
 }
 
 #[test]
-fn pages_zstd_cannot_shrink_are_tried_once_until_they_change() {
+fn pages_the_recompressor_cannot_shrink_are_tried_once_until_they_change() {
+    for cold in [Recompress::Zstd, Recompress::Lz4hc] {
+        tried_once_until_changed(cold);
+    }
+}
+
+fn tried_once_until_changed(cold: Recompress) {
     let p = Pool::with_slabs(400, 8, Compress::Lz4, Slabs::with_slab_pages(4));
     let e = p.open(&spec("a"), PAGES * PAGE).unwrap();
     let mut noise = vec![0u8; (16 * PAGE) as usize];
     fill(Kind::Random, 3, &mut noise, 0);
     e.write(&noise, 0, 1).unwrap();
-    let first = p.recompress(u32::MAX, u64::MAX);
+    let first = p.recompress(cold, u32::MAX, u64::MAX);
     assert_eq!((first.examined, first.pages), (16, 0), "{first:?}");
-    let again = p.recompress(u32::MAX, u64::MAX);
+    let again = p.recompress(cold, u32::MAX, u64::MAX);
     assert_eq!(
         again.examined, 0,
         "noise is not compressed once a pass: {again:?}"
@@ -599,7 +622,7 @@ fn pages_zstd_cannot_shrink_are_tried_once_until_they_change() {
     // written in part.
     e.write(&noise[..PAGE_SIZE], 5 * PAGE, 2).unwrap();
     e.write(&noise[..100], 9 * PAGE + 10, 2).unwrap();
-    let after = p.recompress(u32::MAX, u64::MAX);
+    let after = p.recompress(cold, u32::MAX, u64::MAX);
     assert_eq!(after.examined, 2, "{after:?}");
 }
 

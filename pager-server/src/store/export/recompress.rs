@@ -1,18 +1,20 @@
-//! The recompressor (`recompress=zstd`): a page nobody has read or written
-//! for a while is packed again with zstd, on the donor's idle CPU, as
-//! zram's `recompress type=idle` packs idle pages with its second
-//! algorithm. Writes stay with the fast codec (lz4), whose latency the
-//! client sees; the pages that stay cold, most of a swapped job's, end up
-//! in zstd's denser form (on real programs' pages 1.0-1.7x fewer bytes
-//! than lz4's: pager-server(1)). A cold page read again is decompressed by
-//! zstd; rewritten, it is lz4 again.
+//! The recompressor (`recompress=zstd|lz4hc`): a page nobody has read or
+//! written for a while is packed again, on the donor's idle CPU, as zram's
+//! `recompress type=idle` packs idle pages with its second algorithm.
+//! Writes stay with the fast codec (lz4), whose latency the client sees;
+//! the pages that stay cold, most of a swapped job's, end up in a denser
+//! form: zstd's (on real programs' pages 1.0-1.7x fewer bytes than lz4's:
+//! pager-server(1)), which a read of the page decompresses more slowly,
+//! or LZ4-HC's, LZ4 blocks read as fast as lz4's. Rewritten, a page is
+//! lz4 again.
 //!
 //! One page at a time under its shard's write lock (the lock a write of
 //! that page takes), so a request never sees it half-moved, and only when
-//! zstd saves at least one size class; a raw page (lz4 could not pack it)
-//! is tried too. A page touched since the scan found it is left alone; a
-//! page zstd cannot shrink is marked and not tried again until it changes,
-//! so incompressible data costs one try a page, not one a pass.
+//! the codec saves at least one size class; a raw page (lz4 could not pack
+//! it) is tried too. A page touched since the scan found it is left alone.
+//! A page the codec cannot shrink, and a page LZ4-HC has packed (it is an
+//! LZ4 page again, and would not shrink twice), is marked and not tried
+//! again until it changes, so a page costs one try, not one a pass.
 
 use std::sync::atomic::Ordering::Relaxed;
 
@@ -20,7 +22,7 @@ use netpager_util::RwLockExt;
 
 use super::{Export, Freer};
 use crate::config::PAGE_SIZE;
-use crate::store::codec::{self, Compress};
+use crate::store::codec::{self, Recompress};
 use crate::store::table::Entry;
 
 /// What one pass of the recompressor did.
@@ -28,7 +30,7 @@ use crate::store::table::Entry;
 pub struct Recompressed {
     /// Cold pages looked at (each one decompressed and compressed again).
     pub examined: u64,
-    /// Of which now kept by zstd, in a smaller class.
+    /// Of which now kept in a smaller class.
     pub pages: u64,
     /// Bytes those pages took before, less what they take now.
     pub saved_bytes: u64,
@@ -52,10 +54,11 @@ fn candidate(e: &Entry) -> bool {
 }
 
 impl Export {
-    /// Recompresses the pages of shard `shard` last touched before tick
-    /// `before`, looking at no more than `limit` of them.
+    /// Recompresses with `cold` the pages of shard `shard` last touched
+    /// before tick `before`, looking at no more than `limit` of them.
     pub(in crate::store) fn recompress_shard(
         &self,
+        cold: Recompress,
         shard: usize,
         before: u32,
         limit: u64,
@@ -90,7 +93,7 @@ impl Export {
             let packed = self
                 .load(Some(&*e), page, &mut page_buf)
                 .ok()
-                .and_then(|()| codec::compress(Compress::Zstd, &page_buf, &mut out, room))
+                .and_then(|()| codec::recompress(cold, &page_buf, &mut out, room))
                 .filter(|&n| !class.is_some_and(|h| zs.same_class(h, n)));
             let Some(n) = packed else {
                 map.keep_as_is(page);
@@ -101,7 +104,14 @@ impl Export {
                 break;
             };
             let new = zs.class_size(h) as u64;
-            Freer::new(&self.back).free(std::mem::replace(e, Entry::Cold(h)));
+            let packed = match cold {
+                Recompress::Lz4hc => Entry::Packed(h),
+                _ => Entry::Cold(h),
+            };
+            Freer::new(&self.back).free(std::mem::replace(e, packed));
+            if cold == Recompress::Lz4hc {
+                map.keep_as_is(page);
+            }
             self.stored.fetch_sub(old - new, Relaxed);
             done.pages += 1;
             done.saved_bytes += old - new;
