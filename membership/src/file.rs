@@ -94,6 +94,16 @@ pub fn read_donors_file_lines(path: &Path) -> Result<Vec<(usize, DonorSpec)>, Do
     parse_donors_file_lines(path, &text)
 }
 
+/// Whether a follower of the donors file takes the text `read` now: none
+/// was taken yet, it is the text last taken, or the follower's pass before
+/// read it too (`changing`). A file rewritten in place (truncated, then
+/// written, as `echo ... >` does) can be read in between, empty or cut
+/// short; taken, that text would remove donors the file still lists. Two
+/// passes in a row that read the same text make it the file's.
+pub fn settled_text(read: &str, taken: Option<&str>, changing: Option<&str>) -> bool {
+    taken.is_none_or(|t| t == read) || changing == Some(read)
+}
+
 /// Parses the text of the donors file at `path`: each donor with its line.
 pub fn parse_donors_file_lines(
     path: &Path,
@@ -119,6 +129,45 @@ pub fn read_donors_file(path: &Path) -> Result<Vec<DonorSpec>, DonorsFileError> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Pass by pass, what a follower does with each text it reads: the
+    /// text it takes (`Some`), or nothing yet.
+    fn follow(reads: &[&str]) -> Vec<Option<String>> {
+        let (mut taken, mut changing): (Option<String>, Option<String>) = (None, None);
+        reads
+            .iter()
+            .map(|&read| {
+                if settled_text(read, taken.as_deref(), changing.as_deref()) {
+                    changing = None;
+                    taken = Some(read.to_string());
+                    Some(read.to_string())
+                } else {
+                    changing = Some(read.to_string());
+                    None
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_file_read_while_written_in_place_is_not_taken() {
+        let full = "a:1,name=a\nb:1,name=b\n";
+        let cut = "a:1,name=a\n";
+        let t = |s: &str| Some(s.to_string());
+        // The first text at once; a torn read (empty, or cut at a line)
+        // between two reads of the whole file is never taken.
+        assert_eq!(
+            follow(&[full, "", full, cut, full, full]),
+            [t(full), None, t(full), None, t(full), t(full)]
+        );
+        // A real change is taken at the second pass that reads it.
+        assert_eq!(follow(&[cut, full, full]), [t(cut), None, t(full)]);
+        // Two torn reads in a row of different texts take neither.
+        assert_eq!(
+            follow(&[full, "", cut, full]),
+            [t(full), None, None, t(full)]
+        );
+    }
 
     fn parse(text: &str) -> Result<Vec<DonorSpec>, DonorsFileError> {
         parse_donors_file(Path::new("/etc/netpager/donors"), text)

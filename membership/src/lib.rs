@@ -17,7 +17,7 @@ pub mod spec;
 
 pub use file::{
     parse_donors_file, parse_donors_file_lines, parse_lines, read_donors_file,
-    read_donors_file_lines, DonorsFileError,
+    read_donors_file_lines, settled_text, DonorsFileError,
 };
 pub use spec::{DonorSpec, SpecError};
 

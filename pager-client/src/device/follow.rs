@@ -14,7 +14,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use netpager_membership::discovery::{self, Admission, Announced, Trust, Verdict};
-use netpager_membership::{parse_donors_file_lines, read_donors_file_lines, DonorSpec, Joined};
+use netpager_membership::{
+    parse_donors_file_lines, read_donors_file_lines, settled_text, DonorSpec, Joined,
+};
 
 use super::Inner;
 use crate::config::{DeviceConfig, DonorConfig};
@@ -269,9 +271,22 @@ impl Inner {
     /// of the kernel's clock leave the same time, and the second change
     /// was missed (a bad line written right after a good change went
     /// unreported: the nemesis's "add s1; file-bad").
+    ///
+    /// A changed text is taken only when the next epoch reads it again
+    /// ([`settled_text`]; seen under load: a test's write in place read
+    /// empty, and the last donor's removal asked for).
     fn read_donors_file(&self, path: &PathBuf) -> Option<Vec<(usize, DonorSpec)>> {
         let text = std::fs::read_to_string(path);
         let mut book = self.members.book();
+        let taken = book.file.as_ref().map(|(t, _)| t.as_str());
+        let unsettled = text
+            .as_ref()
+            .is_ok_and(|t| !settled_text(t, taken, book.file_changing.as_deref()));
+        if unsettled {
+            book.file_changing = text.ok();
+            return book.file.as_ref().map(|(_, s)| s.clone());
+        }
+        book.file_changing = None;
         let parsed = match (&text, &book.file) {
             // The text last taken (also after a bad line was removed again).
             (Ok(t), Some((seen, specs))) if t == seen => Ok(specs.clone()),
@@ -287,6 +302,8 @@ impl Inner {
                 Some(specs)
             }
             Err(e) => {
+                // Read the same again, it is refused again at once.
+                book.file_changing = text.ok();
                 let msg = format!("{e}; the donor set is left as it was");
                 if book.file_error.as_deref() != Some(msg.as_str()) {
                     tracing::error!("donors file: {msg}");

@@ -73,6 +73,9 @@ pub(crate) struct Book {
     /// The donors file as last parsed: its text, and each donor with its
     /// line.
     pub file: Option<(String, Vec<(usize, DonorSpec)>)>,
+    /// A text of the donors file other than the one last parsed, read at
+    /// the last epoch: taken if the next epoch reads it again.
+    pub file_changing: Option<String>,
     /// Why the donors file was not taken, if it was not.
     pub file_error: Option<String>,
     /// Why a change it asks for could not be made yet (retried each epoch).
