@@ -9,9 +9,8 @@
 //! all back and compares every byte: a page that does not come back as
 //! written is an error, never a number.
 
-use std::time::Duration;
-
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::config::{Compress, ExportSpec, Recompress, PAGE_SIZE};
 use crate::store::{codec, Export, OpenError, Pool, StoreError};

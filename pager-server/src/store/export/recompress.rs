@@ -104,12 +104,13 @@ impl Export {
                 break;
             };
             let new = zs.class_size(h) as u64;
-            let packed = match cold {
-                Recompress::Lz4hc => Entry::Packed(h),
-                _ => Entry::Cold(h),
+            // LZ4-HC's object is an LZ4 page, which it would not shrink again.
+            let (entry, keep) = match cold {
+                Recompress::Lz4hc => (Entry::Packed(h), true),
+                _ => (Entry::Cold(h), false),
             };
-            Freer::new(&self.back).free(std::mem::replace(e, packed));
-            if cold == Recompress::Lz4hc {
+            Freer::new(&self.back).free(std::mem::replace(e, entry));
+            if keep {
                 map.keep_as_is(page);
             }
             self.stored.fetch_sub(old - new, Relaxed);
